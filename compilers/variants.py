@@ -1,0 +1,112 @@
+"""A variant set: the packages compiled from one model for one target, ordered by cost.
+
+On disk: a directory with `variants.json` and one package directory per variant.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Iterator
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
+
+from compilers.manifest import MANIFEST_FILE
+from compilers.package import ModelPackage
+from runtimes.errors import PackageError
+
+INDEX_FILE = "variants.json"
+INDEX_SCHEMA = 1
+
+
+@dataclass(frozen=True)
+class VariantEntry:
+    """One rung of the ladder, as listed in the index (a summary of its manifest)."""
+
+    id: str
+    path: str
+    precision: str
+    runtime: str
+    passes: list[str]
+    fidelity: dict[str, float]
+    latency_ms: dict[str, Any]
+    size_bytes: int
+    energy: dict[str, Any] = field(default_factory=dict)
+    recommended: bool = False
+    batch_sizes: list[int] = field(default_factory=list)
+
+    @property
+    def cost_ms(self) -> float:
+        """Build-host p50 latency at batch 1, the ladder's ordering key."""
+        return float(self.latency_ms.get("batch_1", {}).get("p50", float("inf")))
+
+
+@dataclass(frozen=True)
+class VariantSet:
+    """The variants of one model for one target, cheapest first."""
+
+    directory: Path
+    name: str
+    target: str
+    entries: tuple[VariantEntry, ...]
+    rejected: tuple[dict[str, Any], ...] = ()
+    build: dict[str, Any] = field(default_factory=dict)
+
+    def __iter__(self) -> Iterator[VariantEntry]:
+        return iter(self.entries)
+
+    def __len__(self) -> int:
+        return len(self.entries)
+
+    def entry(self, variant_id: str) -> VariantEntry:
+        for e in self.entries:
+            if e.id == variant_id:
+                return e
+        msg = f"variant {variant_id!r} is not in {self.directory}; it has {[e.id for e in self.entries]}"
+        raise PackageError(msg)
+
+    @property
+    def recommended(self) -> VariantEntry:
+        return next((e for e in self.entries if e.recommended), self.entries[0])
+
+    def open(self, variant_id: str | None = None, *,
+             trusted_keys: Iterable[Ed25519PublicKey] | None = None) -> ModelPackage:
+        entry = self.entry(variant_id) if variant_id else self.recommended
+        return ModelPackage.open(self.directory / entry.path, trusted_keys=trusted_keys)
+
+    def write(self) -> Path:
+        doc = {"schema_version": INDEX_SCHEMA, "name": self.name, "target": self.target,
+               "variants": [asdict(e) for e in sorted(self.entries, key=lambda e: e.cost_ms)],
+               "rejected": list(self.rejected), "build": self.build}
+        path = self.directory / INDEX_FILE
+        path.write_text(json.dumps(doc, indent=2) + "\n")
+        return path
+
+    @classmethod
+    def load(cls, directory: str | Path) -> VariantSet:
+        directory = Path(directory)
+        path = directory / INDEX_FILE
+        try:
+            doc = json.loads(path.read_text())
+            entries = tuple(VariantEntry(**e) for e in doc["variants"])
+            if not entries:
+                raise ValueError("no variants")  # noqa: EM101 - caught below
+            return cls(directory, doc["name"], doc["target"], entries, tuple(doc.get("rejected", ())),
+                       doc.get("build", {}))
+        except OSError:
+            msg = f"{directory} has no {INDEX_FILE}: not a variant set"
+            raise PackageError(msg) from None
+        except (ValueError, KeyError, TypeError) as exc:
+            msg = f"{path} is not a valid variant index ({exc})"
+            raise PackageError(msg) from None
+
+
+def is_variant_set(path: str | Path) -> bool:
+    return (Path(path) / INDEX_FILE).is_file()
+
+
+def is_package(path: str | Path) -> bool:
+    p = Path(path)
+    return (p / MANIFEST_FILE).is_file() or (p.is_file() and p.suffix == ".tkpkg")

