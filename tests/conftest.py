@@ -1,0 +1,56 @@
+"""Session-wide fixtures: real models trained on real data that ships offline, and a real broker."""
+
+from __future__ import annotations
+
+import socket
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from sdk import zoo
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture(scope="session")
+def digits() -> zoo.Split:
+    return zoo.digits(seed=0)
+
+
+@pytest.fixture(scope="session")
+def digits_cnn(digits: zoo.Split):  # type: ignore[no-untyped-def]
+    """A small CNN trained on digits' train split (~99% on test), as a torch module."""
+    return zoo.train(zoo.small_cnn(), digits, epochs=10, seed=0)
+
+
+@pytest.fixture(scope="session")
+def digits_linear(digits: zoo.Split):  # type: ignore[no-untyped-def]
+    """Logistic regression on digits (~96% on test), as a torch module."""
+    return zoo.train(zoo.linear_classifier(), digits, epochs=30, lr=1e-2, seed=0)
+
+
+@pytest.fixture(scope="session")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("models")
+
+
+@pytest.fixture(scope="session")
+def digits_cnn_onnx(digits_cnn, digits: zoo.Split, model_dir: Path) -> Path:  # type: ignore[no-untyped-def]
+    """The digits CNN exported to ONNX: input "x" (batch, 1, 8, 8) float32, output "logits" (batch, 10)."""
+    return zoo.export_onnx(digits_cnn, digits.x_test[:1], model_dir / "digits_cnn.onnx")
+
+
+@pytest.fixture(scope="session")
+def digits_linear_onnx(digits_linear, digits: zoo.Split, model_dir: Path) -> Path:  # type: ignore[no-untyped-def]
+    return zoo.export_onnx(digits_linear, digits.x_test[:1], model_dir / "digits_linear.onnx")
+
+
+@pytest.fixture(scope="session")
+def digits_cnn_reference(digits_cnn, digits: zoo.Split) -> np.ndarray:  # type: ignore[no-untyped-def]
+    """torch's logits for digits.x_test: the reference every backend is compared with."""
+    return zoo.predict(digits_cnn, digits.x_test)
