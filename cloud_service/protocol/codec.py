@@ -1,0 +1,182 @@
+"""numpy ⇄ Open Inference Protocol tensors, and request parameters.
+
+Requests and responses carry tensor bytes in `raw_input_contents` / `raw_output_contents` (what
+tritonclient sends and the only form it decodes); typed `contents` are accepted on input too.
+Decoding is zero-copy: arrays are read-only views of the message's bytes.
+
+This module is the wire contract shared by the cloud service and the edge agent: it imports only
+the standard library, numpy and protobuf.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, MutableMapping
+from typing import Any, ClassVar
+
+import numpy as np
+
+from cloud_service.protocol import inference_pb2 as pb
+
+NP_TO_OIP: dict[str, str] = {
+    "bool": "BOOL", "uint8": "UINT8", "uint16": "UINT16", "uint32": "UINT32", "uint64": "UINT64",
+    "int8": "INT8", "int16": "INT16", "int32": "INT32", "int64": "INT64",
+    "float16": "FP16", "float32": "FP32", "float64": "FP64",
+}
+OIP_TO_NP: dict[str, np.dtype[Any]] = {v: np.dtype(k) for k, v in NP_TO_OIP.items()}
+
+# typed `contents` field for each datatype (FP16 has none: raw only)
+_TYPED_FIELD = {
+    "BOOL": "bool_contents", "INT8": "int_contents", "INT16": "int_contents", "INT32": "int_contents",
+    "INT64": "int64_contents", "UINT8": "uint_contents", "UINT16": "uint_contents", "UINT32": "uint_contents",
+    "UINT64": "uint64_contents", "FP32": "fp32_contents", "FP64": "fp64_contents",
+}
+
+Param = bool | int | float | str
+
+
+class CodecError(ValueError):
+    """A tensor or parameter on the wire is malformed. `grpc_status` names the status to answer."""
+
+    grpc_status: ClassVar[str] = "INVALID_ARGUMENT"
+
+
+def oip_datatype(array: np.ndarray) -> str:
+    try:
+        return NP_TO_OIP[array.dtype.name]
+    except KeyError:
+        msg = f"dtype {array.dtype.name} has no Open Inference Protocol datatype; use one of {sorted(NP_TO_OIP)}"
+        raise CodecError(msg) from None
+
+
+def _np_dtype(datatype: str, name: str) -> np.dtype[Any]:
+    try:
+        return OIP_TO_NP[datatype]
+    except KeyError:
+        msg = f"tensor {name!r}: datatype {datatype!r} is not supported; use one of {sorted(OIP_TO_NP)}"
+        raise CodecError(msg) from None
+
+
+def _shape(shape: Iterable[int], name: str) -> tuple[int, ...]:
+    dims = tuple(int(d) for d in shape)
+    if any(d < 0 for d in dims):
+        msg = f"tensor {name!r}: shape {list(dims)} has a negative dimension"
+        raise CodecError(msg)
+    return dims
+
+
+def _from_bytes(raw: bytes, dtype: np.dtype[Any], shape: tuple[int, ...], name: str) -> np.ndarray:
+    expected = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    if len(raw) != expected:
+        msg = (f"tensor {name!r}: {len(raw)} bytes given, shape {list(shape)} of {dtype.name} needs {expected}")
+        raise CodecError(msg)
+    return np.frombuffer(raw, dtype=dtype).reshape(shape)
+
+
+def _from_typed(contents: pb.InferTensorContents, datatype: str, dtype: np.dtype[Any],
+                shape: tuple[int, ...], name: str) -> np.ndarray:
+    field = _TYPED_FIELD.get(datatype)
+    if field is None:
+        msg = f"tensor {name!r}: datatype {datatype} must be sent in raw_input_contents"
+        raise CodecError(msg)
+    values = getattr(contents, field)
+    count = int(np.prod(shape, dtype=np.int64))
+    if len(values) != count:
+        msg = f"tensor {name!r}: {len(values)} values given, shape {list(shape)} needs {count}"
+        raise CodecError(msg)
+    return np.asarray(values, dtype=dtype).reshape(shape)
+
+
+def decode_inputs(request: pb.ModelInferRequest) -> dict[str, np.ndarray]:
+    """The request's input tensors as numpy arrays (raw or typed contents)."""
+    raw = request.raw_input_contents
+    if raw and len(raw) != len(request.inputs):
+        msg = f"{len(raw)} raw_input_contents for {len(request.inputs)} inputs: send one per input, or none"
+        raise CodecError(msg)
+    out: dict[str, np.ndarray] = {}
+    for i, tensor in enumerate(request.inputs):
+        name = tensor.name
+        if name in out:
+            msg = f"input {name!r} is given twice"
+            raise CodecError(msg)
+        dtype = _np_dtype(tensor.datatype, name)
+        shape = _shape(tensor.shape, name)
+        if raw:
+            out[name] = _from_bytes(raw[i], dtype, shape, name)
+        else:
+            out[name] = _from_typed(tensor.contents, tensor.datatype, dtype, shape, name)
+    return out
+
+
+def decode_outputs(response: pb.ModelInferResponse) -> dict[str, np.ndarray]:
+    """The response's output tensors as numpy arrays (raw or typed contents)."""
+    raw = response.raw_output_contents
+    if raw and len(raw) != len(response.outputs):
+        msg = f"{len(raw)} raw_output_contents for {len(response.outputs)} outputs"
+        raise CodecError(msg)
+    out: dict[str, np.ndarray] = {}
+    for i, tensor in enumerate(response.outputs):
+        dtype = _np_dtype(tensor.datatype, tensor.name)
+        shape = _shape(tensor.shape, tensor.name)
+        out[tensor.name] = (_from_bytes(raw[i], dtype, shape, tensor.name) if raw
+                            else _from_typed(tensor.contents, tensor.datatype, dtype, shape, tensor.name))
+    return out
+
+
+def _le_bytes(array: np.ndarray) -> bytes:
+    if array.dtype.byteorder == ">":
+        array = array.astype(array.dtype.newbyteorder("<"))
+    return np.ascontiguousarray(array).tobytes()
+
+
+def encode_request(model: str, inputs: Mapping[str, np.ndarray], *, version: str = "", request_id: str = "",
+                   parameters: Mapping[str, Param] | None = None,
+                   outputs: Iterable[str] = ()) -> pb.ModelInferRequest:
+    """A `ModelInferRequest` with every input in `raw_input_contents`."""
+    request = pb.ModelInferRequest(model_name=model, model_version=version, id=request_id)
+    for name, value in inputs.items():
+        array = np.asarray(value)
+        request.inputs.add(name=name, datatype=oip_datatype(array), shape=array.shape)
+        request.raw_input_contents.append(_le_bytes(array))
+    for name in outputs:
+        request.outputs.add(name=name)
+    if parameters:
+        set_parameters(request.parameters, parameters)
+    return request
+
+
+def encode_response(model: str, outputs: Mapping[str, np.ndarray], *, version: str = "", request_id: str = "",
+                    parameters: Mapping[str, Param] | None = None) -> pb.ModelInferResponse:
+    """A `ModelInferResponse` with every output in `raw_output_contents`."""
+    response = pb.ModelInferResponse(model_name=model, model_version=version, id=request_id)
+    for name, value in outputs.items():
+        array = np.asarray(value)
+        response.outputs.add(name=name, datatype=oip_datatype(array), shape=array.shape)
+        response.raw_output_contents.append(_le_bytes(array))
+    if parameters:
+        set_parameters(response.parameters, parameters)
+    return response
+
+
+def set_parameters(target: MutableMapping[str, pb.InferParameter], values: Mapping[str, Param]) -> None:
+    for key, value in values.items():
+        param = target[key]
+        if isinstance(value, bool):
+            param.bool_param = value
+        elif isinstance(value, int):
+            param.int64_param = value
+        elif isinstance(value, float):
+            param.double_param = value
+        elif isinstance(value, str):
+            param.string_param = value
+        else:
+            msg = f"parameter {key!r}: {type(value).__name__} is not bool, int, float or str"
+            raise CodecError(msg)
+
+
+def get_parameters(source: Mapping[str, pb.InferParameter]) -> dict[str, Param]:
+    out: dict[str, Param] = {}
+    for key, param in source.items():
+        which = param.WhichOneof("parameter_choice")
+        if which is not None:
+            out[key] = getattr(param, which)
+    return out

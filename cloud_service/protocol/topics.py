@@ -1,0 +1,70 @@
+"""The MQTT topic scheme and the tierkit request parameters that ride in the Open Inference Protocol.
+
+A device publishes escalations on `tierkit/v1/{device}/escalate` with a Response Topic inside its
+own subtree (`tierkit/v1/{device}/reply`), so a broker ACL of `pattern readwrite tierkit/v1/%c/#`
+lets each device touch only its own topics. Cloud replicas share escalations through
+`$share/{group}/tierkit/v1/+/escalate`.
+"""
+
+from __future__ import annotations
+
+ROOT = "tierkit/v1"
+
+# Parameters of a ModelInferRequest that carry tierkit metadata (stock servers ignore them).
+PARAM_DEVICE = "tierkit.device_id"
+PARAM_BOOT = "tierkit.boot_id"
+PARAM_SEQ = "tierkit.seq"
+PARAM_EDGE_ANSWER = "tierkit.edge_answer"
+PARAM_EDGE_SCORE = "tierkit.edge_score"
+PARAM_VARIANT = "tierkit.variant"
+PARAM_TRACE = "tierkit.trace_id"
+# Absolute deadline (Unix epoch, milliseconds): MQTT has no deadlines of its own, so a server drops
+# a request that is past it before computing anything.
+PARAM_DEADLINE_MS = "tierkit.deadline_ms"
+# Set on a response that was served from the duplicate-request cache.
+PARAM_CACHED = "tierkit.cached"
+
+_FORBIDDEN = set("/+#\x00")
+
+
+def check_device_id(device: str) -> str:
+    if not device or len(device) > 128 or _FORBIDDEN & set(device) or device.startswith("$"):
+        msg = f"device id {device!r} must be 1-128 characters without '/', '+', '#', NUL or a leading '$'"
+        raise ValueError(msg)
+    return device
+
+
+def escalate_topic(device: str) -> str:
+    return f"{ROOT}/{check_device_id(device)}/escalate"
+
+
+def reply_topic(device: str) -> str:
+    return f"{ROOT}/{check_device_id(device)}/reply"
+
+
+def telemetry_topic(device: str) -> str:
+    return f"{ROOT}/{check_device_id(device)}/telemetry"
+
+
+def desired_topic(device: str) -> str:
+    return f"{ROOT}/{check_device_id(device)}/desired"
+
+
+def reported_topic(device: str) -> str:
+    return f"{ROOT}/{check_device_id(device)}/reported"
+
+
+def shared_escalate_subscription(group: str) -> str:
+    if not group or _FORBIDDEN & set(group):
+        msg = f"shared subscription group {group!r} must be non-empty without '/', '+', '#'"
+        raise ValueError(msg)
+    return f"$share/{group}/{ROOT}/+/escalate"
+
+
+def device_from_topic(topic: str) -> str:
+    """The `{device}` of a `tierkit/v1/{device}/...` topic; ValueError when it is not one."""
+    parts = topic.split("/")
+    if len(parts) < 4 or f"{parts[0]}/{parts[1]}" != ROOT:
+        msg = f"topic {topic!r} is not under {ROOT}/{{device}}/"
+        raise ValueError(msg)
+    return check_device_id(parts[2])
