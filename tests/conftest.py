@@ -54,3 +54,13 @@ def digits_linear_onnx(digits_linear, digits: zoo.Split, model_dir: Path) -> Pat
 def digits_cnn_reference(digits_cnn, digits: zoo.Split) -> np.ndarray:  # type: ignore[no-untyped-def]
     """torch's logits for digits.x_test: the reference every backend is compared with."""
     return zoo.predict(digits_cnn, digits.x_test)
+
+
+@pytest.fixture
+def broker(tmp_path: Path):  # type: ignore[no-untyped-def]
+    """A fresh Mosquitto on a free loopback port (TCP_NODELAY, persistence on); stopped after the test."""
+    from tests.broker import Broker
+
+    b = Broker(tmp_path / "broker").start()
+    yield b
+    b.stop()
