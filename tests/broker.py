@@ -64,7 +64,8 @@ class Broker:
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 err = self.proc.stderr.read().decode() if self.proc.stderr else ""
-                msg = f"mosquitto exited with {self.proc.returncode}: {err} {self.log.read_text() if self.log.exists() else ''}"
+                log = self.log.read_text() if self.log.exists() else ""
+                msg = f"mosquitto exited with {self.proc.returncode}: {err} {log}"
                 raise RuntimeError(msg)
             try:
                 with socket.create_connection((self.host, self.port), timeout=0.2):
