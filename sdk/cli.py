@@ -15,7 +15,8 @@ _COMMAND_MODULES = (
     "runtimes.cli",        # doctor
     "compilers.cli",       # compile, keygen, inspect, verify, run
     "cloud_service.cli",   # serve
-    "edge_agent.cli",      # agent, plan
+    "edge_agent.cli",      # agent
+    "edge_agent.plan_cli", # plan
     "sdk.demo",            # demo
 )
 
