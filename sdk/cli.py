@@ -13,7 +13,8 @@ from runtimes.errors import TierkitError
 # Each module exposes add_parser(subparsers); its subcommands call set_defaults(func=...).
 _COMMAND_MODULES = (
     "runtimes.cli",        # doctor
-    "compilers.cli",       # compile, keygen, inspect, verify, run
+    "compilers.cli",       # compile
+    "compilers.package_cli",  # keygen, inspect, verify, run
     "cloud_service.cli",   # serve
     "edge_agent.cli",      # agent
     "edge_agent.plan_cli", # plan
