@@ -1,0 +1,16 @@
+"""Escalation transports: gRPC and MQTT v5 speaking the Open Inference Protocol, and a fake for tests.
+
+`GrpcTransport` and `MqttTransport` are imported lazily by `open_transport`, from
+`edge_agent.transports.grpc` / `edge_agent.transports.mqtt`.
+"""
+
+from edge_agent.transports.base import (
+    CloudURL,
+    Transport,
+    TransportOptions,
+    open_transport,
+    parse_cloud_url,
+)
+from edge_agent.transports.fake import FakeTransport
+
+__all__ = ["CloudURL", "FakeTransport", "Transport", "TransportOptions", "open_transport", "parse_cloud_url"]

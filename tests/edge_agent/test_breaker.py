@@ -1,0 +1,104 @@
+"""Circuit breaker state machine, driven by a fake clock."""
+
+from __future__ import annotations
+
+import pytest
+
+from edge_agent.breaker import BreakerConfig, CircuitBreaker
+from runtimes.errors import ConfigError
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def clock() -> Clock:
+    return Clock()
+
+
+def test_opens_after_n_consecutive_failures(clock: Clock) -> None:
+    breaker = CircuitBreaker(BreakerConfig(failure_threshold=3, reset_timeout_s=2.0), clock=clock)
+    for _ in range(2):
+        assert breaker.allow()
+        breaker.record_failure()
+    assert breaker.state == "closed"
+    breaker.record_success()  # resets the count: failures must be consecutive
+    for _ in range(2):
+        breaker.record_failure()
+    assert breaker.state == "closed"
+    breaker.record_failure()
+    assert breaker.state == "open"
+    assert not breaker.allow()
+    assert breaker.retry_after_s() == pytest.approx(2.0)
+    assert breaker.times_opened == 1
+
+
+def test_half_open_probe_success_closes(clock: Clock) -> None:
+    breaker = CircuitBreaker(BreakerConfig(failure_threshold=1, reset_timeout_s=2.0), clock=clock)
+    breaker.record_failure()
+    clock.now += 1.9
+    assert not breaker.allow()
+    clock.now += 0.1
+    assert breaker.state == "half_open"
+    assert breaker.allow()        # the probe
+    assert not breaker.allow()    # only one probe at a time
+    breaker.record_success()
+    assert breaker.state == "closed"
+    assert breaker.allow()
+    assert breaker.consecutive_failures == 0
+
+
+def test_half_open_probe_failure_reopens_for_a_full_timeout(clock: Clock) -> None:
+    breaker = CircuitBreaker(BreakerConfig(failure_threshold=2, reset_timeout_s=1.0), clock=clock)
+    breaker.record_failure()
+    breaker.record_failure()
+    clock.now += 1.0
+    assert breaker.allow()
+    breaker.record_failure()
+    assert breaker.state == "open"
+    clock.now += 0.99
+    assert not breaker.allow()
+    clock.now += 0.01
+    assert breaker.allow()
+    assert breaker.times_opened == 2
+
+
+def test_half_open_allows_configured_number_of_probes(clock: Clock) -> None:
+    breaker = CircuitBreaker(BreakerConfig(failure_threshold=1, reset_timeout_s=1.0, half_open_max_calls=3),
+                             clock=clock)
+    breaker.record_failure()
+    clock.now += 1.0
+    assert [breaker.allow() for _ in range(4)] == [True, True, True, False]
+
+
+def test_lost_probe_does_not_wedge_half_open(clock: Clock) -> None:
+    breaker = CircuitBreaker(BreakerConfig(failure_threshold=1, reset_timeout_s=1.0), clock=clock)
+    breaker.record_failure()
+    clock.now += 1.0
+    assert breaker.allow()        # this probe's caller is cancelled and never reports
+    assert not breaker.allow()
+    clock.now += 1.0
+    assert breaker.allow()
+
+
+def test_late_outcomes_while_open_change_nothing(clock: Clock) -> None:
+    breaker = CircuitBreaker(BreakerConfig(failure_threshold=1, reset_timeout_s=1.0), clock=clock)
+    breaker.record_failure()
+    clock.now += 0.5
+    breaker.record_failure()      # a call sent before the breaker opened
+    breaker.record_success()
+    assert breaker.state == "open"
+    clock.now += 0.5
+    assert breaker.state == "half_open"
+
+
+@pytest.mark.parametrize("kwargs", [{"failure_threshold": 0}, {"reset_timeout_s": 0.0},
+                                    {"reset_timeout_s": float("nan")}, {"half_open_max_calls": 0}])
+def test_bad_config_is_rejected(kwargs: dict[str, float]) -> None:
+    with pytest.raises(ConfigError):
+        BreakerConfig(**kwargs)  # type: ignore[arg-type]
