@@ -209,7 +209,10 @@ class Transport:
 
     def __init__(self, *, model: str = "", device_id: str = "", boot_id: str | None = None) -> None:
         if device_id:
-            topics.check_device_id(device_id)
+            try:
+                topics.check_device_id(device_id)
+            except ValueError as exc:
+                raise ConfigError(str(exc)) from None
         self.model = model
         self.device_id = device_id
         self.boot_id = boot_id
@@ -267,10 +270,9 @@ def open_transport(url: str, *, device_id: str, boot_id: str | None = None,
         ConfigError: bad URL, device id or options.
     """
     cloud = parse_cloud_url(url)
-    try:
-        topics.check_device_id(device_id)
-    except ValueError as exc:
-        raise ConfigError(str(exc)) from None
+    if not device_id:
+        msg = "open_transport needs a device_id (the MQTT client id and the tierkit.device_id parameter)"
+        raise ConfigError(msg)
     options = options or TransportOptions()
     if cloud.kind == "grpc":
         from edge_agent.transports.grpc import GrpcTransport

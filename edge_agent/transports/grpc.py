@@ -1,0 +1,202 @@
+"""Escalation over gRPC: `inference.GRPCInferenceService/ModelInfer` (Open Inference Protocol) with grpc.aio.
+
+Channel settings, and why:
+
+- One channel per transport, created on the first call inside the running event loop (grpc.aio binds a
+  channel to its loop) and kept: connection setup is paid once.
+- Every call carries a deadline (`timeout=timeout_s`), so a cloud that accepts connections and then
+  hangs costs at most the deadline.
+- Retries of UNAVAILABLE come from the service config (`retryPolicy`) under a throttling budget
+  (`retryThrottling`): when many calls fail, retries stop instead of multiplying the load on a
+  struggling cloud. The retries stay inside the call's deadline.
+- Several targets become one `ipv4:`/`ipv6:` target list balanced by `round_robin`; one DNS name is
+  balanced over all its addresses (a Kubernetes headless service).
+- Keepalive: a default gRPC server (no keepalive options) answers pings sent more often than every
+  5 minutes while it is not sending data with a "ping strike", and after 2 strikes sends GOAWAY
+  "too_many_pings"; with no calls in flight it tolerates none at all. So the channel pings only while
+  calls are in flight (`keepalive_permit_without_calls=0`), at most every `keepalive_s` (>= 10 s), and
+  at most 2 pings without data (`http2.max_pings_without_data=2`, the gRPC default), which stays under
+  the 2-strike limit. Our calls are short, so pings are rare; a dead connection is found by the deadline.
+- Reconnect backoff is bounded by `reconnect_min_s`/`reconnect_max_s` (gRPC adds ±20 % jitter itself)
+  so a channel comes back within seconds of the cloud, not gRPC's default 2 minutes.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+import grpc
+import grpc.aio
+
+from cloud_service.protocol import inference_pb2
+from edge_agent.transports.base import (
+    CloudURL,
+    Transport,
+    TransportOptions,
+    escalation_error,
+    is_ip_literal,
+)
+from runtimes.errors import CloudTimeout, CloudUnavailable, ConfigError, EscalationError
+
+logger = logging.getLogger(__name__)
+
+SERVICE = "inference.GRPCInferenceService"
+MODEL_INFER = f"/{SERVICE}/ModelInfer"
+
+
+def _seconds(value: float) -> str:
+    return f"{value:.3f}s"  # protobuf Duration JSON
+
+
+def service_config(options: TransportOptions) -> dict[str, Any]:
+    """The gRPC service config: round_robin, retries of UNAVAILABLE, and a retry throttling budget."""
+    config: dict[str, Any] = {"loadBalancingConfig": [{"round_robin": {}}]}
+    if options.retry_max_attempts > 1:
+        config["methodConfig"] = [{
+            "name": [{"service": SERVICE}],
+            "retryPolicy": {
+                "maxAttempts": options.retry_max_attempts,
+                "initialBackoff": _seconds(options.retry_initial_backoff_s),
+                "maxBackoff": _seconds(max(options.retry_max_backoff_s, options.retry_initial_backoff_s)),
+                "backoffMultiplier": 2,
+                "retryableStatusCodes": ["UNAVAILABLE"],
+            },
+        }]
+        # maxTokens must be in (0, 1000]; tokenRatio keeps 3 decimals
+        config["retryThrottling"] = {"maxTokens": min(int(options.retry_max_tokens) or 1, 1000),
+                                     "tokenRatio": round(options.retry_token_ratio, 3) or 0.001}
+    return config
+
+
+def channel_target(cloud: CloudURL) -> str:
+    """The gRPC target string: `ipv4:a:p,b:q` for IP literals, `dns:///host:port` for one name."""
+    hosts = [h for h, _ in cloud.targets]
+    if all(is_ip_literal(h) and ":" not in h for h in hosts):
+        return "ipv4:" + ",".join(f"{h}:{p}" for h, p in cloud.targets)
+    if all(is_ip_literal(h) and ":" in h for h in hosts):
+        return "ipv6:" + ",".join(f"[{h}]:{p}" for h, p in cloud.targets)
+    if len(cloud.targets) == 1:
+        host, port = cloud.targets[0]
+        return f"dns:///{host}:{port}"
+    msg = (f"cloud URL targets {cloud.describe()} mix names and addresses, or list several names; give IP "
+           "addresses of one family, or one DNS name that resolves to every replica")
+    raise ConfigError(msg)
+
+
+def channel_options(options: TransportOptions) -> list[tuple[str, Any]]:
+    keepalive_ms = int(options.keepalive_s * 1000)
+    result: list[tuple[str, Any]] = [
+        ("grpc.service_config", json.dumps(service_config(options))),
+        ("grpc.enable_retries", 1 if options.retry_max_attempts > 1 else 0),
+        ("grpc.keepalive_time_ms", keepalive_ms),
+        ("grpc.keepalive_timeout_ms", min(keepalive_ms, 10_000)),
+        ("grpc.keepalive_permit_without_calls", 0),
+        ("grpc.http2.max_pings_without_data", 2),
+        ("grpc.initial_reconnect_backoff_ms", int(options.reconnect_min_s * 1000)),
+        ("grpc.max_reconnect_backoff_ms", int(options.reconnect_max_s * 1000)),
+        ("grpc.max_send_message_length", options.max_message_bytes),
+        ("grpc.max_receive_message_length", options.max_message_bytes),
+    ]
+    if options.server_name:
+        result.append(("grpc.ssl_target_name_override", options.server_name))
+    return result
+
+
+def _read(path: str | None, what: str) -> bytes | None:
+    if path is None:
+        return None
+    try:
+        return Path(path).read_bytes()
+    except OSError as exc:
+        msg = f"cannot read the {what} {path!r}: {exc.strerror}; check TransportOptions"
+        raise ConfigError(msg) from None
+
+
+def channel_credentials(options: TransportOptions) -> grpc.ChannelCredentials:
+    return grpc.ssl_channel_credentials(
+        root_certificates=_read(options.ca_file, "CA file"),
+        private_key=_read(options.key_file, "client key file"),
+        certificate_chain=_read(options.cert_file, "client certificate file"),
+    )
+
+
+class GrpcTransport(Transport):
+    """Escalates with a unary `ModelInfer` call over one grpc.aio channel.
+
+    Args:
+        cloud: the parsed `grpc://` or `grpcs://` URL.
+        device_id: this device; sent as the `tierkit.device_id` parameter.
+        boot_id: this boot; sent as `tierkit.boot_id`.
+        options: TLS files, retries, keepalive, message size.
+
+    Example:
+        >>> cloud = GrpcTransport(parse_cloud_url("grpc://127.0.0.1:8001/digits"), device_id="cam-7")
+        >>> async with cloud:
+        ...     response = await cloud.escalate(request, timeout_s=0.2)
+    """
+
+    name = "grpc"
+
+    def __init__(self, cloud: CloudURL, *, device_id: str, boot_id: str | None = None,
+                 options: TransportOptions | None = None) -> None:
+        if cloud.kind != "grpc":
+            msg = f"GrpcTransport needs a grpc:// or grpcs:// URL, got {cloud.scheme}://"
+            raise ConfigError(msg)
+        super().__init__(model=cloud.model, device_id=device_id, boot_id=boot_id)
+        self.cloud = cloud
+        self.options = options or TransportOptions()
+        self.target = channel_target(cloud)
+        self._channel_options = channel_options(self.options)
+        # read certificate files now: a wrong path fails at construction, not on the first escalation
+        self._credentials = channel_credentials(self.options) if cloud.tls else None
+        self._channel: grpc.aio.Channel | None = None
+        self._infer: grpc.aio.UnaryUnaryMultiCallable | None = None
+        self._closed = False
+
+    def _call(self) -> grpc.aio.UnaryUnaryMultiCallable:
+        if self._infer is None:
+            if self._credentials is not None:
+                self._channel = grpc.aio.secure_channel(self.target, self._credentials, options=self._channel_options)
+            else:
+                self._channel = grpc.aio.insecure_channel(self.target, options=self._channel_options)
+            self._infer = self._channel.unary_unary(
+                MODEL_INFER,
+                request_serializer=self.serialize,
+                response_deserializer=inference_pb2.ModelInferResponse.FromString,
+            )
+        return self._infer
+
+    async def escalate(self, request: inference_pb2.ModelInferRequest, *,
+                       timeout_s: float) -> inference_pb2.ModelInferResponse:
+        where = f"{self.cloud.scheme}://{self.cloud.describe()}"
+        if self._closed:
+            msg = f"gRPC transport to {where} is closed; open a new one"
+            raise escalation_error(CloudUnavailable, msg, code="CANCELLED")
+        try:
+            return await self._call()(request, timeout=timeout_s)
+        except grpc.aio.AioRpcError as exc:
+            raise self._map_error(exc, where, timeout_s) from exc
+
+    def _map_error(self, exc: grpc.aio.AioRpcError, where: str, timeout_s: float) -> EscalationError:
+        code = exc.code()
+        details = exc.details() or ""
+        model = self.model or "(named in the request)"
+        if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+            msg = (f"gRPC ModelInfer on {where} (model {model}) got no answer within {timeout_s:.3f} s; "
+                   "the cloud is slow or unreachable: raise the deadline or check its load")
+            return escalation_error(CloudTimeout, msg, code=code.name)
+        if code == grpc.StatusCode.UNAVAILABLE:
+            msg = (f"gRPC ModelInfer on {where} (model {model}) is unavailable: {details}; "
+                   "check that the cloud service runs and the address is right")
+            return escalation_error(CloudUnavailable, msg, code=code.name)
+        msg = f"gRPC ModelInfer on {where} (model {model}) failed with {code.name}: {details}"
+        return escalation_error(EscalationError, msg, code=code.name)
+
+    async def aclose(self) -> None:
+        self._closed = True
+        channel, self._channel, self._infer = self._channel, None, None
+        if channel is not None:
+            await channel.close()
