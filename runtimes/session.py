@@ -1,15 +1,58 @@
-"""The one interface every backend implements: a loaded model that runs named arrays."""
+"""The one interface every backend implements: a loaded model that runs named arrays.
+
+Also the shared conventions backends follow: how unnamed dynamic axes are named, and the
+`<artifact>.io.json` sidecar that carries tensor names, dtypes and shapes for formats that do
+not keep them (TorchScript, torch.export outputs).
+"""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import json
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from types import TracebackType
 
 import numpy as np
 
-from runtimes.errors import ConfigError
-from runtimes.spec import TensorSpec
+from runtimes.errors import ConfigError, PackageError
+from runtimes.spec import TensorSpec, check_inputs
+
+IO_SIDECAR_SUFFIX = ".io.json"
+
+
+def axis_name(index: int) -> str:
+    """Name of a dynamic axis the model file leaves unnamed: "batch" for axis 0, else "dim<i>"."""
+    return "batch" if index == 0 else f"dim{index}"
+
+
+def io_sidecar_path(artifact: str | Path) -> Path:
+    """Where the tensor-spec sidecar of `artifact` lives: `model.pt2` -> `model.pt2.io.json`."""
+    artifact = Path(artifact)
+    return artifact.with_name(artifact.name + IO_SIDECAR_SUFFIX)
+
+
+def write_io_sidecar(artifact: str | Path, inputs: Sequence[TensorSpec], outputs: Sequence[TensorSpec]) -> Path:
+    """Write `<artifact>.io.json` holding the input and output specs, in call order."""
+    path = io_sidecar_path(artifact)
+    doc = {"inputs": [s.to_json() for s in inputs], "outputs": [s.to_json() for s in outputs]}
+    path.write_text(json.dumps(doc, indent=2) + "\n")
+    return path
+
+
+def read_io_sidecar(artifact: str | Path) -> tuple[tuple[TensorSpec, ...], tuple[TensorSpec, ...]] | None:
+    """Read `<artifact>.io.json`; None when there is none. Raises `PackageError` when it is malformed."""
+    path = io_sidecar_path(artifact)
+    if not path.is_file():
+        return None
+    try:
+        doc = json.loads(path.read_text())
+        return (tuple(TensorSpec.from_json(s) for s in doc["inputs"]),
+                tuple(TensorSpec.from_json(s) for s in doc["outputs"]))
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        msg = (f"tensor-spec sidecar {str(path)!r} is unreadable ({exc}); it must be JSON "
+               '{"inputs": [{"name", "dtype", "shape"}, ...], "outputs": [...]}')
+        raise PackageError(msg) from None
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,6 +100,15 @@ class Session:
 
     def run(self, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         raise NotImplementedError
+
+    def run_checked(self, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """Validate names, dtypes and shapes against `inputs` specs, then `run`.
+
+        `run` keeps its hot path lean and leaves most checks to the backend; use this where inputs
+        come from outside (a network request, a user file).
+        """
+        check_inputs(self.inputs, inputs)
+        return self.run(inputs)
 
     def _close(self) -> None:
         pass
