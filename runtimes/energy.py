@@ -313,15 +313,11 @@ class EnergyMeter:
     def auto(cls, profile: PowerProfile, *, powercap_root: Path = POWERCAP_ROOT, jetson_root: Path = JETSON_ROOT,
              nvml: bool = True) -> EnergyMeter:
         """The first usable real source (RAPL, NVML, Jetson rails), else the modeled `profile`."""
-        makers: list[Callable[[], EnergySource]] = [lambda: RaplSource(powercap_root)]
-        if nvml:
-            makers.append(NvmlSource)
-        makers.append(lambda: JetsonSource(jetson_root))
-        for make in makers:
+        for name, make in _source_makers(powercap_root, jetson_root, nvml, jetson_interval_s=0.05).items():
             try:
                 return cls(make())
             except BackendUnavailable as exc:
-                logger.debug("energy source skipped: %s", exc)
+                logger.debug("energy source %s skipped: %s", name, exc)
         return cls(ModeledSource(profile))
 
     def start(self) -> None:
@@ -349,19 +345,20 @@ class EnergyMeter:
         self.source.close()
 
 
+def _source_makers(powercap_root: Path, jetson_root: Path, nvml: bool,
+                   jetson_interval_s: float | None) -> dict[str, Callable[[], EnergySource]]:
+    makers: dict[str, Callable[[], EnergySource]] = {"rapl": lambda: RaplSource(powercap_root)}
+    if nvml:
+        makers["nvml"] = NvmlSource
+    makers["jetson"] = lambda: JetsonSource(jetson_root, interval_s=jetson_interval_s)
+    return makers
+
+
 def probe_sources(*, powercap_root: Path = POWERCAP_ROOT, jetson_root: Path = JETSON_ROOT,
                   nvml: bool = True) -> dict[str, str]:
     """Each real source -> "ok" or why it is not usable (for `tierkit doctor`)."""
-    makers: dict[str, Callable[[], EnergySource]] = {
-        "rapl": lambda: RaplSource(powercap_root),
-        "nvml": NvmlSource,
-        "jetson": lambda: JetsonSource(jetson_root, interval_s=None),
-    }
-    status = {}
-    for name, make in makers.items():
-        if name == "nvml" and not nvml:
-            status[name] = "not probed"
-            continue
+    status = {"rapl": "", "nvml": "not probed", "jetson": ""}
+    for name, make in _source_makers(powercap_root, jetson_root, nvml, jetson_interval_s=None).items():
         try:
             make().close()
             status[name] = "ok"

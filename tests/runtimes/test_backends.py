@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -35,9 +36,11 @@ def case(request: pytest.FixtureRequest) -> Case:
 
 
 @pytest.fixture(scope="module")
-def session(case: Case, request: pytest.FixtureRequest) -> Session:
+def session(case: Case, request: pytest.FixtureRequest) -> Iterator[Session]:
     artifact: Path = request.getfixturevalue(case.fixture)
-    with open_session(artifact, backend=case.backend, options=SessionOptions(intra_op_threads=1)) as s:
+    # torch's thread count is process-wide: leave it alone so that other suites keep theirs.
+    options = SessionOptions() if case.backend == "torch" else SessionOptions(intra_op_threads=1)
+    with open_session(artifact, backend=case.backend, options=options) as s:
         yield s
 
 
