@@ -3,11 +3,13 @@
 Backends (onnxruntime, OpenVINO, torch, TensorRT) are imported only when asked for.
 """
 
+from runtimes.energy import EnergyMeter, EnergyReading, PowerProfile, modeled_energy
 from runtimes.errors import (
     BackendUnavailable,
     ConfigError,
     InferenceError,
     InputError,
+    PackageError,
     TierkitError,
 )
 from runtimes.registry import available_backends, backend_for, get_backend, open_session
@@ -17,8 +19,12 @@ from runtimes.spec import Precision, Task, TensorSpec
 __all__ = [
     "BackendUnavailable",
     "ConfigError",
+    "EnergyMeter",
+    "EnergyReading",
     "InferenceError",
     "InputError",
+    "PackageError",
+    "PowerProfile",
     "Precision",
     "Session",
     "SessionOptions",
@@ -28,5 +34,6 @@ __all__ = [
     "available_backends",
     "backend_for",
     "get_backend",
+    "modeled_energy",
     "open_session",
 ]
