@@ -1,0 +1,797 @@
+"""The edge agent: answer from a local variant, escalate the rows it is unsure about, never block.
+
+```
+infer(x) -> check inputs -> cache? -> run variant -> policy scores -> all confident: edge answer
+                                                          | unsure rows
+        breaker open / predicted RTT does not fit / rate cap -> local answer, degraded
+        transport.escalate(unsure rows, deadline = budget - elapsed - margin)
+            ok and well formed -> cloud rows merged in, tier="cloud"
+            failed / late / malformed -> local answer, degraded (journaled when `keep`)
+```
+
+The no-escalation path (`edge`) is synchronous, so `TieredModel.predict` runs it in the caller's
+thread with no hop to the event loop; only escalations (`escalate`) run on the loop. Per-request
+observations go to a deque (thread-safe append, no lock on the hot path) that a background task
+folds into the statistics, the telemetry and the controller.
+
+Example:
+    >>> async with EdgeAgent("variants/", cloud="grpc://127.0.0.1:8001/digits",
+    ...                      budget=Budget(latency_ms=20)) as agent:
+    ...     pred = await agent.infer(x)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import math
+import socket
+import threading
+import time
+import uuid
+from collections import deque
+from collections.abc import Awaitable, Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from cloud_service.protocol import decode_outputs, encode_request, inference_pb2, topics
+from cloud_service.protocol.codec import CodecError
+from compilers.package import ModelPackage
+from compilers.variants import VariantSet, is_variant_set
+from edge_agent.breaker import BreakerConfig, CircuitBreaker
+from edge_agent.budget import Budget
+from edge_agent.cache import ResultCache, input_key
+from edge_agent.policy import BoundPolicy, Policy
+from edge_agent.transports.base import Transport, TransportOptions, open_transport
+from runtimes.energy import PowerProfile
+from runtimes.errors import CloudTimeout, CloudUnavailable, ConfigError, EscalationError, InputError
+from runtimes.session import Session, SessionOptions
+from runtimes.spec import check_inputs
+
+logger = logging.getLogger(__name__)
+
+perf_counter = time.perf_counter
+DEFAULT_POWER = PowerProfile("generic-cpu", busy_watts=15.0, idle_watts=3.0, joules_per_byte_sent=5e-8)
+Telemetry = Callable[[dict[str, Any]], Awaitable[None]]
+LateReply = Callable[[int, dict[str, np.ndarray] | None], None]
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """One answer of `predict`: the outputs and how they were obtained.
+
+    Attributes:
+        outputs: output name -> array; without the batch axis when the input had none.
+        tier: "cloud" when the cloud answered (some of) the rows, else "edge".
+        score: the edge confidence (the lowest over the rows of a batch); higher = surer.
+        variant: the edge variant that ran.
+        degraded: the cloud was wanted but unavailable, too slow, or its answer unusable.
+        latency_ms: wall time of the call.
+        energy_mj: device energy of the call (inference plus radio) in millijoules.
+        energy_label: `measured:<source>` or `modeled:<profile>`.
+        scores: the per-row edge scores.
+        cloud_rows: per-row mask of the rows the cloud answered.
+        reason: why the cloud was not used when wanted ("breaker_open", "timeout", "rtt", ...).
+        cached: answered from the result cache.
+        seq: the request's sequence number on this agent (its id in the journal and telemetry).
+
+    Example:
+        >>> pred = model.predict(x)
+        >>> pred.outputs["logits"].argmax(), pred.tier, pred.degraded
+    """
+
+    outputs: dict[str, np.ndarray]
+    tier: str
+    score: float
+    variant: str
+    degraded: bool
+    latency_ms: float
+    energy_mj: float
+    energy_label: str
+    scores: np.ndarray = field(repr=False)
+    cloud_rows: np.ndarray = field(repr=False)
+    reason: str = ""
+    cached: bool = False
+    seq: int = 0
+
+
+@dataclass(frozen=True)
+class AgentOptions:
+    """The rarer knobs of an `EdgeAgent`.
+
+    Args:
+        device_id: this device's id on the wire (default: the host name).
+        boot_id: this run's id (default: a fresh UUID); journaled entries are keyed by both.
+        breaker: when the circuit breaker opens and probes.
+        transport: connection settings passed to `open_transport`.
+        session: thread counts and device for the edge sessions.
+        margin_ms: kept free of the budget when an escalation deadline is set.
+        min_deadline_ms: below this much time left, escalation is skipped.
+        inline_max_ms: a variant this fast runs on the event loop; slower ones in a worker thread.
+        rtt_quantile: the round-trip quantile an escalation must fit in.
+        rtt_probe_s: after skipping for a slow link this long, try once anyway (to notice recovery).
+        power: the power profile used to model energy when no meter is given.
+        journal_path: the store-and-forward journal (None: nothing is journaled).
+        journal_max_bytes: its bound.
+        drain_interval_s: how often the journal is drained while the link is up.
+        telemetry_interval_s: how often telemetry is published.
+        strict: raise the escalation error instead of answering degraded.
+    """
+
+    device_id: str = field(default_factory=lambda: _safe_device(socket.gethostname()))
+    boot_id: str = field(default_factory=lambda: uuid.uuid4().hex[:16])
+    breaker: BreakerConfig = field(default_factory=BreakerConfig)
+    transport: TransportOptions | None = None
+    session: SessionOptions | None = None
+    margin_ms: float = 1.0
+    min_deadline_ms: float = 0.5
+    inline_max_ms: float = 1.0
+    rtt_quantile: float = 0.9
+    rtt_probe_s: float = 1.0
+    power: PowerProfile = DEFAULT_POWER
+    journal_path: str | Path | None = None
+    journal_max_bytes: int = 64 * 1024 * 1024
+    drain_interval_s: float = 0.5
+    telemetry_interval_s: float = 10.0
+    strict: bool = False
+
+    def __post_init__(self) -> None:
+        try:
+            topics.check_device_id(self.device_id)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
+        if self.margin_ms < 0 or self.min_deadline_ms < 0 or not 0 < self.rtt_quantile <= 1:
+            msg = "AgentOptions: margin_ms, min_deadline_ms must be >= 0 and rtt_quantile in (0, 1]"
+            raise ConfigError(msg)
+
+
+def _safe_device(name: str) -> str:
+    cleaned = "".join(c if c.isalnum() or c in "-_." else "-" for c in name)[:128]
+    return cleaned.lstrip("$") or "edge"
+
+
+@dataclass
+class Variant:
+    """One loaded edge variant: its package, open session and bound policy."""
+
+    id: str
+    package: ModelPackage
+    session: Session
+    policy: BoundPolicy
+    p50_ms: float = 0.0
+    inline: bool = True
+
+    @property
+    def name(self) -> str:
+        return self.package.manifest.name
+
+
+def load_packages(model: str | Path | VariantSet | ModelPackage, *, trusted_keys: Iterable[Any] | None = None,
+                  ) -> tuple[dict[str, ModelPackage], str]:
+    """The packages of `model` by variant id, and the recommended variant's id."""
+    keys = None if trusted_keys is None else list(trusted_keys)
+    if isinstance(model, ModelPackage):
+        return {model.directory.name: model}, model.directory.name
+    if not isinstance(model, VariantSet) and is_variant_set(model):
+        model = VariantSet.load(model)
+    if isinstance(model, VariantSet):
+        pkgs = {e.id: model.open(e.id, trusted_keys=keys) for e in model.entries}
+        return pkgs, model.recommended.id
+    pkg = ModelPackage.open(model, trusted_keys=keys)
+    return {pkg.directory.name: pkg}, pkg.directory.name
+
+
+def read_validation(pkg: ModelPackage) -> tuple[np.ndarray, np.ndarray] | None:
+    """(logits, labels) of the package's validation file, or None when it has none."""
+    name = pkg.manifest.calibration.get("validation_file", "validation.npz")
+    path = pkg.directory / str(name)
+    if not path.is_file():
+        return None
+    with np.load(path) as data:
+        if "logits" not in data or "labels" not in data:
+            return None
+        return np.asarray(data["logits"]), np.asarray(data["labels"])
+
+
+def _warm(session: Session, runs: int = 5) -> float:
+    """p50 ms of `runs` batch-1 calls on zeros (also pays the first-call cost before traffic)."""
+    feed = {s.name: np.zeros(tuple(1 if isinstance(d, str) else d for d in s.shape), dtype=s.dtype)
+            for s in session.inputs}
+    times = []
+    for _ in range(runs):
+        t = perf_counter()
+        session.run(feed)
+        times.append((perf_counter() - t) * 1e3)
+    return float(np.median(times))
+
+
+def open_variants(packages: Mapping[str, ModelPackage], policy: Policy, ids: Iterable[str],
+                  options: SessionOptions | None, inline_max_ms: float) -> dict[str, Variant]:
+    out: dict[str, Variant] = {}
+    for vid in ids:
+        pkg = packages[vid]
+        validation = read_validation(pkg) if policy.needs_validation else None
+        bound = policy.bind(pkg.manifest.calibration, validation, pkg.manifest.outputs[0].name)
+        session = pkg.open_session(options)
+        p50 = _warm(session)
+        out[vid] = Variant(vid, pkg, session, bound, p50, p50 <= inline_max_ms)
+        logger.info("variant %s: p50 %.3f ms, threshold %.4g, %s", vid, p50, bound.threshold,
+                    "inline" if p50 <= inline_max_ms else "worker thread")
+    return out
+
+
+@dataclass
+class Pending:
+    """An edge result with rows to escalate: what `escalate` needs to finish the request."""
+
+    variant: Variant
+    inputs: dict[str, np.ndarray]
+    outputs: dict[str, np.ndarray]
+    scores: np.ndarray
+    mask: np.ndarray
+    single: bool
+    t0: float
+    edge_ms: float
+    keep: bool
+    key: bytes | None
+    seq: int
+
+
+class RttEstimator:
+    """Recent escalation round trips: a high quantile predicts whether the next one fits."""
+
+    def __init__(self, quantile: float, window: int = 64) -> None:
+        self.quantile = quantile
+        self._rtts: deque[float] = deque(maxlen=window)
+        self.last_attempt = 0.0
+
+    def add(self, rtt_ms: float) -> None:
+        self._rtts.append(rtt_ms)
+
+    def predicted_ms(self) -> float:
+        if not self._rtts:
+            return 0.0
+        s = sorted(self._rtts)
+        return s[min(len(s) - 1, int(self.quantile * len(s)))]
+
+
+def _check_reply(response: inference_pb2.ModelInferResponse, model: str,
+                 expected: Mapping[str, np.ndarray]) -> dict[str, np.ndarray] | str:
+    """The cloud's outputs shaped and typed like `expected`, or why the reply is unusable."""
+    if response.model_name != model:
+        return f"reply for model {response.model_name!r}, asked {model!r}"
+    try:
+        got = decode_outputs(response)
+    except CodecError as exc:
+        return f"malformed reply: {exc}"
+    out = {}
+    for name, edge in expected.items():
+        cloud = got.get(name)
+        if cloud is None:
+            return f"reply lacks output {name!r} (has {sorted(got)})"
+        if cloud.shape != edge.shape:
+            return f"reply output {name!r} has shape {list(cloud.shape)}, expected {list(edge.shape)}"
+        out[name] = cloud if cloud.dtype == edge.dtype else cloud.astype(edge.dtype)
+    return out
+
+
+class EdgeAgent:
+    """Composes edge sessions, an escalation policy, a transport, a breaker, a cache and a journal.
+
+    Args:
+        model: a variant-set directory, a package directory or `.tkpkg`, a `VariantSet` or a `ModelPackage`.
+        cloud: a cloud URL (`grpc://HOST:PORT/MODEL`, `mqtt://BROKER:PORT/MODEL`), a `Transport`, or None.
+        budget: the per-request budget; escalation deadlines come out of its `latency_ms`.
+        policy: a `Policy` or a scorer name.
+        controller: optional; its `current` decision picks the variant and threshold of each request.
+        options: rarer knobs (`AgentOptions`).
+        meter: an energy meter with `label`, `start()` and `stop() -> reading` (measured figures).
+        telemetry: an async callable publishing one telemetry document.
+        on_late_reply: called with (seq, outputs or None) when a journaled escalation is answered.
+        trusted_keys: Ed25519 public keys packages must be signed with.
+
+    Example:
+        >>> agent = EdgeAgent("variants/", cloud=None, policy=Policy("margin", threshold=0.3))
+        >>> async with agent:
+        ...     pred = await agent.infer(np.zeros((1, 1, 8, 8), np.float32))
+    """
+
+    def __init__(self, model: str | Path | VariantSet | ModelPackage, *, cloud: str | Transport | None = None,
+                 budget: Budget | None = None, policy: Policy | str | None = None, controller: Any = None,
+                 options: AgentOptions | None = None, meter: Any = None, telemetry: Telemetry | None = None,
+                 on_late_reply: LateReply | None = None, trusted_keys: Iterable[Any] | None = None) -> None:
+        self.options = opts = options or AgentOptions()
+        self.budget = budget or Budget()
+        self.policy = policy if isinstance(policy, Policy) else Policy(policy or "calibrated")
+        self.controller = controller
+        packages, recommended = load_packages(model, trusted_keys=trusted_keys)
+        ids = list(packages) if controller is not None else [recommended]
+        self.variants = open_variants(packages, self.policy, ids, opts.session, opts.inline_max_ms)
+        self._variant = self.variants[recommended]
+        self.inputs = self._variant.session.inputs
+        self.outputs = self._variant.session.outputs
+        self.model_name = self._variant.name
+        self._names = frozenset(s.name for s in self.inputs)
+        self._single_input = self.inputs[0].name if len(self.inputs) == 1 else None
+        # per input: spec, dtype, rank, and the fixed trailing dims when only the batch axis varies
+        self._checks = tuple((s, np.dtype(s.dtype), len(s.shape),
+                              tuple(s.shape[1:]) if s.dynamic_batch and all(isinstance(d, int) for d in s.shape[1:])
+                              else None) for s in self.inputs)
+        self._threshold: float | None = None
+        if isinstance(cloud, str):
+            cloud = open_transport(cloud, device_id=opts.device_id, boot_id=opts.boot_id, options=opts.transport)
+        self.transport: Transport | None = cloud
+        self.cloud_model = (cloud.model if cloud is not None else "") or self.model_name
+        self.breaker = CircuitBreaker(opts.breaker)
+        self.cache: ResultCache[Prediction] | None = (ResultCache(self.policy.cache_size)
+                                                      if self.policy.cache_size else None)
+        self.rtt = RttEstimator(opts.rtt_quantile)
+        self.stats = Stats()
+        self.meter = meter
+        self.telemetry = telemetry
+        self.on_late_reply = on_late_reply
+        self.journal: Any = None
+        self._seq = itertools.count(1)
+        self._obs: deque[tuple[Any, ...]] = deque()
+        self._fold_lock = threading.Lock()
+        self._no_cloud: dict[int, np.ndarray] = {}
+        self._measured_mj: float | None = None
+        self._tokens = (math.inf, time.monotonic())  # a full bucket, whatever the cap
+        self._tasks: list[asyncio.Task[None]] = []
+        self._closed = False
+
+    # -- lifecycle -----------------------------------------------------------------------------
+
+    async def start(self) -> EdgeAgent:
+        """Connect the transport, open the journal and start the background tasks."""
+        if self.transport is not None:
+            await self.transport.__aenter__()
+        if self.options.journal_path is not None:
+            self.journal = _open_journal(self.options.journal_path, self.options.journal_max_bytes)
+        if self.meter is not None:
+            self.meter.start()
+        self._tasks.append(asyncio.create_task(self._housekeeping(), name="tierkit-housekeeping"))
+        if self.journal is not None and self.transport is not None:
+            self._tasks.append(asyncio.create_task(self._drain_loop(), name="tierkit-drain"))
+        return self
+
+    async def aclose(self) -> None:
+        """Stop background tasks, close the transport, the journal and the sessions. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+        self.fold()
+        if self.transport is not None:
+            await self.transport.aclose()
+        if self.journal is not None:
+            self.journal.close()
+        for v in self.variants.values():
+            v.session.close()
+
+    async def __aenter__(self) -> EdgeAgent:
+        return await self.start()
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    # -- the request path ----------------------------------------------------------------------
+
+    async def infer(self, x: Any, *, keep: bool = False) -> Prediction:
+        """Answer `x` (one input or a batch, an array or a dict of named arrays).
+
+        Raises:
+            InputError: wrong input names, dtypes or shapes (before anything runs).
+            EscalationError: only with `AgentOptions(strict=True)`.
+        """
+        t0 = perf_counter()
+        if self.inline:
+            step = self.edge(x, t0=t0, keep=keep)
+        else:  # a slow variant would stall every other request on this loop
+            step = await asyncio.to_thread(self.edge, x, t0=t0, keep=keep)
+        return step if isinstance(step, Prediction) else await self.escalate(step)
+
+    def normalize(self, x: Any) -> tuple[dict[str, np.ndarray], bool]:
+        """Named, batched, checked inputs, and whether `x` was a single sample without a batch axis."""
+        if isinstance(x, np.ndarray) and self._single_input is not None:  # the common case, kept lean
+            spec, dtype, ndim, tail = self._checks[0]
+            single = spec.dynamic_batch and x.ndim == ndim - 1
+            if single:
+                x = x[None]
+            if not (x.dtype == dtype and x.ndim == ndim and (x.shape[1:] == tail if tail else spec.matches(x))):
+                check_inputs(self.inputs, {spec.name: x})
+            return {spec.name: x}, single
+        if isinstance(x, Mapping):
+            inputs = dict(x)
+        elif self._single_input is not None:
+            inputs = {self._single_input: x}
+        else:
+            msg = f"the model takes {len(self.inputs)} inputs {sorted(self._names)}; pass a dict of arrays"
+            raise InputError(msg)
+        flags = set()
+        for spec, _dtype, ndim, _tail in self._checks:
+            a = inputs.get(spec.name)
+            if a is None:
+                continue
+            if not isinstance(a, np.ndarray):
+                a = inputs[spec.name] = np.asarray(a, dtype=spec.dtype)
+            one = spec.dynamic_batch and a.ndim == ndim - 1
+            inputs[spec.name] = a[None] if one else a
+            flags.add(one)
+        if len(flags) > 1:
+            msg = "give every input a batch axis, or none of them"
+            raise InputError(msg)
+        check_inputs(self.inputs, inputs)
+        if len({len(a) for a in inputs.values()}) > 1:
+            msg = f"inputs have different batch sizes {[len(a) for a in inputs.values()]}"
+            raise InputError(msg)
+        return inputs, flags == {True}
+
+    def _current(self) -> tuple[Variant, float | None]:
+        ctl = self.controller
+        if ctl is None:
+            return self._variant, self._threshold
+        decision = ctl.current
+        return self.variants.get(decision.variant, self._variant), decision.threshold
+
+    def edge(self, x: Any, *, t0: float, keep: bool = False) -> Prediction | Pending:
+        """The synchronous part: check, cache, run the variant, score. Escalation is left `Pending`."""
+        inputs, single = self.normalize(x)
+        key = None
+        if self.cache is not None:
+            key = input_key(inputs)
+            hit = self.cache.get(key)
+            if hit is not None:
+                return self._cached(hit, t0)
+        variant, threshold = self._current()
+        outputs = variant.session.run(inputs)
+        edge_ms = (perf_counter() - t0) * 1e3
+        scores, mask = variant.policy.decide(outputs, threshold)
+        seq = next(self._seq)
+        if not mask.any():
+            return self._finish(variant, outputs, scores, single, t0, edge_ms, seq, key=key)
+        if self.transport is None:
+            return self._finish(variant, outputs, scores, single, t0, edge_ms, seq, wanted=int(mask.sum()))
+        return Pending(variant, inputs, outputs, scores, mask, single, t0, edge_ms, keep or self.policy.keep, key,
+                       seq)
+
+    async def escalate(self, p: Pending) -> Prediction:
+        """The asynchronous part: send the unsure rows within the deadline, merge or degrade."""
+        rows = np.flatnonzero(p.mask)
+        left_ms = self.budget.latency_ms - (perf_counter() - p.t0) * 1e3 - self.options.margin_ms
+        reason = self._skip_reason(left_ms)
+        if reason:
+            return self._degrade(p, rows, reason, None)
+        whole = len(rows) == len(p.mask)
+        sub = p.inputs if whole else {k: a[rows] for k, a in p.inputs.items()}
+        expected = p.outputs if whole else {k: a[rows] for k, a in p.outputs.items()}
+        request = self._request(p, sub, rows, left_ms)
+        timeout_s = left_ms / 1e3
+        self.rtt.last_attempt = time.monotonic()
+        sent = perf_counter()
+        error: EscalationError | None = None
+        try:
+            # our own guard, a hair past the transport's deadline: a hung cloud costs at most the deadline
+            async with asyncio.timeout(timeout_s + 0.002):
+                response = await self.transport.escalate(request, timeout_s=timeout_s)  # type: ignore[union-attr]
+        except TimeoutError:
+            error = CloudTimeout(f"the cloud did not answer within {left_ms:.1f} ms")
+        except EscalationError as exc:
+            error = exc
+        rtt_ms = (perf_counter() - sent) * 1e3
+        if error is not None:
+            self.breaker.record_failure()
+            if isinstance(error, CloudTimeout):
+                self.rtt.add(rtt_ms)  # censored, but it teaches the estimator the link is slow
+            if self.options.strict:
+                raise error
+            kind = ("timeout" if isinstance(error, CloudTimeout) else
+                    "unavailable" if isinstance(error, CloudUnavailable) else "error")
+            logger.debug("escalation %d failed (%s): %s", p.seq, kind, error)
+            return self._degrade(p, rows, kind, request, rtt_ms=rtt_ms)
+        cloud = _check_reply(response, self.cloud_model, expected)
+        if isinstance(cloud, str):
+            self.breaker.record_failure()
+            logger.warning("ignoring the cloud's answer to request %d: %s", p.seq, cloud)
+            return self._degrade(p, rows, "bad_reply", None, rtt_ms=rtt_ms)
+        self.breaker.record_success()
+        self.rtt.add(rtt_ms)
+        first = self.outputs[0].name
+        agreed = bool((expected[first].argmax(axis=-1) == cloud[first].argmax(axis=-1)).all())
+        if whole:
+            merged = cloud
+        else:
+            merged = p.outputs  # ours: onnxruntime hands back fresh arrays
+            for k, a in cloud.items():
+                merged[k][rows] = a
+        cloud_rows = p.mask.copy()
+        return self._finish(p.variant, merged, p.scores, p.single, p.t0, p.edge_ms, p.seq, cloud_rows=cloud_rows,
+                            rtt_ms=rtt_ms, nbytes=request.ByteSize(), key=p.key, wanted=len(rows), agreed=agreed)
+
+    def _skip_reason(self, left_ms: float) -> str:
+        if left_ms < self.options.min_deadline_ms:
+            return "budget"
+        if (self.rtt.predicted_ms() > left_ms
+                and time.monotonic() - self.rtt.last_attempt < self.options.rtt_probe_s):
+            return "rtt"
+        cap = self.budget.max_escalations_per_s
+        if cap is not None:
+            tokens, last = self._tokens
+            now = time.monotonic()
+            tokens = min(max(cap, 1.0), tokens + (now - last) * cap)
+            if tokens < 1.0:
+                self._tokens = (tokens, now)
+                return "rate"
+            self._tokens = (tokens - 1.0, now)
+        return "" if self.breaker.allow() else "breaker_open"
+
+    def _request(self, p: Pending, sub: Mapping[str, np.ndarray], rows: np.ndarray,
+                 left_ms: float) -> inference_pb2.ModelInferRequest:
+        edge_answer = p.outputs[self.outputs[0].name][rows].reshape(len(rows), -1).argmax(axis=1)
+        params: dict[str, str | int | float] = {
+            topics.PARAM_DEVICE: self.options.device_id, topics.PARAM_BOOT: self.options.boot_id,
+            topics.PARAM_SEQ: p.seq, topics.PARAM_VARIANT: p.variant.id,
+            topics.PARAM_EDGE_SCORE: float(p.scores[rows].min()),
+            topics.PARAM_EDGE_ANSWER: ",".join(map(str, edge_answer.tolist())),
+            topics.PARAM_DEADLINE_MS: int(time.time() * 1e3 + left_ms),
+            topics.PARAM_TRACE: f"{self.options.boot_id}-{p.seq}",
+        }
+        return encode_request(self.cloud_model, sub, request_id=f"{self.options.boot_id}-{p.seq}",
+                              parameters=params)
+
+    def _degrade(self, p: Pending, rows: np.ndarray, reason: str, request: inference_pb2.ModelInferRequest | None,
+                 *, rtt_ms: float | None = None) -> Prediction:
+        if p.keep and self.journal is not None and reason != "bad_reply":
+            if request is None:
+                request = self._request(p, {k: a[rows] for k, a in p.inputs.items()}, rows, 0.0)
+            self._journal_request(p.seq, request)
+        return self._finish(p.variant, p.outputs, p.scores, p.single, p.t0, p.edge_ms, p.seq, degraded=True,
+                            reason=reason, rtt_ms=rtt_ms, wanted=len(rows))
+
+    def _finish(self, v: Variant, outputs: dict[str, np.ndarray], scores: np.ndarray, single: bool, t0: float,
+                edge_ms: float, seq: int, *, cloud_rows: np.ndarray | None = None, degraded: bool = False,
+                reason: str = "", rtt_ms: float | None = None, nbytes: int = 0, key: bytes | None = None,
+                wanted: int = 0, agreed: bool | None = None) -> Prediction:
+        total_ms = (perf_counter() - t0) * 1e3
+        power = self.options.power
+        if self._measured_mj is not None:
+            energy, label = self._measured_mj, self.meter.label
+        else:  # watts x milliseconds = millijoules
+            energy = (power.busy_watts * edge_ms + power.idle_watts * (rtt_ms or 0.0)
+                      + power.joules_per_byte_sent * nbytes * 1e3)
+            label = power.label
+        n = len(scores)
+        if cloud_rows is None:
+            cloud_rows = self._no_cloud.get(n)
+            if cloud_rows is None:
+                cloud_rows = self._no_cloud[n] = np.zeros(n, dtype=bool)
+                cloud_rows.flags.writeable = False
+        if single:
+            outputs = {k: a[0] for k, a in outputs.items()}
+        pred = Prediction(outputs, "cloud" if rtt_ms is not None and not degraded else "edge",
+                          float(scores[0] if n == 1 else scores.min()), v.id, degraded, total_ms, energy, label,
+                          scores, cloud_rows, reason, False, seq)
+        self._obs.append((v.id, edge_ms, energy, n, wanted, pred.tier, degraded, reason, rtt_ms, nbytes, agreed,
+                          total_ms, False))
+        if key is not None and not degraded and self.cache is not None:
+            self.cache.put(key, pred)
+        return pred
+
+    def _cached(self, hit: Prediction, t0: float) -> Prediction:
+        total_ms = (perf_counter() - t0) * 1e3
+        self._obs.append((hit.variant, 0.0, 0.0, len(hit.scores), 0, hit.tier, False, "", None, 0, None,
+                          total_ms, True))
+        return Prediction(hit.outputs, hit.tier, hit.score, hit.variant, False, total_ms, 0.0, hit.energy_label,
+                          hit.scores, hit.cloud_rows, "", True, hit.seq)
+
+    # -- control -------------------------------------------------------------------------------
+
+    def set_budget(self, budget: Budget) -> None:
+        self.budget = budget
+        if self.controller is not None:
+            self.controller.set_budget(budget)
+
+    def set_threshold(self, threshold: float | None) -> None:
+        """Override the policy's threshold (None: back to the policy's); ignored while a controller decides."""
+        self._threshold = threshold
+
+    @property
+    def threshold(self) -> float:
+        """The threshold requests are decided with now."""
+        variant, threshold = self._current()
+        return variant.policy.threshold if threshold is None else threshold
+
+    @property
+    def variant(self) -> str:
+        """The id of the variant requests run on now."""
+        return self._current()[0].id
+
+    @property
+    def inline(self) -> bool:
+        """Whether the current variant is fast enough to run on an event loop."""
+        return self._current()[0].inline
+
+    def late(self, p: Pending) -> Prediction:
+        """The local answer to a pending request whose escalation could not finish (thread-safe)."""
+        return self._finish(p.variant, p.outputs, p.scores, p.single, p.t0, p.edge_ms, p.seq, degraded=True,
+                            reason="late", wanted=int(p.mask.sum()))
+
+    # -- background: statistics, controller, telemetry, journal ------------------------------
+
+    def fold(self) -> None:
+        """Fold pending observations into `stats` and the controller (any thread)."""
+        if not self._obs:
+            return
+        with self._fold_lock:
+            ctl = self.controller
+            while self._obs:
+                rec = self._obs.popleft()
+                self.stats.add(rec)
+                if ctl is not None:
+                    _feed(ctl, rec)
+            if ctl is not None:
+                try:
+                    ctl.maybe_redecide()
+                except Exception:
+                    logger.exception("the controller failed to redecide; keeping its last decision")
+
+    def snapshot(self) -> dict[str, Any]:
+        """Counters, latency quantiles and state, as published in telemetry."""
+        self.fold()
+        variant, threshold = self._current()
+        return {"device": self.options.device_id, "boot_id": self.options.boot_id, "ts": time.time(),
+                "model": self.model_name, "variant": variant.id,
+                "threshold": variant.policy.threshold if threshold is None else threshold,
+                "budget_ms": self.budget.latency_ms, "breaker": self.breaker.state,
+                "journal_pending": self._journal_pending(), **self.stats.snapshot()}
+
+    async def _housekeeping(self) -> None:
+        next_telemetry = time.monotonic() + self.options.telemetry_interval_s
+        next_meter, seen = time.monotonic() + 1.0, 0
+        while True:
+            await asyncio.sleep(0.05)
+            self.fold()
+            now = time.monotonic()
+            if self.meter is not None and now >= next_meter:
+                reading = self.meter.stop()
+                self.meter.start()
+                served, seen = self.stats.requests - seen, self.stats.requests
+                if served and str(reading.label).startswith("measured:"):
+                    self._measured_mj = reading.joules * 1e3 / served
+                next_meter = now + 1.0
+            if self.telemetry is not None and now >= next_telemetry:
+                next_telemetry = now + self.options.telemetry_interval_s
+                try:
+                    await self.telemetry(self.snapshot())
+                except Exception:
+                    logger.exception("publishing telemetry failed; it is skipped this time")
+
+    def _journal_request(self, seq: int, request: inference_pb2.ModelInferRequest) -> None:
+        try:
+            self.journal.append(self.options.device_id, self.options.boot_id, seq, request.SerializeToString())
+        except Exception:
+            logger.exception("could not journal escalation %d; it is answered locally only", seq)
+        else:
+            self.stats.journaled += 1
+
+    def _journal_pending(self) -> int:
+        if self.journal is None:
+            return 0
+        try:
+            return int(self.journal.count())
+        except Exception:
+            return -1
+
+    async def _drain_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.options.drain_interval_s)
+            if self.breaker.state == "open" or not self._journal_pending():
+                continue
+            try:
+                await self.drain_journal()
+            except Exception:
+                logger.exception("draining the journal failed; retrying later")
+
+    async def drain_journal(self, limit: int = 64) -> int:
+        """Send journaled escalations (oldest first) while the cloud answers; returns how many were sent."""
+        sent = 0
+        for entry in self.journal.pending(limit):
+            request = inference_pb2.ModelInferRequest.FromString(entry.payload)
+            request.parameters[topics.PARAM_DEADLINE_MS].int64_param = int(time.time() * 1e3 + 5000)
+            if not self.breaker.allow():
+                break
+            try:
+                response = await self.transport.escalate(request, timeout_s=5.0)  # type: ignore[union-attr]
+            except EscalationError as exc:
+                self.breaker.record_failure()
+                logger.info("journal drain stopped: %s", exc)
+                break
+            self.breaker.record_success()
+            self.journal.ack([entry.id])
+            sent += 1
+            self.stats.late_replies += 1
+            if self.on_late_reply is not None:
+                outputs = _check_reply(response, self.cloud_model, {})
+                try:
+                    self.on_late_reply(entry.seq, None if isinstance(outputs, str) else _decode(response))
+                except Exception:
+                    logger.exception("the late-reply callback failed for seq %d", entry.seq)
+        return sent
+
+
+def _decode(response: inference_pb2.ModelInferResponse) -> dict[str, np.ndarray] | None:
+    try:
+        return decode_outputs(response)
+    except CodecError:
+        return None
+
+
+def _feed(ctl: Any, rec: tuple[Any, ...]) -> None:
+    variant, edge_ms, energy, _n, wanted, tier, degraded, _reason, rtt_ms, nbytes, agreed, total_ms, cached = rec
+    if cached:
+        return
+    try:
+        ctl.observe_inference(variant, edge_ms, energy)
+        if wanted and (rtt_ms is not None or degraded):
+            ctl.observe_escalation(rtt_ms, tier == "cloud", nbytes)
+        ctl.observe_request(bool(wanted), agreed, total_ms)
+    except Exception:
+        logger.exception("the controller rejected an observation; it is dropped")
+
+
+
+def _open_journal(path: str | Path, max_bytes: int) -> Any:
+    from edge_agent.journal import Journal
+
+    return Journal(path, max_bytes)
+
+
+@dataclass
+class Stats:
+    """Counters since the agent started, and a window of recent latencies."""
+
+    requests: int = 0
+    rows: int = 0
+    escalations_wanted: int = 0
+    escalations_sent: int = 0
+    cloud_answers: int = 0
+    degraded: int = 0
+    cache_hits: int = 0
+    journaled: int = 0
+    late_replies: int = 0
+    reasons: dict[str, int] = field(default_factory=dict)
+    energy_mj: float = 0.0
+    latencies: deque[float] = field(default_factory=lambda: deque(maxlen=2048))
+
+    def add(self, rec: tuple[Any, ...]) -> None:
+        _v, _edge_ms, energy, n, wanted, tier, degraded, reason, rtt_ms, _nb, _agreed, total_ms, cached = rec
+        self.requests += 1
+        self.rows += n
+        self.escalations_wanted += wanted > 0
+        self.escalations_sent += rtt_ms is not None
+        self.cloud_answers += tier == "cloud"
+        self.degraded += degraded
+        self.cache_hits += cached
+        self.energy_mj += energy
+        if reason:
+            self.reasons[reason] = self.reasons.get(reason, 0) + 1
+        self.latencies.append(total_ms)
+
+    def snapshot(self) -> dict[str, Any]:
+        lat = np.fromiter(self.latencies, dtype=np.float64)
+        q = np.percentile(lat, [50, 95, 99]).tolist() if len(lat) else [0.0, 0.0, 0.0]
+        return {"requests": self.requests, "rows": self.rows, "escalations_wanted": self.escalations_wanted,
+                "escalations_sent": self.escalations_sent, "cloud_answers": self.cloud_answers,
+                "degraded": self.degraded, "cache_hits": self.cache_hits, "journaled": self.journaled,
+                "late_replies": self.late_replies, "reasons": dict(self.reasons),
+                "energy_mj_per_request": self.energy_mj / self.requests if self.requests else 0.0,
+                "p50_ms": q[0], "p95_ms": q[1], "p99_ms": q[2]}

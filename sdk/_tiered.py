@@ -1,0 +1,202 @@
+"""`TieredModel`: the synchronous and asyncio faces of one `EdgeAgent`.
+
+The agent lives on one background event-loop thread. `predict` runs the edge part (check inputs,
+run the variant, score) in the caller's thread, so a confident answer costs no thread hop; only a
+request that escalates is handed to the loop, and waited for no longer than its budget allows.
+`apredict` does the same for asyncio callers without blocking their loop. One implementation:
+both call the agent's `edge` and `escalate`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import threading
+import time
+from collections.abc import Iterable
+from pathlib import Path
+from types import TracebackType
+from typing import TYPE_CHECKING, Any
+
+from edge_agent.agent import AgentOptions, EdgeAgent, Pending, Prediction
+from edge_agent.budget import Budget
+from edge_agent.policy import Policy
+from runtimes.errors import ConfigError
+
+if TYPE_CHECKING:
+    from compilers.package import ModelPackage
+    from compilers.variants import VariantSet
+    from edge_agent.transports.base import Transport
+
+__all__ = ["Budget", "Prediction", "TieredModel", "compile_model", "load"]
+
+perf_counter = time.perf_counter
+
+
+class _LoopThread:
+    """An event loop running forever on a daemon thread."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._run, name="tierkit-agent", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        asyncio.set_event_loop(self.loop)
+        self.loop.run_forever()
+
+    def submit(self, coro: Any) -> concurrent.futures.Future[Any]:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop)
+
+    def stop(self) -> None:
+        if self.loop.is_closed():
+            return
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(timeout=10)
+        if not self._thread.is_alive():
+            self.loop.close()
+
+
+class TieredModel:
+    """A model answered at the edge when it is confident, by the cloud when it is not.
+
+    Build it with `sdk.load`. Use it as a context manager (`with` or `async with`), or call `close`.
+
+    Example:
+        >>> with sdk.load("variants/", cloud="grpc://127.0.0.1:8001/digits",
+        ...               budget=sdk.Budget(latency_ms=30)) as model:
+        ...     pred = model.predict(x)
+        ...     print(pred.outputs["logits"].argmax(), pred.tier, pred.degraded)
+    """
+
+    def __init__(self, agent: EdgeAgent) -> None:
+        self._agent = agent
+        self._loop = _LoopThread()
+        try:
+            self._loop.submit(agent.start()).result(timeout=60)
+        except BaseException:
+            self._loop.stop()
+            raise
+        self._closed = False
+
+    @property
+    def agent(self) -> EdgeAgent:
+        """The underlying `EdgeAgent` (breaker, transport, variants, statistics)."""
+        return self._agent
+
+    def predict(self, x: Any, *, keep: bool = False) -> Prediction:
+        """Answer one input or a batch: an array (single-input models) or a dict of named arrays.
+
+        Args:
+            x: the input; without its batch axis for a single sample.
+            keep: if the cloud cannot answer now, journal the escalation and send it when it is back.
+
+        Raises:
+            InputError: wrong names, dtypes or shapes, before anything runs.
+        """
+        step = self._agent.edge(x, t0=perf_counter(), keep=keep)
+        if type(step) is Prediction:
+            return step
+        assert isinstance(step, Pending)
+        future = self._loop.submit(self._agent.escalate(step))
+        try:
+            return future.result(timeout=self._agent.budget.latency_ms / 1e3 + 5.0)
+        except concurrent.futures.TimeoutError:  # the loop is wedged: never block the app on it
+            future.cancel()
+            return self._agent.late(step)
+
+    async def apredict(self, x: Any, *, keep: bool = False) -> Prediction:
+        """`predict` for asyncio callers: never blocks their event loop."""
+        t0 = perf_counter()
+        if self._agent.inline:
+            step = self._agent.edge(x, t0=t0, keep=keep)
+        else:  # slow variant: keep the caller's loop free
+            step = await asyncio.to_thread(self._agent.edge, x, t0=t0, keep=keep)
+        if type(step) is Prediction:
+            return step
+        assert isinstance(step, Pending)
+        return await asyncio.wrap_future(self._loop.submit(self._agent.escalate(step)))
+
+    def stats(self) -> dict[str, Any]:
+        """Counters, latency quantiles and state (what telemetry publishes)."""
+        return self._agent.snapshot()
+
+    def set_budget(self, budget: Budget) -> None:
+        self._loop.loop.call_soon_threadsafe(self._agent.set_budget, budget)
+
+    def set_threshold(self, threshold: float | None) -> None:
+        self._agent.set_threshold(threshold)
+
+    def close(self) -> None:
+        """Stop the agent and its loop thread. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self._loop.submit(self._agent.aclose()).result(timeout=30)
+        finally:
+            self._loop.stop()
+
+    async def aclose(self) -> None:
+        await asyncio.to_thread(self.close)
+
+    def __enter__(self) -> TieredModel:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.close()
+
+    async def __aenter__(self) -> TieredModel:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    def __repr__(self) -> str:
+        a = self._agent
+        return f"<TieredModel {a.model_name} variant={a.variant} cloud={a.cloud_model if a.transport else None}>"
+
+
+def load(model: str | Path | VariantSet | ModelPackage, cloud: str | Transport | None = None, *,
+         budget: Budget | None = None, policy: Policy | str | None = None, controller: Any = None,
+         options: AgentOptions | None = None, meter: Any = None,
+         trusted_keys: Iterable[Any] | None = None) -> TieredModel:
+    """Load a package or variant set for tiered inference.
+
+    Args:
+        model: a variant-set directory, a package directory or `.tkpkg`, a `VariantSet` or a `ModelPackage`.
+        cloud: `grpc://HOST:PORT/MODEL`, `mqtt://BROKER:PORT/MODEL` (MODEL defaults to the edge
+            model's name), a `Transport`, or None for edge only.
+        budget: per-request latency (and energy) budget; escalation deadlines come out of it.
+        policy: a `Policy` or a scorer name ("calibrated", "margin", "entropy", ...).
+        controller: picks the variant and threshold per request when given.
+        options: rarer knobs (`AgentOptions`: device id, breaker, journal, power profile, ...).
+        meter: an energy meter for measured figures (otherwise energy is modeled).
+        trusted_keys: refuse packages not signed by one of these Ed25519 public keys.
+
+    Raises:
+        ConfigError, PackageError: bad arguments or an unreadable package.
+
+    Example:
+        >>> model = sdk.load("variants/", cloud="grpc://127.0.0.1:8001/cnn", budget=sdk.Budget(latency_ms=30))
+    """
+    if isinstance(policy, dict):
+        msg = "policy must be a Policy or a scorer name, not a dict; use Policy(**...)"
+        raise ConfigError(msg)
+    agent = EdgeAgent(model, cloud=cloud, budget=budget, policy=policy, controller=controller, options=options,
+                      meter=meter, trusted_keys=trusted_keys)
+    return TieredModel(agent)
+
+
+def compile_model(model: Any, **kwargs: Any) -> VariantSet:
+    """Compile a model into a variant set: `compilers.compile_model`, imported only when called.
+
+    Example:
+        >>> variants = sdk.compile("model.onnx", output="variants/", precisions=("fp32", "int8"),
+        ...                        calibration="calib.npz")
+    """
+    from compilers import compile_model as _compile
+
+    result: VariantSet = _compile(model, **kwargs)
+    return result

@@ -1,0 +1,270 @@
+"""The edge agent with a fake cloud: edge vs cloud, per-row escalation, degraded answers, breaker, cache."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import numpy as np
+import pytest
+
+from cloud_service.protocol import decode_inputs, encode_response, get_parameters, inference_pb2, topics
+from compilers.package import ModelPackage
+from edge_agent.agent import AgentOptions, EdgeAgent, Prediction
+from edge_agent.breaker import BreakerConfig
+from edge_agent.budget import Budget
+from edge_agent.policy import Policy
+from edge_agent.transports.fake import FakeTransport
+from runtimes.errors import CloudUnavailable, InputError
+from sdk import zoo
+from tests.sdk.packages import make_package
+
+ALWAYS, NEVER = 2.0, -1.0  # thresholds: every score is in [0, 1]
+
+
+@pytest.fixture(scope="module")
+def package(digits_linear_onnx: Path, digits: zoo.Split, tmp_path_factory: pytest.TempPathFactory) -> ModelPackage:
+    return make_package(digits_linear_onnx, tmp_path_factory.mktemp("pkg") / "digits", name="digits",
+                        x_val=digits.x_val, y_val=digits.y_val)
+
+
+def cloud_answer(model: str = "digits", *, value: float = 7.0) -> Callable[[Any], Any]:
+    """A cloud that answers class 3 with logit `value` for each row it gets."""
+
+    def handler(request: inference_pb2.ModelInferRequest) -> inference_pb2.ModelInferResponse:
+        x = decode_inputs(request)["x"]
+        logits = np.zeros((len(x), 10), np.float32)
+        logits[:, 3] = value
+        return encode_response(model, {"logits": logits})
+
+    return handler
+
+
+def run(package: ModelPackage, x: Any, *, handler: Any = None, threshold: float = ALWAYS,
+        budget: Budget | None = None, n: int = 1, **kw: Any) -> tuple[list[Prediction], EdgeAgent, FakeTransport]:
+    fake = FakeTransport(handler or cloud_answer())
+    policy = kw.pop("policy", None) or Policy("max_prob", threshold=threshold)
+
+    async def main() -> list[Prediction]:
+        async with EdgeAgent(package, cloud=fake, policy=policy, budget=budget, **kw) as agent:
+            out = [await agent.infer(x) for _ in range(n)]
+            run.agent = agent  # type: ignore[attr-defined]
+            return out
+
+    preds = asyncio.run(main())
+    return preds, run.agent, fake  # type: ignore[attr-defined]
+
+
+def test_confident_is_answered_at_the_edge(package: ModelPackage, digits: zoo.Split) -> None:
+    (pred,), agent, fake = run(package, digits.x_test[0], threshold=NEVER)
+    assert pred.tier == "edge"
+    assert not pred.degraded
+    assert not fake.requests
+    assert pred.outputs["logits"].shape == (10,)  # a single sample in, no batch axis out
+    assert 0.0 <= pred.score <= 1.0
+    assert pred.energy_label.startswith("modeled:")
+    assert pred.energy_mj > 0
+    assert agent.stats.requests == 1
+
+
+def test_unsure_goes_to_the_cloud_with_metadata(package: ModelPackage, digits: zoo.Split) -> None:
+    (pred,), _, fake = run(package, digits.x_test[:1], budget=Budget(latency_ms=500))
+    assert pred.tier == "cloud"
+    assert not pred.degraded
+    assert pred.outputs["logits"].shape == (1, 10)
+    assert pred.outputs["logits"].argmax() == 3
+    assert pred.cloud_rows.tolist() == [True]
+    (request,) = fake.requests
+    params = get_parameters(request.parameters)
+    assert request.model_name == "digits"
+    assert params[topics.PARAM_SEQ] == pred.seq
+    assert params[topics.PARAM_DEVICE] == AgentOptions().device_id
+    assert params[topics.PARAM_DEADLINE_MS] > time.time() * 1e3
+    assert params[topics.PARAM_VARIANT] == pred.variant
+
+
+def test_batch_sends_only_the_unsure_rows(package: ModelPackage, digits: zoo.Split) -> None:
+    x = digits.x_test[:5]
+    unsure = {1, 3}
+    policy = Policy(lambda out: np.array([0.0 if i in unsure else 1.0 for i in range(len(out["logits"]))]),
+                    threshold=0.5)
+    (pred,), _, fake = run(package, x, policy=policy)
+    (request,) = fake.requests
+    assert decode_inputs(request)["x"].shape == (2, 1, 8, 8)
+    np.testing.assert_array_equal(decode_inputs(request)["x"], x[[1, 3]])
+    assert pred.cloud_rows.tolist() == [False, True, False, True, False]
+    labels = pred.outputs["logits"].argmax(axis=1)
+    assert labels[1] == labels[3] == 3
+    with zoo_session(package) as session:
+        local = session.run({"x": x})["logits"]
+    np.testing.assert_array_equal(pred.outputs["logits"][[0, 2, 4]], local[[0, 2, 4]])
+
+
+def zoo_session(package: ModelPackage) -> Any:
+    return package.open_session()
+
+
+def test_cloud_raising_gives_the_local_answer_degraded(package: ModelPackage, digits: zoo.Split) -> None:
+    def down(request: Any) -> Any:
+        msg = "connection refused"
+        raise CloudUnavailable(msg)
+
+    (pred,), agent, _ = run(package, digits.x_test[0], handler=down)
+    assert pred.tier == "edge"
+    assert pred.degraded
+    assert pred.reason == "unavailable"
+    with zoo_session(package) as session:
+        local = session.run({"x": digits.x_test[:1]})["logits"][0]
+    np.testing.assert_array_equal(pred.outputs["logits"], local)
+    assert agent.stats.degraded == 1
+
+
+def _wrong_model(request: Any) -> Any:
+    return encode_response("other", {"logits": np.zeros((1, 10), np.float32)})
+
+
+def _wrong_shape(request: Any) -> Any:
+    return encode_response("digits", {"logits": np.zeros((1, 9), np.float32)})
+
+
+def _wrong_name(request: Any) -> Any:
+    return encode_response("digits", {"probs": np.zeros((1, 10), np.float32)})
+
+
+def _garbled(request: Any) -> Any:
+    response = encode_response("digits", {"logits": np.zeros((1, 10), np.float32)})
+    response.raw_output_contents[0] = b"\x00" * 7
+    return response
+
+
+@pytest.mark.parametrize("handler", [_wrong_model, _wrong_shape, _wrong_name, _garbled])
+def test_bad_replies_are_ignored_counted_and_degraded(package: ModelPackage, digits: zoo.Split,
+                                                      handler: Any) -> None:
+    (pred,), agent, fake = run(package, digits.x_test[0], handler=handler)
+    assert len(fake.requests) == 1
+    assert pred.degraded
+    assert pred.tier == "edge"
+    assert pred.reason == "bad_reply"
+    assert agent.stats.reasons == {"bad_reply": 1}
+
+
+def test_open_breaker_makes_no_call(package: ModelPackage, digits: zoo.Split) -> None:
+    def down(request: Any) -> Any:
+        msg = "refused"
+        raise CloudUnavailable(msg)
+
+    opts = AgentOptions(breaker=BreakerConfig(failure_threshold=2, reset_timeout_s=60))
+    preds, agent, fake = run(package, digits.x_test[0], handler=down, n=5, options=opts)
+    assert len(fake.requests) == 2
+    assert [p.reason for p in preds] == ["unavailable"] * 2 + ["breaker_open"] * 3
+    assert all(p.degraded for p in preds)
+    assert agent.breaker.state == "open"
+
+
+def test_hung_cloud_costs_at_most_the_deadline(package: ModelPackage, digits: zoo.Split) -> None:
+    async def hang(request: Any) -> Any:
+        await asyncio.sleep(30)
+
+    budget = Budget(latency_ms=60)
+    t = time.perf_counter()
+    preds, _, _ = run(package, digits.x_test[0], handler=hang, budget=budget, n=3)
+    assert time.perf_counter() - t < 5
+    for p in preds:
+        assert p.degraded
+        assert p.reason in {"timeout", "rtt"}
+        assert p.latency_ms < budget.latency_ms + 15
+
+
+def test_slow_link_is_skipped_then_probed(package: ModelPackage, digits: zoo.Split) -> None:
+    async def slow(request: Any) -> Any:
+        await asyncio.sleep(0.03)
+        return cloud_answer()(request)
+
+    opts = AgentOptions(rtt_probe_s=60)
+    preds, _, fake = run(package, digits.x_test[0], handler=slow, budget=Budget(latency_ms=20), n=4, options=opts)
+    assert preds[0].reason == "timeout"
+    assert [p.reason for p in preds[1:]] == ["rtt"] * 3  # the observed round trip does not fit
+    assert len(fake.requests) == 1
+
+
+def test_wrong_input_fails_before_anything_runs(package: ModelPackage, digits: zoo.Split) -> None:
+    async def main() -> None:
+        fake = FakeTransport(cloud_answer())
+        async with EdgeAgent(package, cloud=fake, policy=Policy(threshold=ALWAYS)) as agent:
+            with pytest.raises(InputError, match="dtype"):
+                await agent.infer(digits.x_test[:2].astype(np.float64))
+            with pytest.raises(InputError, match="shape"):
+                await agent.infer(np.zeros((2, 1, 9, 8), np.float32))
+            with pytest.raises(InputError, match="unknown input"):
+                await agent.infer({"image": digits.x_test[:1]})
+            with pytest.raises(InputError, match="missing input"):
+                await agent.infer({})
+            assert not fake.requests
+            assert agent.snapshot()["requests"] == 0
+
+    asyncio.run(main())
+
+
+def test_cache_answers_recurring_inputs(package: ModelPackage, digits: zoo.Split) -> None:
+    preds, agent, fake = run(package, digits.x_test[0], policy=Policy(threshold=ALWAYS, cache_size=4), n=3)
+    assert len(fake.requests) == 1
+    assert [p.cached for p in preds] == [False, True, True]
+    assert preds[2].tier == "cloud"
+    np.testing.assert_array_equal(preds[2].outputs["logits"], preds[0].outputs["logits"])
+    assert agent.snapshot()["cache_hits"] == 2
+
+
+def test_rate_cap_limits_cloud_calls(package: ModelPackage, digits: zoo.Split) -> None:
+    preds, _, fake = run(package, digits.x_test[0], budget=Budget(latency_ms=500, max_escalations_per_s=1), n=4)
+    assert len(fake.requests) == 1
+    assert [p.reason for p in preds[1:]] == ["rate"] * 3
+
+
+def test_strict_mode_raises(package: ModelPackage, digits: zoo.Split) -> None:
+    def down(request: Any) -> Any:
+        msg = "refused"
+        raise CloudUnavailable(msg)
+
+    with pytest.raises(CloudUnavailable):
+        run(package, digits.x_test[0], handler=down, options=AgentOptions(strict=True))
+
+
+class FakeController:
+    """Records observations and decides a fixed (variant, threshold)."""
+
+    def __init__(self, variant: str, threshold: float) -> None:
+        self.current = SimpleNamespace(variant=variant, threshold=threshold)
+        self.seen: list[tuple[str, Any]] = []
+        self.redecided = 0
+
+    def observe_inference(self, variant: str, latency_ms: float, energy_mj: float) -> None:
+        self.seen.append(("inference", variant))
+
+    def observe_escalation(self, rtt_ms: float | None, ok: bool, bytes_sent: int) -> None:
+        self.seen.append(("escalation", ok))
+
+    def observe_request(self, escalated: bool, agreed: bool | None, total_latency_ms: float) -> None:
+        self.seen.append(("request", escalated))
+
+    def set_budget(self, budget: Budget) -> None:
+        self.seen.append(("budget", budget.latency_ms))
+
+    def maybe_redecide(self) -> None:
+        self.redecided += 1
+
+
+def test_controller_decides_and_observes(package: ModelPackage, digits: zoo.Split) -> None:
+    ctl = FakeController(package.directory.name, ALWAYS)
+    preds, agent, fake = run(package, digits.x_test[0], threshold=NEVER, controller=ctl, n=2)
+    assert [p.tier for p in preds] == ["cloud", "cloud"]  # the controller's threshold, not the policy's
+    assert len(fake.requests) == 2
+    assert ("inference", package.directory.name) in ctl.seen
+    assert ("escalation", True) in ctl.seen
+    assert ("request", True) in ctl.seen
+    assert ctl.redecided >= 1
+    agent.set_budget(Budget(latency_ms=42))
+    assert ("budget", 42) in ctl.seen

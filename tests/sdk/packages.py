@@ -1,0 +1,36 @@
+"""Build small real model packages for the agent and SDK tests without the full compiler."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import numpy as np
+
+from compilers.manifest import Manifest
+from compilers.package import ModelPackage, write_package
+from runtimes.registry import open_session
+
+
+def energy_stats(logits: np.ndarray, temperature: float = 1.0) -> dict[str, float]:
+    z = logits.astype(np.float64) / temperature
+    top = z.max(axis=1)
+    e = -temperature * (top + np.log(np.exp(z - top[:, None]).sum(axis=1)))
+    return {"energy_mean": float(e.mean()), "energy_std": float(e.std()),
+            "energy_p01": float(np.percentile(e, 1)), "energy_p99": float(np.percentile(e, 99))}
+
+
+def make_package(onnx_path: Path, directory: Path, *, name: str, x_val: np.ndarray, y_val: np.ndarray,
+                 temperature: float = 1.0, precision: str = "fp32") -> ModelPackage:
+    """A package of `onnx_path` with a validation file and calibration like the compiler writes."""
+    directory.mkdir(parents=True, exist_ok=True)
+    shutil.copy(onnx_path, directory / "model.onnx")
+    with open_session(directory / "model.onnx") as session:
+        logits = session.run({session.inputs[0].name: x_val})[session.outputs[0].name]
+        inputs, outputs = session.inputs, session.outputs
+    np.savez(directory / "validation.npz", logits=logits, labels=y_val, reference_logits=logits)
+    calibration = {"temperature": temperature, "validation_file": "validation.npz",
+                   "ood": energy_stats(logits, temperature)}
+    manifest = Manifest(name=name, version="1", target="x86", precision=precision, runtime="onnxruntime",
+                        artifact="model.onnx", inputs=inputs, outputs=outputs, calibration=calibration)
+    return write_package(directory, manifest)

@@ -1,0 +1,108 @@
+"""`sdk.load` / `TieredModel`: sync and asyncio faces of one agent, on a real package and a fake cloud."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+import sdk
+from cloud_service.protocol import decode_inputs, encode_response
+from compilers.package import ModelPackage
+from edge_agent.agent import AgentOptions
+from edge_agent.policy import Policy
+from edge_agent.transports.fake import FakeTransport
+from runtimes.errors import CloudUnavailable, ConfigError, InputError
+from sdk import zoo
+from tests.sdk.packages import make_package
+
+
+@pytest.fixture(scope="module")
+def package(digits_linear_onnx: Path, digits: zoo.Split, tmp_path_factory: pytest.TempPathFactory) -> ModelPackage:
+    return make_package(digits_linear_onnx, tmp_path_factory.mktemp("pkg") / "digits", name="digits",
+                        x_val=digits.x_val, y_val=digits.y_val)
+
+
+def cloud(request: Any) -> Any:
+    x = decode_inputs(request)["x"]
+    logits = np.zeros((len(x), 10), np.float32)
+    logits[:, 5] = 9.0
+    return encode_response("digits", {"logits": logits})
+
+
+def test_predict_edge_only(package: ModelPackage, digits: zoo.Split) -> None:
+    with sdk.load(package.directory, policy="margin") as model:
+        preds = [model.predict(x) for x in digits.x_test[:50]]
+        batch = model.predict(digits.x_test[:50])
+        assert {p.tier for p in preds} == {"edge"}
+        assert not any(p.degraded for p in preds)
+        labels = np.array([p.outputs["logits"].argmax() for p in preds])
+        np.testing.assert_array_equal(labels, batch.outputs["logits"].argmax(axis=1))
+        assert batch.scores.shape == (50,)
+        assert model.stats()["requests"] == 51
+        with pytest.raises(InputError):
+            model.predict(np.zeros((3, 3), np.float32))
+
+
+def test_predict_and_apredict_escalate(package: ModelPackage, digits: zoo.Split) -> None:
+    fake = FakeTransport(cloud)
+    model = sdk.load(package, cloud=fake, budget=sdk.Budget(latency_ms=500), policy=Policy(threshold=2.0))
+    with model:
+        pred = model.predict(digits.x_test[0])
+        assert pred.tier == "cloud"
+        assert pred.outputs["logits"].argmax() == 5
+
+        async def main() -> list[sdk.Prediction]:
+            async with model:
+                return list(await asyncio.gather(*(model.apredict(x) for x in digits.x_test[:8])))
+
+        preds = asyncio.run(main())
+    assert [p.tier for p in preds] == ["cloud"] * 8
+    assert len(fake.requests) == 9
+
+
+def test_predict_from_many_threads(package: ModelPackage, digits: zoo.Split) -> None:
+    fake = FakeTransport(cloud)
+    policy = Policy(lambda out: (np.abs(out["logits"]).sum(axis=1) % 2 > 1).astype(float), threshold=0.5)
+    results: list[sdk.Prediction] = []
+    with sdk.load(package, cloud=fake, budget=sdk.Budget(latency_ms=500), policy=policy) as model:
+        def worker(xs: np.ndarray) -> None:
+            results.extend(model.predict(x) for x in xs)
+
+        threads = [threading.Thread(target=worker, args=(digits.x_test[i::4][:40],)) for i in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(30)
+        stats = model.stats()
+    assert len(results) == 160
+    assert stats["requests"] == 160
+    assert stats["cloud_answers"] == len(fake.requests) == sum(p.tier == "cloud" for p in results)
+    assert len({p.seq for p in results}) == 160
+
+
+def test_cloud_down_is_not_an_exception(package: ModelPackage, digits: zoo.Split) -> None:
+    def down(request: Any) -> Any:
+        msg = "refused"
+        raise CloudUnavailable(msg)
+
+    with sdk.load(package, cloud=FakeTransport(down), policy=Policy(threshold=2.0)) as model:
+        pred = model.predict(digits.x_test[:3])
+    assert pred.degraded
+    assert pred.tier == "edge"
+    assert pred.outputs["logits"].shape == (3, 10)
+
+
+def test_load_rejects_bad_arguments(package: ModelPackage, tmp_path: Path) -> None:
+    with pytest.raises(ConfigError):
+        sdk.load(package, cloud="http://example/x")
+    with pytest.raises(ConfigError):
+        sdk.load(package, policy="confidence")
+    with pytest.raises(sdk.TierkitError):
+        sdk.load(tmp_path)
+    with pytest.raises(ConfigError):
+        sdk.load(package, options=AgentOptions(device_id="a/b"))
