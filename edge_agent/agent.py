@@ -46,10 +46,11 @@ from compilers.variants import VariantSet, is_variant_set
 from edge_agent.breaker import BreakerConfig, CircuitBreaker
 from edge_agent.budget import Budget
 from edge_agent.cache import ResultCache, input_key
+from edge_agent.journal import Journal, JournalEntry, drain
 from edge_agent.policy import BoundPolicy, Policy
 from edge_agent.transports.base import Transport, TransportOptions, open_transport
 from runtimes.energy import PowerProfile
-from runtimes.errors import CloudTimeout, CloudUnavailable, ConfigError, EscalationError, InputError
+from runtimes.errors import CloudTimeout, CloudUnavailable, ConfigError, EscalationError, InputError, JournalFull
 from runtimes.session import Session, SessionOptions
 from runtimes.spec import check_inputs
 
@@ -119,6 +120,7 @@ class AgentOptions:
         journal_path: the store-and-forward journal (None: nothing is journaled).
         journal_max_bytes: its bound.
         drain_interval_s: how often the journal is drained while the link is up.
+        drain_timeout_s: the deadline of a journaled escalation when it is finally sent.
         telemetry_interval_s: how often telemetry is published.
         strict: raise the escalation error instead of answering degraded.
     """
@@ -137,6 +139,7 @@ class AgentOptions:
     journal_path: str | Path | None = None
     journal_max_bytes: int = 64 * 1024 * 1024
     drain_interval_s: float = 0.5
+    drain_timeout_s: float = 5.0
     telemetry_interval_s: float = 10.0
     strict: bool = False
 
@@ -335,7 +338,7 @@ class EdgeAgent:
         self.meter = meter
         self.telemetry = telemetry
         self.on_late_reply = on_late_reply
-        self.journal: Any = None
+        self.journal: Journal | None = None
         self._seq = itertools.count(1)
         self._obs: deque[tuple[Any, ...]] = deque()
         self._fold_lock = threading.Lock()
@@ -352,7 +355,8 @@ class EdgeAgent:
         if self.transport is not None:
             await self.transport.__aenter__()
         if self.options.journal_path is not None:
-            self.journal = _open_journal(self.options.journal_path, self.options.journal_max_bytes)
+            # a corrupt file is moved aside (and logged) by the journal itself; `journal.recovered_from` says where
+            self.journal = Journal(self.options.journal_path, max_bytes=self.options.journal_max_bytes)
         if self.meter is not None:
             self.meter.start()
         self._tasks.append(asyncio.create_task(self._housekeeping(), name="tierkit-housekeeping"))
@@ -470,7 +474,7 @@ class EdgeAgent:
         left_ms = self.budget.latency_ms - (perf_counter() - p.t0) * 1e3 - self.options.margin_ms
         reason = self._skip_reason(left_ms)
         if reason:
-            return self._degrade(p, rows, reason, None)
+            return await self._degrade(p, rows, reason, None)
         whole = len(rows) == len(p.mask)
         sub = p.inputs if whole else {k: a[rows] for k, a in p.inputs.items()}
         expected = p.outputs if whole else {k: a[rows] for k, a in p.outputs.items()}
@@ -497,12 +501,12 @@ class EdgeAgent:
             kind = ("timeout" if isinstance(error, CloudTimeout) else
                     "unavailable" if isinstance(error, CloudUnavailable) else "error")
             logger.debug("escalation %d failed (%s): %s", p.seq, kind, error)
-            return self._degrade(p, rows, kind, request, rtt_ms=rtt_ms)
+            return await self._degrade(p, rows, kind, request, rtt_ms=rtt_ms)
         cloud = _check_reply(response, self.cloud_model, expected)
         if isinstance(cloud, str):
             self.breaker.record_failure()
             logger.warning("ignoring the cloud's answer to request %d: %s", p.seq, cloud)
-            return self._degrade(p, rows, "bad_reply", None, rtt_ms=rtt_ms)
+            return await self._degrade(p, rows, "bad_reply", None, rtt_ms=rtt_ms)
         self.breaker.record_success()
         self.rtt.add(rtt_ms)
         first = self.outputs[0].name
@@ -548,12 +552,20 @@ class EdgeAgent:
         return encode_request(self.cloud_model, sub, request_id=f"{self.options.boot_id}-{p.seq}",
                               parameters=params)
 
-    def _degrade(self, p: Pending, rows: np.ndarray, reason: str, request: inference_pb2.ModelInferRequest | None,
-                 *, rtt_ms: float | None = None) -> Prediction:
+    async def _degrade(self, p: Pending, rows: np.ndarray, reason: str,
+                       request: inference_pb2.ModelInferRequest | None, *, rtt_ms: float | None = None) -> Prediction:
+        """The local answer, marked degraded; with `keep`, the escalation is journaled first."""
         if p.keep and self.journal is not None and reason != "bad_reply":
             if request is None:
                 request = self._request(p, {k: a[rows] for k, a in p.inputs.items()}, rows, 0.0)
-            self._journal_request(p.seq, request)
+            try:
+                # durable before the answer returns (fsync: off the loop), so kill -9 loses nothing
+                await asyncio.to_thread(self.journal.append, "escalation", request.SerializeToString(),
+                                        device=self.options.device_id, boot_id=self.options.boot_id, seq=p.seq)
+                self.stats.journaled += 1
+            except JournalFull as exc:
+                logger.warning("escalation %d not kept: %s", p.seq, exc)
+                reason = "journal_full"
         return self._finish(p.variant, p.outputs, p.scores, p.single, p.t0, p.edge_ms, p.seq, degraded=True,
                             reason=reason, rtt_ms=rtt_ms, wanted=len(rows))
 
@@ -652,7 +664,9 @@ class EdgeAgent:
                 "model": self.model_name, "variant": variant.id,
                 "threshold": variant.policy.threshold if threshold is None else threshold,
                 "budget_ms": self.budget.latency_ms, "breaker": self.breaker.state,
-                "journal_pending": self._journal_pending(), **self.stats.snapshot()}
+                "journal_pending": self._journal_pending(),
+                "journal_recovered_from": str(self.journal.recovered_from or "") if self.journal else "",
+                **self.stats.snapshot()}
 
     async def _housekeeping(self) -> None:
         next_telemetry = time.monotonic() + self.options.telemetry_interval_s
@@ -675,57 +689,43 @@ class EdgeAgent:
                 except Exception:
                     logger.exception("publishing telemetry failed; it is skipped this time")
 
-    def _journal_request(self, seq: int, request: inference_pb2.ModelInferRequest) -> None:
-        try:
-            self.journal.append(self.options.device_id, self.options.boot_id, seq, request.SerializeToString())
-        except Exception:
-            logger.exception("could not journal escalation %d; it is answered locally only", seq)
-        else:
-            self.stats.journaled += 1
-
     def _journal_pending(self) -> int:
-        if self.journal is None:
-            return 0
-        try:
-            return int(self.journal.count())
-        except Exception:
-            return -1
+        return 0 if self.journal is None else self.journal.count()
 
     async def _drain_loop(self) -> None:
         while True:
             await asyncio.sleep(self.options.drain_interval_s)
-            if self.breaker.state == "open" or not self._journal_pending():
+            # an open breaker waits out its timeout; half-open, the first journaled entry is the probe
+            if self.breaker.state == "open" or not await asyncio.to_thread(self._journal_pending):
                 continue
             try:
                 await self.drain_journal()
             except Exception:
                 logger.exception("draining the journal failed; retrying later")
 
-    async def drain_journal(self, limit: int = 64) -> int:
-        """Send journaled escalations (oldest first) while the cloud answers; returns how many were sent."""
-        sent = 0
-        for entry in self.journal.pending(limit):
-            request = inference_pb2.ModelInferRequest.FromString(entry.payload)
-            request.parameters[topics.PARAM_DEADLINE_MS].int64_param = int(time.time() * 1e3 + 5000)
-            if not self.breaker.allow():
-                break
+    async def drain_journal(self) -> int:
+        """Send journaled escalations, oldest first, until one fails; returns how many were delivered."""
+        return await drain(self.journal, self._send_journaled)
+
+    async def _send_journaled(self, entry: JournalEntry) -> None:
+        request = inference_pb2.ModelInferRequest.FromString(entry.payload)
+        timeout_s = self.options.drain_timeout_s
+        request.parameters[topics.PARAM_DEADLINE_MS].int64_param = int(time.time() * 1e3 + timeout_s * 1e3)
+        if not self.breaker.allow():
+            msg = "the circuit breaker is open"
+            raise CloudUnavailable(msg)
+        try:
+            response = await self.transport.escalate(request, timeout_s=timeout_s)  # type: ignore[union-attr]
+        except EscalationError:
+            self.breaker.record_failure()
+            raise
+        self.breaker.record_success()
+        self.stats.late_replies += 1
+        if self.on_late_reply is not None:
             try:
-                response = await self.transport.escalate(request, timeout_s=5.0)  # type: ignore[union-attr]
-            except EscalationError as exc:
-                self.breaker.record_failure()
-                logger.info("journal drain stopped: %s", exc)
-                break
-            self.breaker.record_success()
-            self.journal.ack([entry.id])
-            sent += 1
-            self.stats.late_replies += 1
-            if self.on_late_reply is not None:
-                outputs = _check_reply(response, self.cloud_model, {})
-                try:
-                    self.on_late_reply(entry.seq, None if isinstance(outputs, str) else _decode(response))
-                except Exception:
-                    logger.exception("the late-reply callback failed for seq %d", entry.seq)
-        return sent
+                self.on_late_reply(entry.seq, _decode(response))
+            except Exception:
+                logger.exception("the late-reply callback failed for seq %d", entry.seq)
 
 
 def _decode(response: inference_pb2.ModelInferResponse) -> dict[str, np.ndarray] | None:
@@ -747,12 +747,6 @@ def _feed(ctl: Any, rec: tuple[Any, ...]) -> None:
     except Exception:
         logger.exception("the controller rejected an observation; it is dropped")
 
-
-
-def _open_journal(path: str | Path, max_bytes: int) -> Any:
-    from edge_agent.journal import Journal
-
-    return Journal(path, max_bytes)
 
 
 @dataclass

@@ -1,0 +1,116 @@
+"""Store and forward: kept escalations are journaled while the cloud is down and sent once it is back."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from cloud_service.protocol import decode_inputs, encode_response, get_parameters, topics
+from compilers.package import ModelPackage
+from edge_agent.agent import AgentOptions, EdgeAgent
+from edge_agent.breaker import BreakerConfig
+from edge_agent.journal import Journal
+from edge_agent.policy import Policy
+from edge_agent.transports.fake import FakeTransport
+from runtimes.errors import CloudUnavailable
+from sdk import zoo
+from tests.sdk.packages import make_package
+
+
+@pytest.fixture(scope="module")
+def package(digits_linear_onnx: Path, digits: zoo.Split, tmp_path_factory: pytest.TempPathFactory) -> ModelPackage:
+    return make_package(digits_linear_onnx, tmp_path_factory.mktemp("pkg") / "digits", name="digits",
+                        x_val=digits.x_val, y_val=digits.y_val)
+
+
+class FlakyCloud:
+    """Refuses while `down`, answers class 1 otherwise; counts what it answered, by (boot, seq)."""
+
+    def __init__(self) -> None:
+        self.down = True
+        self.answered: list[tuple[str, int]] = []
+
+    def __call__(self, request: Any) -> Any:
+        if self.down:
+            msg = "refused"
+            raise CloudUnavailable(msg)
+        params = get_parameters(request.parameters)
+        self.answered.append((str(params[topics.PARAM_BOOT]), int(params[topics.PARAM_SEQ])))
+        logits = np.zeros((len(decode_inputs(request)["x"]), 10), np.float32)
+        logits[:, 1] = 5
+        return encode_response("digits", {"logits": logits})
+
+
+def options(tmp_path: Path, **kw: Any) -> AgentOptions:
+    return AgentOptions(journal_path=tmp_path / "journal.db", drain_interval_s=0.05,
+                        breaker=BreakerConfig(failure_threshold=1, reset_timeout_s=0.1), **kw)
+
+
+def test_kept_escalations_are_sent_once_when_the_cloud_returns(package: ModelPackage, digits: zoo.Split,
+                                                              tmp_path: Path) -> None:
+    cloud = FlakyCloud()
+    late: list[int] = []
+
+    async def main() -> None:
+        agent = EdgeAgent(package, cloud=FakeTransport(cloud), policy=Policy(threshold=2.0),
+                          options=options(tmp_path), on_late_reply=lambda seq, out: late.append(seq))
+        async with agent:
+            preds = [await agent.infer(x, keep=True) for x in digits.x_test[:6]]
+            assert all(p.degraded for p in preds)
+            assert agent.journal is not None
+            assert agent.journal.count() == 6
+            cloud.down = False
+            for _ in range(100):
+                await asyncio.sleep(0.05)
+                if agent.journal.count() == 0:
+                    break
+            assert agent.journal.count() == 0
+            assert sorted(late) == sorted(p.seq for p in preds)
+
+    asyncio.run(main())
+    assert len(cloud.answered) == len(set(cloud.answered)) == 6
+
+
+def test_unkept_escalations_are_not_journaled(package: ModelPackage, digits: zoo.Split, tmp_path: Path) -> None:
+    async def main() -> int:
+        async with EdgeAgent(package, cloud=FakeTransport(FlakyCloud()), policy=Policy(threshold=2.0),
+                             options=options(tmp_path)) as agent:
+            await agent.infer(digits.x_test[0])
+            return agent.journal.count()  # type: ignore[union-attr]
+
+    assert asyncio.run(main()) == 0
+
+
+def test_policy_keep_and_full_journal(package: ModelPackage, digits: zoo.Split, tmp_path: Path) -> None:
+    async def main() -> list[str]:
+        async with EdgeAgent(package, cloud=FakeTransport(FlakyCloud()), policy=Policy(threshold=2.0, keep=True),
+                             options=options(tmp_path, journal_max_bytes=700)) as agent:
+            return [(await agent.infer(x)).reason for x in digits.x_test[:3]]
+
+    reasons = asyncio.run(main())
+    assert reasons[0] in {"unavailable", "breaker_open"}
+    assert reasons[-1] == "journal_full"
+
+
+def test_corrupt_journal_is_moved_aside(package: ModelPackage, digits: zoo.Split, tmp_path: Path,
+                                        caplog: pytest.LogCaptureFixture) -> None:
+    (tmp_path / "journal.db").write_bytes(b"this is not a database" * 100)
+
+    async def main() -> dict[str, Any]:
+        async with EdgeAgent(package, cloud=FakeTransport(FlakyCloud()), policy=Policy(threshold=2.0),
+                             options=options(tmp_path)) as agent:
+            await agent.infer(digits.x_test[0], keep=True)
+            return agent.snapshot()
+
+    with caplog.at_level(logging.WARNING):
+        snap = asyncio.run(main())
+    assert "corrupt" in caplog.text
+    assert snap["journal_recovered_from"]
+    assert Path(snap["journal_recovered_from"]).exists()
+    with Journal(tmp_path / "journal.db") as journal:
+        assert journal.count() == 1
