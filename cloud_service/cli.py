@@ -1,9 +1,166 @@
-"""Subcommands of this layer (filled in by the layer's own work)."""
+"""`tierkit serve`: the cloud tier as one process.
+
+    tierkit serve --models DIR [--grpc HOST:PORT] [--mqtt mqtt://HOST:PORT] [--metrics HOST:PORT]
+
+Everything binds to loopback unless told otherwise. The bound addresses are printed once the
+server is ready; SIGTERM or SIGINT drains and exits 0; SIGHUP rescans the models directory.
+Secrets come from the environment, never the command line: `TIERKIT_MQTT_PASSWORD`.
+"""
 
 from __future__ import annotations
 
 import argparse
+import asyncio
+import json
+import os
+import signal
+import socket
+import sys
+from pathlib import Path
+from typing import Any
+
+from cloud_service.config import BatchingConfig, ModelOptions, MqttConfig, ServerConfig
+from cloud_service.security import GrpcTls, MqttTls
+from runtimes.errors import ConfigError
+
+_BATCH_KEYS = {"max_batch_size", "preferred_batch_sizes", "max_queue_delay_us", "max_queue_size"}
+_MODEL_KEYS = {"instances", "intra_op_threads", "allow_non_finite"}
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
-    """Register this layer's subcommands."""
+    """Register `tierkit serve`."""
+    p = subparsers.add_parser("serve", help="serve model packages over gRPC (Open Inference Protocol) and MQTT",
+                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--models", required=True, type=Path, metavar="DIR", help="packages and variant sets to serve")
+    p.add_argument("--grpc", default="127.0.0.1:8001", metavar="HOST:PORT", help="gRPC address (port 0: any free)")
+    p.add_argument("--no-grpc", action="store_true", help="serve MQTT only")
+    p.add_argument("--mqtt", metavar="URL", help="MQTT broker, mqtt://HOST:PORT or mqtts://HOST:PORT")
+    p.add_argument("--metrics", metavar="HOST:PORT", help="Prometheus endpoint address")
+    p.add_argument("--trusted-key", action="append", type=Path, default=[], metavar="PUB",
+                   help="Ed25519 public key; packages must be signed by one (repeatable)")
+    b = p.add_argument_group("batching (defaults for every model)")
+    b.add_argument("--max-batch-size", type=int, default=32)
+    b.add_argument("--preferred-batch-sizes", default="", metavar="N,N", help="sizes worth waiting for")
+    b.add_argument("--max-queue-delay-us", type=int, default=0)
+    b.add_argument("--max-queue-size", type=int, default=512)
+    b.add_argument("--no-batching", action="store_true", help="run every request alone")
+    b.add_argument("--instances", type=int, default=1, help="model instances (worker threads) per model")
+    b.add_argument("--threads", type=int, default=0, help="intra-op threads per instance (0: backend default)")
+    b.add_argument("--allow-non-finite", action="store_true", help="accept NaN/Inf inputs")
+    b.add_argument("--model-config", type=Path, metavar="FILE",
+                   help="YAML/JSON {defaults: {...}, models: {NAME: {...}}} with the keys above in snake_case")
+    s = p.add_argument_group("limits and lifecycle")
+    s.add_argument("--max-message-mb", type=float, default=16.0, help="largest request accepted")
+    s.add_argument("--poll-s", type=float, default=0.0, help="rescan the models directory every N seconds")
+    s.add_argument("--drain-s", type=float, default=30.0, help="grace for in-flight requests on shutdown/swap")
+    t = p.add_argument_group("security")
+    t.add_argument("--grpc-cert", type=Path, help="server certificate (PEM) for gRPC TLS")
+    t.add_argument("--grpc-key", type=Path, help="server key (PEM) for gRPC TLS")
+    t.add_argument("--grpc-client-ca", type=Path, help="CA for client certificates: mutual TLS")
+    t.add_argument("--mqtt-ca", type=Path, help="CA of the broker's certificate")
+    t.add_argument("--mqtt-cert", type=Path, help="client certificate for the broker")
+    t.add_argument("--mqtt-key", type=Path, help="client key for the broker")
+    t.add_argument("--mqtt-username", help="broker user name (password from TIERKIT_MQTT_PASSWORD)")
+    m = p.add_argument_group("MQTT")
+    m.add_argument("--mqtt-group", default="tierkit", help="shared-subscription group of the replicas")
+    m.add_argument("--mqtt-client-id", help="stable per replica (default: tierkit-HOSTNAME-PORT)")
+    m.add_argument("--mqtt-session-expiry", type=int, default=30, metavar="S")
+    p.set_defaults(func=run)
+
+
+def _options(doc: dict[str, Any], base: ModelOptions, where: str) -> ModelOptions:
+    unknown = set(doc) - _BATCH_KEYS - _MODEL_KEYS
+    if unknown:
+        msg = f"{where}: unknown key(s) {sorted(unknown)}; known: {sorted(_BATCH_KEYS | _MODEL_KEYS)}"
+        raise ConfigError(msg)
+    batching = {k: getattr(base.batching, k) for k in _BATCH_KEYS} | {k: v for k, v in doc.items() if k in _BATCH_KEYS}
+    batching["preferred_batch_sizes"] = tuple(batching["preferred_batch_sizes"])
+    model = {k: getattr(base, k) for k in _MODEL_KEYS} | {k: v for k, v in doc.items() if k in _MODEL_KEYS}
+    return ModelOptions(batching=BatchingConfig(**batching), **model)
+
+
+def _load_model_config(path: Path, defaults: ModelOptions) -> tuple[ModelOptions, dict[str, ModelOptions]]:
+    try:
+        text = path.read_text()
+        if path.suffix == ".json":
+            doc = json.loads(text)
+        else:
+            import yaml
+
+            doc = yaml.safe_load(text)
+    except (OSError, ValueError) as exc:
+        msg = f"cannot read the model config {str(path)!r}: {exc}"
+        raise ConfigError(msg) from None
+    doc = doc or {}
+    if not isinstance(doc, dict) or set(doc) - {"defaults", "models"}:
+        msg = f"{path}: expected a mapping with 'defaults' and/or 'models'"
+        raise ConfigError(msg)
+    defaults = _options(doc.get("defaults") or {}, defaults, f"{path}: defaults")
+    models = {str(name): _options(spec or {}, defaults, f"{path}: models.{name}")
+              for name, spec in (doc.get("models") or {}).items()}
+    return defaults, models
+
+
+def build_config(args: argparse.Namespace, env: dict[str, str]) -> ServerConfig:
+    """Turn the parsed arguments and environment into a `ServerConfig`."""
+    preferred = tuple(int(v) for v in args.preferred_batch_sizes.split(",") if v.strip())
+    batching = BatchingConfig(max_batch_size=1 if args.no_batching else args.max_batch_size,
+                              preferred_batch_sizes=() if args.no_batching else preferred,
+                              max_queue_delay_us=args.max_queue_delay_us, max_queue_size=args.max_queue_size)
+    defaults = ModelOptions(batching=batching, instances=args.instances, intra_op_threads=args.threads,
+                            allow_non_finite=args.allow_non_finite)
+    models: dict[str, ModelOptions] = {}
+    if args.model_config:
+        defaults, models = _load_model_config(args.model_config, defaults)
+    grpc_tls = None
+    if args.grpc_cert or args.grpc_key:
+        if not (args.grpc_cert and args.grpc_key):
+            msg = "gRPC TLS needs both --grpc-cert and --grpc-key"
+            raise ConfigError(msg)
+        grpc_tls = GrpcTls(args.grpc_cert, args.grpc_key, args.grpc_client_ca)
+    elif args.grpc_client_ca:
+        msg = "--grpc-client-ca needs --grpc-cert and --grpc-key"
+        raise ConfigError(msg)
+    mqtt = None
+    if args.mqtt:
+        tls = MqttTls(args.mqtt_ca, args.mqtt_cert, args.mqtt_key) if (
+            args.mqtt_ca or args.mqtt_cert or args.mqtt_key) else None
+        port = args.grpc.rpartition(":")[2] if not args.no_grpc else ""
+        suffix = port if port not in ("", "0") else str(os.getpid())
+        client_id = args.mqtt_client_id or f"tierkit-{socket.gethostname()}-{suffix}"
+        mqtt = MqttConfig(url=args.mqtt, group=args.mqtt_group, client_id=client_id,
+                          session_expiry_s=args.mqtt_session_expiry, username=args.mqtt_username,
+                          password=env.get("TIERKIT_MQTT_PASSWORD"), tls=tls)
+    return ServerConfig(models_dir=args.models, grpc_address=None if args.no_grpc else args.grpc, grpc_tls=grpc_tls,
+                        mqtt=mqtt, metrics_address=args.metrics, trusted_keys=tuple(args.trusted_key),
+                        defaults=defaults, models=models, max_message_bytes=int(args.max_message_mb * 1024 * 1024),
+                        poll_interval_s=args.poll_s, drain_timeout_s=args.drain_s)
+
+
+async def serve(config: ServerConfig) -> None:
+    """Run until SIGTERM/SIGINT; print the addresses once ready."""
+    from cloud_service.service import CloudService
+
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    async with CloudService(config) as service:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        loop.add_signal_handler(signal.SIGHUP, lambda: loop.create_task(service.reload()))
+        models = ", ".join(f"{m.name}:{m.version}" for m in service.repository) or "none"
+        for kind in ("grpc", "mqtt", "metrics"):
+            if kind in service.addresses:
+                print(f"{kind} {service.addresses[kind]}", flush=True)
+        print(f"models {models}", flush=True)
+        print("ready", flush=True)
+        await stop.wait()
+        print("stopping", flush=True)
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        loop.remove_signal_handler(sig)
+
+
+def run(args: argparse.Namespace) -> int:
+    config = build_config(args, dict(os.environ))
+    asyncio.run(serve(config))
+    print("stopped", file=sys.stderr, flush=True)
+    return 0

@@ -1,0 +1,314 @@
+"""A Triton-style dynamic batcher: pure asyncio, no RPC types inside.
+
+Requests queue per model. Each model instance has one worker coroutine and one dedicated thread:
+the worker forms a batch (concatenating compatible requests along axis 0), runs it in its thread
+so the event loop stays free, and splits the outputs back to the callers' futures.
+
+- A full queue refuses at once with `ServerBusy` (RESOURCE_EXHAUSTED plus a retry hint): the
+  server never grows an unbounded backlog.
+- A request past its deadline is dropped before compute with `CloudTimeout`; a request whose
+  caller went away (cancelled future) is skipped.
+- Requests batch together only when their non-batch dimensions and dtypes agree; the others wait
+  for a later batch, in order.
+- When a merged batch fails, its requests run one by one, so one poisonous input fails alone.
+
+Example:
+    >>> async with DynamicBatcher("digits", [session.run], BatchingConfig(max_batch_size=32),
+    ...                           batched=True) as batcher:
+    ...     outputs = await batcher.infer({"x": x}, deadline=loop.time() + 0.5)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import logging
+import time
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from types import TracebackType
+from typing import Any, Protocol
+
+import numpy as np
+
+from cloud_service.config import BatchingConfig
+from cloud_service.errors import ServerBusy
+from runtimes.errors import BackendUnavailable, CloudTimeout, InferenceError, InputError, TierkitError
+
+log = logging.getLogger(__name__)
+
+Arrays = Mapping[str, np.ndarray]
+Runner = Callable[[Arrays], Mapping[str, np.ndarray]]
+
+
+class BatchObserver(Protocol):
+    """Receives the batcher's measurements (the metrics module implements it)."""
+
+    def on_queue(self, depth: int) -> None: ...
+    def on_batch(self, rows: int, requests: int, seconds: float) -> None: ...
+    def on_expired(self, count: int) -> None: ...
+
+
+class _NullObserver:
+    def on_queue(self, depth: int) -> None:
+        pass
+
+    def on_batch(self, rows: int, requests: int, seconds: float) -> None:
+        pass
+
+    def on_expired(self, count: int) -> None:
+        pass
+
+
+@dataclass(eq=False, slots=True)
+class _Request:
+    inputs: Arrays
+    rows: int
+    key: tuple[Any, ...]
+    deadline: float | None
+    enqueued: float
+    future: asyncio.Future[dict[str, np.ndarray]]
+
+
+class DynamicBatcher:
+    """Queue, batch and run requests for one model.
+
+    Args:
+        name: model name, for messages and thread names.
+        runners: one blocking `run(inputs) -> outputs` per model instance.
+        config: batching limits.
+        batched: whether inputs may be concatenated along axis 0 (every input and output has a
+            dynamic batch axis). When False each request runs alone, still bounded by the queue.
+        observer: receives queue depth, batch sizes and drops.
+    """
+
+    def __init__(self, name: str, runners: Sequence[Runner], config: BatchingConfig, *, batched: bool,
+                 observer: BatchObserver | None = None) -> None:
+        if not runners:
+            msg = f"model {name!r}: at least one model instance is needed"
+            raise InferenceError(msg)
+        self.name = name
+        self.config = config
+        self.batched = batched and config.max_batch_size > 1
+        self._runners = list(runners)
+        self._observer: BatchObserver = observer or _NullObserver()
+        self._queue: collections.deque[_Request] = collections.deque()
+        self._wakeup = asyncio.Event()
+        self._closed = False
+        self._workers: list[asyncio.Task[None]] = []
+        self._executors: list[ThreadPoolExecutor] = []
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._batch_s = 0.001  # moving average of one batch's run time, for the retry hint
+
+    async def __aenter__(self) -> DynamicBatcher:
+        self.start()
+        return self
+
+    async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                        tb: TracebackType | None) -> None:
+        await self.aclose()
+
+    @property
+    def queue_depth(self) -> int:
+        return len(self._queue)
+
+    def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        for i, runner in enumerate(self._runners):
+            # One thread per instance: the backend call blocks, and a session is used by one thread.
+            executor = ThreadPoolExecutor(1, thread_name_prefix=f"tierkit-{self.name}-{i}")
+            self._executors.append(executor)
+            self._workers.append(self._loop.create_task(self._work(runner, executor), name=f"batcher-{self.name}-{i}"))
+
+    async def aclose(self, timeout: float | None = None) -> None:
+        """Stop taking requests, finish the queued ones (up to `timeout`), stop the threads."""
+        self._closed = True
+        self._wakeup.set()
+        if self._workers:
+            _, pending = await asyncio.wait(self._workers, timeout=timeout)
+            for task in pending:
+                task.cancel()
+            await asyncio.gather(*pending, return_exceptions=True)
+        while self._queue:
+            request = self._queue.popleft()
+            if not request.future.done():
+                msg = f"model {self.name!r} was unloaded before this request ran; retry"
+                request.future.set_exception(BackendUnavailable(msg))
+        for executor in self._executors:
+            executor.shutdown(wait=False)
+        self._workers.clear()
+
+    def submit(self, inputs: Arrays, *, deadline: float | None = None) -> asyncio.Future[dict[str, np.ndarray]]:
+        """Queue one request; its future resolves to the outputs. Raises at once when refused.
+
+        Args:
+            inputs: validated input arrays.
+            deadline: absolute time on the event loop's clock (`loop.time()`) after which the
+                request is dropped instead of computed.
+        """
+        loop = self._loop
+        if self._closed or loop is None:
+            msg = f"model {self.name!r} is not accepting requests (unloading); retry"
+            raise BackendUnavailable(msg)
+        if len(self._queue) >= self.config.max_queue_size:
+            msg = (f"model {self.name!r}: queue full ({self.config.max_queue_size} requests waiting); "
+                   "retry after the hinted delay or add replicas")
+            raise ServerBusy(msg, retry_after_ms=self._retry_hint_ms())
+        rows, key = self._shape_key(inputs)
+        future: asyncio.Future[dict[str, np.ndarray]] = loop.create_future()
+        self._queue.append(_Request(inputs, rows, key, deadline, loop.time(), future))
+        self._wakeup.set()
+        self._observer.on_queue(len(self._queue))
+        return future
+
+    async def infer(self, inputs: Arrays, *, deadline: float | None = None) -> dict[str, np.ndarray]:
+        """Queue one request and wait for its outputs."""
+        return await self.submit(inputs, deadline=deadline)
+
+    def _shape_key(self, inputs: Arrays) -> tuple[int, tuple[Any, ...]]:
+        if not self.batched:
+            return 1, ()
+        rows = {int(a.shape[0]) if a.ndim else -1 for a in inputs.values()}
+        if len(rows) != 1 or -1 in rows:
+            msg = f"model {self.name!r}: all inputs must share axis 0 (the batch), got {sorted(rows)}"
+            raise InputError(msg)
+        (n,) = rows
+        if n > self.config.max_batch_size:
+            msg = f"model {self.name!r}: batch of {n} rows exceeds max_batch_size {self.config.max_batch_size}"
+            raise InputError(msg)
+        return n, tuple((k, a.dtype.str, a.shape[1:]) for k, a in sorted(inputs.items()))
+
+    def _retry_hint_ms(self) -> int:
+        per_batch = max(1, self.config.max_batch_size if self.batched else 1)
+        batches = len(self._queue) / per_batch / len(self._runners)
+        return int(min(5000, max(1, 1000 * self._batch_s * max(1.0, batches))))
+
+    async def _take(self) -> list[_Request] | None:
+        loop = asyncio.get_running_loop()
+        delay = self.config.max_queue_delay_us / 1e6
+        while True:
+            if not self._queue:
+                if self._closed:
+                    return None
+                self._wakeup.clear()
+                await self._wakeup.wait()
+                continue
+            head = self._queue[0]
+            if not self.batched:
+                return [self._queue.popleft()]
+            if self._closed or delay == 0 or self._ready_rows(head) >= self.config.target_rows:
+                return self._pop_batch(head)
+            wait = head.enqueued + delay - loop.time()
+            if wait <= 0:
+                return self._pop_batch(head)
+            self._wakeup.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wakeup.wait(), wait)
+
+    def _ready_rows(self, head: _Request) -> int:
+        rows = 0
+        for request in self._queue:
+            if request.key == head.key:
+                rows += request.rows
+                if rows >= self.config.max_batch_size:
+                    break
+        return rows
+
+    def _pop_batch(self, head: _Request) -> list[_Request]:
+        batch: list[_Request] = []
+        rest: list[_Request] = []
+        rows, limit = 0, self.config.max_batch_size
+        while self._queue:
+            request = self._queue.popleft()
+            if request.key == head.key and rows + request.rows <= limit:
+                batch.append(request)
+                rows += request.rows
+                if rows == limit:
+                    break
+            else:
+                rest.append(request)
+        self._queue.extendleft(reversed(rest))
+        return batch
+
+    async def _work(self, runner: Runner, executor: ThreadPoolExecutor) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            batch = await self._take()
+            if batch is None:
+                return
+            self._observer.on_queue(len(self._queue))
+            now = loop.time()
+            live: list[_Request] = []
+            expired = 0
+            for request in batch:
+                if request.future.done():  # the caller gave up (cancelled)
+                    continue
+                if request.deadline is not None and now >= request.deadline:
+                    waited = (now - request.enqueued) * 1000
+                    msg = f"model {self.name!r}: request expired after {waited:.1f} ms in the queue; not computed"
+                    request.future.set_exception(CloudTimeout(msg))
+                    expired += 1
+                    continue
+                live.append(request)
+            if expired:
+                self._observer.on_expired(expired)
+            if not live:
+                continue
+            started = time.perf_counter()
+            try:
+                results = await loop.run_in_executor(executor, self._run, runner, live)
+            except asyncio.CancelledError:  # aclose() gave up waiting: answer, never strand a caller
+                for request in live:
+                    if not request.future.done():
+                        msg = f"model {self.name!r} was unloaded while this request ran; retry"
+                        request.future.set_exception(BackendUnavailable(msg))
+                raise
+            seconds = time.perf_counter() - started
+            self._batch_s = 0.8 * self._batch_s + 0.2 * seconds
+            self._observer.on_batch(sum(r.rows for r in live), len(live), seconds)
+            for request, result in zip(live, results, strict=True):
+                if request.future.done():
+                    continue
+                if isinstance(result, BaseException):
+                    request.future.set_exception(result)
+                else:
+                    request.future.set_result(result)
+
+    # -- in the instance's thread --------------------------------------------------------------
+
+    def _run(self, runner: Runner, batch: list[_Request]) -> list[dict[str, np.ndarray] | BaseException]:
+        if len(batch) == 1:
+            return [self._call(runner, batch[0].inputs, batch[0].rows)]
+        merged = {name: np.concatenate([r.inputs[name] for r in batch]) for name in batch[0].inputs}
+        total = sum(r.rows for r in batch)
+        out = self._call(runner, merged, total)
+        if isinstance(out, BaseException):
+            # Isolate the request that broke the batch; the others still get answers.
+            return [self._call(runner, r.inputs, r.rows) for r in batch]
+        results: list[dict[str, np.ndarray] | BaseException] = []
+        start = 0
+        for request in batch:
+            stop = start + request.rows
+            results.append({name: array[start:stop] for name, array in out.items()})
+            start = stop
+        return results
+
+    def _call(self, runner: Runner, inputs: Arrays, rows: int) -> dict[str, np.ndarray] | BaseException:
+        try:
+            out = {name: np.asarray(value) for name, value in runner(inputs).items()}
+        except TierkitError as exc:
+            return exc
+        except Exception as exc:
+            log.warning("model %r failed on a batch of %d rows: %s", self.name, rows, exc)
+            msg = f"model {self.name!r} failed while running: {type(exc).__name__}: {exc}"
+            error = InferenceError(msg)
+            error.__cause__ = exc
+            return error
+        if self.batched:
+            bad = {name: list(a.shape) for name, a in out.items() if a.ndim == 0 or a.shape[0] != rows}
+            if bad:
+                msg = f"model {self.name!r}: outputs {bad} do not have the batch's {rows} rows on axis 0"
+                return InferenceError(msg)
+        return out

@@ -1,0 +1,205 @@
+"""Options of the cloud service, as frozen dataclasses that validate themselves.
+
+Example:
+    >>> ServerConfig(models_dir=Path("models"), grpc_address="127.0.0.1:8001",
+    ...              defaults=ModelOptions(batching=BatchingConfig(max_batch_size=64)))
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import MappingProxyType
+from urllib.parse import urlsplit
+
+from cloud_service.security import GrpcTls, MqttTls
+from runtimes.errors import ConfigError
+
+
+@dataclass(frozen=True, slots=True)
+class BatchingConfig:
+    """Triton-style dynamic batching of one model.
+
+    A batch is dispatched as soon as a model instance is free and either the queued rows reach the
+    largest preferred size (or `max_batch_size`), or the oldest request has waited
+    `max_queue_delay_us`. With the default delay of 0 the batcher never waits: requests that pile
+    up while an instance is busy form the next batch, which keeps single-request latency low.
+
+    Args:
+        max_batch_size: most rows in one run; 1 turns batching off.
+        preferred_batch_sizes: batch sizes worth waiting for (up to `max_queue_delay_us`).
+        max_queue_delay_us: longest a request waits for a batch to fill.
+        max_queue_size: queued requests before new ones are refused with RESOURCE_EXHAUSTED.
+    """
+
+    max_batch_size: int = 32
+    preferred_batch_sizes: tuple[int, ...] = ()
+    max_queue_delay_us: int = 0
+    max_queue_size: int = 512
+
+    def __post_init__(self) -> None:
+        if self.max_batch_size < 1:
+            msg = f"max_batch_size must be >= 1, got {self.max_batch_size}"
+            raise ConfigError(msg)
+        sizes = tuple(sorted({int(s) for s in self.preferred_batch_sizes}))
+        if any(s < 1 or s > self.max_batch_size for s in sizes):
+            msg = f"preferred_batch_sizes {list(sizes)} must lie in 1..max_batch_size ({self.max_batch_size})"
+            raise ConfigError(msg)
+        object.__setattr__(self, "preferred_batch_sizes", sizes)
+        if self.max_queue_delay_us < 0:
+            msg = f"max_queue_delay_us must be >= 0, got {self.max_queue_delay_us}"
+            raise ConfigError(msg)
+        if self.max_queue_size < 1:
+            msg = f"max_queue_size must be >= 1, got {self.max_queue_size}"
+            raise ConfigError(msg)
+
+    @property
+    def target_rows(self) -> int:
+        """Rows worth waiting for before dispatching early."""
+        return self.preferred_batch_sizes[-1] if self.preferred_batch_sizes else self.max_batch_size
+
+
+@dataclass(frozen=True, slots=True)
+class ModelOptions:
+    """How one model is served.
+
+    Args:
+        batching: dynamic batching; applies only where every input and output has a dynamic axis 0.
+        instances: model instances, each with its own session and worker thread.
+        intra_op_threads: threads per instance inside one operator (0 = the backend's default).
+        allow_non_finite: accept NaN/Inf in floating-point inputs. Off by default: a NaN that
+            reaches a classifier yields an arbitrary class, so such inputs are refused with
+            INVALID_ARGUMENT unless the model is known to handle them.
+    """
+
+    batching: BatchingConfig = field(default_factory=BatchingConfig)
+    instances: int = 1
+    intra_op_threads: int = 0
+    allow_non_finite: bool = False
+
+    def __post_init__(self) -> None:
+        if self.instances < 1:
+            msg = f"instances must be >= 1, got {self.instances}"
+            raise ConfigError(msg)
+        if self.intra_op_threads < 0:
+            msg = f"intra_op_threads must be >= 0, got {self.intra_op_threads}"
+            raise ConfigError(msg)
+
+
+@dataclass(frozen=True, slots=True)
+class MqttConfig:
+    """The MQTT v5 bridge.
+
+    Args:
+        url: `mqtt://HOST:PORT` or `mqtts://HOST:PORT` (TLS).
+        group: shared-subscription group; replicas in one group share escalations.
+        client_id: stable per replica so a restarted replica resumes its session (default: derived
+            from the host name and group by the CLI).
+        session_expiry_s: how long the broker keeps this replica's session (and queues QoS 1
+            escalations for it) after an unplanned disconnect. A clean shutdown ends it at once.
+        keepalive_s: MQTT keepalive.
+        receive_maximum: unacknowledged escalations the broker may have in flight to this replica.
+        dedupe_ttl_s: how long a result stays in the duplicate-request cache.
+        dedupe_max_entries: bound of that cache.
+        username, password: broker credentials, if any.
+        tls: TLS options (implied by `mqtts://`).
+    """
+
+    url: str = "mqtt://127.0.0.1:1883"
+    group: str = "tierkit"
+    client_id: str = "tierkit-serve"
+    session_expiry_s: int = 30
+    keepalive_s: int = 30
+    receive_maximum: int = 256
+    dedupe_ttl_s: float = 60.0
+    dedupe_max_entries: int = 10_000
+    username: str | None = None
+    password: str | None = field(default=None, repr=False)
+    tls: MqttTls | None = None
+
+    def __post_init__(self) -> None:
+        self.endpoint  # noqa: B018 - validates the URL
+        if not self.client_id:
+            msg = "MQTT client_id must not be empty"
+            raise ConfigError(msg)
+        if self.session_expiry_s < 0 or self.keepalive_s < 1 or not 1 <= self.receive_maximum <= 65535:
+            msg = (f"MQTT session_expiry_s {self.session_expiry_s} must be >= 0, keepalive_s {self.keepalive_s} "
+                   f">= 1, receive_maximum {self.receive_maximum} in 1..65535")
+            raise ConfigError(msg)
+        if self.dedupe_ttl_s < 0 or self.dedupe_max_entries < 0:
+            msg = "dedupe_ttl_s and dedupe_max_entries must be >= 0"
+            raise ConfigError(msg)
+
+    @property
+    def endpoint(self) -> tuple[str, int, bool]:
+        """(host, port, tls) from `url`."""
+        parts = urlsplit(self.url)
+        if parts.scheme not in ("mqtt", "mqtts") or not parts.hostname:
+            msg = f"MQTT url {self.url!r} must look like mqtt://HOST:PORT or mqtts://HOST:PORT"
+            raise ConfigError(msg)
+        tls = parts.scheme == "mqtts" or self.tls is not None
+        try:
+            port = parts.port or (8883 if tls else 1883)
+        except ValueError:
+            msg = f"MQTT url {self.url!r} has an invalid port"
+            raise ConfigError(msg) from None
+        return parts.hostname, port, tls
+
+
+@dataclass(frozen=True, slots=True)
+class ServerConfig:
+    """Everything `tierkit serve` needs.
+
+    Args:
+        models_dir: directory holding model packages (directories or `.tkpkg`) and variant sets.
+        grpc_address: HOST:PORT for the gRPC server (port 0 picks a free one); None disables gRPC.
+        grpc_tls: TLS (and mutual TLS) for gRPC.
+        mqtt: the MQTT bridge, or None.
+        metrics_address: HOST:PORT for the Prometheus endpoint, or None.
+        trusted_keys: Ed25519 public key files; when given, every package must be signed by one.
+        defaults: options for every model; `models` overrides them per model name.
+        max_message_bytes: largest request accepted (gRPC and MQTT).
+        poll_interval_s: how often the models directory is rescanned for new versions (0 = never;
+            `reload()` and SIGHUP still work).
+        drain_timeout_s: how long shutdown and hot swap wait for in-flight requests.
+    """
+
+    models_dir: Path
+    grpc_address: str | None = "127.0.0.1:8001"
+    grpc_tls: GrpcTls | None = None
+    mqtt: MqttConfig | None = None
+    metrics_address: str | None = None
+    trusted_keys: tuple[Path, ...] = ()
+    defaults: ModelOptions = field(default_factory=ModelOptions)
+    models: Mapping[str, ModelOptions] = field(default_factory=dict)
+    max_message_bytes: int = 16 * 1024 * 1024
+    poll_interval_s: float = 0.0
+    drain_timeout_s: float = 30.0
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "models_dir", Path(self.models_dir))
+        object.__setattr__(self, "trusted_keys", tuple(Path(k) for k in self.trusted_keys))
+        object.__setattr__(self, "models", MappingProxyType(dict(self.models)))
+        for address in (self.grpc_address, self.metrics_address):
+            if address is not None:
+                split_address(address)
+        if self.max_message_bytes < 1024:
+            msg = f"max_message_bytes must be >= 1024, got {self.max_message_bytes}"
+            raise ConfigError(msg)
+        if self.poll_interval_s < 0 or self.drain_timeout_s < 0:
+            msg = "poll_interval_s and drain_timeout_s must be >= 0"
+            raise ConfigError(msg)
+
+    def options_for(self, model: str) -> ModelOptions:
+        return self.models.get(model, self.defaults)
+
+
+def split_address(address: str) -> tuple[str, int]:
+    """`HOST:PORT` (or `[V6]:PORT`) -> (host, port)."""
+    host, sep, port = address.rpartition(":")
+    host = host.strip("[]")
+    if not sep or not host or not port.isdigit() or int(port) > 65535:
+        msg = f"address {address!r} must look like HOST:PORT (e.g. 127.0.0.1:8001)"
+        raise ConfigError(msg)
+    return host, int(port)

@@ -1,0 +1,75 @@
+"""One inference, shared by the gRPC servicer and the MQTT bridge: decode, check, batch, encode.
+
+Also the one place that turns an exception into a status name (`status_of`): every tierkit error
+and the codec's error carry a `grpc_status`; anything else is an internal error whose details stay
+in the server log.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from cloud_service.models import ServedModel
+from cloud_service.protocol import decode_inputs, encode_response, get_parameters, topics
+from cloud_service.protocol import inference_pb2 as pb
+from cloud_service.repository import ModelRepository
+from runtimes.errors import BackendUnavailable
+
+log = logging.getLogger(__name__)
+
+
+def status_of(exc: BaseException) -> tuple[str, str]:
+    """(gRPC status name, message for the caller) of an exception raised while answering."""
+    code = getattr(exc, "grpc_status", None)
+    if isinstance(code, str):
+        return code, str(exc)
+    if isinstance(exc, asyncio.CancelledError):
+        return "CANCELLED", "the request was cancelled"
+    log.error("internal error while answering a request", exc_info=exc)
+    return "INTERNAL", f"internal server error ({type(exc).__name__}); the server log has the details"
+
+
+async def infer(repository: ModelRepository, request: pb.ModelInferRequest, *,
+                deadline: float | None = None) -> pb.ModelInferResponse:
+    """Answer one `ModelInferRequest`.
+
+    Args:
+        repository: where the model is looked up.
+        request: the decoded message.
+        deadline: absolute `loop.time()` after which the request is dropped before compute.
+
+    Raises:
+        ModelNotFound, InputError, CodecError, ServerBusy, CloudTimeout, InferenceError.
+    """
+    # No await between get() and submit(): a hot swap cannot slip in between, so the request runs
+    # on the version it was checked against, and that version drains before it is closed.
+    model = repository.get(request.model_name, request.model_version)
+    arrays = decode_inputs(request)
+    model.validate(arrays)
+    names = model.output_names(o.name for o in request.outputs)
+    batcher = model.batcher
+    if batcher is None:
+        msg = f"model {model.name!r} is loading; retry"
+        raise BackendUnavailable(msg)
+    future = batcher.submit(arrays, deadline=deadline)
+    outputs = await future
+    return encode_response(model.name, {n: outputs[n] for n in names}, version=model.version,
+                           request_id=request.id, parameters=_reply_parameters(model, request))
+
+
+def _reply_parameters(model: ServedModel, request: pb.ModelInferRequest) -> dict[str, str | int | float | bool]:
+    params: dict[str, str | int | float | bool] = {}
+    if request.parameters:
+        sent = get_parameters(request.parameters)
+        for key in (topics.PARAM_TRACE, topics.PARAM_SEQ):
+            if key in sent:
+                params[key] = sent[key]
+    return params
+
+
+def model_label(repository: ModelRepository, name: str) -> str:
+    """The metrics label for a requested model name (unknown names share one label)."""
+    from cloud_service.metrics import UNKNOWN_MODEL
+
+    return name if repository.versions(name) else UNKNOWN_MODEL

@@ -1,0 +1,251 @@
+"""The Open Inference Protocol over gRPC (`inference.GRPCInferenceService`), plus health and reflection.
+
+Thin: decode -> `infer.infer` (batcher) -> encode. Errors become statuses in one place
+(`infer.status_of`). A queue-full answer carries the standard `grpc-retry-pushback-ms` trailer.
+
+Oversize requests: the servicer reads each ModelInfer message's size before parsing it, so a request
+over `max_message_bytes` gets RESOURCE_EXHAUSTED with a message, and is counted. gRPC's own receive
+limit is set to twice that, as a hard memory bound; messages beyond it are refused by gRPC itself
+(also RESOURCE_EXHAUSTED) before the servicer sees them, and are not counted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+from google.protobuf import descriptor_pb2, descriptor_pool
+from google.protobuf.message import DecodeError
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection, reflection_pb2
+
+from cloud_service.errors import MessageTooLarge
+from cloud_service.infer import infer, model_label, status_of
+from cloud_service.metrics import Metrics
+from cloud_service.models import ServedModel
+from cloud_service.protocol import CodecError
+from cloud_service.protocol import inference_pb2 as pb
+from cloud_service.repository import ModelRepository
+from runtimes.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+SERVICE = "inference.GRPCInferenceService"
+SERVER_NAME = "tierkit"
+EXTENSIONS = ("model_configuration", "parameters", "health", "reflection")
+_DATA_TYPES = {"bool": pb.TYPE_BOOL, "uint8": pb.TYPE_UINT8, "int8": pb.TYPE_INT8, "int16": pb.TYPE_INT16,
+               "int32": pb.TYPE_INT32, "int64": pb.TYPE_INT64, "float16": pb.TYPE_FP16,
+               "float32": pb.TYPE_FP32, "float64": pb.TYPE_FP64, "bfloat16": pb.TYPE_BF16}
+_OIP = {"bool": "BOOL", "uint8": "UINT8", "int8": "INT8", "int16": "INT16", "int32": "INT32", "int64": "INT64",
+        "float16": "FP16", "float32": "FP32", "float64": "FP64", "bfloat16": "BF16"}
+
+
+@dataclass(frozen=True, slots=True)
+class _Refused:
+    """What the ModelInfer deserializer returns instead of a message it will not parse."""
+
+    error: Exception
+
+
+class InferenceServicer:
+    """Handlers of `inference.GRPCInferenceService`.
+
+    Args:
+        repository: the served models.
+        metrics: where requests are counted.
+        version: reported in ServerMetadata.
+        max_message_bytes: largest ModelInfer request accepted.
+    """
+
+    def __init__(self, repository: ModelRepository, metrics: Metrics, *, version: str,
+                 max_message_bytes: int) -> None:
+        self.repository = repository
+        self.metrics = metrics
+        self.version = version
+        self.max_message_bytes = max_message_bytes
+        self.ready = False
+
+    # -- server -----------------------------------------------------------------------------
+
+    async def ServerLive(self, request: pb.ServerLiveRequest, context: Any) -> pb.ServerLiveResponse:
+        return pb.ServerLiveResponse(live=True)
+
+    async def ServerReady(self, request: pb.ServerReadyRequest, context: Any) -> pb.ServerReadyResponse:
+        return pb.ServerReadyResponse(ready=self.ready)
+
+    async def ServerMetadata(self, request: pb.ServerMetadataRequest, context: Any) -> pb.ServerMetadataResponse:
+        return pb.ServerMetadataResponse(name=SERVER_NAME, version=self.version, extensions=EXTENSIONS)
+
+    # -- models -----------------------------------------------------------------------------
+
+    async def ModelReady(self, request: pb.ModelReadyRequest, context: Any) -> pb.ModelReadyResponse:
+        try:
+            model = self.repository.get(request.name, request.version)
+        except Exception:
+            return pb.ModelReadyResponse(ready=False)
+        return pb.ModelReadyResponse(ready=self.ready and model.batcher is not None)
+
+    async def ModelMetadata(self, request: pb.ModelMetadataRequest, context: Any) -> pb.ModelMetadataResponse:
+        model = await self._model(request.name, request.version, context)
+        out = pb.ModelMetadataResponse(name=model.name, versions=self.repository.versions(model.name),
+                                       platform=model.platform)
+        for spec in model.inputs:
+            out.inputs.add(name=spec.name, datatype=_OIP[spec.dtype], shape=spec.oip_shape)
+        for spec in model.outputs:
+            out.outputs.add(name=spec.name, datatype=_OIP[spec.dtype], shape=spec.oip_shape)
+        return out
+
+    async def ModelConfig(self, request: pb.ModelConfigRequest, context: Any) -> pb.ModelConfigResponse:
+        model = await self._model(request.name, request.version, context)
+        return pb.ModelConfigResponse(config=model_config(model))
+
+    async def _model(self, name: str, version: str, context: Any) -> ServedModel:
+        try:
+            return self.repository.get(name, version)
+        except Exception as exc:
+            code, message = status_of(exc)
+            await context.abort(getattr(grpc.StatusCode, code), message)
+            raise  # unreachable: abort raises
+
+    # -- inference --------------------------------------------------------------------------
+
+    def read_infer_request(self, data: bytes) -> pb.ModelInferRequest | _Refused:
+        if len(data) > self.max_message_bytes:
+            msg = (f"request of {len(data)} bytes exceeds this server's limit of {self.max_message_bytes} bytes; "
+                   "split the batch")
+            return _Refused(MessageTooLarge(msg))
+        try:
+            return pb.ModelInferRequest.FromString(data)
+        except DecodeError as exc:
+            return _Refused(CodecError(f"request is not a valid ModelInferRequest: {exc}"))
+
+    async def ModelInfer(self, request: pb.ModelInferRequest | _Refused, context: Any) -> pb.ModelInferResponse:
+        started = time.perf_counter()
+        label = "" if isinstance(request, _Refused) else model_label(self.repository, request.model_name)
+        try:
+            if isinstance(request, _Refused):
+                raise request.error
+            remaining = context.time_remaining()
+            deadline = None if remaining is None else asyncio.get_running_loop().time() + remaining
+            response = await infer(self.repository, request, deadline=deadline)
+        except Exception as exc:
+            code, message = status_of(exc)
+            self.metrics.request_done(label or "_unknown", "grpc", time.perf_counter() - started, code=code)
+            pushback = getattr(exc, "retry_after_ms", None)
+            trailer = (("grpc-retry-pushback-ms", str(pushback)),) if pushback is not None else ()
+            await context.abort(getattr(grpc.StatusCode, code), message, trailing_metadata=trailer)
+            raise  # unreachable: abort raises
+        self.metrics.request_done(label, "grpc", time.perf_counter() - started, code=None)
+        return response
+
+    async def ModelStreamInfer(self, requests: AsyncIterator[pb.ModelInferRequest | _Refused],
+                               context: Any) -> AsyncIterator[pb.ModelStreamInferResponse]:
+        """Answers in request order; an error answers that request and the stream goes on."""
+        async for request in requests:
+            started = time.perf_counter()
+            label = "" if isinstance(request, _Refused) else model_label(self.repository, request.model_name)
+            try:
+                if isinstance(request, _Refused):
+                    raise request.error
+                response = await infer(self.repository, request)
+            except Exception as exc:
+                code, message = status_of(exc)
+                self.metrics.request_done(label or "_unknown", "grpc", time.perf_counter() - started, code=code)
+                yield pb.ModelStreamInferResponse(error_message=f"{code}: {message}")
+                continue
+            self.metrics.request_done(label, "grpc", time.perf_counter() - started, code=None)
+            yield pb.ModelStreamInferResponse(infer_response=response)
+
+    def handlers(self) -> dict[str, grpc.RpcMethodHandler]:
+        def unary(fn: Callable[..., Any], req: Any, resp: Any) -> grpc.RpcMethodHandler:
+            return grpc.unary_unary_rpc_method_handler(fn, request_deserializer=req.FromString,
+                                                       response_serializer=resp.SerializeToString)
+
+        return {
+            "ServerLive": unary(self.ServerLive, pb.ServerLiveRequest, pb.ServerLiveResponse),
+            "ServerReady": unary(self.ServerReady, pb.ServerReadyRequest, pb.ServerReadyResponse),
+            "ServerMetadata": unary(self.ServerMetadata, pb.ServerMetadataRequest, pb.ServerMetadataResponse),
+            "ModelReady": unary(self.ModelReady, pb.ModelReadyRequest, pb.ModelReadyResponse),
+            "ModelMetadata": unary(self.ModelMetadata, pb.ModelMetadataRequest, pb.ModelMetadataResponse),
+            "ModelConfig": unary(self.ModelConfig, pb.ModelConfigRequest, pb.ModelConfigResponse),
+            "ModelInfer": grpc.unary_unary_rpc_method_handler(
+                self.ModelInfer, request_deserializer=self.read_infer_request,
+                response_serializer=pb.ModelInferResponse.SerializeToString),
+            "ModelStreamInfer": grpc.stream_stream_rpc_method_handler(
+                self.ModelStreamInfer, request_deserializer=self.read_infer_request,
+                response_serializer=pb.ModelStreamInferResponse.SerializeToString),
+        }
+
+
+def model_config(model: ServedModel) -> pb.ModelConfig:
+    """A Triton `ModelConfig` for the model. With batching, dims omit the batch axis (Triton's rule)."""
+    skip = 1 if model.batched else 0
+    config = pb.ModelConfig(name=model.name, platform=model.platform, backend=model.manifest.runtime,
+                            max_batch_size=model.max_batch_size, default_model_filename=model.manifest.artifact)
+    for spec in model.inputs:
+        config.input.add(name=spec.name, data_type=_DATA_TYPES[spec.dtype], dims=spec.oip_shape[skip:])
+    for spec in model.outputs:
+        config.output.add(name=spec.name, data_type=_DATA_TYPES[spec.dtype], dims=spec.oip_shape[skip:])
+    config.instance_group.add(name=f"{model.name}_cpu", count=model.options.instances,
+                              kind=pb.ModelInstanceGroup.KIND_CPU)
+    if model.batched:
+        batching = model.options.batching
+        config.dynamic_batching.preferred_batch_size.extend(batching.preferred_batch_sizes)
+        config.dynamic_batching.max_queue_delay_microseconds = batching.max_queue_delay_us
+    m = model.manifest
+    for key, value in (("tierkit.version", model.version), ("tierkit.precision", m.precision),
+                       ("tierkit.target", m.target), ("tierkit.variant", model.variant or ""),
+                       ("tierkit.max_queue_size", str(model.options.batching.max_queue_size))):
+        config.parameters[key].string_value = value
+    return config
+
+
+def reflection_pool() -> descriptor_pool.DescriptorPool:
+    """Descriptors of every service this server offers, for server reflection.
+
+    The inference messages live in the protocol's private pool (`inference_pb2.POOL`, so that
+    tritonclient's copies can share a process); health and reflection live in protobuf's default
+    pool. Reflection answers from one pool, so the three files are copied into a fresh one.
+    """
+    pool = descriptor_pool.DescriptorPool()
+    for file in (pb.DESCRIPTOR, health_pb2.DESCRIPTOR, reflection_pb2.DESCRIPTOR):
+        proto = descriptor_pb2.FileDescriptorProto()
+        file.CopyToProto(proto)
+        pool.Add(proto)
+    return pool
+
+
+async def start_grpc_server(servicer: InferenceServicer, address: str, *,
+                            credentials: grpc.ServerCredentials | None = None
+                            ) -> tuple[grpc.aio.Server, health.aio.HealthServicer, int]:
+    """Start the server with the inference service, health and reflection; return it and the bound port."""
+    hard_limit = min(2 * servicer.max_message_bytes, 2**31 - 1)
+    server = grpc.aio.server(options=[
+        ("grpc.max_receive_message_length", hard_limit),
+        ("grpc.max_send_message_length", -1),
+        ("grpc.so_reuseport", 0),  # a port in use must fail loudly, not be shared silently
+    ])
+    handlers = servicer.handlers()
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))
+    server.add_registered_method_handlers(SERVICE, handlers)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    names = (SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME)
+    reflection.enable_server_reflection(names, server, pool=reflection_pool())
+    try:
+        port = server.add_secure_port(address, credentials) if credentials else server.add_insecure_port(address)
+    except RuntimeError as exc:
+        msg = f"cannot listen on {address}: {exc}"
+        raise ConfigError(msg) from None
+    if not port:
+        msg = f"cannot listen on {address} (in use, or not an address of this host)"
+        raise ConfigError(msg)
+    await server.start()
+    for name in ("", SERVICE):
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+    return server, health_servicer, port

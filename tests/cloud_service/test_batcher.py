@@ -1,0 +1,199 @@
+"""The dynamic batcher on its own: batch formation, bounds, deadlines, isolation, draining."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import Mapping
+
+import numpy as np
+import pytest
+
+from cloud_service.batcher import DynamicBatcher
+from cloud_service.config import BatchingConfig
+from cloud_service.errors import ServerBusy
+from runtimes.errors import BackendUnavailable, CloudTimeout, InferenceError, InputError
+
+
+class Model:
+    """y = 2x, recording each batch's row count; optionally slow, or failing on a marker value."""
+
+    def __init__(self, delay_s: float = 0.0, gate: threading.Event | None = None) -> None:
+        self.batches: list[int] = []
+        self.delay_s = delay_s
+        self.gate = gate
+
+    def __call__(self, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        if self.gate is not None:
+            self.gate.wait(10)
+        if self.delay_s:
+            time.sleep(self.delay_s)
+        x = inputs["x"]
+        self.batches.append(len(x))
+        if (x == -1).any():
+            msg = "poison"
+            raise RuntimeError(msg)
+        return {"y": x * 2}
+
+
+def rows(n: int, value: float = 1.0, width: int = 3) -> dict[str, np.ndarray]:
+    return {"x": np.full((n, width), value, np.float32)}
+
+
+def test_concurrent_requests_form_batches_and_get_their_own_rows() -> None:
+    model = Model(delay_s=0.01)
+
+    async def main() -> list[dict[str, np.ndarray]]:
+        async with DynamicBatcher("m", [model], BatchingConfig(max_batch_size=16), batched=True) as b:
+            return await asyncio.gather(*(b.infer(rows(1 + i % 3, float(i))) for i in range(24)))
+
+    results = asyncio.run(main())
+    for i, out in enumerate(results):
+        np.testing.assert_array_equal(out["y"], np.full((1 + i % 3, 3), 2.0 * i, np.float32))
+    assert max(model.batches) > 1, model.batches
+    assert all(n <= 16 for n in model.batches)
+    assert sum(model.batches) == sum(1 + i % 3 for i in range(24))
+
+
+def test_unbatched_model_runs_every_request_alone() -> None:
+    model = Model(delay_s=0.002)
+
+    async def main() -> None:
+        async with DynamicBatcher("m", [model], BatchingConfig(max_batch_size=16), batched=False) as b:
+            await asyncio.gather(*(b.infer(rows(2)) for _ in range(10)))
+
+    asyncio.run(main())
+    assert model.batches == [2] * 10
+
+
+def test_incompatible_shapes_are_not_merged() -> None:
+    model = Model(delay_s=0.01)
+
+    async def main() -> list[dict[str, np.ndarray]]:
+        async with DynamicBatcher("m", [model], BatchingConfig(max_batch_size=64), batched=True) as b:
+            return await asyncio.gather(*(b.infer(rows(1, width=3 + i % 2)) for i in range(12)))
+
+    results = asyncio.run(main())
+    assert [out["y"].shape[1] for out in results] == [3 + i % 2 for i in range(12)]
+
+
+def test_full_queue_refuses_at_once_with_a_retry_hint() -> None:
+    gate = threading.Event()
+    model = Model(gate=gate)
+
+    async def main() -> None:
+        async with DynamicBatcher("m", [model], BatchingConfig(max_batch_size=1, max_queue_size=4),
+                                  batched=True) as b:
+            first = b.submit(rows(1))
+            await asyncio.sleep(0.05)  # the worker holds `first`, blocked on the gate
+            queued = [b.submit(rows(1)) for _ in range(4)]
+            started = time.perf_counter()
+            with pytest.raises(ServerBusy, match="queue full") as info:
+                b.submit(rows(1))
+            assert time.perf_counter() - started < 0.01
+            assert info.value.retry_after_ms >= 1
+            assert info.value.grpc_status == "RESOURCE_EXHAUSTED"
+            gate.set()
+            await asyncio.gather(first, *queued)
+
+    asyncio.run(main())
+
+
+def test_expired_requests_are_dropped_before_compute() -> None:
+    gate = threading.Event()
+    model = Model(gate=gate)
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        async with DynamicBatcher("m", [model], BatchingConfig(max_batch_size=8), batched=True) as b:
+            blocker = b.submit(rows(1))
+            await asyncio.sleep(0.02)
+            late = b.submit(rows(1, 5.0), deadline=loop.time() + 0.01)
+            fine = b.submit(rows(1, 6.0), deadline=loop.time() + 30)
+            await asyncio.sleep(0.05)
+            gate.set()
+            await blocker
+            with pytest.raises(CloudTimeout, match="expired"):
+                await late
+            assert (await fine)["y"][0, 0] == 12.0
+
+    asyncio.run(main())
+    assert model.batches == [1, 1]  # the expired request never reached the model
+
+
+def test_a_poisonous_request_fails_alone() -> None:
+    model = Model(delay_s=0.01)
+
+    async def main() -> list[object]:
+        async with DynamicBatcher("m", [model], BatchingConfig(max_batch_size=32), batched=True) as b:
+            reqs = [b.infer(rows(1, -1.0 if i == 5 else float(i))) for i in range(12)]
+            return await asyncio.gather(*reqs, return_exceptions=True)
+
+    results = asyncio.run(main())
+    assert isinstance(results[5], InferenceError)
+    assert "poison" in str(results[5])
+    assert all(isinstance(r, dict) for i, r in enumerate(results) if i != 5)
+
+
+def test_preferred_size_waits_up_to_the_delay() -> None:
+    model = Model()
+    config = BatchingConfig(max_batch_size=32, preferred_batch_sizes=(8,), max_queue_delay_us=200_000)
+
+    async def main() -> float:
+        async with DynamicBatcher("m", [model], config, batched=True) as b:
+            tasks = []
+            for _ in range(8):
+                tasks.append(asyncio.ensure_future(b.infer(rows(1))))
+                await asyncio.sleep(0.005)
+            await asyncio.gather(*tasks)
+            started = time.perf_counter()
+            await b.infer(rows(1))  # alone: waits the full delay, then runs
+            return time.perf_counter() - started
+
+    alone = asyncio.run(main())
+    assert model.batches[0] == 8
+    assert 0.15 < alone < 2.0
+
+
+def test_batch_larger_than_max_is_refused() -> None:
+    async def main() -> None:
+        async with DynamicBatcher("m", [Model()], BatchingConfig(max_batch_size=4), batched=True) as b:
+            with pytest.raises(InputError, match="exceeds max_batch_size"):
+                b.submit(rows(5))
+
+    asyncio.run(main())
+
+
+def test_close_drains_queued_requests_then_refuses() -> None:
+    model = Model(delay_s=0.005)
+
+    async def main() -> None:
+        b = DynamicBatcher("m", [model, Model(delay_s=0.005)], BatchingConfig(max_batch_size=2), batched=True)
+        b.start()
+        futures = [b.submit(rows(1)) for _ in range(10)]
+        await b.aclose(timeout=10)
+        assert all(f.done() and not f.exception() for f in futures)
+        with pytest.raises(BackendUnavailable):
+            b.submit(rows(1))
+
+    asyncio.run(main())
+
+
+def test_cancelled_callers_are_skipped() -> None:
+    gate = threading.Event()
+    model = Model(gate=gate)
+
+    async def main() -> None:
+        async with DynamicBatcher("m", [model], BatchingConfig(max_batch_size=1), batched=True) as b:
+            blocker = b.submit(rows(1))
+            await asyncio.sleep(0.02)
+            gone = asyncio.ensure_future(b.infer(rows(1)))
+            await asyncio.sleep(0.01)
+            gone.cancel()
+            gate.set()
+            await blocker
+            await b.infer(rows(1))
+
+    asyncio.run(main())
+    assert model.batches == [1, 1]
