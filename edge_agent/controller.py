@@ -1,0 +1,450 @@
+"""The controller: which variant to run and which escalation threshold to use, as conditions change.
+
+`choose(profiles, link, budget, config)` is the decision, a pure function over the operating-point
+model of `edge_agent.plan.predict`: of every (variant, threshold) on the grid it keeps the most
+accurate one that meets the p95 latency budget (with headroom), the mean energy budget and the
+escalations-per-second cap (ties: less energy, then less latency). When none does, it keeps the
+point closest to the budgets and names the budgets it violates.
+
+`Controller` feeds that decision with measurements (edge latency and energy, round trips, cloud
+failures, escalation and agreement rates), re-decides when they drift or the budget changes, and
+applies hysteresis so that it does not flap: it switches only when the current point violates a
+budget, or the new one is more accurate by a margin (or as accurate for clearly less energy).
+
+Example:
+    >>> controller = Controller(profiles, Budget(latency_ms=20), link=LinkProfile(rtt_ms=5))
+    >>> controller.current.variant, controller.current.threshold
+    >>> controller.observe_inference("int8", latency_ms=1.2, energy_mj=0.4)
+    >>> controller.observe_request(escalated=False, agreed=None, total_latency_ms=1.9)
+    >>> if (decision := controller.maybe_redecide()) is not None:
+    ...     apply(decision)
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import statistics
+import time
+from collections import deque
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import asdict, dataclass, field, replace
+from typing import Any
+
+import numpy as np
+
+from edge_agent.budget import Budget
+from edge_agent.plan import Conditions, Predictions, predict
+from edge_agent.profiles import LinkProfile, LinkState, VariantProfile
+from runtimes.errors import ConfigError
+
+__all__ = ["Conditions", "Controller", "ControllerConfig", "Decision", "candidate_thresholds", "choose", "evaluate"]
+
+log = logging.getLogger(__name__)
+
+_DEFAULT_GRID = tuple(round(x, 3) for x in (*np.arange(0, 0.1, 0.01), *np.arange(0.1, 0.5, 0.025),
+                                             *np.arange(0.5, 1.0001, 0.05)))
+
+
+@dataclass(frozen=True)
+class ControllerConfig:
+    """How the controller decides and when it changes its mind.
+
+    Args:
+        escalation_grid: escalation rates whose validation thresholds are the candidate thresholds.
+        latency_headroom: plan p95 latency at most this share of the budget (noise margin).
+        accuracy_margin: switch for accuracy alone only when the new point is better by this much.
+        energy_margin: switch at the same accuracy only when it saves this share of energy or p95.
+        tie_tolerance: accuracies closer than this are equal (then less energy wins).
+        min_observations: requests (or samples) before a measured rate or latency is trusted.
+        redecide_interval_s: re-decide at least this often while requests flow.
+        rtt_drift: relative move of the RTT EWMA or high quantile that triggers a re-decision...
+        rtt_drift_abs_ms: ...when it is also at least this many milliseconds.
+        latency_drift: relative move of the device speed (edge latency vs its baseline).
+        energy_drift: relative move of the inference energy.
+        escalation_z: binomial tolerance (in standard deviations) on the observed escalation rate
+            and on the edge/cloud agreement rate.
+        probe_escalation_rate: while a cloud is configured, prefer points that escalate at least
+            this share, so the link stays measured (a recovered cloud or a faster link is noticed).
+        history: decisions kept in `Controller.decisions`.
+    """
+
+    escalation_grid: tuple[float, ...] = _DEFAULT_GRID
+    latency_headroom: float = 0.9
+    accuracy_margin: float = 0.002
+    energy_margin: float = 0.1
+    tie_tolerance: float = 2e-4
+    min_observations: int = 20
+    redecide_interval_s: float = 1.0
+    rtt_drift: float = 0.5
+    rtt_drift_abs_ms: float = 2.0
+    latency_drift: float = 0.3
+    energy_drift: float = 0.25
+    escalation_z: float = 3.0
+    probe_escalation_rate: float = 0.03
+    history: int = 256
+
+    def __post_init__(self) -> None:
+        grid = tuple(float(e) for e in self.escalation_grid)
+        if not grid or any(not 0 <= e <= 1 for e in grid):
+            msg = f"ControllerConfig escalation_grid must hold rates in [0, 1], got {self.escalation_grid!r}"
+            raise ConfigError(msg)
+        object.__setattr__(self, "escalation_grid", grid)
+        if not 0 < self.latency_headroom <= 1:
+            msg = f"ControllerConfig latency_headroom must be in (0, 1], got {self.latency_headroom!r}"
+            raise ConfigError(msg)
+        if self.min_observations < 1 or self.history < 1 or self.redecide_interval_s <= 0:
+            msg = "ControllerConfig min_observations and history must be >= 1 and redecide_interval_s > 0"
+            raise ConfigError(msg)
+
+
+@dataclass(frozen=True)
+class Decision:
+    """One operating point: what to run, what it is predicted to give, and why.
+
+    Energy figures are in millijoules and carry `energy_label` (measured or modeled).
+    `shortfall` is 0 when feasible, else the summed relative excess over the violated budgets.
+    `edge_accuracy_escalated` is the validation accuracy of the edge on the inputs this point
+    escalates (what edge/cloud agreement is compared with).
+    """
+
+    variant: str
+    threshold: float
+    predicted_accuracy: float
+    predicted_p95_ms: float
+    predicted_energy_mj: float
+    predicted_escalation_rate: float
+    feasible: bool
+    violated: tuple[str, ...]
+    reason: str
+    inputs: Mapping[str, Any] = field(default_factory=dict)
+    energy_label: str = "modeled"
+    predicted_escalations_per_s: float = 0.0
+    edge_accuracy_escalated: float = 1.0
+    shortfall: float = 0.0
+    trigger: str = "initial"
+    at: float = 0.0
+
+    @property
+    def key(self) -> tuple[str, float]:
+        return self.variant, self.threshold
+
+    def to_json(self) -> dict[str, Any]:
+        doc = asdict(self)
+        doc["violated"] = list(self.violated)
+        doc["inputs"] = dict(self.inputs)
+        for k, v in doc.items():
+            if isinstance(v, float):
+                doc[k] = round(v, 6) if math.isfinite(v) else None
+        return doc
+
+
+
+def candidate_thresholds(profile: VariantProfile, link: LinkState | None, config: ControllerConfig) -> np.ndarray:
+    """The thresholds considered for `profile`: the grid's, or only "never escalate" without a cloud."""
+    return profile.thresholds(config.escalation_grid if link is not None else (0.0,))
+
+
+def _assess(p: Predictions, budget: Budget, config: ControllerConfig) -> tuple[np.ndarray, list[list[str]]]:
+    """Shortfall (0 = feasible; else summed relative excess) and violated budget names per threshold."""
+    target = budget.latency_ms * config.latency_headroom
+    checks = [("latency", p.p95_ms, target)]
+    if budget.energy_mj is not None:
+        checks.append(("energy", p.energy_mj, budget.energy_mj))
+    if budget.max_escalations_per_s is not None:
+        checks.append(("escalations", p.escalations_per_s, budget.max_escalations_per_s))
+    shortfall = np.zeros_like(p.accuracy)
+    names: list[list[str]] = [[] for _ in p.accuracy]
+    for name, value, limit in checks:
+        over = value > limit * (1 + 1e-9) + 1e-12
+        shortfall += np.where(over, (value - limit) / max(limit, 1e-3 if name != "escalations" else 1.0), 0.0)
+        for i in np.flatnonzero(over):
+            names[i].append(name)
+    return shortfall, names
+
+
+def _decision(p: Predictions, i: int, shortfall: float, violated: list[str], reason: str,
+              profile: VariantProfile, link: LinkState | None, budget: Budget, config: ControllerConfig,
+              conditions: Conditions, **extra: Any) -> Decision:
+    inputs = {"budget": asdict(budget), "latency_target_ms": budget.latency_ms * config.latency_headroom,
+              "link": link.to_json() if link is not None else None, "conditions": asdict(conditions),
+              "variant": {"id": profile.id, "p50_ms": profile.latency.quantile(0.5),
+                          "p95_ms": profile.latency.quantile(0.95), "energy_mj": profile.energy_mj,
+                          "energy_label": profile.energy_label, "validation_size": profile.validation_size},
+              **extra}
+    return Decision(p.variant, float(p.thresholds[i]), float(p.accuracy[i]), float(p.p95_ms[i]),
+                    float(p.energy_mj[i]), float(p.escalation[i]), not violated, tuple(violated), reason,
+                    inputs, p.energy_label, float(p.escalations_per_s[i]), float(p.edge_accuracy_escalated[i]),
+                    float(shortfall))
+
+
+def choose(profiles: Sequence[VariantProfile], link: LinkState | None, budget: Budget,
+           config: ControllerConfig | None = None, *, conditions: Conditions | None = None) -> Decision:
+    """The best (variant, threshold) for these profiles, link and budget; pure and deterministic.
+
+    Args:
+        profiles: the variants to choose from.
+        link: the link snapshot (`LinkProfile.state()`), or None when there is no cloud.
+        budget: the budgets to keep.
+        config: grid, headroom and tie rules (defaults: `ControllerConfig()`).
+        conditions: measured request rate, agent overhead and device slowdown.
+
+    Raises:
+        ConfigError: no profiles.
+    """
+    if not profiles:
+        msg = "choose() needs at least one variant profile"
+        raise ConfigError(msg)
+    config, conditions = config or ControllerConfig(), conditions or Conditions()
+    preds = [predict(p, candidate_thresholds(p, link, config), link, budget, conditions) for p in profiles]
+    assessed = [_assess(p, budget, config) for p in preds]
+    index = [(v, i) for v, p in enumerate(preds) for i in range(p.thresholds.size)]
+    acc = np.concatenate([p.accuracy for p in preds])
+    energy = np.concatenate([p.energy_mj for p in preds])
+    p95 = np.concatenate([p.p95_ms for p in preds])
+    esc = np.concatenate([p.escalation for p in preds])
+    short = np.concatenate([a[0] for a in assessed])
+    feasible = short == 0
+    pool = feasible
+    if link is not None and config.probe_escalation_rate > 0:
+        probing = feasible & (esc >= config.probe_escalation_rate - 1e-9)
+        pool = probing if probing.any() else feasible
+    if pool.any():
+        near = pool & (acc >= acc[pool].max() - config.tie_tolerance)
+        cands = np.flatnonzero(near)
+        best = int(cands[np.lexsort((p95[cands], energy[cands]))[0]])
+    else:
+        least = short.min()
+        cands = np.flatnonzero(short <= least + 1e-9)
+        best = int(cands[np.argmax(acc[cands])])
+    v, i = index[best]
+    violated = assessed[v][1][i]
+    if violated:
+        reason = (f"no point meets the {' and '.join(violated)} budget; closest of {len(index)} "
+                  f"(shortfall {short[best]:.3g})")
+    else:
+        reason = (f"most accurate of {int(feasible.sum())} feasible points out of {len(index)} "
+                  f"(p95 <= {budget.latency_ms * config.latency_headroom:.3g} ms"
+                  + (f", energy <= {budget.energy_mj:g} mJ" if budget.energy_mj is not None else "")
+                  + (f", <= {budget.max_escalations_per_s:g} escalations/s"
+                     if budget.max_escalations_per_s is not None else "") + ")")
+    return _decision(preds[v], i, float(short[best]), violated, reason, profiles[v], link, budget, config,
+                     conditions, candidates=len(index), feasible_candidates=int(feasible.sum()))
+
+
+def evaluate(profile: VariantProfile, threshold: float, link: LinkState | None, budget: Budget,
+             config: ControllerConfig | None = None, *, conditions: Conditions | None = None) -> Decision:
+    """The predictions for one given (variant, threshold), as a `Decision` record."""
+    config, conditions = config or ControllerConfig(), conditions or Conditions()
+    p = predict(profile, np.array([threshold]), link, budget, conditions)
+    short, names = _assess(p, budget, config)
+    reason = "current point" + (f" violates the {' and '.join(names[0])} budget" if names[0] else " meets the budgets")
+    return _decision(p, 0, float(short[0]), names[0], reason, profile, link, budget, config, conditions)
+
+
+class Controller:
+    """Keeps the most accurate (variant, threshold) inside the budgets as measurements arrive.
+
+    The agent reports every inference, escalation and request, and calls `maybe_redecide()` after
+    each request; that is cheap unless a drift was detected or `config.redecide_interval_s` passed.
+    Not thread-safe: call it from the agent's event loop.
+
+    Args:
+        profiles: one profile per variant of the ladder.
+        budget: the budgets to keep; change them with `set_budget`.
+        link: the link to the cloud, or None for an edge-only device.
+        config: thresholds of the drift checks and of the hysteresis.
+        clock: monotonic seconds (injectable for tests).
+
+    Example:
+        >>> c = Controller(profiles, Budget(latency_ms=20), link=LinkProfile(rtt_ms=5))
+        >>> c.observe_escalation(rtt_ms=61.0, ok=True, bytes_sent=300)
+        >>> c.maybe_redecide()      # a Decision when the operating point changed, else None
+    """
+
+    def __init__(self, profiles: Sequence[VariantProfile], budget: Budget, *, link: LinkProfile | None = None,
+                 config: ControllerConfig | None = None, clock: Callable[[], float] = time.monotonic) -> None:
+        self.profiles = tuple(profiles)
+        self._by_id = {p.id: p for p in self.profiles}
+        if not self.profiles or len(self._by_id) != len(self.profiles):
+            msg = f"Controller needs at least one profile and unique variant ids, got {[p.id for p in profiles]}"
+            raise ConfigError(msg)
+        self.config = config or ControllerConfig()
+        self.budget, self.link, self._clock = budget, link, clock
+        self.decisions: deque[Decision] = deque(maxlen=self.config.history)
+        self._pending: dict[str, None] = {}
+        self._ratios: deque[float] = deque(maxlen=32)
+        self._overheads: deque[float] = deque(maxlen=64)
+        self._arrivals: deque[float] = deque(maxlen=256)
+        self._totals: deque[float] = deque(maxlen=512)
+        self._last_inference_ms: float | None = None
+        self.current = self._commit(self._choose(), "initial")
+
+    # -- measurements ----------------------------------------------------------------------------
+    def observe_inference(self, variant: str, latency_ms: float, energy_mj: float | None = None, *,
+                          energy_label: str | None = None) -> None:
+        """One edge inference of `variant`: its latency and energy (labelled measured or modeled)."""
+        p = self._by_id.get(variant)
+        if p is None:
+            return
+        p.observe_latency(latency_ms)
+        if energy_mj is not None and math.isfinite(energy_mj):
+            p.observe_energy(energy_mj, energy_label)
+        self._last_inference_ms = latency_ms
+        self._ratios.append(latency_ms / max(p.baseline_p50_ms, 1e-9))
+        if variant != self.current.variant or len(self._ratios) < min(self._ratios.maxlen or 1, self._min_obs):
+            return
+        if abs(statistics.median(self._ratios) / self._ref["slowdown"] - 1) > self.config.latency_drift:
+            self._flag("device speed")
+            p.latency.rebase(len(self._ratios))
+        if abs(p.energy_mj / max(self._ref["energy"], 1e-12) - 1) > self.config.energy_drift:
+            self._flag("inference energy")
+
+    def observe_escalation(self, rtt_ms: float | None, ok: bool, bytes_sent: int = 0, *,
+                           elapsed_ms: float | None = None) -> None:
+        """One escalation: its round trip (None when it failed or timed out) and request size.
+
+        `elapsed_ms` of a failure (how long the edge waited) improves the latency model.
+        """
+        if self.link is None:
+            return
+        for event in self.link.observe(rtt_ms, ok, bytes_sent, elapsed_ms):
+            self._flag(f"cloud {event}")
+        if not ok or rtt_ms is None:
+            return
+        cfg, ewma = self.config, self.link.rtt.ewma
+        if abs(ewma - self._ref["rtt"]) > max(cfg.rtt_drift * self._ref["rtt"], cfg.rtt_drift_abs_ms):
+            self._flag("round trip")
+            self.link.rebase(4)
+        high = self.link.rtt.quantile(self.link.high_quantile)
+        if abs(high - self._ref["rtt_high"]) > max(cfg.rtt_drift * self._ref["rtt_high"], cfg.rtt_drift_abs_ms):
+            self._flag("round-trip high quantile")
+
+    def observe_request(self, escalated: bool, agreed: bool | None, total_latency_ms: float, *,
+                        score: float | None = None) -> None:
+        """One finished request.
+
+        Args:
+            escalated: the policy asked for the cloud (whether or not the cloud answered).
+            agreed: on an answered escalation, whether the cloud's answer equals the edge's.
+            total_latency_ms: end-to-end latency of the request.
+            score: the policy's score of the edge output (lets the escalation curve follow drift).
+        """
+        self._arrivals.append(self._clock())
+        self._totals.append(total_latency_ms)
+        self._n += 1
+        self._n_esc += bool(escalated)
+        if not escalated and self._last_inference_ms is not None:
+            self._overheads.append(max(0.0, total_latency_ms - self._last_inference_ms))
+        if score is not None:
+            self._by_id[self.current.variant].observe_score(score)
+        if escalated and agreed is not None and self.link is not None:
+            self.link.observe_agreement(agreed, self.current.edge_accuracy_escalated)
+            self._n_agree += 1
+            self._k_agree += bool(agreed)
+        m, z = self._min_obs, self.config.escalation_z
+        if self._n >= m and _outside(self._n_esc, self._n, self.current.predicted_escalation_rate, z):
+            self._flag("escalation rate")
+        if self._n_agree >= m and _outside(self._k_agree, self._n_agree, self._ref["agreement"], z):
+            self._flag("agreement")
+        if self._n >= 2 * m and self._n % m == 0 and _p95(self._totals) > self.budget.latency_ms:
+            self._flag("observed p95 over budget")
+
+    # -- decisions -------------------------------------------------------------------------------
+    def set_budget(self, budget: Budget) -> Decision | None:
+        """Change the budgets now; returns the new decision when the operating point changed."""
+        self.budget = budget
+        self._flag("budget")
+        return self._redecide()
+
+    def maybe_redecide(self) -> Decision | None:
+        """Re-decide if a drift was flagged or the interval passed; the new decision if it changed."""
+        if not self._pending and (self._n == 0 or
+                                  self._clock() - self.current.at < self.config.redecide_interval_s):
+            return None
+        return self._redecide()
+
+    def conditions(self) -> Conditions:
+        """The measured request rate, agent overhead and device slowdown in force now."""
+        span = self._arrivals[-1] - self._arrivals[0] if len(self._arrivals) > 1 else 0.0
+        rate = (len(self._arrivals) - 1) / span if len(self._arrivals) >= self._min_obs and span > 0 else None
+        overhead = float(np.mean(self._overheads)) if self._overheads else 0.0
+        slowdown = statistics.median(self._ratios) if len(self._ratios) >= 5 else 1.0
+        return Conditions(request_rate=rate, edge_overhead_ms=overhead, slowdown=slowdown)
+
+    @property
+    def _min_obs(self) -> int:
+        return self.config.min_observations
+
+    def _flag(self, reason: str) -> None:
+        self._pending.setdefault(reason, None)
+
+    def _choose(self) -> Decision:
+        link = self.link.state() if self.link is not None else None
+        return choose(self.profiles, link, self.budget, self.config, conditions=self.conditions())
+
+    def _redecide(self) -> Decision | None:
+        trigger = ", ".join(self._pending) or "periodic"
+        self._pending.clear()
+        link = self.link.state() if self.link is not None else None
+        cond = self.conditions()
+        cand = choose(self.profiles, link, self.budget, self.config, conditions=cond)
+        cur = evaluate(self._by_id[self.current.variant], self.current.threshold, link, self.budget, self.config,
+                       conditions=cond)
+        why = self._why_switch(cur, cand)
+        chosen = cand if why else replace(cur, reason=f"kept: {cur.reason}; best alternative "
+                                          f"{cand.variant}@{cand.threshold:.4g} acc {cand.predicted_accuracy:.4f}")
+        if why:
+            chosen = replace(chosen, reason=f"{why}; {chosen.reason}")
+            log.info("controller: %s@%.4g -> %s@%.4g (%s: %s)", cur.variant, cur.threshold, chosen.variant,
+                     chosen.threshold, trigger, why)
+        changed = chosen.key != self.current.key
+        self._commit(chosen, trigger, record=changed or trigger != "periodic")
+        return self.current if changed else None
+
+    def _why_switch(self, cur: Decision, cand: Decision) -> str:
+        cfg = self.config
+        if cand.key == cur.key:
+            return ""
+        if not cur.feasible:
+            if cand.feasible:
+                return f"current point violates the {' and '.join(cur.violated)} budget"
+            return "closer to the budgets" if cand.shortfall < cur.shortfall - 1e-9 else ""
+        if not cand.feasible:
+            return ""
+        if cand.predicted_accuracy > cur.predicted_accuracy + cfg.accuracy_margin:
+            return f"accuracy {cur.predicted_accuracy:.4f} -> {cand.predicted_accuracy:.4f}"
+        if cand.predicted_accuracy < cur.predicted_accuracy - cfg.tie_tolerance:
+            return ""
+        if cand.predicted_energy_mj < cur.predicted_energy_mj * (1 - cfg.energy_margin):
+            return f"same accuracy, energy {cur.predicted_energy_mj:.3g} -> {cand.predicted_energy_mj:.3g} mJ"
+        if cand.predicted_p95_ms < cur.predicted_p95_ms * (1 - cfg.energy_margin):
+            return f"same accuracy, p95 {cur.predicted_p95_ms:.3g} -> {cand.predicted_p95_ms:.3g} ms"
+        return ""
+
+    def _commit(self, decision: Decision, trigger: str, *, record: bool = True) -> Decision:
+        decision = replace(decision, trigger=trigger, at=self._clock())
+        self.current = decision
+        if record:
+            self.decisions.append(decision)
+        self._n = self._n_esc = self._n_agree = self._k_agree = 0
+        self._totals.clear()
+        link = decision.inputs.get("link") or {}
+        p = self._by_id[decision.variant]
+        self._ref = {"rtt": self.link.rtt.ewma if self.link else 0.0,
+                     "rtt_high": self.link.rtt.quantile(self.link.high_quantile) if self.link else 0.0,
+                     "slowdown": statistics.median(self._ratios) if len(self._ratios) >= 5 else 1.0,
+                     "energy": p.energy_mj,
+                     "agreement": float(link.get("cloud_accuracy") or 1.0)
+                     * (1 - (1 - decision.edge_accuracy_escalated) * float(link.get("edge_error_scale") or 1))}
+        return decision
+
+
+def _outside(k: int, n: int, p: float, z: float) -> bool:
+    """Whether k successes in n trials are further than z binomial standard deviations from rate p."""
+    p = min(max(p, 0.0), 1.0)
+    return abs(k / n - p) > z * math.sqrt(max(p * (1 - p), 0.25 / n) / n) + 0.5 / n
+
+
+def _p95(values: deque[float]) -> float:
+    return float(np.quantile(np.fromiter(values, dtype=float), 0.95))

@@ -1,0 +1,236 @@
+"""The operating-point model and what-if planning: predict, compare, plot.
+
+`predict(profile, thresholds, link, budget, conditions)` is the model every decision uses. For one
+variant at each threshold it predicts
+
+- the p95 end-to-end latency, as the 95th percentile of a mixture (not a sum of p95s): accepted
+  inputs take the edge latency; escalations answered in time take edge + the link's
+  high-quantile RTT; the others end at the budget's deadline (timeouts) or after the failure
+  latency (cloud down, fast fail);
+- the mean energy per request: inference plus, per escalation, radio bytes and waiting power;
+- the expected tiered accuracy (1 − e)·acc_accepted + e·(s·cloud + (1 − s)·acc_escalated), where s
+  is the share of escalations the cloud answers in time (availability × timely);
+- the escalations per second, checked against the optional cloud-cost cap.
+
+`what_if` runs the controller's choice on stored profiles and an assumed link, and returns the
+chosen point with the Pareto frontier (accuracy vs p95 latency vs energy); `plot_frontier` draws it.
+
+Example:
+    >>> report = what_if(profiles, LinkProfile(rtt_ms=20).state(), Budget(latency_ms=30))
+    >>> report.decision.variant, len(report.frontier)
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from edge_agent.budget import Budget
+from edge_agent.profiles import LinkState, VariantProfile
+
+if TYPE_CHECKING:
+    from edge_agent.controller import ControllerConfig, Decision
+
+__all__ = ["Conditions", "PlanReport", "Predictions", "format_table", "pareto_front", "plot_frontier",
+           "predict", "what_if"]
+
+@dataclass(frozen=True)
+class Conditions:
+    """Measured runtime conditions a decision also depends on (besides profiles and link).
+
+    Args:
+        request_rate: requests per second (None: assume a closed loop, one request after another).
+        edge_overhead_ms: agent time around inference (pre/post-processing, scoring, scheduling).
+        slowdown: how much slower the device runs than when the profiles' baselines were taken.
+    """
+
+    request_rate: float | None = None
+    edge_overhead_ms: float = 0.0
+    slowdown: float = 1.0
+
+
+@dataclass(frozen=True)
+class Predictions:
+    """Predictions for one variant, one entry per threshold (energy in mJ, labelled)."""
+
+    variant: str
+    energy_label: str
+    thresholds: np.ndarray
+    escalation: np.ndarray
+    accuracy: np.ndarray
+    p95_ms: np.ndarray
+    energy_mj: np.ndarray
+    escalations_per_s: np.ndarray
+    edge_accuracy_escalated: np.ndarray
+
+
+def _cdf(points: np.ndarray, samples: np.ndarray) -> np.ndarray:
+    return np.searchsorted(np.sort(samples), points, side="right") / samples.size
+
+
+def predict(profile: VariantProfile, thresholds: np.ndarray, link: LinkState | None, budget: Budget,
+            conditions: Conditions) -> Predictions:
+    """Predicted accuracy, p95 latency, energy and escalations of `profile` at each threshold."""
+    t = np.atleast_1d(np.asarray(thresholds, dtype=float))
+    esc, acc_acc, validation_acc_esc = profile.curve(t)
+    scale = link.edge_error_scale if link else 1.0  # > 1 when agreement says the edge errs more than validation
+    acc_acc, acc_esc = (np.clip(1 - (1 - a) * scale, 0, 1) for a in (acc_acc, validation_acc_esc))
+    ratio = profile.latency.quantile(0.5) / max(profile.baseline_p50_ms, 1e-9)
+    speed = min(max(conditions.slowdown / max(ratio, 1e-9), 0.25), 8.0)
+    edge = profile.latency.samples() * speed + conditions.edge_overhead_ms
+    deadline = budget.latency_ms
+    med = float(np.median(edge))
+    if link is None:
+        avail = timely = 0.0
+        ok_rtt = fail_ms = rtt_mean = radio = wait = 0.0
+    else:
+        avail, wait, fail_ms = link.availability, link.wait_power_w, min(link.failure_latency_ms, deadline)
+        timely = link.timely(deadline - med)
+        in_time = link.rtt_samples[link.rtt_samples <= deadline - med]
+        ok_rtt = float(np.quantile(in_time, 0.95)) if in_time.size else min(link.rtt_high_ms, deadline)
+        rtt_mean = min(link.rtt_ms, deadline) if math.isfinite(link.rtt_ms) else ok_rtt
+        radio = link.bytes_per_escalation * link.energy_per_byte_mj
+
+    def capped(extra: float) -> np.ndarray:
+        return np.maximum(edge, np.minimum(edge + extra, deadline))
+
+    parts = (edge, capped(ok_rtt), np.maximum(edge, deadline), capped(fail_ms))
+    weights = (1 - esc, esc * avail * timely, esc * avail * (1 - timely), esc * (1 - avail))
+    points = np.unique(np.concatenate(parts))
+    mix = sum(w[:, None] * _cdf(points, p)[None, :] for w, p in zip(weights, parts, strict=True))
+    p95 = points[np.argmax(mix >= 0.95 - 1e-9, axis=1)]
+    per_escalation = (avail * timely * (radio + rtt_mean * wait)
+                      + avail * (1 - timely) * (radio + max(deadline - med, 0.0) * wait)
+                      + (1 - avail) * ((radio if fail_ms > 0 else 0.0) + fail_ms * wait))
+    energy = profile.energy_mj + esc * per_escalation
+    success = avail * timely
+    accuracy = (1 - esc) * acc_acc + esc * (success * (link.cloud_accuracy if link else 0.0)
+                                            + (1 - success) * acc_esc)
+    if conditions.request_rate is not None:
+        rate = np.full_like(esc, conditions.request_rate)
+    else:  # closed loop: the next request starts when this one ends
+        mean_ms = float(np.mean(edge)) + esc * (success * rtt_mean + avail * (1 - timely) * (deadline - med)
+                                               + (1 - avail) * fail_ms)
+        rate = 1000.0 / np.maximum(mean_ms, 1e-3)
+    return Predictions(profile.id, profile.energy_label, t, esc, accuracy, p95, energy, esc * rate,
+                       validation_acc_esc)
+
+
+def rows(predictions: Sequence[Predictions]) -> list[dict[str, Any]]:
+    """One dict per (variant, threshold): the table the frontier and the plot are drawn from."""
+    out = []
+    for p in predictions:
+        for i, t in enumerate(p.thresholds):
+            out.append({"variant": p.variant, "threshold": float(t), "escalation_rate": float(p.escalation[i]),
+                        "accuracy": float(p.accuracy[i]), "p95_ms": float(p.p95_ms[i]),
+                        "energy_mj": float(p.energy_mj[i]), "energy_label": p.energy_label,
+                        "escalations_per_s": float(p.escalations_per_s[i])})
+    return out
+
+
+def pareto_front(points: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Points no other point beats on accuracy, p95 latency and energy at once (best accuracy first)."""
+    acc = np.array([p["accuracy"] for p in points])
+    lat = np.array([p["p95_ms"] for p in points])
+    eng = np.array([p["energy_mj"] for p in points])
+    keep = []
+    for i in range(len(points)):
+        no_worse = (acc >= acc[i]) & (lat <= lat[i]) & (eng <= eng[i])
+        better = (acc > acc[i]) | (lat < lat[i]) | (eng < eng[i])
+        if not (no_worse & better).any():
+            keep.append(i)
+    # identical points: keep one
+    seen: set[tuple[float, float, float]] = set()
+    front = []
+    for i in sorted(keep, key=lambda i: (-acc[i], lat[i], eng[i])):
+        sig = (round(acc[i], 6), round(lat[i], 4), round(eng[i], 4))
+        if sig not in seen:
+            seen.add(sig)
+            front.append(points[i])
+    return front
+
+
+def format_table(points: Sequence[dict[str, Any]], chosen: Decision | None = None) -> str:
+    """A fixed-width text table of `points`; the chosen point is marked with `*`."""
+    head = f"  {'variant':<16} {'thresh':>9} {'esc %':>6} {'acc %':>7} {'p95 ms':>8} {'energy mJ':>10} {'esc/s':>7}"
+    lines = [head]
+    for p in points:
+        mark = "*" if chosen is not None and (p["variant"], p["threshold"]) == chosen.key else " "
+        lines.append(f"{mark} {p['variant']:<16} {p['threshold']:>9.4g} {100 * p['escalation_rate']:>6.1f} "
+                     f"{100 * p['accuracy']:>7.2f} {p['p95_ms']:>8.2f} {p['energy_mj']:>10.3f} "
+                     f"{p['escalations_per_s']:>7.1f}")
+    labels = sorted({p["energy_label"] for p in points})
+    lines.append(f"energy: {', '.join(labels)}")
+    return "\n".join(lines)
+
+
+def plot_frontier(points: Sequence[dict[str, Any]], front: Sequence[dict[str, Any]], path: str | Path, *,
+                  chosen: Decision | None = None, budget: Budget | None = None, title: str = "") -> Path:
+    """Write a PNG: accuracy vs p95 latency (colour = energy), the frontier, the budget and the choice."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    path = Path(path)
+    fig, ax = plt.subplots(figsize=(7.5, 4.8), dpi=110)
+    try:
+        sc = ax.scatter([p["p95_ms"] for p in points], [100 * p["accuracy"] for p in points],
+                        c=[p["energy_mj"] for p in points], s=12, cmap="viridis", alpha=0.7)
+        label = ", ".join(sorted({p["energy_label"] for p in points}))
+        fig.colorbar(sc, ax=ax, label=f"energy per request, mJ ({label})")
+        ordered = sorted(front, key=lambda p: p["p95_ms"])
+        ax.plot([p["p95_ms"] for p in ordered], [100 * p["accuracy"] for p in ordered], "-", color="tab:red",
+                lw=1, label="Pareto frontier")
+        if budget is not None:
+            ax.axvline(budget.latency_ms, color="gray", ls="--", lw=1, label=f"budget {budget.latency_ms:g} ms")
+        if chosen is not None:
+            ax.scatter([chosen.predicted_p95_ms], [100 * chosen.predicted_accuracy], marker="*", s=220,
+                       color="tab:red", edgecolor="k", zorder=5,
+                       label=f"chosen: {chosen.variant} @ {chosen.threshold:.3g}")
+        ax.set_xlabel("predicted p95 end-to-end latency (ms)")
+        ax.set_ylabel("predicted tiered accuracy (%)")
+        ax.set_title(title or "tierkit plan: operating points")
+        ax.grid(alpha=0.3)
+        ax.legend(loc="lower right", fontsize=8)
+        fig.tight_layout()
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fig.savefig(path)
+    finally:
+        plt.close(fig)
+    return path
+
+
+@dataclass(frozen=True)
+class PlanReport:
+    """What `what_if` found: the controller's choice, every point, and the Pareto frontier."""
+
+    decision: Decision
+    points: list[dict[str, Any]]
+    frontier: list[dict[str, Any]]
+
+    def to_json(self) -> dict[str, Any]:
+        def clean(row: dict[str, Any]) -> dict[str, Any]:
+            return {k: (round(v, 6) if math.isfinite(v) else None) if isinstance(v, float) else v
+                    for k, v in row.items()}
+
+        return {"decision": self.decision.to_json(), "frontier": [clean(r) for r in self.frontier],
+                "points": len(self.points)}
+
+
+def what_if(profiles: Sequence[VariantProfile], link: LinkState | None, budget: Budget, *,
+            config: ControllerConfig | None = None, conditions: Conditions | None = None) -> PlanReport:
+    """The point the controller would choose under `budget` and `link`, and the frontier around it."""
+    from edge_agent.controller import ControllerConfig, candidate_thresholds, choose
+
+    config = config or ControllerConfig()
+    conditions = conditions or Conditions()
+    decision = choose(profiles, link, budget, config, conditions=conditions)
+    preds = [predict(p, candidate_thresholds(p, link, config), link, budget, conditions) for p in profiles]
+    points = rows(preds)
+    return PlanReport(decision, points, pareto_front(points))

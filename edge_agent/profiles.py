@@ -1,0 +1,423 @@
+"""What the controller knows about each variant and about the link to the cloud.
+
+A `VariantProfile` holds one variant's latency on this device (a bounded window updated online,
+seeded from the manifest or a warm-up self-benchmark), its energy per inference (measured or
+modeled, labelled), and, from the validation outputs stored at compile time, the policy's score
+of every validation input and whether the edge answer was right: for any threshold, the
+escalation rate and the edge accuracy on the accepted and on the escalated inputs. A
+`LinkProfile` holds the round trip (EWMA and a high quantile), bytes and radio energy per
+escalation, cloud availability, and the cloud accuracy estimate that agreement refines.
+
+Example:
+    >>> profile = VariantProfile.from_package(ModelPackage.open("variants/int8"), policy)
+    >>> esc, acc_accepted, acc_escalated = profile.curve(np.array([0.9]))
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections import deque
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from statistics import NormalDist
+from typing import TYPE_CHECKING, Any, Protocol
+
+import numpy as np
+
+from runtimes.errors import ConfigError, PackageError
+
+if TYPE_CHECKING:
+    from compilers.package import ModelPackage
+
+__all__ = ["LatencyWindow", "LinkProfile", "LinkState", "ScoringPolicy", "VariantProfile", "lognormal_points"]
+
+log = logging.getLogger(__name__)
+
+DEFAULT_VALIDATION_FILE = "validation.npz"
+DEFAULT_BUSY_POWER_W = 5.0  # modeled CPU power while inferring, when the manifest has no energy figure
+_Z95 = 1.6449
+
+
+class ScoringPolicy(Protocol):
+    """Anything with the edge policies' `score(outputs) -> (batch,)` method; higher = more confident."""
+
+    def score(self, outputs: Mapping[str, np.ndarray]) -> np.ndarray: ...
+
+
+def lognormal_points(p50: float, p95: float | None = None, n: int = 64) -> np.ndarray:
+    """`n` evenly spaced quantiles of the log-normal with this median and 95th percentile (sorted)."""
+    p50 = max(float(p50), 1e-6)
+    p95 = max(float(p95 if p95 is not None else p50 * 1.2), p50)
+    sigma = math.log(p95 / p50) / _Z95
+    z = np.array([NormalDist().inv_cdf((i + 0.5) / n) for i in range(n)])
+    return np.exp(math.log(p50) + sigma * z)
+
+
+class LatencyWindow:
+    """A bounded window of latency samples (ms) with an EWMA, seeded by prior quantile points.
+
+    The prior is used until `min_samples` real samples arrived; `rebase` drops old samples after a
+    detected change so that quantiles follow the new regime at once.
+    """
+
+    def __init__(self, prior: np.ndarray | None = None, *, maxlen: int = 256, min_samples: int = 8,
+                 alpha: float = 0.2) -> None:
+        self._prior = np.sort(np.asarray(prior, dtype=float)) if prior is not None else np.empty(0)
+        self._window: deque[float] = deque(maxlen=maxlen)
+        self._min = min_samples
+        self._alpha = alpha
+        self.ewma = float(np.median(self._prior)) if self._prior.size else math.nan
+        self.count = 0
+
+    def add(self, value: float) -> None:
+        self._window.append(float(value))
+        self.count += 1
+        if math.isfinite(value):
+            self.ewma = value if math.isnan(self.ewma) else self.ewma + self._alpha * (value - self.ewma)
+
+    def samples(self) -> np.ndarray:
+        """Sorted samples: the real ones once there are enough, else prior and real together."""
+        real = np.fromiter(self._window, dtype=float, count=len(self._window))
+        if not real.size and not self._prior.size:
+            return np.array([self.ewma]) if math.isfinite(self.ewma) else real
+        if real.size >= self._min or not self._prior.size:
+            return np.sort(real)
+        return np.sort(np.concatenate([self._prior, real]))
+
+    def quantile(self, q: float) -> float:
+        s = self.samples()
+        if not s.size:
+            return math.nan
+        return float(s[min(s.size - 1, math.ceil(q * s.size) - 1 if q > 0 else 0)])
+
+    def rebase(self, keep: int) -> None:
+        """Keep only the last `keep` samples; the prior is dropped too (it described the old regime)."""
+        recent = list(self._window)[-keep:] if keep > 0 else []
+        self._prior = np.empty(0)
+        self._window.clear()
+        self._window.extend(recent)
+        finite = [v for v in recent if math.isfinite(v)]
+        if finite:
+            self.ewma = float(np.mean(finite))
+
+    def __len__(self) -> int:
+        return len(self._window)
+
+
+class VariantProfile:
+    """One variant on this device: latency, energy and its escalation curve for a policy.
+
+    Args:
+        variant_id: the variant id (as in the variant set); kept as `id`.
+        scores: the policy's score of each validation input (higher = more confident).
+        correct: whether the variant's answer was right on each validation input.
+        latency_prior_ms: prior latency samples (ms), e.g. `lognormal_points(p50, p95)`.
+        energy_mj: energy per inference in millijoules; `energy_label` says measured or modeled.
+        live_weight: pseudo-count of the validation score distribution when live scores blend in.
+
+    Example:
+        >>> p = VariantProfile("int8", scores, correct, lognormal_points(2.0, 3.0), 1.5, "modeled:cpu")
+    """
+
+    def __init__(self, variant_id: str, scores: Sequence[float] | np.ndarray, correct: Sequence[bool] | np.ndarray,
+                 latency_prior_ms: Sequence[float] | np.ndarray, energy_mj: float,
+                 energy_label: str = "modeled", *, live_weight: int = 300, window: int = 256) -> None:
+        s, c = np.asarray(scores, dtype=float).ravel(), np.asarray(correct, dtype=bool).ravel()
+        if s.size == 0 or s.size != c.size:
+            msg = f"variant {variant_id!r}: need as many scores as correctness flags, got {s.size} and {c.size}"
+            raise ConfigError(msg)
+        if not np.isfinite(s).all():
+            msg = f"variant {variant_id!r}: validation scores contain NaN or inf"
+            raise ConfigError(msg)
+        if not (math.isfinite(energy_mj) and energy_mj >= 0):
+            msg = f"variant {variant_id!r}: energy_mj must be a number >= 0, got {energy_mj!r}"
+            raise ConfigError(msg)
+        order = np.argsort(s, kind="stable")
+        self.id = variant_id
+        self.scores = s[order]
+        self._cum_correct = np.concatenate([[0], np.cumsum(c[order])])
+        self.latency = LatencyWindow(np.asarray(latency_prior_ms, dtype=float), maxlen=window)
+        self.baseline_p50_ms = self.latency.quantile(0.5)
+        self.energy_mj = float(energy_mj)
+        self.energy_label = energy_label
+        self.live_scores: deque[float] = deque(maxlen=512)
+        self._live_weight = live_weight
+
+    @property
+    def validation_size(self) -> int:
+        return int(self.scores.size)
+
+    @property
+    def accuracy(self) -> float:
+        """Edge accuracy on the whole validation set."""
+        return float(self._cum_correct[-1] / self.scores.size)
+
+    def observe_latency(self, ms: float) -> None:
+        self.latency.add(ms)
+
+    def observe_energy(self, mj: float, label: str | None = None, alpha: float = 0.1) -> None:
+        self.energy_mj += alpha * (float(mj) - self.energy_mj)
+        if label:
+            self.energy_label = label
+
+    def observe_score(self, score: float) -> None:
+        self.live_scores.append(float(score))
+
+    def mark_baseline(self) -> None:
+        """Take the current latency median as the baseline the drift checks compare with."""
+        self.baseline_p50_ms = self.latency.quantile(0.5)
+
+    def thresholds(self, grid: Sequence[float]) -> np.ndarray:
+        """Thresholds that escalate (about) each fraction in `grid` of the validation inputs."""
+        n = self.scores.size
+        out = []
+        for e in grid:
+            k = round(min(max(float(e), 0.0), 1.0) * n)
+            out.append(float(np.nextafter(self.scores[-1], np.inf)) if k >= n else float(self.scores[k]))
+        return np.unique(np.asarray(out))
+
+    def curve(self, thresholds: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """For each threshold: escalation rate, edge accuracy on accepted, edge accuracy on escalated.
+
+        Accuracy is read from the validation data at the threshold's score. The escalation rate
+        blends validation scores with live ones (live inputs may have drifted).
+        """
+        t = np.atleast_1d(np.asarray(thresholds, dtype=float))
+        n = self.scores.size
+        k = np.searchsorted(self.scores, t, side="left")
+        cum = self._cum_correct
+        acc_esc = np.where(k > 0, cum[k] / np.maximum(k, 1), 1.0)
+        acc_acc = np.where(k < n, (cum[-1] - cum[k]) / np.maximum(n - k, 1), 1.0)
+        esc = k / n
+        if self.live_scores:
+            live = np.sort(np.fromiter(self.live_scores, dtype=float))
+            live_esc = np.searchsorted(live, t, side="left") / live.size
+            w = live.size / (live.size + self._live_weight)
+            esc = (1 - w) * esc + w * live_esc
+        return esc, acc_acc, acc_esc
+
+    def self_benchmark(self, run: Callable[[], object], *, repeats: int = 20, warmup: int = 3,
+                       clock: Callable[[], float] = time.perf_counter) -> float:
+        """Time `run()` (one batch-1 inference) and feed the latencies; return the median (ms)."""
+        for _ in range(warmup):
+            run()
+        times = []
+        for _ in range(repeats):
+            t0 = clock()
+            run()
+            times.append((clock() - t0) * 1e3)
+            self.observe_latency(times[-1])
+        self.mark_baseline()
+        return float(np.median(times))
+
+    @classmethod
+    def from_package(cls, pkg: ModelPackage, policy: ScoringPolicy | Any, *, energy_mj: float | None = None,
+                     energy_label: str | None = None, variant_id: str | None = None) -> VariantProfile:
+        """Build from a package's manifest and its `validation.npz` (logits, labels, reference_logits).
+
+        Correctness is against `labels`; without labels, agreement with `reference_logits` stands in.
+        `policy` is a scorer (`score(outputs)`), a `Policy` (bound here to this variant's
+        calibration) or a `BoundPolicy`: its scores must be those the agent compares with the threshold.
+
+        Raises:
+            PackageError: the validation file is missing or lacks the arrays.
+        """
+        m = pkg.manifest
+        name = str(m.calibration.get("validation_file", DEFAULT_VALIDATION_FILE))
+        path = pkg.directory / name
+        if not path.is_file():
+            msg = f"package {pkg.directory}: no validation file {name!r}; recompile with validation data"
+            raise PackageError(msg)
+        with np.load(path, allow_pickle=False) as data:
+            arrays = {k: np.asarray(data[k]) for k in data.files}
+        if "logits" not in arrays:
+            msg = f"{path}: lacks the 'logits' array (has {sorted(arrays)})"
+            raise PackageError(msg)
+        logits = arrays["logits"]
+        if "labels" in arrays:
+            truth = arrays["labels"].astype(np.int64).ravel()
+        elif "reference_logits" in arrays:
+            truth = arrays["reference_logits"].argmax(axis=1)
+        else:
+            msg = f"{path}: needs 'labels' or 'reference_logits' to tell right from wrong"
+            raise PackageError(msg)
+        scorer: Any = policy
+        bind = getattr(policy, "scorer", None)
+        if callable(bind):  # an unbound `Policy`: bind it to this variant's calibration (temperature, OOD)
+            scorer = bind(m.calibration, m.outputs[0].name)
+        elif bind is not None and hasattr(bind, "score"):  # a `BoundPolicy`
+            scorer = bind
+        scores = np.asarray(scorer.score({m.outputs[0].name: logits}), dtype=float).ravel()
+        b1 = m.latency_ms.get("batch_1", {})
+        p50 = float(b1.get("p50", 1.0))
+        prior = lognormal_points(p50, float(b1.get("p95", p50 * 1.2)))
+        if energy_mj is None:
+            if "mj" in m.energy:
+                energy_mj = float(m.energy["mj"])
+                energy_label = energy_label or str(m.energy.get("label", "modeled"))
+            else:
+                energy_mj = p50 * DEFAULT_BUSY_POWER_W
+                energy_label = energy_label or f"modeled:{DEFAULT_BUSY_POWER_W:g}W-busy"
+        vid = variant_id or pkg.directory.name or f"{m.name}-{m.precision}"
+        return cls(vid, scores, logits.argmax(axis=1) == truth, prior, energy_mj, energy_label or "modeled")
+
+    def __repr__(self) -> str:
+        return (f"<VariantProfile {self.id} p50={self.latency.quantile(0.5):.3g}ms "
+                f"acc={self.accuracy:.4f} energy={self.energy_mj:.3g}mJ ({self.energy_label})>")
+
+
+@dataclass(frozen=True)
+class LinkState:
+    """A snapshot of the link that one decision is computed from.
+
+    Energy figures say `energy_label` ("modeled:..." unless a radio counter measured them).
+    `rtt_samples` (sorted; +inf for escalations that were not answered in time) stays out of JSON.
+    """
+
+    rtt_ms: float
+    rtt_high_ms: float
+    availability: float
+    up: bool
+    bytes_per_escalation: float
+    energy_per_byte_mj: float
+    wait_power_w: float
+    energy_label: str
+    cloud_accuracy: float
+    edge_error_scale: float = 1.0
+    failure_latency_ms: float = 0.0
+    agreement_rate: float | None = None
+    agreement_n: int = 0
+    rtt_samples: np.ndarray = field(default_factory=lambda: np.empty(0), repr=False, compare=False)
+
+    def timely(self, within_ms: float) -> float:
+        """Share of escalations answered within `within_ms` (from the RTT window)."""
+        if not self.rtt_samples.size:
+            return 1.0 if self.rtt_high_ms <= within_ms else 0.0
+        return float(np.searchsorted(self.rtt_samples, within_ms, side="right") / self.rtt_samples.size)
+
+    def to_json(self) -> dict[str, Any]:
+        doc = asdict(self)
+        doc.pop("rtt_samples")
+        return {k: (round(v, 6) if isinstance(v, float) and math.isfinite(v) else
+                    (None if isinstance(v, float) else v)) for k, v in doc.items()}
+
+
+class LinkProfile:
+    """The link to the cloud as the edge sees it, updated from every escalation.
+
+    Args:
+        rtt_ms, rtt_high_ms: prior round trip (median, high quantile) until escalations measure it.
+        bytes_per_escalation: prior request size; refined from `bytes_sent`.
+        energy_per_byte_mj, wait_power_w: radio energy per byte sent and power drawn while waiting
+            (from a device power profile); `energy_label` says whether they are measured.
+        cloud_accuracy: prior accuracy of the cloud on escalated inputs, with `cloud_prior_strength`
+            pseudo-observations; edge/cloud agreement refines it (see `observe_agreement`).
+        down_after, up_after: consecutive failures that mark the cloud down, successes that bring it back.
+
+    Example:
+        >>> link = LinkProfile(rtt_ms=5.0)
+        >>> link.observe(rtt_ms=4.2, ok=True, bytes_sent=420)
+    """
+
+    def __init__(self, *, rtt_ms: float = 10.0, rtt_high_ms: float | None = None,
+                 bytes_per_escalation: float = 1024.0, energy_per_byte_mj: float = 1e-4,
+                 wait_power_w: float = 0.3, energy_label: str = "modeled:default-radio",
+                 cloud_accuracy: float = 0.99, cloud_prior_strength: float = 50.0,
+                 edge_prior_strength: float = 200.0, high_quantile: float = 0.95, window: int = 64,
+                 alpha: float = 0.2, down_after: int = 3, up_after: int = 1, agreement_window: int = 256) -> None:
+        if not (rtt_ms > 0 and 0 < cloud_accuracy <= 1 and 0 < high_quantile < 1 and down_after >= 1):
+            msg = (f"LinkProfile: need rtt_ms > 0, 0 < cloud_accuracy <= 1, 0 < high_quantile < 1, "
+                   f"down_after >= 1; got {rtt_ms!r}, {cloud_accuracy!r}, {high_quantile!r}, {down_after!r}")
+            raise ConfigError(msg)
+        self.rtt = LatencyWindow(lognormal_points(rtt_ms, rtt_high_ms or rtt_ms * 1.3, 32), maxlen=window,
+                                 min_samples=4, alpha=alpha)
+        self.high_quantile = high_quantile
+        self.bytes_per_escalation = float(bytes_per_escalation)
+        self.energy_per_byte_mj, self.wait_power_w, self.energy_label = energy_per_byte_mj, wait_power_w, energy_label
+        self.cloud_prior, self.cloud_prior_strength = cloud_accuracy, cloud_prior_strength
+        self.edge_prior_strength = edge_prior_strength
+        self.up, self.down_after, self.up_after = True, down_after, up_after
+        self._alpha, self._avail, self._fails, self._oks = alpha, 1.0, 0, 0
+        self.failure_latency_ms = 0.0
+        self._agree: deque[tuple[bool, float]] = deque(maxlen=agreement_window)
+
+    def observe(self, rtt_ms: float | None, ok: bool, bytes_sent: int = 0,
+                elapsed_ms: float | None = None) -> tuple[str, ...]:
+        """Record one escalation; returns the availability events it caused ("down", "up").
+
+        A failure's `elapsed_ms` (or an `rtt_ms` given with ok=False) is how long the edge waited:
+        it enters the RTT window as "not answered in time" (+inf) and the waiting-energy estimate.
+        """
+        if bytes_sent > 0:
+            self.bytes_per_escalation += self._alpha * (bytes_sent - self.bytes_per_escalation)
+        if ok and rtt_ms is not None:
+            self._fails, self._oks = 0, self._oks + 1
+            if not self.up and self._oks >= self.up_after:
+                self.up, self._avail = True, 1.0
+                self.rtt.rebase(0)
+                self.rtt.add(rtt_ms)
+                return ("up",)
+            self.rtt.add(rtt_ms)
+            self._avail += self._alpha * (1.0 - self._avail)
+            return ()
+        self._fails, self._oks = self._fails + 1, 0
+        self._avail -= self._alpha * self._avail
+        waited = elapsed_ms if elapsed_ms is not None else rtt_ms
+        if waited is not None:
+            self.rtt.add(math.inf)
+            self.failure_latency_ms += self._alpha * (float(waited) - self.failure_latency_ms)
+        if self.up and self._fails >= self.down_after:
+            self.up = False
+            return ("down",)
+        return ()
+
+    def observe_agreement(self, agreed: bool, edge_accuracy: float) -> None:
+        """Record whether the cloud agreed with the edge on an escalated input.
+
+        Args:
+            agreed: the edge's answer equals the cloud's.
+            edge_accuracy: the edge accuracy on escalated inputs that validation predicts at the
+                operating point in force (the prior for the edge side).
+        """
+        self._agree.append((bool(agreed), float(edge_accuracy)))
+
+    def _refit(self) -> tuple[float, float, float | None]:
+        """Cloud accuracy and edge error scale that best explain the observed agreement.
+
+        Agreement ≈ a_edge · a_cloud (two right answers; coinciding wrong answers are rare). The
+        log-deficit between predicted and observed agreement is split between the two accuracies in
+        proportion to their prior variances (a Gaussian approximation of the MAP estimate), shrunk
+        towards the prior with 20 pseudo-observations.
+        """
+        n = len(self._agree)
+        if n == 0:
+            return self.cloud_prior, 1.0, None
+        rate = sum(a for a, _ in self._agree) / n
+        a_e = min(max(sum(e for _, e in self._agree) / n, 1e-3), 1 - 1e-3)
+        a_c = min(self.cloud_prior, 1 - 1e-6)
+        predicted = a_e * a_c
+        smoothed = max((n * rate + 20 * predicted) / (n + 20), 1e-3)
+        deficit = math.log(predicted) - math.log(smoothed)
+        var_e = (1 - a_e) / (a_e * self.edge_prior_strength)
+        var_c = (1 - a_c) / (a_c * self.cloud_prior_strength)
+        share_c = var_c / (var_e + var_c)
+        cloud = min(1.0, a_c * math.exp(-deficit * share_c))
+        edge = min(1.0, a_e * math.exp(-deficit * (1 - share_c)))
+        scale = min(max((1 - edge) / (1 - a_e), 0.25), 4.0)
+        return cloud, scale, rate
+
+    def rebase(self, keep: int = 4) -> None:
+        """Forget all but the last `keep` RTT samples (after a detected change)."""
+        self.rtt.rebase(keep)
+
+    def state(self) -> LinkState:
+        cloud, scale, rate = self._refit()
+        high = self.rtt.quantile(self.high_quantile)
+        ewma = self.rtt.ewma if math.isfinite(self.rtt.ewma) else high
+        return LinkState(rtt_ms=ewma, rtt_high_ms=high, availability=self._avail if self.up else 0.0, up=self.up,
+                         bytes_per_escalation=self.bytes_per_escalation, energy_per_byte_mj=self.energy_per_byte_mj,
+                         wait_power_w=self.wait_power_w, energy_label=self.energy_label, cloud_accuracy=cloud,
+                         edge_error_scale=scale, failure_latency_ms=self.failure_latency_ms, agreement_rate=rate,
+                         agreement_n=len(self._agree), rtt_samples=self.rtt.samples())

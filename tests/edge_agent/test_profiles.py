@@ -1,0 +1,145 @@
+"""Variant profiles from a real package, and the link profile's estimates."""
+
+from __future__ import annotations
+
+import math
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from compilers.manifest import Manifest
+from compilers.package import ModelPackage, write_package
+from edge_agent.budget import Budget
+from edge_agent.controller import ControllerConfig, choose
+from edge_agent.policy import Policy
+from edge_agent.profiles import LatencyWindow, LinkProfile, VariantProfile, lognormal_points
+from runtimes.errors import ConfigError, PackageError
+from runtimes.registry import open_session
+from runtimes.spec import TensorSpec
+from sdk import zoo
+
+
+def make_package(directory: Path, onnx: Path, split: zoo.Split, *, validation: bool = True) -> ModelPackage:
+    """A package holding the ONNX model and its outputs on the validation split."""
+    directory.mkdir(parents=True)
+    shutil.copy(onnx, directory / "model.onnx")
+    with open_session(directory / "model.onnx", backend="onnxruntime") as session:
+        logits = session.run({"x": split.x_val})["logits"]
+    if validation:
+        np.savez(directory / "validation.npz", logits=logits, labels=split.y_val, reference_logits=logits)
+    manifest = Manifest(name="digits", version="1", target="x86", precision="fp32", runtime="onnxruntime",
+                        artifact="model.onnx", inputs=(TensorSpec("x", "float32", ("batch", 1, 8, 8)),),
+                        outputs=(TensorSpec("logits", "float32", ("batch", 10)),),
+                        latency_ms={"batch_1": {"p50": 0.2, "p95": 0.3}},
+                        energy={"mj": 1.5, "label": "modeled:test-cpu"},
+                        calibration={"temperature": 1.0, "validation_file": "validation.npz"})
+    return write_package(directory, manifest)
+
+
+@pytest.fixture(scope="module")
+def package(tmp_path_factory: pytest.TempPathFactory, digits_cnn_onnx: Path, digits: zoo.Split) -> ModelPackage:
+    written = make_package(tmp_path_factory.mktemp("pkg") / "fp32", digits_cnn_onnx, digits)
+    return ModelPackage.open(written.directory)
+
+
+def test_profile_from_a_real_package(package: ModelPackage, digits: zoo.Split) -> None:
+    profile = VariantProfile.from_package(package, Policy("max_prob"))
+    with np.load(package.directory / "validation.npz") as data:
+        logits, labels = data["logits"], data["labels"]
+    assert profile.id == "fp32"
+    assert profile.validation_size == len(digits.y_val)
+    assert profile.accuracy == pytest.approx(zoo.accuracy(logits, labels))
+    assert (profile.energy_mj, profile.energy_label) == (1.5, "modeled:test-cpu")
+    assert profile.latency.quantile(0.5) == pytest.approx(0.2, rel=0.05)
+    # the escalation curve: escalating the least confident inputs leaves the accepted ones more accurate
+    thresholds = profile.thresholds((0.0, 0.1, 1.0))
+    esc, acc_accepted, acc_escalated = profile.curve(thresholds)
+    assert esc.tolist() == pytest.approx([0.0, 0.1, 1.0], abs=0.01)
+    assert acc_accepted[1] >= acc_accepted[0] == pytest.approx(profile.accuracy)
+    assert acc_escalated[1] < profile.accuracy
+    # the scores are those of the bound scorer the agent uses
+    bound = Policy("max_prob").scorer(package.manifest.calibration, "logits")
+    assert np.sort(bound.score({"logits": logits})) == pytest.approx(profile.scores)
+
+
+def test_self_benchmark_replaces_the_manifest_prior(package: ModelPackage, digits: zoo.Split) -> None:
+    profile = VariantProfile.from_package(package, Policy("max_prob"))
+    with package.open_session() as session:
+        x = digits.x_test[:1]
+        median = profile.self_benchmark(lambda: session.run({"x": x}), repeats=12)
+    assert median > 0
+    assert profile.baseline_p50_ms == pytest.approx(profile.latency.quantile(0.5))
+    d = choose([profile], LinkProfile(rtt_ms=5).state(), Budget(latency_ms=50), ControllerConfig())
+    assert d.variant == "fp32"
+    assert d.feasible
+
+
+def test_package_without_validation_is_refused(tmp_path: Path, digits_cnn_onnx: Path, digits: zoo.Split) -> None:
+    pkg = make_package(tmp_path / "bare", digits_cnn_onnx, digits, validation=False)
+    with pytest.raises(PackageError, match="validation"):
+        VariantProfile.from_package(pkg, Policy("max_prob"))
+
+
+def test_synthetic_profile_checks() -> None:
+    with pytest.raises(ConfigError):
+        VariantProfile("v", [0.1, 0.2], [True], [1.0], 1.0)
+    with pytest.raises(ConfigError):
+        VariantProfile("v", [0.1, math.nan], [True, False], [1.0], 1.0)
+    p = VariantProfile("v", [0.9, 0.1, 0.5], [True, False, True], [1.0], 2.0)
+    esc, acc, acc_esc = p.curve(np.array([0.3]))
+    assert (esc[0], acc[0], acc_esc[0]) == pytest.approx((1 / 3, 1.0, 0.0))
+    p.observe_energy(4.0, "measured:rapl", alpha=1.0)
+    assert (p.energy_mj, p.energy_label) == (4.0, "measured:rapl")
+    for _ in range(300):  # live scores all low: the escalation rate follows them
+        p.observe_score(0.0)
+    assert p.curve(np.array([0.3]))[0][0] > 0.6
+
+
+def test_latency_window_and_prior() -> None:
+    prior = lognormal_points(10.0, 20.0)
+    assert np.median(prior) == pytest.approx(10.0, rel=0.05)
+    assert np.quantile(prior, 0.95) == pytest.approx(20.0, rel=0.1)
+    w = LatencyWindow(prior, maxlen=16, min_samples=4)
+    for v in (1.0, 2.0, 3.0):
+        w.add(v)
+    assert w.samples().size == prior.size + 3  # prior still blended in
+    w.add(4.0)
+    assert w.samples().tolist() == [1.0, 2.0, 3.0, 4.0]
+    assert w.quantile(0.5) == 2.0
+    w.rebase(1)
+    assert w.samples().tolist() == [4.0]
+
+
+def test_link_rtt_availability_and_bytes() -> None:
+    link = LinkProfile(rtt_ms=10.0, rtt_high_ms=12.0, bytes_per_escalation=100.0)
+    assert link.state().rtt_high_ms == pytest.approx(12.0, rel=0.1)
+    for _ in range(30):
+        link.observe(2.0, ok=True, bytes_sent=500)
+    s = link.state()
+    assert s.rtt_ms == pytest.approx(2.0, abs=0.1)
+    assert s.rtt_high_ms == pytest.approx(2.0)
+    assert s.bytes_per_escalation == pytest.approx(500, rel=0.01)
+    assert s.up
+    assert s.energy_label.startswith("modeled")
+    assert link.observe(None, ok=False) == ()
+    assert link.observe(None, ok=False) == ()
+    assert link.observe(None, ok=False) == ("down",)
+    assert link.state().availability == 0.0
+    assert link.observe(3.0, ok=True) == ("up",)
+    assert link.state().availability == 1.0
+    assert link.state().rtt_samples.tolist() == [3.0]
+
+
+def test_timeouts_count_as_not_answered_in_time() -> None:
+    link = LinkProfile(rtt_ms=5.0, down_after=10)
+    for _ in range(8):
+        link.observe(5.0, ok=True)
+    link.observe(None, ok=False, elapsed_ms=19.0)
+    link.observe(19.0, ok=False)  # the other convention: the waited time as rtt_ms with ok=False
+    s = link.state()
+    assert s.timely(10.0) == pytest.approx(0.8)
+    assert math.isinf(s.rtt_high_ms)
+    assert s.failure_latency_ms > 0
+    assert s.to_json()["rtt_high_ms"] is None
