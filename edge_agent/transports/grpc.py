@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import json
 import logging
-from pathlib import Path
 from typing import Any
 
 import grpc
@@ -39,6 +38,7 @@ from edge_agent.transports.base import (
     escalation_error,
     is_ip_literal,
 )
+from edge_agent.transports.tls import grpc_credentials
 from runtimes.errors import CloudTimeout, CloudUnavailable, ConfigError, EscalationError
 
 logger = logging.getLogger(__name__)
@@ -105,24 +105,6 @@ def channel_options(options: TransportOptions) -> list[tuple[str, Any]]:
     return result
 
 
-def _read(path: str | None, what: str) -> bytes | None:
-    if path is None:
-        return None
-    try:
-        return Path(path).read_bytes()
-    except OSError as exc:
-        msg = f"cannot read the {what} {path!r}: {exc.strerror}; check TransportOptions"
-        raise ConfigError(msg) from None
-
-
-def channel_credentials(options: TransportOptions) -> grpc.ChannelCredentials:
-    return grpc.ssl_channel_credentials(
-        root_certificates=_read(options.ca_file, "CA file"),
-        private_key=_read(options.key_file, "client key file"),
-        certificate_chain=_read(options.cert_file, "client certificate file"),
-    )
-
-
 class GrpcTransport(Transport):
     """Escalates with a unary `ModelInfer` call over one grpc.aio channel.
 
@@ -151,7 +133,7 @@ class GrpcTransport(Transport):
         self.target = channel_target(cloud)
         self._channel_options = channel_options(self.options)
         # read certificate files now: a wrong path fails at construction, not on the first escalation
-        self._credentials = channel_credentials(self.options) if cloud.tls else None
+        self._credentials = grpc_credentials(self.options) if cloud.tls else None
         self._channel: grpc.aio.Channel | None = None
         self._infer: grpc.aio.UnaryUnaryMultiCallable | None = None
         self._closed = False

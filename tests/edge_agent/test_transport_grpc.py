@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import datetime
-import ipaddress
 import socket
 import time
 from collections.abc import AsyncIterator, Callable
@@ -207,15 +206,14 @@ def _cert(subject: str, key: ec.EllipticCurvePrivateKey, issuer: x509.Certificat
     return builder.sign(issuer_key, hashes.SHA256())
 
 
-@pytest.fixture(scope="module")
-def pki(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """A CA, a server certificate for `cloud.test` and 127.0.0.1, and a client certificate, as PEM files."""
-    d = tmp_path_factory.mktemp("pki")
+def make_pki(d: Path) -> dict[str, Path]:
+    """A CA, a server certificate for `cloud.test`, and a client certificate, as PEM files in `d`."""
+    d.mkdir(parents=True, exist_ok=True)
     ca_key = _key()
     ca = _cert("tierkit test CA", ca_key, None, ca_key, ca=True)
     server_key, client_key = _key(), _key()
     server = _cert("cloud.test", server_key, ca, ca_key,
-                   sans=[x509.DNSName("cloud.test"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))])
+                   sans=[x509.DNSName("cloud.test")])  # not 127.0.0.1: clients must name it
     client = _cert("cam-7", client_key, ca, ca_key)
     files = {"ca": ca.public_bytes(serialization.Encoding.PEM),
              "server.crt": server.public_bytes(serialization.Encoding.PEM), "server.key": _pem_key(server_key),
@@ -225,6 +223,11 @@ def pki(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         (d / name).write_bytes(data)
         paths[name] = d / name
     return paths
+
+
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    return make_pki(tmp_path_factory.mktemp("pki"))
 
 
 def _server_credentials(pki: dict[str, Path], *, require_client: bool) -> grpc.ServerCredentials:
@@ -241,6 +244,11 @@ def test_tls_with_server_name_override(pki: dict[str, Path]) -> None:
             async with open_transport(f"grpcs://127.0.0.1:{port}/m", device_id="cam-7", options=options) as cloud:
                 response = await cloud.escalate(encode_request("", {"x": X}), timeout_s=5.0)
             assert response.raw_output_contents[0] == (X * 2).tobytes()
+            # without the override the name 127.0.0.1 does not match the certificate
+            async with open_transport(f"grpcs://127.0.0.1:{port}/m", device_id="cam-7",
+                                      options=TransportOptions(ca_file=str(pki["ca"]))) as cloud:
+                with pytest.raises(CloudUnavailable):
+                    await cloud.escalate(encode_request("", {"x": X}), timeout_s=5.0)
             # a client that does not trust our CA refuses the server
             async with open_transport(f"grpcs://127.0.0.1:{port}/m", device_id="cam-7",
                                       options=TransportOptions(server_name="cloud.test")) as cloud:
@@ -255,11 +263,11 @@ def test_mutual_tls_requires_a_client_certificate(pki: dict[str, Path]) -> None:
         async with serving(Doubler(), _server_credentials(pki, require_client=True)) as port:
             url = f"grpcs://127.0.0.1:{port}/m"
             good = TransportOptions(ca_file=str(pki["ca"]), cert_file=str(pki["client.crt"]),
-                                    key_file=str(pki["client.key"]))
+                                    key_file=str(pki["client.key"]), server_name="cloud.test")
             async with open_transport(url, device_id="cam-7", options=good) as cloud:
                 response = await cloud.escalate(encode_request("", {"x": X}), timeout_s=5.0)
             assert response.raw_output_contents[0] == (X * 2).tobytes()
-            no_cert = TransportOptions(ca_file=str(pki["ca"]))
+            no_cert = TransportOptions(ca_file=str(pki["ca"]), server_name="cloud.test")
             async with open_transport(url, device_id="cam-7", options=no_cert) as cloud:
                 with pytest.raises(CloudUnavailable):
                     await cloud.escalate(encode_request("", {"x": X}), timeout_s=5.0)

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import random
 import socket
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -23,6 +25,7 @@ from edge_agent.transports import TransportOptions, open_transport
 from edge_agent.transports.mqtt import ERROR_PROPERTY, STATUS_PROPERTY, MqttTransport, backoff_delay
 from runtimes.errors import CloudTimeout, CloudUnavailable, EscalationError
 from tests.broker import Broker
+from tests.edge_agent.test_transport_grpc import make_pki
 
 pytestmark = pytest.mark.mqtt
 
@@ -180,6 +183,39 @@ def test_publish_waits_for_the_broker_ack(broker: Broker) -> None:
             await cloud.publish(topics.telemetry_topic("cam-7"), b"{}", qos=0)
 
     asyncio.run(main())
+
+
+def test_mutual_tls_with_server_name_override(tmp_path: Path) -> None:
+    pki = make_pki(tmp_path / "pki")
+    broker = Broker(tmp_path / "tls", extra_conf=(
+        f"cafile {pki['ca']}\ncertfile {pki['server.crt']}\nkeyfile {pki['server.key']}\n"
+        "require_certificate true\n"
+        # mosquitto started as root drops to the mosquitto user, which cannot read pytest's private tmp dirs
+        "user root\n")).start()
+    url = f"mqtts://127.0.0.1:{broker.port}/digits"
+    good = TransportOptions(ca_file=str(pki["ca"]), cert_file=str(pki["client.crt"]), key_file=str(pki["client.key"]),
+                            server_name="cloud.test", connect_timeout_s=2.0, reconnect_min_s=0.05)
+    no_cert = TransportOptions(ca_file=str(pki["ca"]), server_name="cloud.test", connect_timeout_s=2.0,
+                               reconnect_min_s=0.05)
+
+    async def main() -> None:
+        async with open_transport(url, device_id="cam-7", options=good) as cloud:
+            assert isinstance(cloud, MqttTransport)
+            assert cloud.connected
+            await cloud.publish(topics.telemetry_topic("cam-7"), b"{}", qos=1)
+        async with open_transport(url, device_id="cam-8", options=no_cert) as cloud:
+            with pytest.raises(CloudUnavailable):
+                await cloud.escalate(encode_request("", {"x": X}), timeout_s=1.0)
+        # without the override, 127.0.0.1 does not match the certificate's name
+        unnamed = dataclasses.replace(good, server_name=None)
+        async with open_transport(url, device_id="cam-9", options=unnamed) as cloud:
+            with pytest.raises(CloudUnavailable):
+                await cloud.escalate(encode_request("", {"x": X}), timeout_s=1.0)
+
+    try:
+        asyncio.run(main())
+    finally:
+        broker.stop()
 
 
 def test_backoff_is_full_jitter_within_the_cap() -> None:
