@@ -1,9 +1,59 @@
-"""Subcommands of this layer (filled in by the layer's own work)."""
+"""`tierkit agent --config agent.yaml`: run the edge agent as a local Open Inference Protocol server.
+
+(`tierkit plan` lives in `edge_agent/plan_cli.py`, mounted beside this module by `sdk/cli.py`.)
+"""
 
 from __future__ import annotations
 
 import argparse
+import asyncio
+import contextlib
+import dataclasses
+import signal
+import sys
+from typing import Any
+
+from edge_agent.config import load_config, parse_listen
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
-    """Register this layer's subcommands."""
+    """Register `tierkit agent`."""
+    p = subparsers.add_parser(
+        "agent", help="run the edge agent: local Open Inference Protocol server with tiered inference",
+        description="Serve a model package or variant set on localhost over the Open Inference Protocol "
+                    "(gRPC), answering at the edge and escalating unsure inputs to the cloud.")
+    p.add_argument("--config", required=True, metavar="agent.yaml", help="the agent configuration file")
+    p.add_argument("--listen", metavar="HOST:PORT", help="override the config's listen address (port 0: any free)")
+    p.add_argument("--device-id", help="override the config's device id")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from edge_agent.daemon import run_daemon
+
+    config = load_config(args.config)
+    if args.listen:
+        config = dataclasses.replace(config, listen=parse_listen(args.listen, "--listen"))
+    if args.device_id:
+        config = dataclasses.replace(config, options=dataclasses.replace(config.options, device_id=args.device_id))
+
+    def ready(daemon: Any) -> None:
+        host = config.listen[0]
+        cloud = config.cloud or "none (edge only)"
+        print(f"tierkit agent: serving {daemon.agent.model_name!r} on {host}:{daemon.port}, "
+              f"device {daemon.device}, cloud {cloud}", flush=True)
+        journal = daemon.agent.journal
+        if journal is not None and journal.recovered_from is not None:
+            print(f"tierkit agent: the journal was corrupt; moved it to {journal.recovered_from}",
+                  file=sys.stderr, flush=True)
+
+    async def main() -> None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            with contextlib.suppress(NotImplementedError):
+                loop.add_signal_handler(sig, stop.set)
+        await run_daemon(config, stop=stop, ready=ready)
+
+    asyncio.run(main())
+    return 0

@@ -1,0 +1,139 @@
+"""`agent.yaml`: the configuration of `tierkit agent`, read once and turned into option objects.
+
+```yaml
+model: ./variants                   # a variant set, package directory or .tkpkg (relative to this file)
+device_id: cam-7
+cloud: grpc://127.0.0.1:8001/cnn    # or mqtt://BROKER:PORT/MODEL; omit for edge only
+listen: 127.0.0.1:8500              # the local Open Inference Protocol endpoint
+broker: mqtt://127.0.0.1:1883       # optional: telemetry, desired and reported state
+budget: {latency_ms: 30, energy_mj: 5}
+policy: {score: calibrated, target_accuracy: 0.995, max_rate: 0.25, ood: true, keep: true, cache_size: 0}
+breaker: {failure_threshold: 5, reset_timeout_s: 2}
+journal: {path: ./journal.db, max_bytes: 67108864}
+telemetry_interval_s: 10
+threads: 0
+```
+
+Example:
+    >>> config = load_config("agent.yaml")
+    >>> config.listen
+    ('127.0.0.1', 8500)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from edge_agent.agent import AgentOptions
+from edge_agent.breaker import BreakerConfig
+from edge_agent.budget import Budget
+from edge_agent.policy import Policy
+from edge_agent.transports.base import parse_cloud_url
+from runtimes.errors import ConfigError
+from runtimes.session import SessionOptions
+
+_KEYS = {"model", "device_id", "cloud", "listen", "broker", "budget", "policy", "breaker", "journal",
+         "telemetry_interval_s", "threads", "margin_ms"}
+
+
+@dataclass(frozen=True)
+class AgentConfig:
+    """Everything `tierkit agent` needs, validated."""
+
+    model: Path
+    cloud: str | None = None
+    listen: tuple[str, int] = ("127.0.0.1", 8500)
+    broker: tuple[str, int] | None = None
+    budget: Budget = field(default_factory=Budget)
+    policy: Policy = field(default_factory=Policy)
+    options: AgentOptions = field(default_factory=AgentOptions)
+
+
+def _section(doc: Mapping[str, Any], key: str, cls: type, where: str) -> Any:
+    value = doc.get(key) or {}
+    if not isinstance(value, Mapping):
+        msg = f"{where}: '{key}' must be a mapping, got {value!r}"
+        raise ConfigError(msg)
+    known = {f.name for f in fields(cls)}
+    unknown = set(value) - known
+    if unknown:
+        msg = f"{where}: '{key}' has unknown key(s) {sorted(unknown)}; known: {sorted(known)}"
+        raise ConfigError(msg)
+    try:
+        return cls(**value)
+    except TypeError as exc:
+        msg = f"{where}: '{key}': {exc}"
+        raise ConfigError(msg) from None
+
+
+def parse_listen(text: str, where: str = "listen") -> tuple[str, int]:
+    """`HOST:PORT` (port 0: any free port) -> (host, port)."""
+    host, sep, port = str(text).rpartition(":")
+    if not sep or not host or not port.isdigit() or int(port) > 65535:
+        msg = f"{where} {text!r} must be HOST:PORT, e.g. 127.0.0.1:8500"
+        raise ConfigError(msg)
+    return host.strip("[]"), int(port)
+
+
+def parse_config(doc: Mapping[str, Any], *, base: Path = Path(), where: str = "agent config") -> AgentConfig:
+    """Validate a parsed `agent.yaml` document; relative paths are resolved against `base`."""
+    if not isinstance(doc, Mapping):
+        msg = f"{where} must be a YAML mapping"
+        raise ConfigError(msg)
+    unknown = set(doc) - _KEYS
+    if unknown:
+        msg = f"{where}: unknown key(s) {sorted(unknown)}; known: {sorted(_KEYS)}"
+        raise ConfigError(msg)
+    if not doc.get("model"):
+        msg = f"{where}: 'model' (a variant set or package path) is required"
+        raise ConfigError(msg)
+    cloud = doc.get("cloud") or None
+    if cloud is not None:
+        parse_cloud_url(str(cloud))
+    broker = None
+    if doc.get("broker"):
+        url = parse_cloud_url(str(doc["broker"]))
+        if url.kind != "mqtt":
+            msg = f"{where}: 'broker' must be an mqtt:// URL, got {doc['broker']!r}"
+            raise ConfigError(msg)
+        broker = url.targets[0]
+    journal = doc.get("journal") or {}
+    if not isinstance(journal, Mapping) or set(journal) - {"path", "max_bytes"}:
+        msg = f"{where}: 'journal' takes 'path' and 'max_bytes', got {journal!r}"
+        raise ConfigError(msg)
+    opts: dict[str, Any] = {
+        "breaker": _section(doc, "breaker", BreakerConfig, where),
+        "session": SessionOptions(intra_op_threads=int(doc.get("threads", 0))),
+    }
+    if doc.get("device_id"):
+        opts["device_id"] = str(doc["device_id"])
+    if journal.get("path"):
+        opts["journal_path"] = base / str(journal["path"])
+    if journal.get("max_bytes"):
+        opts["journal_max_bytes"] = int(journal["max_bytes"])
+    for key in ("telemetry_interval_s", "margin_ms"):
+        if doc.get(key) is not None:
+            opts[key] = float(doc[key])
+    return AgentConfig(model=base / str(doc["model"]), cloud=str(cloud) if cloud else None,
+                       listen=parse_listen(doc.get("listen", "127.0.0.1:8500")), broker=broker,
+                       budget=_section(doc, "budget", Budget, where), policy=_section(doc, "policy", Policy, where),
+                       options=AgentOptions(**opts))
+
+
+def load_config(path: str | Path) -> AgentConfig:
+    """Read and validate `agent.yaml`."""
+    path = Path(path)
+    try:
+        doc = yaml.safe_load(path.read_text())
+    except OSError as exc:
+        msg = f"cannot read the agent config {str(path)!r}: {exc.strerror}"
+        raise ConfigError(msg) from None
+    except yaml.YAMLError as exc:
+        msg = f"the agent config {str(path)!r} is not valid YAML: {exc}"
+        raise ConfigError(msg) from None
+    return parse_config(doc or {}, base=path.resolve().parent, where=str(path))

@@ -1,0 +1,274 @@
+"""The local daemon: the edge agent as a process, serving the Open Inference Protocol on localhost.
+
+An application that already speaks the protocol (tritonclient, KServe clients) gets tiered
+inference by changing one address. Each response carries how it was answered in its parameters
+(`tierkit.tier`, `tierkit.degraded`, `tierkit.score`, ...); a request may ask for its escalation
+to be kept for later with the boolean parameter `tierkit.keep`.
+
+Telemetry goes to `tierkit/v1/{device}/telemetry`: through the cloud link when it is MQTT, through
+the configured broker otherwise, and into a journal (`<journal>.telemetry`) while neither is
+reachable. With a broker, the retained `tierkit/v1/{device}/desired` document changes the budget
+and threshold, and the result is reported (retained) on `.../reported`:
+
+```json
+{"budget": {"latency_ms": 25, "energy_mj": 4}, "threshold": 0.8}
+```
+
+Example:
+    >>> daemon = await AgentDaemon(load_config("agent.yaml")).start()
+    >>> daemon.port
+    8500
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import importlib.metadata
+import itertools
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+from cloud_service.protocol import (
+    CodecError,
+    decode_inputs,
+    encode_response,
+    get_parameters,
+    inference_pb2,
+    inference_pb2_grpc,
+    topics,
+)
+from cloud_service.protocol.codec import NP_TO_OIP
+from edge_agent.agent import EdgeAgent
+from edge_agent.budget import Budget
+from edge_agent.config import AgentConfig
+from edge_agent.journal import Journal, JournalEntry, drain
+from edge_agent.transports.base import TransportOptions
+from edge_agent.transports.mqtt_session import MqttSession
+from runtimes.errors import CloudUnavailable, ConfigError, InputError, JournalFull, TierkitError
+
+logger = logging.getLogger(__name__)
+
+PARAM_KEEP = "tierkit.keep"
+_MAX_MESSAGE = 64 * 1024 * 1024
+
+
+def _version() -> str:
+    try:
+        return importlib.metadata.version("tierkit")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
+
+
+class _Servicer(inference_pb2_grpc.GRPCInferenceServiceServicer):
+    """The Open Inference Protocol over one `EdgeAgent`."""
+
+    def __init__(self, agent: EdgeAgent) -> None:
+        self.agent = agent
+
+    def _known(self, name: str) -> bool:
+        return name in ("", self.agent.model_name)
+
+    async def ServerLive(self, request: Any, context: Any) -> Any:
+        return inference_pb2.ServerLiveResponse(live=True)
+
+    async def ServerReady(self, request: Any, context: Any) -> Any:
+        return inference_pb2.ServerReadyResponse(ready=True)
+
+    async def ModelReady(self, request: Any, context: Any) -> Any:
+        return inference_pb2.ModelReadyResponse(ready=self._known(request.name))
+
+    async def ServerMetadata(self, request: Any, context: Any) -> Any:
+        return inference_pb2.ServerMetadataResponse(name="tierkit-agent", version=_version())
+
+    async def ModelMetadata(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        if not self._known(request.name):
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"model {request.name!r} is not served here; "
+                                                           f"this agent serves {self.agent.model_name!r}")
+        meta = inference_pb2.ModelMetadataResponse(name=self.agent.model_name, versions=["1"], platform="tierkit")
+        for specs, target in ((self.agent.inputs, meta.inputs), (self.agent.outputs, meta.outputs)):
+            for s in specs:
+                target.add(name=s.name, datatype=NP_TO_OIP.get(s.dtype, s.dtype.upper()), shape=s.oip_shape)
+        return meta
+
+    async def ModelInfer(self, request: inference_pb2.ModelInferRequest,
+                         context: grpc.aio.ServicerContext) -> inference_pb2.ModelInferResponse:
+        agent = self.agent
+        if not self._known(request.model_name):
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"model {request.model_name!r} is not served here; "
+                                                           f"this agent serves {agent.model_name!r}")
+        try:
+            inputs = decode_inputs(request)
+            keep = bool(get_parameters(request.parameters).get(PARAM_KEEP, False))
+            pred = await agent.infer(inputs, keep=keep)
+        except (CodecError, InputError) as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        except TierkitError as exc:
+            await context.abort(getattr(grpc.StatusCode, exc.grpc_status, grpc.StatusCode.INTERNAL), str(exc))
+        wanted = [o.name for o in request.outputs]
+        unknown = set(wanted) - set(pred.outputs)
+        if unknown:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"unknown output(s) {sorted(unknown)}; "
+                                                                  f"the model has {sorted(pred.outputs)}")
+        outputs = {k: pred.outputs[k] for k in wanted} if wanted else pred.outputs
+        params = {"tierkit.tier": pred.tier, "tierkit.degraded": pred.degraded, "tierkit.score": pred.score,
+                  "tierkit.variant": pred.variant, "tierkit.latency_ms": pred.latency_ms,
+                  "tierkit.energy_mj": pred.energy_mj, "tierkit.energy_label": pred.energy_label,
+                  "tierkit.reason": pred.reason, topics.PARAM_SEQ: pred.seq}
+        return encode_response(agent.model_name, outputs, request_id=request.id, parameters=params)
+
+
+class AgentDaemon:
+    """`tierkit agent`: an `EdgeAgent`, its local gRPC endpoint, telemetry and desired state.
+
+    Args:
+        config: the validated `agent.yaml`.
+    """
+
+    def __init__(self, config: AgentConfig) -> None:
+        self.config = config
+        opts = config.options
+        self.agent = EdgeAgent(config.model, cloud=config.cloud, budget=config.budget, policy=config.policy,
+                               options=opts, telemetry=self._publish_telemetry)
+        self.device = opts.device_id
+        self.port = 0
+        self._server: grpc.aio.Server | None = None
+        self._control: MqttSession | None = None
+        self._telemetry_journal: Journal | None = None
+        self._telemetry_seq = itertools.count(1)
+        self.desired_applied = 0
+
+    async def start(self) -> AgentDaemon:
+        """Start the agent, bind the local endpoint, connect the control channel."""
+        await self.agent.start()
+        if self.config.options.journal_path is not None:
+            path = Path(self.config.options.journal_path)
+            self._telemetry_journal = Journal(path.with_name(path.name + ".telemetry"),
+                                              max_bytes=self.config.options.journal_max_bytes)
+        server = grpc.aio.server(options=[("grpc.max_receive_message_length", _MAX_MESSAGE),
+                                          ("grpc.max_send_message_length", _MAX_MESSAGE)])
+        inference_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(_Servicer(self.agent), server)
+        host, port = self.config.listen
+        try:
+            self.port = server.add_insecure_port(f"{host}:{port}")
+        except RuntimeError as exc:
+            await self.agent.aclose()
+            msg = f"cannot listen on {host}:{port} ({exc}); is another agent running there?"
+            raise ConfigError(msg) from None
+        await server.start()
+        self._server = server
+        self._start_control()
+        return self
+
+    def _control_broker(self) -> tuple[str, int] | None:
+        if self.config.broker is not None:
+            return self.config.broker
+        transport = self.agent.transport
+        return transport.cloud.targets[0] if getattr(transport, "name", "") == "mqtt" else None  # type: ignore[union-attr]
+
+    def _start_control(self) -> None:
+        broker = self._control_broker()
+        if broker is None:
+            return
+        # the MQTT cloud link already holds the device id as its client id: the control channel takes another
+        mqtt_link = getattr(self.agent.transport, "name", "") == "mqtt"
+        client_id = f"{self.device}-control" if mqtt_link else self.device
+        self._control = MqttSession(broker[0], broker[1], client_id=client_id,
+                                    subscribe=topics.desired_topic(self.device), tls=False,
+                                    options=self.agent.options.transport or TransportOptions(),
+                                    on_message=self._on_desired, on_down=lambda why: None)
+        self._control.start()
+
+    async def aclose(self) -> None:
+        if self._server is not None:
+            await self._server.stop(grace=0.5)
+        if self._control is not None:
+            await self._control.close()
+        await self.agent.aclose()
+        if self._telemetry_journal is not None:
+            self._telemetry_journal.close()
+
+    async def __aenter__(self) -> AgentDaemon:
+        return await self.start()
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    # -- telemetry ------------------------------------------------------------------------------
+
+    async def _publish(self, topic: str, payload: bytes, *, retain: bool = False) -> None:
+        transport = self.agent.transport
+        if getattr(transport, "name", "") == "mqtt" and transport.connected:  # type: ignore[union-attr]
+            await transport.publish(topic, payload, qos=1, retain=retain)  # type: ignore[union-attr]
+            return
+        control = self._control
+        if control is None or not control.up:
+            msg = "no MQTT broker is connected"
+            raise CloudUnavailable(msg)
+        info = control.publish(topic, payload, qos=1, retain=retain)
+        await control.acknowledged(info, 5.0)
+
+    async def _publish_telemetry(self, doc: dict[str, Any]) -> None:
+        payload = json.dumps(doc, default=str).encode()
+        topic = topics.telemetry_topic(self.device)
+        journal = self._telemetry_journal
+        try:
+            if journal is not None and journal.count():
+                await drain(journal, self._send_telemetry)
+            await self._publish(topic, payload)
+        except (TierkitError, TimeoutError, ConnectionError) as exc:
+            if journal is None:
+                logger.debug("telemetry dropped (no broker, no journal): %s", exc)
+                return
+            try:
+                await asyncio.to_thread(journal.append, "telemetry", payload, device=self.device,
+                                        boot_id=self.agent.options.boot_id, seq=next(self._telemetry_seq))
+            except JournalFull as full:
+                logger.warning("telemetry dropped: %s", full)
+
+    async def _send_telemetry(self, entry: JournalEntry) -> None:
+        await self._publish(topics.telemetry_topic(self.device), entry.payload)
+
+    # -- desired / reported -----------------------------------------------------------------------
+
+    def _on_desired(self, topic: str, payload: bytes, props: Any) -> None:
+        if not payload:  # a cleared retained message
+            return
+        report: dict[str, Any] = {"device": self.device, "boot_id": self.agent.options.boot_id}
+        try:
+            desired = json.loads(payload)
+            if not isinstance(desired, dict) or set(desired) - {"budget", "threshold"}:
+                msg = 'desired state must be a JSON object with "budget" and/or "threshold"'
+                raise ConfigError(msg)
+            if "budget" in desired:
+                budget = dataclasses.replace(self.agent.budget, **desired["budget"])
+                self.agent.set_budget(Budget(budget.latency_ms, budget.energy_mj, budget.max_escalations_per_s))
+            if "threshold" in desired:
+                value = desired["threshold"]
+                self.agent.set_threshold(None if value is None else float(value))
+            self.desired_applied += 1
+        except (ValueError, TypeError, ConfigError) as exc:
+            report["error"] = f"desired state not applied: {exc}"
+            logger.warning("%s", report["error"])
+        report.update(budget=dataclasses.asdict(self.agent.budget), threshold=self.agent.threshold,
+                      variant=self.agent.variant)
+        task = asyncio.get_running_loop().create_task(self._report(report))
+        task.add_done_callback(lambda t: t.cancelled() or t.exception())
+
+    async def _report(self, report: dict[str, Any]) -> None:
+        try:
+            await self._publish(topics.reported_topic(self.device), json.dumps(report).encode(), retain=True)
+        except (TierkitError, TimeoutError, ConnectionError) as exc:
+            logger.info("could not report the applied state: %s", exc)
+
+
+async def run_daemon(config: AgentConfig, *, stop: asyncio.Event, ready: Any = None) -> None:
+    """Run until `stop` is set; `ready(daemon)` is called once it serves."""
+    async with AgentDaemon(config) as daemon:
+        if ready is not None:
+            ready(daemon)
+        await stop.wait()

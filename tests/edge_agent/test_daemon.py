@@ -1,0 +1,162 @@
+"""`tierkit agent`: agent.yaml parsing, a real tritonclient request, desired/reported and telemetry over MQTT."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import queue
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from cloud_service.protocol import get_parameters, topics
+from compilers.package import ModelPackage
+from edge_agent.config import load_config, parse_config
+from edge_agent.daemon import AgentDaemon
+from runtimes.errors import ConfigError
+from sdk import zoo
+from tests.sdk.packages import make_package
+
+
+@pytest.fixture(scope="module")
+def package(digits_linear_onnx: Path, digits: zoo.Split, tmp_path_factory: pytest.TempPathFactory) -> ModelPackage:
+    return make_package(digits_linear_onnx, tmp_path_factory.mktemp("pkg") / "digits", name="digits",
+                        x_val=digits.x_val, y_val=digits.y_val)
+
+
+def test_config_parses_and_resolves_paths(tmp_path: Path) -> None:
+    (tmp_path / "agent.yaml").write_text(
+        "model: variants\ndevice_id: cam-7\ncloud: grpc://127.0.0.1:8001/cnn\nlisten: 127.0.0.1:0\n"
+        "budget: {latency_ms: 25, energy_mj: 4}\npolicy: {score: margin, target_rate: 0.2, keep: true}\n"
+        "breaker: {failure_threshold: 3}\njournal: {path: j.db, max_bytes: 1000000}\nbroker: mqtt://127.0.0.1:1884\n")
+    config = load_config(tmp_path / "agent.yaml")
+    assert config.model == tmp_path / "variants"
+    assert config.listen == ("127.0.0.1", 0)
+    assert config.broker == ("127.0.0.1", 1884)
+    assert config.budget.latency_ms == 25
+    assert config.policy.target_rate == 0.2
+    assert config.policy.keep
+    assert config.options.device_id == "cam-7"
+    assert config.options.breaker.failure_threshold == 3
+    assert config.options.journal_path == tmp_path / "j.db"
+
+
+@pytest.mark.parametrize(("doc", "match"), [
+    ({}, "model"),
+    ({"model": "m", "colud": "x"}, "unknown key"),
+    ({"model": "m", "cloud": "http://x/y"}, "must start with"),
+    ({"model": "m", "budget": {"latency": 3}}, "unknown key"),
+    ({"model": "m", "budget": {"latency_ms": -1}}, "positive"),
+    ({"model": "m", "listen": "8500"}, "HOST:PORT"),
+    ({"model": "m", "policy": {"score": "confidence"}}, "not one of"),
+    ({"model": "m", "broker": "grpc://127.0.0.1:1/x"}, "mqtt://"),
+])
+def test_config_errors_name_the_problem(doc: dict[str, Any], match: str) -> None:
+    with pytest.raises(ConfigError, match=match):
+        parse_config(doc)
+
+
+def test_config_file_errors(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="cannot read"):
+        load_config(tmp_path / "missing.yaml")
+    (tmp_path / "bad.yaml").write_text("model: [unclosed\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(tmp_path / "bad.yaml")
+
+
+def test_tritonclient_gets_an_edge_answer(package: ModelPackage, digits: zoo.Split) -> None:
+    grpcclient = pytest.importorskip("tritonclient.grpc")
+    config = parse_config({"model": str(package.directory), "listen": "127.0.0.1:0", "device_id": "dev-1"})
+    x = digits.x_test[:4]
+    with package.open_session() as session:
+        local = session.run({"x": x})["logits"]
+
+    def call(port: int) -> tuple[np.ndarray, dict[str, Any], str]:
+        client = grpcclient.InferenceServerClient(f"127.0.0.1:{port}")
+        try:
+            assert client.is_server_live()
+            assert client.is_model_ready("digits")
+            meta = client.get_model_metadata("digits")
+            inp = grpcclient.InferInput("x", list(x.shape), "FP32")
+            inp.set_data_from_numpy(x)
+            result = client.infer("digits", [inp], outputs=[grpcclient.InferRequestedOutput("logits")])
+            params = get_parameters(result.get_response().parameters)
+            bad = grpcclient.InferInput("x", [1, 1, 9, 8], "FP32")
+            bad.set_data_from_numpy(np.zeros((1, 1, 9, 8), np.float32))
+            try:
+                client.infer("digits", [bad])
+            except Exception as exc:  # tritonclient's InferenceServerException
+                error = str(exc)
+            else:
+                error = ""
+            return result.as_numpy("logits"), {"params": params, "meta": meta}, error
+        finally:
+            client.close()
+
+    async def main() -> tuple[np.ndarray, dict[str, Any], str]:
+        async with AgentDaemon(config) as daemon:
+            return await asyncio.to_thread(call, daemon.port)
+
+    logits, info, error = asyncio.run(main())
+    np.testing.assert_allclose(logits, local, rtol=1e-6)
+    assert info["params"]["tierkit.tier"] == "edge"
+    assert info["params"]["tierkit.degraded"] is False
+    assert str(info["params"]["tierkit.energy_label"]).startswith("modeled:")
+    assert info["meta"].inputs[0].name == "x"
+    assert "shape" in error
+
+
+@pytest.mark.mqtt
+def test_desired_state_and_telemetry_over_a_real_broker(package: ModelPackage, digits: zoo.Split,
+                                                        broker: Any) -> None:
+    import paho.mqtt.client as mqtt
+
+    device = "dev-7"
+    config = parse_config({"model": str(package.directory), "listen": "127.0.0.1:0", "device_id": device,
+                           "broker": broker.url, "telemetry_interval_s": 0.2})
+    received: queue.Queue[tuple[str, bytes]] = queue.Queue()
+    client = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id="operator", protocol=mqtt.MQTTv5)
+    client.on_message = lambda c, u, m: received.put((m.topic, m.payload))
+    client.connect(broker.host, broker.port)
+    client.subscribe([(topics.telemetry_topic(device), 1), (topics.reported_topic(device), 1)])
+    client.loop_start()
+    desired = {"budget": {"latency_ms": 25}, "threshold": 0.5}
+    client.publish(topics.desired_topic(device), json.dumps(desired), qos=1, retain=True).wait_for_publish(5)
+
+    async def main() -> tuple[float, float]:
+        async with AgentDaemon(config) as daemon:
+            for _ in range(100):
+                await asyncio.sleep(0.05)
+                if daemon.desired_applied:
+                    break
+            await daemon.agent.infer(digits.x_test[0])
+            await asyncio.sleep(0.6)
+            return daemon.agent.budget.latency_ms, daemon.agent.threshold
+
+    try:
+        latency, threshold = asyncio.run(main())
+        seen: dict[str, list[dict[str, Any]]] = {}
+        while not received.empty():
+            topic, payload = received.get()
+            seen.setdefault(topic, []).append(json.loads(payload))
+    finally:
+        client.loop_stop()
+        client.disconnect()
+    assert (latency, threshold) == (25, 0.5)
+    reported = seen[topics.reported_topic(device)][-1]
+    assert reported["budget"]["latency_ms"] == 25
+    assert reported["threshold"] == 0.5
+    assert "error" not in reported
+    telemetry = seen[topics.telemetry_topic(device)]
+    assert any(t["requests"] >= 1 for t in telemetry)
+    assert telemetry[-1]["device"] == device
+
+
+def test_cli_help_mounts_agent() -> None:
+    out = subprocess.run([sys.executable, "-m", "sdk.cli", "agent", "--help"], capture_output=True, text=True,
+                         check=True).stdout
+    assert "--config" in out
