@@ -184,9 +184,15 @@ def plot_frontier(points: Sequence[dict[str, Any]], front: Sequence[dict[str, An
                         c=[p["energy_mj"] for p in points], s=12, cmap="viridis", alpha=0.7)
         label = ", ".join(sorted({p["energy_label"] for p in points}))
         fig.colorbar(sc, ax=ax, label=f"energy per request, mJ ({label})")
-        ordered = sorted(front, key=lambda p: p["p95_ms"])
-        ax.plot([p["p95_ms"] for p in ordered], [100 * p["accuracy"] for p in ordered], "-", color="tab:red",
-                lw=1, label="Pareto frontier")
+        ax.scatter([p["p95_ms"] for p in front], [100 * p["accuracy"] for p in front], s=40, facecolors="none",
+                   edgecolors="tab:red", lw=0.8, label="Pareto (accuracy, p95, energy)")
+        best, xs, ys = -1.0, [], []  # the accuracy-vs-latency staircase
+        for p in sorted(points, key=lambda p: (p["p95_ms"], -p["accuracy"])):
+            if p["accuracy"] > best:
+                best = p["accuracy"]
+                xs.append(p["p95_ms"])
+                ys.append(100 * best)
+        ax.step(xs, ys, where="post", color="tab:red", lw=1, label="best accuracy within a latency")
         if budget is not None:
             ax.axvline(budget.latency_ms, color="gray", ls="--", lw=1, label=f"budget {budget.latency_ms:g} ms")
         if chosen is not None:

@@ -21,7 +21,8 @@ from runtimes.spec import TensorSpec
 from sdk import zoo
 
 
-def make_package(directory: Path, onnx: Path, split: zoo.Split, *, validation: bool = True) -> ModelPackage:
+def make_package(directory: Path, onnx: Path, split: zoo.Split, *, validation: bool = True,
+                 p50_ms: float = 0.2, energy_mj: float = 1.5) -> ModelPackage:
     """A package holding the ONNX model and its outputs on the validation split."""
     directory.mkdir(parents=True)
     shutil.copy(onnx, directory / "model.onnx")
@@ -32,8 +33,8 @@ def make_package(directory: Path, onnx: Path, split: zoo.Split, *, validation: b
     manifest = Manifest(name="digits", version="1", target="x86", precision="fp32", runtime="onnxruntime",
                         artifact="model.onnx", inputs=(TensorSpec("x", "float32", ("batch", 1, 8, 8)),),
                         outputs=(TensorSpec("logits", "float32", ("batch", 10)),),
-                        latency_ms={"batch_1": {"p50": 0.2, "p95": 0.3}},
-                        energy={"mj": 1.5, "label": "modeled:test-cpu"},
+                        latency_ms={"batch_1": {"p50": p50_ms, "p95": 1.5 * p50_ms}},
+                        energy={"mj": energy_mj, "label": "modeled:test-cpu"},
                         calibration={"temperature": 1.0, "validation_file": "validation.npz"})
     return write_package(directory, manifest)
 

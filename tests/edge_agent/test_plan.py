@@ -1,0 +1,74 @@
+"""`tierkit plan`: the chosen point, the Pareto frontier, the table and the PNG."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from compilers.variants import VariantEntry, VariantSet
+from edge_agent.budget import Budget
+from edge_agent.plan import pareto_front, what_if
+from edge_agent.plan_cli import load_profiles
+from edge_agent.policy import Policy
+from edge_agent.profiles import LinkProfile
+from sdk import zoo
+from sdk.cli import main
+from tests.edge_agent.test_profiles import make_package
+
+
+@pytest.fixture(scope="module")
+def variants(tmp_path_factory: pytest.TempPathFactory, digits_cnn_onnx: Path, digits_linear_onnx: Path,
+             digits: zoo.Split) -> Path:
+    """A two-rung ladder: the linear model (fast, less accurate) and the CNN (slow, accurate)."""
+    root = tmp_path_factory.mktemp("ladder")
+    entries = []
+    for vid, onnx, p50, mj in (("linear", digits_linear_onnx, 0.5, 0.5), ("cnn", digits_cnn_onnx, 4.0, 6.0)):
+        pkg = make_package(root / vid, onnx, digits, p50_ms=p50, energy_mj=mj)
+        m = pkg.manifest
+        entries.append(VariantEntry(vid, vid, m.precision, m.runtime, [], {}, m.latency_ms, m.size_bytes, m.energy))
+    VariantSet(root, "digits", "x86", tuple(entries)).write()
+    return root
+
+
+def test_plan_json_and_png(variants: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    png = tmp_path / "plan.png"
+    rc = main(["plan", str(variants), "--rtt-ms", "5", "--latency-ms", "8", "--json", "--png", str(png)])
+    assert rc == 0
+    doc = json.loads(capsys.readouterr().out)
+    d = doc["decision"]
+    assert d["feasible"] is True
+    assert d["predicted_p95_ms"] <= 8 * 0.9
+    assert d["energy_label"] == "modeled:test-cpu"
+    assert doc["frontier"]
+    assert {p["variant"] for p in doc["frontier"]} <= {"linear", "cnn"}
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert doc["png"] == str(png)
+
+
+def test_plan_table_and_infeasible_budget(variants: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    rc = main(["plan", str(variants), "--rtt-ms", "5", "--latency-ms", "0.5", "--energy-mj", "0.1", "--no-png"])
+    assert rc == 0
+    out = capsys.readouterr().out
+    assert "VIOLATES the latency and energy budget" in out
+    assert "Pareto frontier" in out
+    assert "modeled:test-cpu" in out
+
+
+def test_what_if_frontier_is_not_dominated(variants: Path) -> None:
+    profiles = load_profiles(variants, Policy("max_prob"))
+    report = what_if(profiles, LinkProfile(rtt_ms=10).state(), Budget(latency_ms=30))
+    front = report.frontier
+    assert front == pareto_front(front)
+    def key(p: dict[str, float]) -> tuple[float, float, float]:
+        return p["accuracy"], -p["p95_ms"], -p["energy_mj"]
+
+    for p in front:
+        assert not any(all(a >= b for a, b in zip(key(q), key(p), strict=True)) and key(q) != key(p)
+                       for q in report.points)
+    chosen = report.decision
+    assert chosen.feasible
+    # the chosen point is as accurate as any feasible point
+    feasible = [p for p in report.points if p["p95_ms"] <= 27 + 1e-9]
+    assert chosen.predicted_accuracy >= max(p["accuracy"] for p in feasible) - 1e-3
