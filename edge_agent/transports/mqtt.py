@@ -36,9 +36,8 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["ERROR_PROPERTY", "STATUS_PROPERTY", "MqttTransport", "backoff_delay"]
 
-# the same keys as the cloud's MQTT bridge (topics.STATUS_PROPERTY / topics.ERROR_PROPERTY)
-STATUS_PROPERTY = "tierkit.status"
-ERROR_PROPERTY = "tierkit.error"
+STATUS_PROPERTY = topics.STATUS_PROPERTY  # error replies: a gRPC status name ...
+ERROR_PROPERTY = topics.ERROR_PROPERTY  # ... and the message, as MQTT v5 user properties
 _STATUS_ERRORS: dict[str, type[EscalationError]] = {"UNAVAILABLE": CloudUnavailable, "DEADLINE_EXCEEDED": CloudTimeout}
 
 
