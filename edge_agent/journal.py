@@ -180,6 +180,8 @@ class Journal:
     def record_attempt(self, ids: Iterable[int]) -> None:
         """Count a failed delivery attempt of these entries."""
         ids = list(ids)
+        if not ids:
+            return
         with self._lock:
             self._db.execute(f"UPDATE journal SET attempts = attempts + 1 WHERE id IN ({','.join('?' * len(ids))})",
                              ids)

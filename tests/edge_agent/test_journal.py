@@ -40,6 +40,8 @@ def test_append_pending_ack_in_order(tmp_path: Path) -> None:
         assert journal.ack([entries[0].id, entries[1].id, 999_999]) == 2
         assert [e.seq for e in journal.pending(10)] == [2, 3, 4]
         assert journal.ack([entries[0].id]) == 0  # acking twice deletes nothing more
+        assert journal.ack([]) == 0
+        journal.record_attempt([])
 
 
 def test_duplicate_is_refused_and_nothing_written(tmp_path: Path) -> None:
