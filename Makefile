@@ -6,7 +6,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.tierkit-installed
 PYTEST_ARGS ?=
 
-.PHONY: demo test test-all bench lint install mosquitto clean
+.PHONY: demo test test-all bench lint typecheck install mosquitto clean
 
 $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -39,6 +39,11 @@ bench: install mosquitto
 
 lint: install
 	$(BIN)/ruff check .
+	$(BIN)/mypy
+
+# mypy --strict on the files listed under [tool.mypy] in pyproject.toml
+typecheck: install
+	$(BIN)/mypy
 
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache
+	rm -rf $(VENV) .pytest_cache .ruff_cache .mypy_cache

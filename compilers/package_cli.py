@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -110,7 +110,8 @@ def _run(args: argparse.Namespace) -> int:
     with pkg.open_session(SessionOptions(intra_op_threads=args.threads)) as session:
         outputs = session.run(inputs)
     if args.output:
-        np.savez(args.output, **outputs)
+        # Any: numpy's stub would match **outputs against its `allow_pickle: bool` keyword too
+        np.savez(args.output, **cast("dict[str, Any]", outputs))
         print(f"wrote {', '.join(outputs)} to {args.output}")
     else:
         for name, value in outputs.items():

@@ -193,7 +193,8 @@ class NvmlSource:
             raise BackendUnavailable(msg) from None
 
     def joules(self) -> float:
-        return sum(self._nvml.nvmlDeviceGetTotalEnergyConsumption(h) for h in self._handles) / 1e3
+        total_mj: int = sum(self._nvml.nvmlDeviceGetTotalEnergyConsumption(h) for h in self._handles)
+        return total_mj / 1e3
 
     def close(self) -> None:
         self._nvml.nvmlShutdown()
@@ -201,6 +202,15 @@ class NvmlSource:
 
 def _read_number(path: Path) -> float:
     return float(path.read_text().split()[0])
+
+
+def _milliwatt_reader(power: Path) -> Callable[[], float]:
+    return lambda: _read_number(power) / 1e3
+
+
+def _volt_amp_reader(volts: Path, amps: Path) -> Callable[[], float]:
+    """Watts from a millivolt and a milliampere file."""
+    return lambda: _read_number(volts) * _read_number(amps) / 1e6
 
 
 def _jetson_rails(root: Path) -> dict[str, Callable[[], float]]:
@@ -211,13 +221,13 @@ def _jetson_rails(root: Path) -> dict[str, Callable[[], float]]:
         k = name_file.name.rpartition("_")[2]
         power = name_file.parent / f"in_power{k}_input"
         if power.is_file():
-            rails[name_file.read_text().strip()] = lambda p=power: _read_number(p) / 1e3
+            rails[name_file.read_text().strip()] = _milliwatt_reader(power)
     # L4T 34 and later (hwmon): ina3221/<bus-addr>/hwmon/hwmonN/{inK_label, inK_input (mV), currK_input (mA)}
     for label_file in sorted(root.glob("ina3221/*/hwmon/hwmon*/in*_label")):
         k = label_file.name[2:].partition("_")[0]
         volts, amps = label_file.parent / f"in{k}_input", label_file.parent / f"curr{k}_input"
         if volts.is_file() and amps.is_file():
-            rails[label_file.read_text().strip()] = lambda v=volts, a=amps: _read_number(v) * _read_number(a) / 1e6
+            rails[label_file.read_text().strip()] = _volt_amp_reader(volts, amps)
     return rails
 
 

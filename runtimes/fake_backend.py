@@ -112,7 +112,7 @@ def linear_model(inputs: Sequence[TensorSpec], outputs: Sequence[TensorSpec], se
     def fn(feed: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         batch = len(feed[in_names[0]])
         flat = np.concatenate([np.asarray(feed[n], np.float64).reshape(batch, -1) for n in in_names], axis=1)
-        return {s.name: (flat @ w + b).reshape((batch, *s.shape[1:])).astype(s.dtype)
+        return {s.name: (flat @ w + b).reshape((batch, *(int(d) for d in s.shape[1:]))).astype(s.dtype)
                 for s in outputs for w, b in [weights[s.name]]}
 
     return fn

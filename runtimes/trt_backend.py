@@ -104,7 +104,8 @@ class TensorRTSession(Session):
             self._engine = engine
             self._context = engine.create_execution_context()
             self._stream = torch.cuda.Stream(self.device)
-        inputs, outputs = [], []
+        inputs: list[TensorSpec] = []
+        outputs: list[TensorSpec] = []
         self._torch_dtypes: dict[str, torch.dtype] = {}
         for i in range(engine.num_io_tensors):
             name = engine.get_tensor_name(i)
@@ -135,6 +136,7 @@ class TensorRTSession(Session):
                 array = inputs.get(spec.name)
                 if not isinstance(array, np.ndarray) or not spec.matches(array):
                     check_inputs(specs, inputs)
+                assert array is not None  # check_inputs raised for a missing input
                 tensor = torch.from_numpy(np.ascontiguousarray(array)).to(device)
                 if not ctx.set_input_shape(spec.name, tuple(array.shape)):
                     low, high = self.profile_range(spec.name)

@@ -112,7 +112,8 @@ def predict(model: torch.nn.Module, x: np.ndarray) -> np.ndarray:
     import torch
 
     with torch.inference_mode():
-        return model(torch.from_numpy(x)).numpy()
+        logits: np.ndarray = model(torch.from_numpy(x)).numpy()
+        return logits
 
 
 def export_onnx(model: torch.nn.Module, example: np.ndarray, path: str | Path, *, input_name: str = "x",
