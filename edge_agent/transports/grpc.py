@@ -17,6 +17,8 @@ Channel settings, and why:
   calls are in flight (`keepalive_permit_without_calls=0`), at most every `keepalive_s` (>= 10 s), and
   at most 2 pings without data (`http2.max_pings_without_data=2`, the gRPC default), which stays under
   the 2-strike limit. Our calls are short, so pings are rare; a dead connection is found by the deadline.
+  Checked against a default grpcio 1.85 server: a 45 s call with keepalive_s=10 sent 2 pings, drew no
+  strike and no GOAWAY, and ended with DEADLINE_EXCEEDED at 45.0 s.
 - Reconnect backoff is bounded by `reconnect_min_s`/`reconnect_max_s` (gRPC adds ±20 % jitter itself)
   so a channel comes back within seconds of the cloud, not gRPC's default 2 minutes.
 """
