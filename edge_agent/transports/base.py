@@ -254,10 +254,10 @@ class Transport:
                 patch.parameters[key].int64_param = value
             else:
                 patch.parameters[key].string_param = value
-        return patch.SerializeToString()
+        return bytes(patch.SerializeToString())
 
     def serialize(self, request: inference_pb2.ModelInferRequest, **extra: str | int) -> bytes:
-        return request.SerializeToString() + self.stamp(request, **extra)
+        return bytes(request.SerializeToString()) + self.stamp(request, **extra)
 
 
 def open_transport(url: str, *, device_id: str, boot_id: str | None = None,

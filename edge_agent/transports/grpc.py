@@ -160,7 +160,8 @@ class GrpcTransport(Transport):
             msg = f"gRPC transport to {where} is closed; open a new one"
             raise escalation_error(CloudUnavailable, msg, code="CANCELLED")
         try:
-            return await self._call()(request, timeout=timeout_s)
+            response: inference_pb2.ModelInferResponse = await self._call()(request, timeout=timeout_s)
+            return response
         except grpc.aio.AioRpcError as exc:
             raise self._map_error(exc, where, timeout_s) from exc
 

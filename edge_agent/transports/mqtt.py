@@ -128,7 +128,7 @@ class MqttTransport(Transport):
                    f"for {self.where}; raise the bound or send a smaller input")
             raise escalation_error(EscalationError, msg, code="RESOURCE_EXHAUSTED")
         correlation = self._prefix + next(self._counter).to_bytes(8, "big")
-        props = Properties(PacketTypes.PUBLISH)
+        props = Properties(PacketTypes.PUBLISH)  # type: ignore[no-untyped-call]
         props.ResponseTopic = self.reply_topic
         props.CorrelationData = correlation
         future: asyncio.Future[inference_pb2.ModelInferResponse] = loop.create_future()

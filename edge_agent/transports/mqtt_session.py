@@ -107,7 +107,7 @@ class MqttSession:
         if self._loop is not None:
             return
         self._loop = asyncio.get_running_loop()
-        props = Properties(PacketTypes.CONNECT)
+        props = Properties(PacketTypes.CONNECT)  # type: ignore[no-untyped-call]
         props.SessionExpiryInterval = self.options.session_expiry_s
         self.client.connect_async(self.host, self.port, keepalive=round(self.options.keepalive_s),
                                   clean_start=False, properties=props)

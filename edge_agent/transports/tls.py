@@ -45,7 +45,7 @@ class _PahoContext(ssl.SSLContext):
 
     server_name = ""
 
-    def wrap_socket(self, sock: Any, *args: Any, **kwargs: Any) -> ssl.SSLSocket:  # type: ignore[override]
+    def wrap_socket(self, sock: Any, *args: Any, **kwargs: Any) -> ssl.SSLSocket:
         if self.server_name:
             kwargs["server_hostname"] = self.server_name
         tls_sock = super().wrap_socket(sock, *args, **kwargs)
