@@ -214,3 +214,71 @@ def make_fake_package(directory: Path, *, name: str = "slow", version: str = "1"
                         artifact="model.json", inputs=inputs, outputs=outputs)
     write_package(directory, manifest)
     return directory
+
+
+class Device:
+    """A device's side of MQTT request/response, with plain paho (TCP_NODELAY on, QoS 1)."""
+
+    def __init__(self, host: str, port: int, device_id: str = "cam-1", *, tls: Any = None,
+                 username: str | None = None, password: str | None = None, timeout: float = 10) -> None:
+        import queue
+        import socket
+
+        import paho.mqtt.client as paho
+        from paho.mqtt.enums import CallbackAPIVersion
+
+        from cloud_service.protocol import topics
+
+        self.device_id = device_id
+        self.replies: queue.Queue[Any] = queue.Queue()
+        self.acks: queue.Queue[Any] = queue.Queue()
+        self.client = paho.Client(CallbackAPIVersion.VERSION2, client_id=device_id, protocol=paho.MQTTv5)
+        self.client.on_socket_open = lambda c, u, s: s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.client.on_message = lambda c, u, m: self.replies.put(m)
+        self.client.on_publish = lambda c, u, mid, rc, p: self.acks.put(rc)
+        if tls is not None:
+            self.client.tls_set_context(tls)
+        if username is not None:
+            self.client.username_pw_set(username, password)
+        subscribed = threading.Event()
+        self.client.on_subscribe = lambda *a: subscribed.set()
+        self.client.on_connect = lambda c, u, f, rc, p: c.subscribe(topics.reply_topic(device_id), qos=1)
+        self.client.connect(host, port)
+        self.client.loop_start()
+        if not subscribed.wait(timeout):
+            self.close()
+            msg = f"device {device_id} could not subscribe to its reply topic"
+            raise RuntimeError(msg)
+
+    def send(self, payload: bytes, correlation: bytes = b"1", *, topic: str | None = None,
+             reply_to: str | None = "") -> None:
+        from paho.mqtt.packettypes import PacketTypes
+        from paho.mqtt.properties import Properties
+
+        from cloud_service.protocol import topics
+
+        props = Properties(PacketTypes.PUBLISH)
+        if reply_to is not None:
+            props.ResponseTopic = reply_to or topics.reply_topic(self.device_id)
+        props.CorrelationData = correlation
+        self.client.publish(topic or topics.escalate_topic(self.device_id), payload, qos=1, properties=props)
+
+    def ask(self, payload: bytes, correlation: bytes = b"1", timeout: float = 10, **kwargs: Any) -> Any:
+        """Send and wait for the reply with this correlation data (None on timeout)."""
+        import queue
+        import time
+
+        self.send(payload, correlation, **kwargs)
+        deadline = time.monotonic() + timeout
+        while (left := deadline - time.monotonic()) > 0:
+            try:
+                message = self.replies.get(timeout=left)
+            except queue.Empty:
+                return None
+            if message.properties.CorrelationData == correlation:
+                return message
+        return None
+
+    def close(self) -> None:
+        self.client.disconnect()
+        self.client.loop_stop()

@@ -1,0 +1,141 @@
+"""TLS and mutual TLS on gRPC; the shipped Mosquitto config (TLS, client certificates, passwords, ACLs)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import ssl
+import subprocess
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import grpc
+import numpy as np
+import pytest
+
+from cloud_service.config import MqttConfig
+from cloud_service.protocol import encode_request, topics
+from cloud_service.protocol import inference_pb2 as pb
+from cloud_service.protocol import inference_pb2_grpc as pbg
+from cloud_service.security import GrpcTls, MqttTls
+from tests.broker import Broker, _free_port
+from tests.cloud_service.conftest import Device, Pki, ServerThread, metric_value
+
+DEPLOY = Path(__file__).resolve().parents[2] / "deploy" / "mosquitto"
+
+
+def _channel(address: str, pki: Pki, *, client_cert: bool) -> grpc.Channel:
+    creds = grpc.ssl_channel_credentials(
+        root_certificates=pki.ca.read_bytes(),
+        private_key=pki.client_key.read_bytes() if client_cert else None,
+        certificate_chain=pki.client_cert.read_bytes() if client_cert else None)
+    return grpc.secure_channel(address, creds)
+
+
+def _live(channel: grpc.Channel) -> bool:
+    return pbg.GRPCInferenceServiceStub(channel).ServerLive(pb.ServerLiveRequest(), timeout=5).live
+
+
+def test_grpc_tls(serve: Callable[..., ServerThread], models_dir: Path, pki: Pki) -> None:
+    server = serve(models_dir, grpc_tls=GrpcTls(pki.server_cert, pki.server_key))
+    with _channel(server.grpc, pki, client_cert=False) as channel:
+        assert _live(channel)
+        reply = pbg.GRPCInferenceServiceStub(channel).ModelInfer(
+            encode_request("digits", {"x": np.zeros((1, 1, 8, 8), np.float32)}))
+        assert reply.outputs[0].name == "logits"
+    with grpc.insecure_channel(server.grpc) as plain, pytest.raises(grpc.RpcError) as info:
+        _live(plain)
+    assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+
+
+def test_grpc_mutual_tls(serve: Callable[..., ServerThread], models_dir: Path, pki: Pki) -> None:
+    server = serve(models_dir, grpc_tls=GrpcTls(pki.server_cert, pki.server_key, client_ca_file=pki.ca))
+    with _channel(server.grpc, pki, client_cert=True) as channel:
+        assert _live(channel)
+    with _channel(server.grpc, pki, client_cert=False) as channel, pytest.raises(grpc.RpcError):
+        _live(channel)
+    grpcclient = pytest.importorskip("tritonclient.grpc")
+    client = grpcclient.InferenceServerClient(url=server.grpc, ssl=True, root_certificates=str(pki.ca),
+                                              private_key=str(pki.client_key), certificate_chain=str(pki.client_cert))
+    assert client.is_model_ready("digits")
+    client.close()
+
+
+class DeployBroker(Broker):
+    """Mosquitto running deploy/mosquitto/mosquitto.conf and its ACL, with test ports, paths and certificates."""
+
+    def __init__(self, workdir: Path, pki: Pki, password: str) -> None:
+        super().__init__(workdir)
+        self.cloud_port = _free_port()
+        self.pki, self.password = pki, password
+
+    def write_conf(self) -> None:
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        passwd = self.workdir / "passwd"
+        passwd.touch()
+        subprocess.run(["mosquitto_passwd", "-b", str(passwd), "tierkit-cloud", self.password], check=True)
+        text = (DEPLOY / "mosquitto.conf").read_text()
+        for old, new in {"/mosquitto/data/": f"{self.workdir}/", "/mosquitto/config/passwd": str(passwd),
+                         "/mosquitto/config/acl": str(DEPLOY / "acl"), "/mosquitto/certs/ca.pem": str(self.pki.ca),
+                         "/mosquitto/certs/server.pem": str(self.pki.server_cert),
+                         "/mosquitto/certs/server.key": str(self.pki.server_key),
+                         "listener 8883": f"listener {self.port} 127.0.0.1",
+                         "listener 8884": f"listener {self.cloud_port} 127.0.0.1",
+                         "log_dest stdout": f"log_dest file {self.log}"}.items():
+            assert old in text, old
+            text = text.replace(old, new)
+        if os.geteuid() == 0:
+            # As root, Mosquitto drops to user `mosquitto`, which cannot read pytest's private tmp dirs.
+            text = "user root\n" + text
+        self.conf.write_text(text)
+
+
+@pytest.fixture
+def deploy_broker(tmp_path: Path, pki: Pki) -> Iterator[DeployBroker]:
+    if shutil.which("mosquitto_passwd") is None:
+        pytest.skip("mosquitto_passwd is not installed")
+    broker = DeployBroker(tmp_path / "broker", pki, "s3cret").start()
+    yield broker
+    broker.stop()
+
+
+def _device_tls(pki: Pki, *, client_cert: bool = True) -> ssl.SSLContext:
+    ctx = ssl.create_default_context(cafile=str(pki.ca))
+    if client_cert:
+        ctx.load_cert_chain(str(pki.client_cert), str(pki.client_key))
+    return ctx
+
+
+@pytest.mark.mqtt
+def test_shipped_mosquitto_config_tls_certificates_passwords_and_acls(
+        deploy_broker: DeployBroker, serve: Callable[..., ServerThread], models_dir: Path, pki: Pki) -> None:
+    mqtt = MqttConfig(url=f"mqtts://127.0.0.1:{deploy_broker.cloud_port}", client_id="tierkit-cloud-a",
+                      username="tierkit-cloud", password="s3cret", tls=MqttTls(ca_file=pki.ca))
+    server = serve(models_dir, grpc_address=None, mqtt=mqtt)
+    device = Device("127.0.0.1", deploy_broker.port, "cam-1", tls=_device_tls(pki))
+    try:
+        payload = encode_request("digits", {"x": np.zeros((1, 1, 8, 8), np.float32)}).SerializeToString()
+        reply = device.ask(payload, b"ok")
+        assert reply is not None
+        assert pb.ModelInferResponse.FromString(reply.payload).outputs[0].name == "logits"
+        # cam-1 may not publish into cam-2's subtree: the broker refuses, the server never sees it
+        device.send(payload, b"denied", topic=topics.escalate_topic("cam-2"))
+        time.sleep(0.5)
+        assert metric_value(server.metrics_text, "tierkit_requests_total", protocol="mqtt") == 1
+    finally:
+        device.close()
+
+
+@pytest.mark.mqtt
+def test_shipped_mosquitto_config_refuses_the_unauthenticated(deploy_broker: DeployBroker, pki: Pki,
+                                                              serve: Callable[..., ServerThread],
+                                                              models_dir: Path) -> None:
+    from runtimes.errors import BackendUnavailable
+
+    with pytest.raises((RuntimeError, OSError)):  # device listener: no client certificate, no session
+        Device("127.0.0.1", deploy_broker.port, "cam-1", tls=_device_tls(pki, client_cert=False), timeout=2)
+    wrong = MqttConfig(url=f"mqtts://127.0.0.1:{deploy_broker.cloud_port}", client_id="tierkit-cloud-b",
+                       username="tierkit-cloud", password="wrong", tls=MqttTls(ca_file=pki.ca))
+    with pytest.raises(BackendUnavailable, match="refused the connection"):
+        serve(models_dir, grpc_address=None, mqtt=wrong)
