@@ -291,10 +291,16 @@ class Controller:
         if energy_mj is not None and math.isfinite(energy_mj):
             p.observe_energy(energy_mj, energy_label)
         self._last_inference_ms = latency_ms
-        self._ratios.append(latency_ms / max(p.baseline_p50_ms, 1e-9))
-        if variant != self.current.variant or len(self._ratios) < min(self._ratios.maxlen or 1, self._min_obs):
+        if variant != self.current.variant:
             return
-        if abs(statistics.median(self._ratios) / self._ref["slowdown"] - 1) > self.config.latency_drift:
+        # device speed: this variant's latency against its baseline (the prior or the warm-up benchmark)
+        self._ratios.append(latency_ms / max(p.baseline_p50_ms, 1e-9))
+        if len(self._ratios) < min(self._ratios.maxlen or 1, self._min_obs):
+            return
+        speed = statistics.median(self._ratios)
+        if math.isnan(self._ref["slowdown"]):  # first samples after a switch of variant set the reference
+            self._ref["slowdown"] = speed
+        elif abs(speed / self._ref["slowdown"] - 1) > self.config.latency_drift:
             self._flag("device speed")
             p.latency.rebase(len(self._ratios))
         if abs(p.energy_mj / max(self._ref["energy"], 1e-12) - 1) > self.config.energy_drift:
@@ -424,6 +430,8 @@ class Controller:
 
     def _commit(self, decision: Decision, trigger: str, *, record: bool = True) -> Decision:
         decision = replace(decision, trigger=trigger, at=self._clock())
+        if self.decisions and decision.variant != self.current.variant:
+            self._ratios.clear()  # ratios of another variant are not comparable (fixed per-request costs)
         self.current = decision
         if record:
             self.decisions.append(decision)
@@ -433,7 +441,9 @@ class Controller:
         p = self._by_id[decision.variant]
         self._ref = {"rtt": self.link.rtt.ewma if self.link else 0.0,
                      "rtt_high": self.link.rtt.quantile(self.link.high_quantile) if self.link else 0.0,
-                     "slowdown": statistics.median(self._ratios) if len(self._ratios) >= 5 else 1.0,
+                     # at start the baseline itself is the reference; after a switch, the new variant's first samples
+                     "slowdown": (statistics.median(self._ratios) if len(self._ratios) >= 5
+                                  else 1.0 if trigger == "initial" else math.nan),
                      "energy": p.energy_mj,
                      "agreement": float(link.get("cloud_accuracy") or 1.0)
                      * (1 - (1 - decision.edge_accuracy_escalated) * float(link.get("edge_error_scale") or 1))}
