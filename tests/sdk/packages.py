@@ -34,3 +34,23 @@ def make_package(onnx_path: Path, directory: Path, *, name: str, x_val: np.ndarr
     manifest = Manifest(name=name, version="1", target="x86", precision=precision, runtime="onnxruntime",
                         artifact="model.onnx", inputs=inputs, outputs=outputs, calibration=calibration)
     return write_package(directory, manifest)
+
+
+_COMPILED: dict[tuple[str, str], Path] = {}
+
+
+def compiled(model: object, split: object, root: Path, name: str, precisions: tuple[str, ...]) -> Path:
+    """`compile_model` of a torch module on digits, once per pytest session (keyed by name)."""
+    import torch
+
+    from compilers import compile_model
+
+    key = (str(root), name)
+    if key not in _COMPILED:
+        s = split
+        calib = {"x": s.x_train[:512], "labels": s.y_train[:512]}  # type: ignore[attr-defined]
+        val = {"x": s.x_val, "labels": s.y_val}  # type: ignore[attr-defined]
+        vs = compile_model(model, example_inputs=torch.from_numpy(s.x_test[:1]), output=root / name,  # type: ignore[attr-defined]
+                           precisions=precisions, calibration=calib, validation=val, name=name, progress=False)
+        _COMPILED[key] = vs.directory
+    return _COMPILED[key]
