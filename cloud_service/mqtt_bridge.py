@@ -14,9 +14,10 @@
 - paho's network thread hands every message to the event loop with `call_soon_threadsafe`.
 - TCP_NODELAY is set on every socket: without it a QoS 1 round trip through Mosquitto takes ~88 ms
   (Nagle's algorithm against delayed ACKs) instead of ~1.4 ms.
-- Persistent session (`clean_start=False`, Session Expiry Interval). `stop()` unsubscribes,
-  answers what it holds, and disconnects with a Session Expiry of 0, so the broker queues nothing
-  for a replica that left on purpose.
+- `clean_start=False` with a configurable Session Expiry Interval (default 0: see
+  `MqttConfig.session_expiry_s` for why). `stop()` unsubscribes, answers what it holds, and
+  disconnects with a Session Expiry of 0, so the broker queues nothing for a replica that left on
+  purpose.
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ from runtimes.errors import BackendUnavailable
 
 log = logging.getLogger(__name__)
 _CONNECT_TIMEOUT_S = 10.0
+_QUIET_S = 0.1
 
 
 class _ResultCache:
@@ -144,8 +146,16 @@ class MqttBridge:
                 await asyncio.wait_for(self._unsubscribed.wait(), 5.0)
             except TimeoutError:
                 log.warning("the MQTT broker did not confirm the unsubscribe")
-        if self._tasks:
-            await asyncio.wait(list(self._tasks), timeout=drain_timeout_s)
+        # Escalations the broker sent before it processed the unsubscribe may still be arriving:
+        # drain until the bridge has been idle for a moment, or the drain timeout.
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + drain_timeout_s
+        while loop.time() < deadline:
+            if self._tasks:
+                await asyncio.wait(list(self._tasks), timeout=max(0.0, deadline - loop.time()))
+            await asyncio.sleep(_QUIET_S)
+            if not self._tasks:
+                break
         props = Properties(PacketTypes.DISCONNECT)
         props.SessionExpiryInterval = 0
         self._client.disconnect(properties=props)

@@ -20,7 +20,7 @@ from cloud_service.protocol import inference_pb2 as pb
 from cloud_service.protocol import inference_pb2_grpc as pbg
 from cloud_service.security import GrpcTls, MqttTls
 from tests.broker import Broker, _free_port
-from tests.cloud_service.conftest import Device, Pki, ServerThread, metric_value
+from tests.cloud_service.helpers import Device, Pki, ServerThread, metric_value
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy" / "mosquitto"
 

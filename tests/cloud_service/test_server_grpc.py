@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -16,7 +17,7 @@ from cloud_service.protocol import decode_outputs, encode_request, get_parameter
 from cloud_service.protocol import inference_pb2 as pb
 from cloud_service.protocol import inference_pb2_grpc as pbg
 from compilers.package import ModelPackage
-from tests.cloud_service.conftest import ServerThread, make_fake_package, metric_value
+from tests.cloud_service.helpers import ServerThread, make_fake_package, metric_value
 
 grpcclient = pytest.importorskip("tritonclient.grpc")
 
@@ -236,6 +237,7 @@ def test_requests_past_their_deadline_are_not_computed(serve: Callable[..., Serv
     with grpc.insecure_channel(server.grpc) as channel:
         stub = pbg.GRPCInferenceServiceStub(channel)
         first = stub.ModelInfer.future(encode_request("slow", {"x": x}), timeout=20)
+        time.sleep(0.1)  # `first` is running now
         with pytest.raises(grpc.RpcError) as info:
             stub.ModelInfer(encode_request("slow", {"x": x}), timeout=0.1)
         assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
