@@ -39,6 +39,7 @@ from runtimes.errors import ConfigError
 logger = logging.getLogger(__name__)
 
 DEFAULT_THRESHOLD = 0.9
+_SMALL = 64  # up to this many classes, one row is scored in plain Python
 Outputs = Mapping[str, np.ndarray]
 
 
@@ -69,28 +70,49 @@ class _Softmax:
     def bind(self, calibration: Mapping[str, Any], output: str | None) -> Scorer:
         return type(self)(self.temperature, self.output or output)
 
-    def _shifted(self, outputs: Outputs) -> np.ndarray:
+    def score(self, outputs: Outputs) -> np.ndarray:
+        z = _logits(outputs, self.output)
+        if z.shape[0] == 1 and z.shape[1] <= _SMALL:
+            # one row of a few classes: plain floats beat a dozen numpy calls (the per-request path)
+            row = z[0].tolist()
+            top = max(row)
+            inv = 1.0 / self.temperature
+            e = [math.exp((v - top) * inv) for v in row]
+            return np.array([self._row(e, inv, top, row)])
         # float64: float32 saturates confident rows at exactly 1.0, and thresholds rank on ties
-        z = _logits(outputs, self.output).astype(np.float64)
+        z = z.astype(np.float64)
         z -= z.max(axis=1, keepdims=True)
         if self.temperature != 1.0:
             z *= 1.0 / self.temperature
-        return z
+        return self._rows(z)
+
+    def _row(self, e: list[float], inv: float, top: float, row: list[float]) -> float:
+        raise NotImplementedError
+
+    def _rows(self, z: np.ndarray) -> np.ndarray:
+        raise NotImplementedError
 
 
 class MaxProb(_Softmax):
     """The largest softmax probability at temperature T."""
 
-    def score(self, outputs: Outputs) -> np.ndarray:
+    def _row(self, e: list[float], inv: float, top: float, row: list[float]) -> float:
+        return 1.0 / sum(e)
+
+    def _rows(self, z: np.ndarray) -> np.ndarray:
         # max softmax = exp(0) / sum(exp(z - max)): one exp, one sum
-        return 1.0 / np.exp(self._shifted(outputs)).sum(axis=1)
+        return 1.0 / np.exp(z).sum(axis=1)
 
 
 class Margin(_Softmax):
     """Top-1 minus top-2 softmax probability."""
 
-    def score(self, outputs: Outputs) -> np.ndarray:
-        e = np.exp(self._shifted(outputs))
+    def _row(self, e: list[float], inv: float, top: float, row: list[float]) -> float:
+        second = sorted(e)[-2] if len(e) > 1 else 0.0
+        return (1.0 - second) / sum(e)
+
+    def _rows(self, z: np.ndarray) -> np.ndarray:
+        e = np.exp(z)
         second = np.sort(e, axis=1)[:, -2] if e.shape[1] > 1 else 0.0
         return (1.0 - second) / e.sum(axis=1)
 
@@ -98,8 +120,12 @@ class Margin(_Softmax):
 class Entropy(_Softmax):
     """One minus the normalised entropy of the softmax: 1 for a one-hot answer, 0 for uniform."""
 
-    def score(self, outputs: Outputs) -> np.ndarray:
-        z = self._shifted(outputs)
+    def _row(self, e: list[float], inv: float, top: float, row: list[float]) -> float:
+        total = sum(e)
+        pz = sum(ei * (v - top) * inv for ei, v in zip(e, row, strict=True))
+        return 1.0 - (math.log(total) - pz / total) / math.log(max(len(e), 2))
+
+    def _rows(self, z: np.ndarray) -> np.ndarray:
         e = np.exp(z)
         total = e.sum(axis=1)
         # H = log(sum e) - sum(p * z)

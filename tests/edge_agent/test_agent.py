@@ -268,3 +268,12 @@ def test_controller_decides_and_observes(package: ModelPackage, digits: zoo.Spli
     assert ctl.redecided >= 1
     agent.set_budget(Budget(latency_ms=42))
     assert ("budget", 42) in ctl.seen
+
+
+def test_prediction_is_a_complete_frozen_dataclass(package: ModelPackage, digits: zoo.Split) -> None:
+    import dataclasses
+
+    (pred,), _, _ = run(package, digits.x_test[0], threshold=NEVER)
+    assert set(vars(pred)) == {f.name for f in dataclasses.fields(Prediction)}
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        pred.tier = "cloud"  # type: ignore[misc]
