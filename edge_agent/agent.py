@@ -724,6 +724,8 @@ class EdgeAgent:
 
     async def drain_journal(self) -> int:
         """Send journaled escalations, oldest first, until one fails; returns how many were delivered."""
+        if self.journal is None:
+            return 0
         return await drain(self.journal, self._send_journaled)
 
     async def _send_journaled(self, entry: JournalEntry) -> None:

@@ -33,7 +33,7 @@ def input_key(inputs: Mapping[str, np.ndarray]) -> bytes:
     for name in sorted(inputs):
         a = np.ascontiguousarray(inputs[name])
         h.update(f"{name}\0{a.dtype.str}\0{a.shape}\0".encode())
-        h.update(memoryview(a).cast("B"))
+        h.update(a.reshape(-1).view(np.uint8).data)
     return h.digest()
 
 

@@ -115,10 +115,11 @@ class _Servicer(inference_pb2_grpc.GRPCInferenceServiceServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"unknown output(s) {sorted(unknown)}; "
                                                                   f"the model has {sorted(pred.outputs)}")
         outputs = {k: pred.outputs[k] for k in wanted} if wanted else pred.outputs
-        params = {"tierkit.tier": pred.tier, "tierkit.degraded": pred.degraded, "tierkit.score": pred.score,
-                  "tierkit.variant": pred.variant, "tierkit.latency_ms": pred.latency_ms,
-                  "tierkit.energy_mj": pred.energy_mj, "tierkit.energy_label": pred.energy_label,
-                  "tierkit.reason": pred.reason, topics.PARAM_SEQ: pred.seq}
+        params: dict[str, bool | int | float | str] = {
+            "tierkit.tier": pred.tier, "tierkit.degraded": pred.degraded, "tierkit.score": pred.score,
+            "tierkit.variant": pred.variant, "tierkit.latency_ms": pred.latency_ms,
+            "tierkit.energy_mj": pred.energy_mj, "tierkit.energy_label": pred.energy_label,
+            "tierkit.reason": pred.reason, topics.PARAM_SEQ: pred.seq}
         return encode_response(agent.model_name, outputs, request_id=request.id, parameters=params)
 
 
@@ -151,7 +152,8 @@ class AgentDaemon:
                                               max_bytes=self.config.options.journal_max_bytes)
         server = grpc.aio.server(options=[("grpc.max_receive_message_length", _MAX_MESSAGE),
                                           ("grpc.max_send_message_length", _MAX_MESSAGE)])
-        inference_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(_Servicer(self.agent), server)
+        inference_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(  # type: ignore[no-untyped-call]
+            _Servicer(self.agent), server)
         host, port = self.config.listen
         try:
             self.port = server.add_insecure_port(f"{host}:{port}")

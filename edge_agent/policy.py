@@ -101,7 +101,8 @@ class MaxProb(_Softmax):
 
     def _rows(self, z: np.ndarray) -> np.ndarray:
         # max softmax = exp(0) / sum(exp(z - max)): one exp, one sum
-        return 1.0 / np.exp(z).sum(axis=1)
+        out: np.ndarray = 1.0 / np.exp(z).sum(axis=1)
+        return out
 
 
 class Margin(_Softmax):
@@ -114,7 +115,8 @@ class Margin(_Softmax):
     def _rows(self, z: np.ndarray) -> np.ndarray:
         e = np.exp(z)
         second = np.sort(e, axis=1)[:, -2] if e.shape[1] > 1 else 0.0
-        return (1.0 - second) / e.sum(axis=1)
+        out: np.ndarray = (1.0 - second) / e.sum(axis=1)
+        return out
 
 
 class Entropy(_Softmax):
@@ -130,7 +132,8 @@ class Entropy(_Softmax):
         total = e.sum(axis=1)
         # H = log(sum e) - sum(p * z)
         h = np.log(total) - (e * z).sum(axis=1) / total
-        return 1.0 - h / math.log(max(z.shape[1], 2))
+        out: np.ndarray = 1.0 - h / math.log(max(z.shape[1], 2))
+        return out
 
 
 @dataclass(frozen=True)
@@ -173,7 +176,8 @@ class EnergyOOD:
         z = _logits(outputs, self.output) * (1.0 / self.temperature)
         top = z.max(axis=1)
         energy = -self.temperature * (top + np.log(np.exp(z - top[:, None]).sum(axis=1)))
-        return np.clip(1.0 - (energy - self.p99) / (self.k * self.std), 0.0, 1.0)
+        out: np.ndarray = np.clip(1.0 - (energy - self.p99) / (self.k * self.std), 0.0, 1.0)
+        return out
 
 
 @dataclass(frozen=True)
@@ -192,7 +196,8 @@ class MinOf:
         return MinOf(*(s.bind(calibration, output) for s in self.scorers))
 
     def score(self, outputs: Outputs) -> np.ndarray:
-        return np.minimum.reduce([s.score(outputs) for s in self.scorers])
+        out: np.ndarray = np.minimum.reduce([s.score(outputs) for s in self.scorers])
+        return out
 
 
 @dataclass(frozen=True)

@@ -100,7 +100,8 @@ class TieredModel:
         assert isinstance(step, Pending)
         future = self._loop.submit(self._agent.escalate(step))
         try:
-            return future.result(timeout=self._agent.budget.latency_ms / 1e3 + 5.0)
+            pred: Prediction = future.result(timeout=self._agent.budget.latency_ms / 1e3 + 5.0)
+            return pred
         except concurrent.futures.TimeoutError:  # the loop is wedged: never block the app on it
             future.cancel()
             return self._agent.late(step)
