@@ -611,25 +611,27 @@ class EdgeAgent:
         tier = "cloud" if rtt_ms is not None and not degraded else "edge"
         pred = _prediction(outputs, tier, float(scores[0] if n == 1 else scores.min()), v.id, degraded, total_ms,
                            energy, label, scores, cloud_rows, reason, False, seq)
-        self._obs.append((v.id, edge_ms, energy, n, wanted, tier, degraded, reason, rtt_ms, nbytes, agreed,
-                          total_ms, False))
+        self._obs.append((v.id, edge_ms, power.busy_watts * edge_ms, energy, label, n, wanted, tier, degraded,
+                          reason, rtt_ms, nbytes, agreed, total_ms, False, pred.score))
         if key is not None and not degraded and self.cache is not None:
             self.cache.put(key, pred)
         return pred
 
     def _cached(self, hit: Prediction, t0: float) -> Prediction:
         total_ms = (perf_counter() - t0) * 1e3
-        self._obs.append((hit.variant, 0.0, 0.0, len(hit.scores), 0, hit.tier, False, "", None, 0, None,
-                          total_ms, True))
+        self._obs.append((hit.variant, 0.0, 0.0, 0.0, hit.energy_label, len(hit.scores), 0, hit.tier, False, "",
+                          None, 0, None, total_ms, True, hit.score))
         return Prediction(hit.outputs, hit.tier, hit.score, hit.variant, False, total_ms, 0.0, hit.energy_label,
                           hit.scores, hit.cloud_rows, "", True, hit.seq)
 
     # -- control -------------------------------------------------------------------------------
 
     def set_budget(self, budget: Budget) -> None:
+        """Change the budget of the next requests (and the controller's)."""
         self.budget = budget
         if self.controller is not None:
-            self.controller.set_budget(budget)
+            with self._fold_lock:  # the controller is not thread-safe: one caller at a time
+                self.controller.set_budget(budget)
 
     def set_threshold(self, threshold: float | None) -> None:
         """Override the policy's threshold (None: back to the policy's); ignored while a controller decides."""
@@ -756,18 +758,24 @@ def _decode(response: inference_pb2.ModelInferResponse) -> dict[str, np.ndarray]
         return None
 
 
+# An observation, one per request, in this order (a plain tuple: the hot path appends it):
+# variant, edge_ms, edge_mj, energy_mj, energy_label, rows, wanted_rows, tier, degraded, reason, rtt_ms,
+# bytes_sent, agreed, total_ms, cached, score
+
+
 def _feed(ctl: Any, rec: tuple[Any, ...]) -> None:
-    variant, edge_ms, energy, _n, wanted, tier, degraded, _reason, rtt_ms, nbytes, agreed, total_ms, cached = rec
+    (variant, edge_ms, edge_mj, _mj, label, _n, wanted, tier, degraded, _reason, rtt_ms, nbytes, agreed, total_ms,
+     cached, score) = rec
     if cached:
         return
     try:
-        ctl.observe_inference(variant, edge_ms, energy)
+        ctl.observe_inference(variant, edge_ms, edge_mj, energy_label=label)
         if wanted and (rtt_ms is not None or degraded):
-            ctl.observe_escalation(rtt_ms, tier == "cloud", nbytes)
-        ctl.observe_request(bool(wanted), agreed, total_ms)
+            ok = tier == "cloud"
+            ctl.observe_escalation(rtt_ms if ok else None, ok, nbytes, elapsed_ms=rtt_ms)
+        ctl.observe_request(bool(wanted), agreed, total_ms, score=score)
     except Exception:
         logger.exception("the controller rejected an observation; it is dropped")
-
 
 
 @dataclass
@@ -788,7 +796,8 @@ class Stats:
     latencies: deque[float] = field(default_factory=lambda: deque(maxlen=2048))
 
     def add(self, rec: tuple[Any, ...]) -> None:
-        _v, _edge_ms, energy, n, wanted, tier, degraded, reason, rtt_ms, _nb, _agreed, total_ms, cached = rec
+        (_v, _edge_ms, _edge_mj, energy, _label, n, wanted, tier, degraded, reason, rtt_ms, _nb, _agreed, total_ms,
+         cached, _score) = rec
         self.requests += 1
         self.rows += n
         self.escalations_wanted += wanted > 0

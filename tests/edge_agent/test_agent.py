@@ -241,13 +241,16 @@ class FakeController:
         self.seen: list[tuple[str, Any]] = []
         self.redecided = 0
 
-    def observe_inference(self, variant: str, latency_ms: float, energy_mj: float) -> None:
+    def observe_inference(self, variant: str, latency_ms: float, energy_mj: float | None = None, *,
+                          energy_label: str | None = None) -> None:
         self.seen.append(("inference", variant))
 
-    def observe_escalation(self, rtt_ms: float | None, ok: bool, bytes_sent: int) -> None:
+    def observe_escalation(self, rtt_ms: float | None, ok: bool, bytes_sent: int = 0, *,
+                           elapsed_ms: float | None = None) -> None:
         self.seen.append(("escalation", ok))
 
-    def observe_request(self, escalated: bool, agreed: bool | None, total_latency_ms: float) -> None:
+    def observe_request(self, escalated: bool, agreed: bool | None, total_latency_ms: float, *,
+                        score: float | None = None) -> None:
         self.seen.append(("request", escalated))
 
     def set_budget(self, budget: Budget) -> None:
@@ -277,3 +280,18 @@ def test_prediction_is_a_complete_frozen_dataclass(package: ModelPackage, digits
     assert set(vars(pred)) == {f.name for f in dataclasses.fields(Prediction)}
     with pytest.raises(dataclasses.FrozenInstanceError):
         pred.tier = "cloud"  # type: ignore[misc]
+
+
+def test_real_controller_drives_the_agent(package: ModelPackage, digits: zoo.Split) -> None:
+    from edge_agent.controller import Controller
+    from edge_agent.profiles import LinkProfile, VariantProfile
+
+    policy = Policy("margin")
+    profile = VariantProfile.from_package(package, policy, variant_id=package.directory.name)
+    ctl = Controller([profile], Budget(latency_ms=200), link=LinkProfile(rtt_ms=2.0))
+    preds, agent, fake = run(package, digits.x_test[:1], policy=policy, controller=ctl, n=30,
+                             budget=Budget(latency_ms=200))
+    assert all(p.variant == ctl.current.variant for p in preds)
+    assert agent.threshold == ctl.current.threshold
+    assert len(fake.requests) == sum(p.tier == "cloud" for p in preds)
+    assert not any(p.degraded for p in preds)
