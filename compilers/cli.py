@@ -1,9 +1,118 @@
-"""Subcommands of this layer (filled in by the layer's own work)."""
+"""`tierkit compile`: parse, call `compile_model`, print the report (a table, or JSON with --json)."""
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import importlib
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from compilers.recipes import target_names
+
+_EPILOG = """\
+MODEL is an .onnx file, a .pt2 torch.export program, or "package.module:factory", a callable that
+returns a torch nn.Module (needed for --prune; its example input is the first calibration sample).
+Data files are .npz archives of arrays keyed
+by the model's input names, with an optional 'labels' array. Without --validation, 20% of the
+calibration data is held out for the accuracy guard.
+
+example:
+  tierkit compile digits.onnx -o out/digits --target x86-avx512 --precision fp32,int8 \\
+      --calibration calib.npz --validation val.npz --max-drop 1.0 --batch-sizes 1,64
+"""
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
-    """Register this layer's subcommands."""
+    """Register `compile`."""
+    p = subparsers.add_parser("compile", help="compile a model into a ladder of verified variants",
+                              description="Build fused, pruned and quantized variants of MODEL for a target, check "
+                                          "each against the fp32 reference, and write them as a variant set.",
+                              epilog=_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("model", metavar="MODEL", help="an .onnx file, a .pt2 program, or package.module:factory")
+    p.add_argument("-o", "--output", required=True, metavar="OUT", help="variant set directory to write")
+    p.add_argument("--target", default="auto",
+                   help=f"one of {', '.join(target_names())}, or a .json/.yaml target file (default: auto)")
+    p.add_argument("--precision", default="fp32,int8", help="comma-separated precisions (default: fp32,int8)")
+    p.add_argument("--calibration", metavar="FILE", help=".npz calibration data")
+    p.add_argument("--validation", metavar="FILE", help=".npz validation data (labels optional)")
+    limit = p.add_mutually_exclusive_group()
+    limit.add_argument("--max-drop", type=float, metavar="POINTS",
+                       help="accuracy points a classifier may lose (default: 1.0)")
+    limit.add_argument("--min-cosine", type=float, metavar="C", help="least mean cosine to the fp32 outputs")
+    p.add_argument("--prune", type=float, metavar="RATIO",
+                   help="also build variants with this share of channels pruned, recovered by distillation "
+                        "(MODEL must be a package.module:factory torch model)")
+    p.add_argument("--sign-key", metavar="KEY", help="Ed25519 private key (PEM) to sign every package")
+    p.add_argument("--batch-sizes", default="1", metavar="N[,N...]",
+                   help="batch sizes to time; the first is the default the recommendation is made for (default: 1)")
+    p.add_argument("--task", choices=("classification", "embedding", "regression"),
+                   help="how fidelity is measured (default: inferred)")
+    p.add_argument("--name", help="model name (default: the file stem)")
+    p.add_argument("--version", dest="model_version", default="1", help="model version (default: 1)")
+    p.add_argument("--strict", action="store_true", help="fail when any variant fails the accuracy guard")
+    p.add_argument("--threads", type=int, help="threads for validation and timing (default: all cores)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p.set_defaults(func=run)
+
+
+def _ints(text: str, what: str) -> tuple[int, ...]:
+    from runtimes.errors import ConfigError
+
+    try:
+        return tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        msg = f"{what} {text!r} is not a comma-separated list of integers"
+        raise ConfigError(msg) from None
+
+
+def _factory(spec: str, calibration: str | None) -> tuple[Any, Any]:
+    """Import `package.module:factory`, call it, and take the first calibration sample as example input."""
+    from compilers.calibration import CalibrationData
+    from runtimes.errors import ConfigError
+
+    module_name, _, attr = spec.partition(":")
+    try:
+        factory = getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError) as exc:
+        msg = f"cannot import model factory {spec!r}: {exc}"
+        raise ConfigError(msg) from None
+    if calibration is None:
+        msg = "a model factory needs --calibration: its first sample is the example input for export"
+        raise ConfigError(msg)
+    data = CalibrationData(calibration)
+    return factory(), {k: v[:1] for k, v in data.inputs.items()}
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run `tierkit compile` with parsed arguments; print the report."""
+    from compilers.compile import compile_model
+    from compilers.report import format_table
+
+    sizes = _ints(args.batch_sizes, "--batch-sizes")
+    kwargs: dict[str, Any] = {}
+    model: Any = args.model
+    if ":" in model and not Path(model).exists():
+        model, kwargs["example_inputs"] = _factory(model, args.calibration)
+    if args.max_drop is not None:
+        kwargs["max_drop"] = args.max_drop
+    # Libraries underneath may print to stdout; keep it for the report (JSON must stay parseable).
+    with contextlib.redirect_stdout(sys.stderr):
+        vs = compile_model(model, output=args.output, target=args.target, precisions=args.precision,
+                           calibration=args.calibration, validation=args.validation, min_cosine=args.min_cosine,
+                           prune=args.prune, sign_key=args.sign_key, name=args.name, version=args.model_version,
+                           batch_sizes=sizes, task=args.task, strict=args.strict, progress=not args.no_progress,
+                           threads=args.threads, **kwargs)
+    rows = vs.build.get("report", [])
+    if args.json:
+        doc = {"output": str(vs.directory), "name": vs.name, "target": vs.target,
+               "recommended": vs.recommended.id, "baseline": vs.build.get("baseline"),
+               "batch_sizes": list(sizes), "variants": rows}
+        print(json.dumps(doc, indent=2))
+    else:
+        print(format_table(rows, sizes))
+        print(f"\nwrote {len(vs)} variant(s) to {vs.directory}; recommended: {vs.recommended.id}")
+    return 0

@@ -1,0 +1,276 @@
+"""`compile_model`: a model in, a variant set out (one verified package per rung that keeps accuracy).
+
+The flow:
+
+```
+model (ONNX file | torch module + example inputs | torch.export program)
+  -> fp32 reference ONNX (+ a pruned, recovered copy when prune= is given)
+  -> data checked against the model's inputs; reference outputs on validation and calibration data
+  -> for each rung of the target (precision, runtime, passes): build, validate, repair or reject
+  -> time the survivors interleaved on the build host, per declared batch size
+  -> recommend the fastest at the default batch size that is no slower than fp32
+  -> write one package per variant (optionally signed) and the index (ladder.py)
+```
+
+Example:
+    >>> vs = compile_model("digits.onnx", output="out/digits", target="x86-avx512",
+    ...                    calibration="calib.npz", validation="val.npz", max_drop=1.0)
+    >>> vs.recommended.id
+    'int8-ort-static'
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import shutil
+import tempfile
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+from compilers.calibration import LABELS, CalibrationData
+from compilers.fidelity import Guard
+from compilers.ladder import Ladder
+from compilers.recipes import PruneConfig, Target, get_target
+from compilers.signing import load_private_key
+from compilers.variants import VariantSet, is_variant_set
+from runtimes.errors import ConfigError
+from runtimes.spec import Precision, Task, TensorSpec
+
+logger = logging.getLogger(__name__)
+
+_TORCH_SUFFIXES = (".pt2",)
+
+
+@dataclass
+class Source:
+    """The fp32 reference: its ONNX file, specs, and the torch model it came from (if any)."""
+
+    onnx: Path
+    inputs: tuple[TensorSpec, ...]
+    outputs: tuple[TensorSpec, ...]
+    kind: str
+    torch_model: Any = None
+    example_inputs: Any = None
+    sha256: str = ""
+    record: dict[str, Any] = field(default_factory=dict)
+
+
+def compile_model(model: Any, *, output: str | Path, target: str | Target | Path = "auto",
+                  precisions: Sequence[str] | str = ("fp32", "int8"), calibration: Any = None,
+                  validation: Any = None, example_inputs: Any = None, max_drop: float = 1.0,
+                  min_cosine: float | None = None, prune: float | PruneConfig | None = None,
+                  sign_key: Ed25519PrivateKey | str | Path | None = None, name: str | None = None,
+                  version: str = "1", batch_sizes: Sequence[int] = (1,), task: str | None = None,
+                  strict: bool = False, progress: bool = True, threads: int | None = None) -> VariantSet:
+    """Compile `model` into a ladder of variants for `target`, each checked against the fp32 reference.
+
+    Args:
+        model: an ONNX file path, a `.pt2` torch.export file, a torch `nn.Module` (give
+            `example_inputs`), or a `torch.export.ExportedProgram`.
+        output: the variant set directory (created; an existing variant set there is replaced).
+        target: a target name (see `compilers.recipes.target_names()`), "auto", a `Target`, or a
+            `.json`/`.yaml` target file.
+        precisions: which precisions to build ("fp32", "fp16", "int8"), as a sequence or "fp32,int8".
+        calibration: calibration data: `.npz` path, dict of arrays, array or iterable (see
+            `CalibrationData`); `labels` optional.
+        validation: held-out data for the accuracy guard (default: 20% of the calibration data).
+        example_inputs: example inputs of a torch module (a tensor, tuple or dict).
+        max_drop: accuracy points a classifier may lose (or disagree on, without labels).
+        min_cosine: least mean cosine to the reference (embeddings default to 0.99).
+        prune: a channel ratio or `PruneConfig`: also build pruned, recovered variants (torch only).
+        sign_key: an Ed25519 private key (or its PEM path) to sign every package.
+        name: model name (default: the file stem or class name).
+        version: model version recorded in every manifest.
+        batch_sizes: batch sizes to time; the first is the default the recommendation is made for.
+        task: "classification", "embedding" or "regression" (default: inferred).
+        strict: raise `FidelityError` as soon as a variant fails the guard after repair.
+        progress: show a progress bar on stderr.
+        threads: intra-op threads for validation and timing (default: all cores).
+
+    Returns:
+        The written `VariantSet`, cheapest first, exactly one entry recommended.
+
+    Raises:
+        ConfigError: an unknown target or precision, or data that does not fit the model.
+        BackendUnavailable: no runtime of the target is installed.
+        FidelityError: strict mode and a variant out of limits, or no variant within limits.
+        CompileError: the reference could not be built or run.
+    """
+    spec = get_target(target)
+    wanted = [p.strip() for p in precisions.split(",")] if isinstance(precisions, str) else list(precisions)
+    wanted = [Precision.parse(p).value for p in wanted if p]
+    rungs = spec.rungs_for(wanted)
+    guard = Guard(max_drop=max_drop, min_cosine=min_cosine)
+    sizes = _batch_sizes(batch_sizes)
+    prune_config = PruneConfig(float(prune)) if isinstance(prune, int | float) else prune
+    key = load_private_key(sign_key) if isinstance(sign_key, str | Path) else sign_key
+    if task is not None and task not in {t.value for t in Task}:
+        msg = f"task {task!r} is not one of {', '.join(t.value for t in Task)}"
+        raise ConfigError(msg)
+    out = _prepare_output(Path(output))
+    with tempfile.TemporaryDirectory(prefix="tierkit-compile-") as tmp:
+        work = Path(tmp)
+        source = _load_source(model, example_inputs, work, task,
+                              _data_names(calibration) or _data_names(validation))
+        if prune_config is not None and source.torch_model is None:
+            msg = "prune= needs the model as a torch nn.Module (with example_inputs); an ONNX file cannot be pruned"
+            raise ConfigError(msg)
+        calib, val = _data(calibration, validation, source.inputs)
+        _check_batch_axis(source.inputs, sizes)
+        ladder = Ladder(source=source, target=spec, rungs=rungs, calibration=calib, validation=val, guard=guard,
+                        task=task, batch_sizes=sizes, threads=threads or os.cpu_count() or 1, work=work,
+                        strict=strict, progress=progress, prune=prune_config)
+        arguments = {"precisions": wanted, "max_drop": max_drop, "min_cosine": min_cosine, "batch_sizes": list(sizes),
+                     "task": task, "strict": strict, "prune": prune_config.to_json() if prune_config else None,
+                     "target": spec.name}
+        return ladder.run(out, name=name or _default_name(model), version=version, sign_key=key,
+                          arguments=arguments)
+
+
+def _batch_sizes(batch_sizes: Iterable[int]) -> tuple[int, ...]:
+    sizes = tuple(dict.fromkeys(int(b) for b in batch_sizes))
+    if not sizes or any(b < 1 for b in sizes):
+        msg = f"batch_sizes {list(batch_sizes)!r} must be a non-empty list of integers >= 1"
+        raise ConfigError(msg)
+    return sizes
+
+
+def _prepare_output(out: Path) -> Path:
+    if out.exists() and not out.is_dir():
+        msg = f"output {str(out)!r} is a file; give a directory for the variant set"
+        raise ConfigError(msg)
+    if out.is_dir() and any(out.iterdir()):
+        if not is_variant_set(out):
+            msg = f"output {str(out)!r} exists and is not a variant set; give an empty or new directory"
+            raise ConfigError(msg)
+        old = VariantSet.load(out)
+        for entry in old.entries:
+            shutil.rmtree(out / entry.path, ignore_errors=True)
+    out.mkdir(parents=True, exist_ok=True)
+    return out
+
+
+def _default_name(model: Any) -> str:
+    if isinstance(model, str | Path):
+        return Path(model).stem
+    return type(model).__name__.lower()
+
+
+def _data(calibration: Any, validation: Any, specs: Sequence[TensorSpec]) -> tuple[CalibrationData, CalibrationData]:
+    names = [s.name for s in specs]
+    if calibration is None and validation is None:
+        msg = ("compile needs data: give calibration= (and ideally validation=), an .npz of arrays keyed by the "
+               f"model's input names {names}, with an optional 'labels' array")
+        raise ConfigError(msg)
+    calib = CalibrationData.of(calibration, input_names=names) if calibration is not None else None
+    val = CalibrationData.of(validation, input_names=names) if validation is not None else None
+    if calib is not None:
+        calib.check(specs, what="calibration data")
+    if val is not None:
+        val.check(specs, what="validation data")
+    if val is None:
+        assert calib is not None
+        if len(calib) < 10:
+            msg = f"only {len(calib)} calibration samples and no validation data: give validation= to check accuracy"
+            raise ConfigError(msg)
+        logger.warning("no validation data: holding out 20%% of the %d calibration samples for the guard", len(calib))
+        calib, val = calib.split(0.2)
+    if calib is None:
+        logger.warning("no calibration data: calibrating on the validation data")
+        calib = val
+    return calib, val
+
+
+def _check_batch_axis(specs: Sequence[TensorSpec], sizes: Sequence[int]) -> None:
+    for spec in specs:
+        if spec.shape and isinstance(spec.shape[0], int) and any(b != spec.shape[0] for b in sizes):
+            msg = (f"input {spec.name!r} has a fixed batch of {spec.shape[0]}, but batch_sizes {list(sizes)} were "
+                   "asked for: export the model with a dynamic batch axis, or ask for that batch size only")
+            raise ConfigError(msg)
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as fh:
+        for chunk in iter(lambda: fh.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def onnx_specs(path: Path) -> tuple[tuple[TensorSpec, ...], tuple[TensorSpec, ...]]:
+    """Input and output specs of an ONNX file (initializers are not inputs; unnamed dynamic axes get names)."""
+    import onnx
+    from onnx import helper
+
+    try:
+        model = onnx.load(str(path), load_external_data=False)
+    except Exception as exc:  # onnx raises DecodeError and others for a file that is not ONNX
+        msg = f"cannot read {str(path)!r} as ONNX: {exc}"
+        raise ConfigError(msg) from None
+    inits = {t.name for t in model.graph.initializer}
+
+    def spec(vi: Any) -> TensorSpec:
+        tt = vi.type.tensor_type
+        dtype = np.dtype(helper.tensor_dtype_to_np_dtype(tt.elem_type)).name
+        dims = tuple(d.dim_value if d.HasField("dim_value") else (d.dim_param or ("batch" if i == 0 else f"dim{i}"))
+                     for i, d in enumerate(tt.shape.dim))
+        return TensorSpec(vi.name, dtype, dims)
+
+    return (tuple(spec(v) for v in model.graph.input if v.name not in inits),
+            tuple(spec(v) for v in model.graph.output))
+
+
+def _data_names(data: Any) -> list[str] | None:
+    """Input names the data is keyed by (used to name a torch model's inputs), when it says."""
+    if isinstance(data, CalibrationData):
+        return list(data.inputs)
+    if isinstance(data, Mapping):
+        return [str(k) for k in data if k != LABELS]
+    if isinstance(data, str | Path) and Path(data).is_file():
+        try:
+            with np.load(Path(data), allow_pickle=False) as npz:
+                return [k for k in npz.files if k != LABELS]
+        except (OSError, ValueError):
+            return None
+    return None
+
+
+def _load_source(model: Any, example_inputs: Any, work: Path, task: str | None,
+                 data_names: list[str] | None) -> Source:
+    if isinstance(model, str | Path):
+        path = Path(model)
+        if not path.is_file():
+            msg = f"model file {str(path)!r} does not exist"
+            raise ConfigError(msg)
+        if path.suffix.lower() == ".onnx":
+            inputs, outputs = onnx_specs(path)
+            return Source(path, inputs, outputs, "onnx", sha256=_sha256(path), record={"name": "source", "kind": "onnx",
+                                                                                         "file": path.name})
+        if path.suffix.lower() not in _TORCH_SUFFIXES:
+            msg = f"model {str(path)!r}: expected an .onnx file or a .pt2 torch.export program"
+            raise ConfigError(msg)
+        import torch
+
+        model = torch.export.load(str(path))
+    from compilers.passes import export
+
+    output_name = {"embedding": "embedding", "regression": "output"}.get(task or "", "logits")
+    onnx_path, _ = export.to_onnx(model, example_inputs, work / "reference.onnx", output_names=(output_name,),
+                                  input_names=data_names)
+    inputs, outputs = onnx_specs(onnx_path)
+    kind = "torch.export" if type(model).__name__ == "ExportedProgram" else "torch"
+    static = export.static_batch(model) if kind == "torch.export" else None
+    if static is not None:
+        # The program only runs at the batch size it was exported with; every variant keeps to it.
+        inputs = tuple(TensorSpec(s.name, s.dtype, (static, *s.shape[1:])) for s in inputs)
+        outputs = tuple(TensorSpec(s.name, s.dtype, (static, *s.shape[1:])) for s in outputs)
+    return Source(onnx_path, inputs, outputs, kind, torch_model=model, example_inputs=example_inputs,
+                  sha256=_sha256(onnx_path), record={"name": "export_onnx", "kind": kind, "exporter": "torchscript",
+                                                     "opset": 17})

@@ -1,0 +1,121 @@
+"""Latency on the build host and modeled energy per inference.
+
+Variants are timed interleaved: every round runs each open session in turn, so a load spike on a
+shared host spreads over all variants instead of penalising whichever ran during it. Ratios
+between variants timed in the same call are what to trust; absolute milliseconds move with load.
+
+Energy is modeled with `runtimes.energy` (no counters are read at build time): a power
+profile's busy watts times the latency, labelled `modeled:<profile>`.
+"""
+
+from __future__ import annotations
+
+import logging
+import platform
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from compilers.passes.execute import Runner
+from runtimes import energy as runtime_energy
+from runtimes.energy import PowerProfile
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class TimingPlan:
+    """How long to time each batch size: `rounds` interleaved rounds within `budget_s` seconds in all."""
+
+    budget_s: float = 1.5
+    rounds: int = 5
+    warmup: int = 3
+    min_iterations: int = 5
+
+
+# A 2-to-4-core laptop or edge x86 CPU with the inference threads busy.
+DEFAULT_CPU_PROFILE = PowerProfile("cpu-15w", busy_watts=15.0)
+
+
+def host_cpu() -> str:
+    """The build host's CPU model name."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.partition(":")[2].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def time_runners(runners: Mapping[str, Runner], inputs: Mapping[int, Mapping[str, np.ndarray]], *,
+                 plan: TimingPlan | None = None) -> dict[str, dict[str, dict[str, float]]]:
+    """p50/p95/mean milliseconds per runner and batch size, timed interleaved.
+
+    Args:
+        runners: variant id -> open session.
+        inputs: batch size -> the input dict of that batch size.
+        plan: time budget and rounds.
+
+    Returns:
+        variant id -> {"batch_<n>": {"p50", "p95", "mean", "iterations"}}.
+    """
+    plan = plan or TimingPlan()
+    out: dict[str, dict[str, dict[str, float]]] = {k: {} for k in runners}
+    ids = list(runners)
+    for batch_size, feed in inputs.items():
+        per_call = {}
+        for vid in ids:
+            t0 = time.perf_counter()
+            for _ in range(plan.warmup):
+                runners[vid].run(feed)
+            per_call[vid] = max((time.perf_counter() - t0) / plan.warmup, 1e-6)
+        slot = plan.budget_s / plan.rounds / max(len(ids), 1)
+        samples: dict[str, list[float]] = {vid: [] for vid in ids}
+        for r in range(plan.rounds):
+            order = ids[r % len(ids):] + ids[:r % len(ids)]
+            for vid in order:
+                n = max(1, round(slot / per_call[vid]))
+                n = max(n, -(-plan.min_iterations // plan.rounds))
+                run = runners[vid].run
+                for _ in range(n):
+                    t0 = time.perf_counter()
+                    run(feed)
+                    samples[vid].append(time.perf_counter() - t0)
+        for vid, values in samples.items():
+            ms = np.asarray(values) * 1e3
+            out[vid][f"batch_{batch_size}"] = {"p50": float(np.median(ms)), "p95": float(np.quantile(ms, 0.95)),
+                                               "mean": float(ms.mean()), "iterations": float(len(ms))}
+    return out
+
+
+def latency_record(timing: Mapping[str, Mapping[str, float]], threads: int) -> dict[str, Any]:
+    """The manifest's `latency_ms` field: per-batch figures, host and threads."""
+    return {**{k: dict(v) for k, v in timing.items()}, "host": host_cpu(), "threads": threads}
+
+
+def modeled_energy(latency_ms: Mapping[str, Any], batch_size: int = 1,
+                   profile: PowerProfile = DEFAULT_CPU_PROFILE) -> dict[str, Any]:
+    """Energy per inference: the profile's busy watts × p50 latency at `batch_size`, per sample."""
+    timing = latency_ms.get(f"batch_{batch_size}") or latency_ms.get("batch_1") or {}
+    busy_s = float(timing.get("p50", 0.0)) / 1e3 / batch_size
+    reading = runtime_energy.modeled_energy(profile, busy_s)
+    return {"mj": reading.joules * 1e3, "label": reading.label, "batch_size": batch_size,
+            "busy_watts": profile.busy_watts}
+
+
+def ratios(latencies: Mapping[str, Mapping[str, Any]], baseline: str, batch_sizes: Sequence[int]) -> dict[str, dict]:
+    """Speed-up of each variant over `baseline` per batch size (>1 means faster)."""
+    out: dict[str, dict[str, float]] = {}
+    for vid, lat in latencies.items():
+        out[vid] = {}
+        for b in batch_sizes:
+            key = f"batch_{b}"
+            base, own = latencies[baseline].get(key, {}).get("p50"), lat.get(key, {}).get("p50")
+            if base and own:
+                out[vid][key] = float(base / own)
+    return out

@@ -1,0 +1,188 @@
+"""Layer-wise quantization sensitivity, and the search that keeps the most sensitive layers in fp32.
+
+Ranking a QDQ model (static int8): every QuantizeLinear -> DequantizeLinear pair is made
+observable, the model runs once on a few validation batches, and each pair's noise is measured
+where it is injected: ||dq(q(t)) - t||² / ||t||² for activations (inside the quantized model, so
+upstream error is already included) and the same against the fp32 initializer for weights. A
+node's score is the worst noise among the tensors it quantizes (its inputs, and its output when
+it owns that QDQ). Clipping from a bad calibration range and coarse per-tensor weights both show
+up here.
+
+Ranking a dynamic-int8 model: activations are quantized per batch, per tensor, to 8 bits over
+[min, max], so their expected noise is ((max - min) / 255)² / 12 over their variance; the fp32
+model runs once with the MatMul inputs exposed to estimate it, and weight noise is computed from
+the weights.
+
+`search` then excludes the top 1, 2, 4, 8, ... nodes, re-quantizing (from the cached
+calibration) and re-validating each time, until the guard passes or half of the candidates are
+excluded.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnx
+from onnx import helper, numpy_helper
+
+from compilers.fidelity import Verdict
+
+logger = logging.getLogger(__name__)
+
+_SAVED = "_tk_saved"
+_QDQ_OPS = ("QuantizeLinear", "DequantizeLinear")
+
+
+def _expose(model: onnx.ModelProto, tensors: Iterable[str]) -> onnx.ModelProto:
+    """A copy of `model` with `tensors` added as flat float graph outputs."""
+    out = onnx.ModelProto()
+    out.CopyFrom(model)
+    shape_name = "_tk_flat_shape"
+    out.graph.initializer.append(numpy_helper.from_array(np.array([-1], np.int64), shape_name))
+    for name in dict.fromkeys(tensors):
+        flat = name + _SAVED
+        out.graph.node.append(helper.make_node("Reshape", [name, shape_name], [flat], name=flat))
+        out.graph.output.append(helper.make_tensor_value_info(flat, onnx.TensorProto.FLOAT, [-1]))
+    return out
+
+
+def _run_exposed(model: onnx.ModelProto, batches: Sequence[Mapping[str, np.ndarray]],
+                 threads: int) -> dict[str, list[np.ndarray]]:
+    import onnxruntime as ort
+
+    so = ort.SessionOptions()
+    so.intra_op_num_threads = threads
+    # Optimizations would fold the Q/DQ pairs we are measuring.
+    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    sess = ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
+    names = [o.name for o in sess.get_outputs() if o.name.endswith(_SAVED)]
+    values: dict[str, list[np.ndarray]] = {}
+    for batch in batches:
+        for name, v in zip(names, sess.run(names, dict(batch)), strict=True):
+            values.setdefault(name[: -len(_SAVED)], []).append(np.asarray(v, np.float64))
+    return values
+
+
+def _noise(pre: np.ndarray, post: np.ndarray) -> float:
+    return float(((post - pre) ** 2).sum() / max((pre**2).sum(), 1e-30))
+
+
+def _dequantize(init: Mapping[str, onnx.TensorProto], node: onnx.NodeProto) -> np.ndarray | None:
+    try:
+        q = numpy_helper.to_array(init[node.input[0]]).astype(np.float64)
+        scale = numpy_helper.to_array(init[node.input[1]]).astype(np.float64)
+        zp = numpy_helper.to_array(init[node.input[2]]).astype(np.float64) if len(node.input) > 2 else 0.0
+    except KeyError:
+        return None
+    if np.ndim(scale) == 1 and scale.size > 1:
+        axis = next((a.i for a in node.attribute if a.name == "axis"), 1)
+        shape = [1] * q.ndim
+        shape[axis] = -1
+        scale, zp = scale.reshape(shape), np.reshape(zp, shape) if np.ndim(zp) else zp
+    return (q - zp) * scale
+
+
+def qdq_ranking(fp32: onnx.ModelProto, qdq: onnx.ModelProto, batches: Sequence[Mapping[str, np.ndarray]],
+                threads: int = 0) -> list[tuple[str, float]]:
+    """Nodes of a QDQ model, most sensitive first, with their injected-noise score."""
+    graph = qdq.graph
+    init = {t.name: t for t in graph.initializer}
+    fp32_init = {t.name: t for t in fp32.graph.initializer}
+    producer = {o: n for n in graph.node for o in n.output}
+    consumers: dict[str, list[onnx.NodeProto]] = {}
+    for n in graph.node:
+        for i in n.input:
+            consumers.setdefault(i, []).append(n)
+    act_pairs: list[tuple[str, str, list[str]]] = []
+    weight_noise: dict[str, float] = {}
+    for dq in (n for n in graph.node if n.op_type == "DequantizeLinear"):
+        owners = [c.name for c in consumers.get(dq.output[0], []) if c.op_type not in _QDQ_OPS]
+        q = producer.get(dq.input[0])
+        if q is not None and q.op_type == "QuantizeLinear":
+            src = producer.get(q.input[0])
+            if src is not None and src.op_type not in _QDQ_OPS:
+                owners.append(src.name)
+            act_pairs.append((q.input[0], dq.output[0], owners))
+        elif dq.input[0] in init and numpy_helper.to_array(init[dq.input[0]]).dtype != np.int32:
+            original = dq.output[0].removesuffix("_DequantizeLinear_Output")
+            post = _dequantize(init, dq)
+            if original in fp32_init and post is not None:
+                noise = _noise(numpy_helper.to_array(fp32_init[original]).astype(np.float64), post)
+                for owner in owners:
+                    weight_noise[owner] = max(weight_noise.get(owner, 0.0), noise)
+    observed = [t for pre, post, _ in act_pairs for t in (pre, post)]
+    values = _run_exposed(_expose(qdq, observed), batches, threads) if act_pairs else {}
+    scores = dict(weight_noise)
+    for pre, post, owners in act_pairs:
+        if pre not in values or post not in values:
+            continue
+        noise = _noise(np.concatenate(values[pre]), np.concatenate(values[post]))
+        for owner in owners:
+            scores[owner] = max(scores.get(owner, 0.0), noise)
+    return sorted(scores.items(), key=lambda kv: -kv[1])
+
+
+def dynamic_ranking(fp32: onnx.ModelProto, batches: Sequence[Mapping[str, np.ndarray]], op_types: Sequence[str],
+                    *, per_channel: bool = False, threads: int = 0) -> list[tuple[str, float]]:
+    """MatMul-like nodes of an fp32 model, most sensitive to dynamic int8 first (modeled noise)."""
+    init = {t.name: t for t in fp32.graph.initializer}
+    nodes = [n for n in fp32.graph.node if n.op_type in op_types]
+    acts = [i for n in nodes for i in n.input[:2] if i and i not in init]
+    values = _run_exposed(_expose(fp32, acts), batches, threads) if acts else {}
+    scores = []
+    for n in nodes:
+        score = 0.0
+        for name in n.input[:2]:
+            if name in init:
+                w = numpy_helper.to_array(init[name]).astype(np.float64)
+                span = (np.ptp(w, axis=0) if per_channel and w.ndim == 2 else np.ptp(w))
+                score = max(score, float(np.mean(np.square(span / 255) / 12) / max(w.var(), 1e-30)))
+            elif name in values:
+                parts = values[name]
+                noise = np.mean([np.square(np.ptp(p) / 255) / 12 for p in parts])
+                score = max(score, float(noise / max(np.concatenate(parts).var(), 1e-30)))
+        scores.append((n.name, score))
+    return sorted(scores, key=lambda kv: -kv[1])
+
+
+@dataclass
+class SearchResult:
+    """Outcome of the exclusion search: the last artifact built, what was excluded, every attempt."""
+
+    artifact: Path
+    excluded: list[str]
+    passed: bool
+    attempts: list[dict[str, Any]] = field(default_factory=list)
+
+
+def search(build: Callable[[list[str]], Path], evaluate: Callable[[Path], tuple[dict[str, float], Verdict]],
+           ranking: Sequence[tuple[str, float]], *, first: tuple[Path, dict[str, float], Verdict],
+           max_fraction: float = 0.5, max_attempts: int = 8) -> SearchResult:
+    """Exclude the top 1, 2, 4, ... ranked nodes until the guard passes; stop at `max_fraction` of them."""
+    artifact, fid, verdict = first
+    attempts = [_attempt([], fid, verdict)]
+    names = [n for n, _ in ranking]
+    cap = max(1, int(len(names) * max_fraction))
+    k = 1
+    excluded: list[str] = []
+    while not verdict.passed and len(attempts) <= max_attempts and names:
+        excluded = names[:min(k, cap)]
+        artifact = build(excluded)
+        fid, verdict = evaluate(artifact)
+        attempts.append(_attempt(excluded, fid, verdict))
+        logger.info("excluding %d most sensitive node(s): %s", len(excluded), verdict.reason)
+        if k >= cap:
+            break
+        k *= 2
+    return SearchResult(artifact, excluded if verdict.passed or excluded else [], verdict.passed, attempts)
+
+
+def _attempt(excluded: list[str], fid: Mapping[str, float], verdict: Verdict) -> dict[str, Any]:
+    keep = ("drop_points", "top1_agreement", "accuracy", "cosine_mean", "max_abs_error")
+    return {"excluded": len(excluded), "nodes": excluded[:8], "passed": verdict.passed, "reason": verdict.reason,
+            **{k: round(float(fid[k]), 6) for k in keep if k in fid}}

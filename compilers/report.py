@@ -1,0 +1,184 @@
+"""Writing a compile's results: one package per variant, the index, and the report table.
+
+The report (also stored in the index's `build["report"]`) has one row per variant, kept or
+rejected: precision, passes, fidelity, latency ratio against the fp32 baseline per batch size,
+size, and, for rejected ones, why, with the numbers.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import logging
+import shutil
+from collections.abc import Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+from compilers.manifest import Manifest
+from compilers.measure import host_cpu
+from compilers.package import write_package
+from compilers.variants import VariantEntry, VariantSet
+
+if TYPE_CHECKING:
+    from compilers.ladder import Candidate, Ladder
+
+logger = logging.getLogger(__name__)
+
+REFERENCE_ID = "fp32-reference-ort"
+VALIDATION_FILE = "validation.npz"
+_TOOLS = ("onnx", "onnxruntime", "openvino", "nncf", "torch", "torch-pruning", "onnxslim", "tensorrt", "numpy")
+
+
+def brief(fid: Mapping[str, float]) -> str:
+    """Fidelity in a few words: drop / agreement / cosine."""
+    parts = []
+    if "accuracy" in fid:
+        parts.append(f"acc {100 * fid['accuracy']:.2f}% (fp32 {100 * fid['reference_accuracy']:.2f}%)")
+    if "top1_agreement" in fid:
+        parts.append(f"agree {100 * fid['top1_agreement']:.2f}%")
+    if "cosine_mean" in fid:
+        parts.append(f"cos {fid['cosine_mean']:.4f}")
+    return ", ".join(parts)
+
+
+def tool_versions() -> dict[str, str]:
+    out = {}
+    for dist in _TOOLS:
+        try:
+            out[dist] = importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return out
+
+
+def _recommend(candidates: list[Candidate], baseline_latency: Mapping[str, Any], batch: int) -> str:
+    key = f"batch_{batch}"
+    limit = float(baseline_latency[key]["p50"])
+    eligible = [c for c in candidates if c.latency[key]["p50"] <= limit]
+    if not eligible:
+        logger.warning("every kept variant is slower than fp32 at batch %d; recommending the fastest", batch)
+        eligible = candidates
+    return min(eligible, key=lambda c: c.latency[key]["p50"]).id
+
+
+def _copy_artifact(artifact: Path, directory: Path) -> str:
+    directory.mkdir(parents=True, exist_ok=True)
+    for f in artifact.parent.iterdir():
+        if f.is_file() and (f.name == artifact.name or f.name.startswith(artifact.stem + ".")):
+            shutil.copyfile(f, directory / f.name)
+    return artifact.name
+
+
+def write(out: Path, ladder: Ladder, candidates: list[Candidate], baseline: str, *, name: str, version: str,
+          sign_key: Ed25519PrivateKey | None, arguments: dict[str, Any]) -> VariantSet:
+    """Write every candidate as a package under `out`, then the index; return the `VariantSet`."""
+    default = ladder.batch_sizes[0]
+    recommended = _recommend(candidates, ladder.baseline_latency, default)
+    data = {"calibration": {"sha256": ladder.calibration.digest(), "samples": len(ladder.calibration),
+                            "origin": ladder.calibration.origin},
+            "validation": {"sha256": ladder.validation.digest(), "samples": len(ladder.validation),
+                           "origin": ladder.validation.origin}}
+    build = {"tools": tool_versions(), "arguments": arguments, "data": data, "host": host_cpu(),
+             "threads": ladder.threads, "target": ladder.target.to_json(), "source": ladder.source.kind,
+             "baseline": baseline, "default_batch": default}
+    entries = []
+    for c in candidates:
+        directory = out / c.id
+        if directory.exists():
+            shutil.rmtree(directory)
+        artifact = _copy_artifact(c.artifact, directory)
+        calibration = dict(c.calibration)
+        if calibration:
+            arrays = {"logits": c.outputs.astype(np.float32), "reference_logits": ladder.ref_val.astype(np.float32)}
+            if ladder.validation.labels is not None:
+                arrays["labels"] = ladder.validation.labels
+            np.savez(directory / VALIDATION_FILE, **arrays)  # type: ignore[arg-type]
+            calibration["validation_file"] = VALIDATION_FILE
+        energy = ladder.energy(c.latency)
+        manifest = Manifest(name=name, version=version, target=ladder.target.name, precision=c.rung.precision,
+                            runtime=c.rung.runtime, artifact=artifact, inputs=ladder.source.inputs,
+                            outputs=ladder.source.outputs, task=str(ladder.task), passes=tuple(c.records),
+                            reference_sha256=ladder.source.sha256, fidelity=c.fidelity, latency_ms=c.latency,
+                            energy=energy, calibration=calibration,
+                            build={**build, "variant": c.id, "rung": c.rung.id, "base": c.base.label or "reference"})
+        pkg = write_package(directory, manifest, sign_key=sign_key)
+        entries.append(VariantEntry(id=c.id, path=c.id, precision=c.rung.precision, runtime=c.rung.runtime,
+                                    passes=[str(r["name"]) for r in c.records], fidelity=c.fidelity,
+                                    latency_ms=c.latency, size_bytes=pkg.manifest.size_bytes, energy=energy,
+                                    recommended=c.id == recommended, batch_sizes=list(ladder.batch_sizes)))
+    entries.sort(key=lambda e: e.cost_ms)
+    rows = report_rows(entries, ladder.rejected, ladder.baseline_latency, ladder.batch_sizes)
+    vs = VariantSet(out, name, ladder.target.name, tuple(entries), tuple(_jsonable(r) for r in ladder.rejected),
+                    {**build, "report": rows, "baseline_latency_ms": ladder.baseline_latency,
+                     "signed": sign_key is not None})
+    vs.write()
+    logger.info("wrote %d variant(s) to %s; recommended %s\n%s", len(entries), out, recommended,
+                format_table(rows, ladder.batch_sizes))
+    return vs
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, Mapping):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_jsonable(v) for v in value]
+    if isinstance(value, np.generic):
+        return value.item()
+    return value
+
+
+def report_rows(entries: list[VariantEntry], rejected: list[dict[str, Any]], baseline: Mapping[str, Any],
+                batch_sizes: tuple[int, ...]) -> list[dict[str, Any]]:
+    """One row per variant, kept ones first (cheapest first), then the rejected ones."""
+    rows: list[dict[str, Any]] = []
+    sizes = tuple(dict.fromkeys((*batch_sizes, 1)))
+    for e in entries:
+        speed = {}
+        for b in sizes:
+            key = f"batch_{b}"
+            if key in e.latency_ms and key in baseline:
+                speed[key] = round(baseline[key]["p50"] / e.latency_ms[key]["p50"], 3)
+        rows.append({"id": e.id, "status": "recommended" if e.recommended else "kept", "precision": e.precision,
+                     "runtime": e.runtime, "passes": e.passes, "fidelity": _jsonable(e.fidelity),
+                     "speedup_vs_fp32": speed,
+                     "p50_ms": {k: round(e.latency_ms[k]["p50"], 4) for k in speed},
+                     "size_bytes": e.size_bytes, "energy_mj": round(float(e.energy.get("mj", float("nan"))), 4)})
+    for r in rejected:
+        rows.append({"id": r["id"], "status": "rejected" if r.get("stage") == "guard" else r.get("stage", "rejected"),
+                     "precision": r["precision"], "runtime": r["runtime"], "passes": r.get("passes", []),
+                     "fidelity": _jsonable(r.get("measured", {})), "reason": r["reason"],
+                     "required": r.get("required", {})})
+    return rows
+
+
+def _fid_cell(fid: Mapping[str, float]) -> str:
+    if "drop_points" in fid:
+        agree = f" agree {100 * fid['top1_agreement']:.1f}%" if "top1_agreement" in fid else ""
+        return f"drop {fid['drop_points']:+.2f}pt{agree}"
+    if "cosine_mean" in fid:
+        return f"cos {fid['cosine_mean']:.4f}"
+    return "-"
+
+
+def format_table(rows: list[dict[str, Any]], batch_sizes: tuple[int, ...]) -> str:
+    """The report as a fixed-width text table."""
+    sizes = tuple(dict.fromkeys((*batch_sizes, 1)))
+    head = ["variant", "status", "prec", "runtime", "passes", "fidelity", *[f"x fp32 b{b}" for b in sizes], "size"]
+    lines = []
+    for r in rows:
+        speed = [f"{r['speedup_vs_fp32'][f'batch_{b}']:.2f}" if f"batch_{b}" in r.get("speedup_vs_fp32", {}) else "-"
+                 for b in sizes]
+        size = f"{r['size_bytes'] / 1024:.0f} KB" if "size_bytes" in r else "-"
+        passes = ",".join(p for p in r["passes"] if p not in ("source", "export_onnx", "note"))
+        lines.append([r["id"], r["status"], r["precision"], r["runtime"], passes or "-", _fid_cell(r["fidelity"]),
+                      *speed, size])
+    widths = [max(len(str(x)) for x in col) for col in zip(head, *lines, strict=True)]
+    out = ["  ".join(str(x).ljust(w) for x, w in zip(row, widths, strict=True)).rstrip() for row in [head, *lines]]
+    for r in rows:
+        if "reason" in r:
+            out.append(f"  {r['id']}: {r['reason']}")
+    return "\n".join(out)
+

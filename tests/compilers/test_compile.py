@@ -1,0 +1,136 @@
+"""compile_model on the digits CNN: the ladder, its packages, its index and the recommendation rule."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+from compilers import PruneConfig, VariantSet, compile_model
+from compilers.fidelity import nll
+from sdk import zoo
+from tests.compilers.conftest import ort_target
+
+
+def test_ladder_keeps_fp32_and_both_int8_quantizers(digits_ladder: VariantSet) -> None:
+    ids = {e.id for e in digits_ladder}
+    assert {"fp32-ort", "fp32-ov", "int8-ort-static", "int8-ov"} <= ids
+    skipped = {r["id"]: r for r in digits_ladder.rejected}
+    assert skipped["int8-ort-dynamic"]["stage"] == "skipped"  # a CNN has no MatMul to quantize dynamically
+    for entry in digits_ladder:
+        assert entry.fidelity["drop_points"] <= 1.0, entry
+        assert entry.fidelity["samples"] == 359
+        assert 0.97 < entry.fidelity["accuracy"] <= 1.0
+
+
+def test_index_is_ordered_by_cost_and_reloads(digits_ladder: VariantSet) -> None:
+    loaded = VariantSet.load(digits_ladder.directory)
+    costs = [e.cost_ms for e in loaded]
+    assert costs == sorted(costs)
+    assert [e.id for e in loaded] == [e.id for e in digits_ladder]
+
+
+def test_exactly_one_recommended_never_slower_than_fp32(digits_ladder: VariantSet) -> None:
+    recommended = [e for e in digits_ladder if e.recommended]
+    assert len(recommended) == 1
+    default = digits_ladder.build["default_batch"]
+    assert default == 1
+    baseline = digits_ladder.build["baseline_latency_ms"][f"batch_{default}"]["p50"]
+    assert recommended[0].latency_ms[f"batch_{default}"]["p50"] <= baseline
+    fastest = min(digits_ladder, key=lambda e: e.latency_ms["batch_1"]["p50"])
+    if fastest.latency_ms["batch_1"]["p50"] <= baseline:
+        assert recommended[0].id == fastest.id
+
+
+def test_packages_verify_with_the_signing_key(digits_ladder: VariantSet, sign_key: Ed25519PrivateKey) -> None:
+    for entry in digits_ladder:
+        pkg = digits_ladder.open(entry.id, trusted_keys=[sign_key.public_key()])
+        assert pkg.signed_by
+        m = pkg.manifest
+        assert (m.precision, m.runtime, m.target) == (entry.precision, entry.runtime, "x86-avx512")
+        assert m.size_bytes == entry.size_bytes > 0
+        assert set(m.latency_ms) >= {"batch_1", "batch_64", "host", "threads"}
+        assert m.latency_ms["batch_64"]["p95"] >= m.latency_ms["batch_64"]["p50"] > 0
+        assert m.energy["label"].startswith("modeled:")
+        assert m.energy["mj"] > 0
+        assert m.build["data"]["calibration"]["samples"] == 300
+        assert m.build["tools"]["onnxruntime"]
+        assert m.reference_sha256
+        assert len(m.reference_sha256) == 64
+
+
+def test_manifest_carries_classifier_calibration(digits_ladder: VariantSet, digits: zoo.Split) -> None:
+    pkg = digits_ladder.open("int8-ort-static")
+    cal = pkg.manifest.calibration
+    assert cal["temperature"] > 0
+    assert set(cal["ood"]) == {"energy_mean", "energy_std", "energy_p01", "energy_p99"}
+    assert cal["ood"]["energy_p01"] <= cal["ood"]["energy_mean"] <= cal["ood"]["energy_p99"]
+    curve = cal["escalation_curve"]
+    assert {"threshold", "escalation_rate", "accuracy_accepted", "coverage"} <= set(curve[0])
+    rates = [p["escalation_rate"] for p in curve]
+    assert rates == sorted(rates)  # higher threshold, more escalation
+    with np.load(pkg.directory / cal["validation_file"]) as val:
+        assert val["logits"].shape == val["reference_logits"].shape == (len(digits.y_val), 10)
+        np.testing.assert_array_equal(val["labels"], digits.y_val)
+        assert nll(val["logits"], val["labels"], cal["temperature"]) <= nll(val["logits"], val["labels"]) + 1e-9
+
+
+def test_int8_passes_are_recorded_for_reproduction(digits_ladder: VariantSet) -> None:
+    passes = digits_ladder.open("int8-ort-static").manifest.passes
+    q = next(p for p in passes if p["name"] == "quantize_ort")
+    assert (q["mode"], q["per_channel"], q["method"]) == ("static", True, "minmax")
+    nncf = next(p for p in digits_ladder.open("int8-ov").manifest.passes if p["name"] == "quantize_nncf")
+    assert nncf["fake_quantize_ops"] > 0
+    assert nncf["nncf"]
+
+
+def test_recommended_package_runs_through_runtimes(digits_ladder: VariantSet, digits: zoo.Split,
+                                                   digits_cnn_reference: np.ndarray) -> None:
+    pkg = digits_ladder.open()
+    with pkg.open_session() as session:
+        logits = session.run({"x": digits.x_test})["logits"]
+    agree = (logits.argmax(1) == digits_cnn_reference.argmax(1)).mean()
+    assert agree >= 0.99
+
+
+def test_report_table_lists_kept_and_skipped(digits_ladder: VariantSet) -> None:
+    from compilers.report import format_table
+
+    rows = digits_ladder.build["report"]
+    assert {r["status"] for r in rows} >= {"recommended", "kept", "skipped"}
+    fp32 = next(r for r in rows if r["id"] == digits_ladder.build["baseline"])
+    assert fp32["speedup_vs_fp32"]["batch_1"] == pytest.approx(1.0)
+    table = format_table(rows, (1, 64))
+    assert "x fp32 b64" in table
+    assert "int8-ort-dynamic: no MatMul" in table
+
+
+def test_prune_and_distillation_recover_within_the_limit(digits_cnn, digits: zoo.Split,  # type: ignore[no-untyped-def]
+                                                         digits_validation: dict[str, np.ndarray],
+                                                         tmp_path: Path) -> None:
+    vs = compile_model(digits_cnn, example_inputs=digits.x_train[:1], output=tmp_path / "pruned",
+                       target=ort_target(), precisions=("fp32",), prune=PruneConfig(0.5, epochs=30),
+                       calibration={"x": digits.x_train}, validation=digits_validation, max_drop=1.0,
+                       progress=False)
+    entry = vs.entry("pruned50-fp32-ort")
+    assert entry.fidelity["drop_points"] <= 1.0
+    record = next(p for p in vs.open(entry.id).manifest.passes if p["name"] == "prune")
+    assert record["params_after"] < 0.5 * record["params_before"]
+    assert record["macs_after"] < 0.5 * record["macs_before"]
+    assert record["recovery"]["method"] == "distillation"
+    assert record["agreement_after_recovery"] > record["agreement_before_recovery"]
+    assert record["agreement_after_recovery"] >= 0.99
+
+
+def test_torch_module_and_export_program_compile(digits_cnn, digits: zoo.Split,  # type: ignore[no-untyped-def]
+                                                 digits_validation: dict[str, np.ndarray], tmp_path: Path) -> None:
+    torch = pytest.importorskip("torch")
+    program = torch.export.export(digits_cnn, (torch.from_numpy(digits.x_train[:1]),))
+    vs = compile_model(program, output=tmp_path / "pt2", target="torch", precisions=("fp32",),
+                       calibration={"x": digits.x_train[:200]}, validation=digits_validation, progress=False)
+    pkg = vs.open("fp32-torch")
+    assert pkg.manifest.artifact == "model.pt2"
+    assert pkg.manifest.inputs[0].shape[0] == 1
+    assert vs.entry("fp32-torch").fidelity["top1_agreement"] == 1.0
