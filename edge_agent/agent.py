@@ -77,7 +77,9 @@ class Prediction:
         energy_label: `measured:<source>` or `modeled:<profile>`.
         scores: the per-row edge scores.
         cloud_rows: per-row mask of the rows the cloud answered.
-        reason: why the cloud was not used when wanted ("breaker_open", "timeout", "rtt", ...).
+        reason: why the cloud was not used when wanted: "no_cloud" (edge only), "breaker_open", "rtt"
+            (recent round trips do not fit), "budget", "rate", "timeout", "unavailable", "error", "bad_reply",
+            "journal_full", "late"; empty otherwise.
         cached: answered from the result cache.
         seq: the request's sequence number on this agent (its id in the journal and telemetry).
 
@@ -482,8 +484,9 @@ class EdgeAgent:
             mask = scores < limit
             if not mask.any():
                 return self._finish(variant, outputs, scores, single, t0, edge_ms, seq, key=key)
-        if self.transport is None:
-            return self._finish(variant, outputs, scores, single, t0, edge_ms, seq, wanted=int(mask.sum()))
+        if self.transport is None:  # edge only: unsure, but nowhere to escalate (not degraded)
+            return self._finish(variant, outputs, scores, single, t0, edge_ms, seq, reason="no_cloud",
+                                wanted=int(mask.sum()))
         return Pending(variant, inputs, outputs, scores, mask, single, t0, edge_ms, keep or self.policy.keep, key,
                        seq)
 

@@ -295,3 +295,12 @@ def test_real_controller_drives_the_agent(package: ModelPackage, digits: zoo.Spl
     assert agent.threshold == ctl.current.threshold
     assert len(fake.requests) == sum(p.tier == "cloud" for p in preds)
     assert not any(p.degraded for p in preds)
+
+
+def test_edge_only_marks_unsure_rows_without_degrading(package: ModelPackage, digits: zoo.Split) -> None:
+    async def main() -> Prediction:
+        async with EdgeAgent(package, policy=Policy(threshold=ALWAYS)) as agent:
+            return await agent.infer(digits.x_test[0])
+
+    pred = asyncio.run(main())
+    assert (pred.tier, pred.degraded, pred.reason) == ("edge", False, "no_cloud")
