@@ -60,7 +60,8 @@ class ControllerConfig:
         redecide_interval_s: re-decide at least this often while requests flow.
         rtt_drift: relative move of the RTT EWMA or high quantile that triggers a re-decision...
         rtt_drift_abs_ms: ...when it is also at least this many milliseconds.
-        latency_drift: relative move of the device speed (edge latency vs its baseline).
+        latency_drift: relative move of the device speed (edge latency vs its baseline)...
+        latency_drift_abs_ms: ...when the edge latency also moved by this many milliseconds.
         energy_drift: relative move of the inference energy.
         escalation_z: binomial tolerance (in standard deviations) on the observed escalation rate
             and on the edge/cloud agreement rate.
@@ -79,6 +80,7 @@ class ControllerConfig:
     rtt_drift: float = 0.5
     rtt_drift_abs_ms: float = 2.0
     latency_drift: float = 0.3
+    latency_drift_abs_ms: float = 1.0
     energy_drift: float = 0.25
     escalation_z: float = 3.0
     probe_escalation_rate: float = 0.03
@@ -300,19 +302,32 @@ class Controller:
         speed = statistics.median(self._ratios)
         if math.isnan(self._ref["slowdown"]):  # first samples after a switch of variant set the reference
             self._ref["slowdown"] = speed
-        elif abs(speed / self._ref["slowdown"] - 1) > self.config.latency_drift:
+        elif (abs(speed / self._ref["slowdown"] - 1) > self.config.latency_drift
+              and abs(speed - self._ref["slowdown"]) * p.baseline_p50_ms > self.config.latency_drift_abs_ms):
             self._flag("device speed")
             p.latency.rebase(len(self._ratios))
         if abs(p.energy_mj / max(self._ref["energy"], 1e-12) - 1) > self.config.energy_drift:
             self._flag("inference energy")
 
     def observe_escalation(self, rtt_ms: float | None, ok: bool, bytes_sent: int = 0, *,
-                           elapsed_ms: float | None = None) -> None:
+                           elapsed_ms: float | None = None, attempted: bool | None = None) -> None:
         """One escalation: its round trip (None when it failed or timed out) and request size.
 
-        `elapsed_ms` of a failure (how long the edge waited) improves the latency model.
+        Args:
+            rtt_ms: the round trip of an answered escalation; None for a failure or timeout (or,
+                with ok=False, how long the edge waited before giving up).
+            ok: the cloud answered in time.
+            bytes_sent: request size.
+            elapsed_ms: how long a failed escalation made the edge wait (improves the latency model).
+            attempted: False when the agent did not send it (breaker open, no time left, rate cap):
+                that says nothing new about the link and is ignored. By default a failure with no
+                round trip, no wait and no bytes counts as not sent.
         """
         if self.link is None:
+            return
+        if attempted is None:
+            attempted = ok or rtt_ms is not None or elapsed_ms is not None or bytes_sent > 0
+        if not attempted:
             return
         for event in self.link.observe(rtt_ms, ok, bytes_sent, elapsed_ms):
             self._flag(f"cloud {event}")

@@ -142,6 +142,7 @@ class VariantProfile:
         self.baseline_p50_ms = self.latency.quantile(0.5)
         self.energy_mj = float(energy_mj)
         self.energy_label = energy_label
+        self._energies: deque[float] = deque(maxlen=64)
         self.live_scores: deque[float] = deque(maxlen=512)
         self._live_weight = live_weight
 
@@ -157,8 +158,15 @@ class VariantProfile:
     def observe_latency(self, ms: float) -> None:
         self.latency.add(ms)
 
-    def observe_energy(self, mj: float, label: str | None = None, alpha: float = 0.1) -> None:
-        self.energy_mj += alpha * (float(mj) - self.energy_mj)
+    def observe_energy(self, mj: float, label: str | None = None) -> None:
+        """One measured (or modeled) inference energy; the estimate is the median of the last 64.
+
+        The median keeps the estimate steady when some figures carry more than the inference
+        (a request's radio and waiting energy).
+        """
+        self._energies.append(float(mj))
+        if len(self._energies) >= 8:
+            self.energy_mj = float(np.median(np.fromiter(self._energies, dtype=float)))
         if label:
             self.energy_label = label
 

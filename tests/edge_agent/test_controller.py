@@ -178,8 +178,14 @@ def test_budget_change_at_run_time_redecides_and_hysteresis_needs_a_margin() -> 
 
 def test_cloud_down_and_back() -> None:
     c = controller()
-    for _ in range(3):
+    for _ in range(5):  # escalations the agent did not send (breaker open, rate cap) say nothing of the link
+        c.observe_escalation(None, ok=False, attempted=False)
         c.observe_escalation(None, ok=False)
+    assert c.maybe_redecide() is None
+    assert c.link is not None
+    assert c.link.up
+    for _ in range(3):
+        c.observe_escalation(None, ok=False, bytes_sent=1000)
     c.maybe_redecide()
     assert "cloud down" in c.decisions[-1].trigger
     assert c.current.predicted_accuracy == pytest.approx(0.96)
