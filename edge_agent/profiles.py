@@ -137,7 +137,12 @@ class VariantProfile:
         order = np.argsort(s, kind="stable")
         self.id = variant_id
         self.scores = s[order]
-        self._cum_correct = np.concatenate([[0], np.cumsum(c[order])])
+        self._correct = c[order]
+        self._cum_correct = np.concatenate([[0], np.cumsum(self._correct)])
+        # score bins (validation quantiles) for reweighting validation by the live score distribution
+        self._edges = np.unique(np.quantile(self.scores, np.arange(1, 20) / 20))
+        self._bin = np.searchsorted(self._edges, self.scores, side="right")
+        self._bin_share = np.bincount(self._bin, minlength=self._edges.size + 1) / s.size
         self.latency = LatencyWindow(np.asarray(latency_prior_ms, dtype=float), maxlen=window)
         self.baseline_p50_ms = self.latency.quantile(0.5)
         self.energy_mj = float(energy_mj)
@@ -189,22 +194,32 @@ class VariantProfile:
     def curve(self, thresholds: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """For each threshold: escalation rate, edge accuracy on accepted, edge accuracy on escalated.
 
-        Accuracy is read from the validation data at the threshold's score. The escalation rate
-        blends validation scores with live ones (live inputs may have drifted).
+        Read from the validation data. Once live scores arrive, validation inputs are reweighted so
+        that their score distribution matches the live one (per score bin, blended with the
+        validation prior): a drifted input stream moves escalation rates and accuracies together.
         """
         t = np.atleast_1d(np.asarray(thresholds, dtype=float))
-        n = self.scores.size
         k = np.searchsorted(self.scores, t, side="left")
-        cum = self._cum_correct
-        acc_esc = np.where(k > 0, cum[k] / np.maximum(k, 1), 1.0)
-        acc_acc = np.where(k < n, (cum[-1] - cum[k]) / np.maximum(n - k, 1), 1.0)
-        esc = k / n
-        if self.live_scores:
-            live = np.sort(np.fromiter(self.live_scores, dtype=float))
-            live_esc = np.searchsorted(live, t, side="left") / live.size
-            w = live.size / (live.size + self._live_weight)
-            esc = (1 - w) * esc + w * live_esc
-        return esc, acc_acc, acc_esc
+        if not self.live_scores:
+            n, cum = self.scores.size, self._cum_correct
+            acc_esc = np.where(k > 0, cum[k] / np.maximum(k, 1), 1.0)
+            acc_acc = np.where(k < n, (cum[-1] - cum[k]) / np.maximum(n - k, 1), 1.0)
+            return k / n, acc_acc, acc_esc
+        w = self._live_weights()
+        weight = np.concatenate([[0.0], np.cumsum(w)])
+        right = np.concatenate([[0.0], np.cumsum(w * self._correct)])
+        total, esc_w, acc_w = weight[-1], weight[k], weight[-1] - weight[k]
+        acc_esc = np.where(esc_w > 0, right[k] / np.maximum(esc_w, 1e-12), 1.0)
+        acc_acc = np.where(acc_w > 0, (right[-1] - right[k]) / np.maximum(acc_w, 1e-12), 1.0)
+        return esc_w / total, acc_acc, acc_esc
+
+    def _live_weights(self) -> np.ndarray:
+        live = np.fromiter(self.live_scores, dtype=float)
+        share = np.bincount(np.searchsorted(self._edges, live, side="right"), minlength=self._edges.size + 1)
+        share = share / live.size
+        ratio = np.divide(share, self._bin_share, out=np.zeros_like(share), where=self._bin_share > 0)
+        lam = live.size / (live.size + self._live_weight)
+        return ((1 - lam) + lam * ratio)[self._bin]
 
     def self_benchmark(self, run: Callable[[], object], *, repeats: int = 20, warmup: int = 3,
                        clock: Callable[[], float] = time.perf_counter) -> float:

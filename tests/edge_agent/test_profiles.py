@@ -145,3 +145,16 @@ def test_timeouts_count_as_not_answered_in_time() -> None:
     assert math.isinf(s.rtt_high_ms)
     assert s.failure_latency_ms > 0
     assert s.to_json()["rtt_high_ms"] is None
+
+
+def test_live_scores_reweight_rates_and_accuracies_together() -> None:
+    rng = np.random.default_rng(0)
+    scores = rng.random(2000)
+    p = VariantProfile("v", scores, rng.random(2000) < scores, [1.0], 1.0)
+    for x in rng.random(500) ** 3:  # live inputs are less confident than the validation ones
+        p.observe_score(float(x))
+    esc, acc_accepted, acc_escalated = p.curve(p.thresholds(np.linspace(0, 1, 11)))
+    overall = (1 - esc) * acc_accepted + esc * acc_escalated
+    assert np.ptp(overall) < 1e-9  # the edge's accuracy does not depend on where the line is drawn
+    assert overall[0] < p.accuracy - 0.1  # ... but it is lower on the drifted stream
+    assert esc[5] > 0.6  # the validation median now escalates well over half
