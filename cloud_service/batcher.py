@@ -24,9 +24,10 @@ import asyncio
 import collections
 import contextlib
 import logging
+import queue
+import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Any, Protocol
@@ -49,6 +50,50 @@ class BatchObserver(Protocol):
     def on_queue(self, depth: int) -> None: ...
     def on_batch(self, rows: int, requests: int, seconds: float) -> None: ...
     def on_expired(self, count: int) -> None: ...
+
+
+class _Instance:
+    """One model instance's thread: runs the batches handed to it, one at a time.
+
+    Lighter than `run_in_executor` (no concurrent.futures.Future per batch); the result comes back to
+    the event loop with `call_soon_threadsafe`.
+    """
+
+    def __init__(self, name: str, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self._jobs: queue.SimpleQueue[tuple[Callable[..., Any], tuple[Any, ...], asyncio.Future[Any]] | None] = (
+            queue.SimpleQueue())
+        self._thread = threading.Thread(target=self._main, name=name, daemon=True)
+        self._thread.start()
+
+    async def run(self, fn: Callable[..., Any], *args: Any) -> Any:
+        done: asyncio.Future[Any] = self._loop.create_future()
+        self._jobs.put((fn, args, done))
+        return await done
+
+    def close(self) -> None:
+        self._jobs.put(None)
+
+    def _main(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            fn, args, done = job
+            try:
+                outcome, ok = fn(*args), True
+            except BaseException as exc:  # handed to the awaiting coroutine, which re-raises it
+                outcome, ok = exc, False
+            try:
+                self._loop.call_soon_threadsafe(_resolve, done, outcome, ok)
+            except RuntimeError:  # the loop closed while this batch ran
+                return
+
+
+def _resolve(future: asyncio.Future[Any], outcome: Any, ok: bool) -> None:
+    if future.done():
+        return
+    if ok:
+        future.set_result(outcome)
+    else:
+        future.set_exception(outcome)
 
 
 class _NullObserver:
@@ -98,7 +143,7 @@ class DynamicBatcher:
         self._wakeup = asyncio.Event()
         self._closed = False
         self._workers: list[asyncio.Task[None]] = []
-        self._executors: list[ThreadPoolExecutor] = []
+        self._instances: list[_Instance] = []
         self._loop: asyncio.AbstractEventLoop | None = None
         self._batch_s = 0.001  # moving average of one batch's run time, for the retry hint
 
@@ -118,9 +163,9 @@ class DynamicBatcher:
         self._loop = asyncio.get_running_loop()
         for i, runner in enumerate(self._runners):
             # One thread per instance: the backend call blocks, and a session is used by one thread.
-            executor = ThreadPoolExecutor(1, thread_name_prefix=f"tierkit-{self.name}-{i}")
-            self._executors.append(executor)
-            self._workers.append(self._loop.create_task(self._work(runner, executor), name=f"batcher-{self.name}-{i}"))
+            instance = _Instance(f"tierkit-{self.name}-{i}", self._loop)
+            self._instances.append(instance)
+            self._workers.append(self._loop.create_task(self._work(runner, instance), name=f"batcher-{self.name}-{i}"))
 
     async def aclose(self, timeout: float | None = None) -> None:
         """Stop taking requests, finish the queued ones (up to `timeout`), stop the threads."""
@@ -136,8 +181,8 @@ class DynamicBatcher:
             if not request.future.done():
                 msg = f"model {self.name!r} was unloaded before this request ran; retry"
                 request.future.set_exception(BackendUnavailable(msg))
-        for executor in self._executors:
-            executor.shutdown(wait=False)
+        for instance in self._instances:
+            instance.close()
         self._workers.clear()
 
     def submit(self, inputs: Arrays, *, deadline: float | None = None) -> asyncio.Future[dict[str, np.ndarray]]:
@@ -232,7 +277,7 @@ class DynamicBatcher:
         self._queue.extendleft(reversed(rest))
         return batch
 
-    async def _work(self, runner: Runner, executor: ThreadPoolExecutor) -> None:
+    async def _work(self, runner: Runner, instance: _Instance) -> None:
         loop = asyncio.get_running_loop()
         while True:
             batch = await self._take()
@@ -258,7 +303,7 @@ class DynamicBatcher:
                 continue
             started = time.perf_counter()
             try:
-                results = await loop.run_in_executor(executor, self._run, runner, live)
+                results = await instance.run(self._run, runner, live)
             except asyncio.CancelledError:  # aclose() gave up waiting: answer, never strand a caller
                 for request in live:
                     if not request.future.done():

@@ -72,4 +72,4 @@ def model_label(repository: ModelRepository, name: str) -> str:
     """The metrics label for a requested model name (unknown names share one label)."""
     from cloud_service.metrics import UNKNOWN_MODEL
 
-    return name if repository.versions(name) else UNKNOWN_MODEL
+    return name if name in repository else UNKNOWN_MODEL

