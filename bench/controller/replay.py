@@ -1,0 +1,102 @@
+"""Replay the held-out stream through the real agent while the delay proxy and the budget step.
+
+Requests go one after another through `sdk.load(...).predict`, paced at most `rate` per second,
+with the agent escalating over gRPC to the real cloud service behind the delay proxy.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+from models import CLOUD_NAME, Models
+from proxy import DelayProxy
+from strategies import Scripted
+
+import sdk
+from edge_agent.agent import AgentOptions
+from edge_agent.breaker import BreakerConfig
+from edge_agent.budget import Budget
+from edge_agent.policy import Policy
+from edge_agent.transports.base import TransportOptions
+
+POLICY = Policy("max_prob")
+
+
+@dataclass(frozen=True)
+class Phase:
+    """One stretch of the trace: the added round trip (None: the cloud is down) and the budgets."""
+
+    name: str
+    requests: int
+    rtt_ms: float | None
+    latency_ms: float
+    energy_mj: float | None = None
+
+    @property
+    def budget(self) -> Budget:
+        return Budget(latency_ms=self.latency_ms, energy_mj=self.energy_mj)
+
+    def apply(self, proxy: DelayProxy) -> None:
+        if self.rtt_ms is None:
+            proxy.set(mode="refuse")
+        else:
+            proxy.set(up_ms=self.rtt_ms / 2, down_ms=self.rtt_ms / 2, mode="up")
+
+
+def agent_options() -> AgentOptions:
+    # rtt_probe_s: while its round-trip estimate says escalations do not fit, the agent still tries one
+    # every 10 ms, so that a link that got fast again is noticed within a second (its default is 1 s).
+    return AgentOptions(device_id="bench-controller", breaker=BreakerConfig(failure_threshold=3, reset_timeout_s=1.0),
+                        transport=TransportOptions(reconnect_min_s=0.05, reconnect_max_s=0.25, retry_max_attempts=1),
+                        rtt_probe_s=0.01, telemetry_interval_s=3600.0)
+
+
+def replay(controller: Any, models: Models, phases: list[Phase], trace: np.ndarray, proxy: DelayProxy, *,
+           rate: float, warmup: int = 200) -> dict[str, Any]:
+    """Run `trace` (indices into the test split) through a fresh agent; one record per request."""
+    x, y = models.split.x_test, models.split.y_test
+    n = sum(p.requests for p in phases)
+    rec = {k: np.zeros(n, dtype=t) for k, t in (("phase", int), ("t", float), ("latency_ms", float),
+                                                 ("energy_mj", float), ("cloud", bool), ("degraded", bool),
+                                                 ("wanted", bool), ("correct", bool), ("threshold", float))}
+    variants: list[str] = []
+    reasons: list[str] = []
+    labels: set[str] = set()
+    phases[0].apply(proxy)
+    model = sdk.load(models.edge_dir, cloud=f"grpc://127.0.0.1:{proxy.port}/{CLOUD_NAME}",
+                     budget=phases[0].budget, policy=POLICY, controller=controller, options=agent_options())
+    try:
+        for i in range(warmup):  # opens the channel and teaches the agent the round trip; not recorded
+            model.predict(x[trace[i % trace.size]][None])
+            time.sleep(1 / rate)
+        k, start = 0, time.perf_counter()
+        for pi, phase in enumerate(phases):
+            phase.apply(proxy)
+            model.set_budget(phase.budget)
+            if isinstance(controller, Scripted):
+                controller.enter_phase(pi)
+            for _ in range(phase.requests):
+                due = start + k / rate
+                if (wait := due - time.perf_counter()) > 0:
+                    time.sleep(wait)
+                i = trace[k]
+                threshold = float(controller.current.threshold)
+                pred = model.predict(x[i][None])
+                rec["phase"][k], rec["t"][k] = pi, time.perf_counter() - start
+                rec["latency_ms"][k], rec["energy_mj"][k] = pred.latency_ms, pred.energy_mj
+                rec["cloud"][k], rec["degraded"][k] = pred.tier == "cloud", pred.degraded
+                rec["wanted"][k] = pred.score < threshold
+                rec["correct"][k] = int(pred.outputs["logits"].argmax()) == int(y[i])
+                rec["threshold"][k] = threshold
+                variants.append(pred.variant)
+                reasons.append(pred.reason)
+                labels.add(pred.energy_label)
+                k += 1
+        decisions = [d.to_json() for d in getattr(controller, "decisions", [])]
+    finally:
+        model.close()
+    return {**rec, "variant": np.array(variants), "reason": np.array(reasons), "energy_label": ", ".join(sorted(labels)),
+            "decisions": decisions}

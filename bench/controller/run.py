@@ -1,0 +1,180 @@
+"""Evaluate the controller on a real stream, a real agent and a real cloud service on loopback.
+
+    python bench/controller/run.py [--quick] [--work DIR] [--rate R] [--png PATH]
+
+A delay-injecting TCP proxy sits between the agent and `tierkit serve`. The round trip steps
+2 ms -> 60 ms -> cloud down -> 2 ms and the latency budget 20 ms -> 8 ms, while the held-out MNIST
+stream is replayed (the same trace for every strategy). Compared, per phase: the controller; the
+best static (variant, threshold) of each phase chosen with hindsight (oracle); a fixed 0.5
+confidence threshold (Sedna's default); edge-only; cloud-only. Reported: accuracy, p95 latency,
+energy per request, share of 1-second windows violating a budget, and the requests (and seconds)
+the controller needed to settle after each change. Prints a table and a markdown block, and
+writes a PNG of latency, accuracy and the chosen threshold over the trace.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from models import CLOUD_NAME, Models, build
+from proxy import DelayProxy
+from replay import POLICY, Phase, replay
+from report import markdown, metrics, plot, table
+from strategies import ALWAYS, NEVER, PhaseLatency, Point, Scripted, hindsight
+
+from compilers.variants import VariantSet
+from edge_agent.agent import DEFAULT_POWER
+from edge_agent.controller import Controller, ControllerConfig
+from edge_agent.profiles import LinkProfile, VariantProfile
+
+
+def phases(per_phase: int) -> list[Phase]:
+    return [Phase("2 ms RTT", per_phase, 2.0, 20.0), Phase("60 ms RTT", per_phase, 60.0, 20.0),
+            Phase("cloud down", per_phase, None, 20.0), Phase("2 ms RTT again", per_phase, 2.0, 20.0),
+            Phase("budget 8 ms", per_phase, 2.0, 8.0)]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@contextlib.contextmanager
+def cloud_server(models: Models, port: int):  # type: ignore[no-untyped-def]
+    """`tierkit serve` in a child process, as an operator would run it."""
+    cmd = [sys.executable, "-m", "sdk.cli", "serve", "--models", str(models.cloud_root), "--grpc",
+           f"127.0.0.1:{port}", "--threads", "1"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                msg = f"tierkit serve exited: {proc.stderr.read() if proc.stderr else ''}"
+                raise RuntimeError(msg)
+            with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=0.2):
+                break
+            time.sleep(0.2)
+        yield proc
+    finally:
+        proc.terminate()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=10)
+        if proc.poll() is None:
+            proc.kill()
+
+
+def make_controller(models: Models, budget: Any) -> Controller:
+    """Profiles from the packages plus a warm-up self-benchmark; the link modeled with the agent's power profile."""
+    vs = models.variants
+    x1 = models.split.x_val[:1]
+    profiles = []
+    for e in vs.entries:
+        pkg = vs.open(e.id)
+        profile = VariantProfile.from_package(pkg, POLICY, variant_id=e.id)
+        with pkg.open_session() as s:
+            profile.self_benchmark(lambda s=s: s.run({"x": x1}), repeats=30)
+        profiles.append(profile)
+    power = DEFAULT_POWER
+    # the operator's prior on the cloud: its validation accuracy, as its compiler measured it
+    cloud = VariantSet.load(models.cloud_root / CLOUD_NAME).recommended
+    prior = min(float(cloud.fidelity.get("accuracy", 0.99)), 0.999)
+    link = LinkProfile(rtt_ms=10.0, wait_power_w=power.idle_watts, energy_per_byte_mj=power.joules_per_byte_sent * 1e3,
+                       energy_label=power.label, cloud_accuracy=prior)
+    return Controller(profiles, budget, link=link, config=ControllerConfig())
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="400 requests per phase instead of 1,200")
+    ap.add_argument("--work", type=Path, default=Path(tempfile.gettempdir()) / "tierkit-bench-controller",
+                    help="cache of the trained and compiled models")
+    ap.add_argument("--rate", type=float, default=200.0, help="at most this many requests per second")
+    ap.add_argument("--png", type=Path, default=Path(__file__).with_name("controller.png"))
+    ap.add_argument("--dump", type=Path, help="also write every record and the controller's decisions here (.npz)")
+    args = ap.parse_args(argv)
+    per_phase = 400 if args.quick else 1200
+    plan = phases(per_phase)
+    total = sum(p.requests for p in plan)
+    models = build(args.work)
+    vs = models.variants
+    off = models.offline
+    rng = np.random.default_rng(0)
+    trace = np.resize(rng.permutation(models.split.y_test.size), total)
+    fidelity = {e.id: float(e.fidelity.get("accuracy", 0.0)) for e in vs.entries}
+    best_edge = max(vs.entries, key=lambda e: (fidelity[e.id], -e.cost_ms)).id
+    recommended = vs.recommended.id
+    print(f"edge ladder: {[e.id for e in vs.entries]} (recommended {recommended}, most accurate {best_edge}); "
+          f"{total} requests per strategy at <= {args.rate:g}/s")
+    port = free_port()
+    with cloud_server(models, port):
+        proxy = DelayProxy(("127.0.0.1", port)).start()
+        try:
+            calib = Phase("edge only", 300 if args.quick else 600, 0.0, 1000.0)
+            edge_ms = {}
+            for e in vs.entries:
+                rec = replay(Scripted([Point(e.id, NEVER)]), models, [calib], trace, proxy, rate=args.rate)
+                edge_ms[e.id] = rec["latency_ms"]
+            records: dict[str, dict[str, Any]] = {}
+            for name, point in (("edge-only", Point(best_edge, NEVER)), ("cloud-only", Point(recommended, ALWAYS)),
+                                ("fixed-0.5", Point(recommended, 0.5))):
+                print(f"replaying {name} ...", flush=True)
+                records[name] = replay(Scripted([point]), models, plan, trace, proxy, rate=args.rate)
+            cloud = records["cloud-only"]
+            med = float(np.median(edge_ms[recommended]))
+            points, predicted = [], []
+            for pi, phase in enumerate(plan):
+                m = cloud["phase"] == pi
+                link = PhaseLatency(cloud["latency_ms"][m & cloud["cloud"]] - med,
+                                    cloud["latency_ms"][m & ~cloud["cloud"]] - med, float(cloud["cloud"][m].mean()))
+                point, pred = hindsight(trace[m], off.scores, off.correct, off.cloud_correct, edge_ms, link,
+                                        phase.latency_ms)
+                points.append(point)
+                predicted.append(pred)
+            print("oracle points: " + "; ".join(f"{p.name}: {q.variant}@{q.threshold:.4g} (esc {r['escalation']:.1%})"
+                                                for p, q, r in zip(plan, points, predicted, strict=True)))
+            print("replaying oracle ...", flush=True)
+            records["oracle"] = replay(Scripted(points), models, plan, trace, proxy, rate=args.rate)
+            print("replaying controller ...", flush=True)
+            records["controller"] = replay(make_controller(models, plan[0].budget), models, plan, trace, proxy,
+                                           rate=args.rate)
+        finally:
+            proxy.stop()
+    order = ["controller", "oracle", "fixed-0.5", "edge-only", "cloud-only"]
+    results = {k: metrics(records[k], plan, adaptive=k == "controller") for k in order}
+    labels = {k: records[k]["energy_label"] for k in order}
+    print(table(results, plan, labels))
+    ctl, oracle = results["controller"], results["oracle"]
+    print("\ntargets, after convergence: <= 1% of windows over the latency budget; accuracy within 0.5 points of "
+          "the oracle's; settled within 200 requests or 5 s:")
+    for pi, phase in enumerate(plan):
+        c, o = ctl[pi], oracle[pi]
+        gap = 100 * (c["accuracy_after"] - o["accuracy"])
+        ok = (c["violating_after"] <= 0.01, gap >= -0.5, c["converge_requests"] <= 200 or c["converge_s"] <= 5)
+        print(f"  {phase.name:<16} windows violating {100 * c['violating_after']:.1f}%  accuracy vs oracle {gap:+.2f} "
+              f"points  settled after {c['converge_requests']} requests / {c['converge_s']:.2f} s  "
+              f"{'ok' if all(ok) else 'MISSED'}")
+    png = plot({k: records[k] for k in order}, plan, args.png)
+    if args.dump:
+        arrays = {f"{k}.{f}": v for k in order for f, v in records[k].items() if isinstance(v, np.ndarray)}
+        np.savez(args.dump, decisions=json.dumps(records["controller"]["decisions"]), **arrays)
+    header = (f"### Controller evaluation (`bench/controller/run.py{' --quick' if args.quick else ''}`)\n\n"
+              f"MNIST held-out stream, {per_phase} requests per phase at <= {args.rate:g}/s, edge ladder "
+              f"{', '.join(e.id for e in vs.entries)}, cloud `{CLOUD_NAME}` via `tierkit serve` behind a TCP delay "
+              f"proxy on loopback. Plot: `{png}`.")
+    print("\n" + markdown(results, plan, header=header, labels=labels["controller"]))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
