@@ -85,9 +85,9 @@ def predict(profile: VariantProfile, thresholds: np.ndarray, link: LinkState | N
     edge = profile.latency.samples() * speed + conditions.edge_overhead_ms
     deadline = budget.latency_ms
     med = float(np.median(edge))
+    ok_rtt = np.zeros(1)
     if link is None:
-        avail = timely = 0.0
-        ok_rtt = fail_ms = rtt_mean = radio = wait = 0.0
+        avail = timely = fail_ms = rtt_mean = radio = wait = 0.0
     else:
         avail, wait, fail_ms = link.availability, link.wait_power_w, min(link.failure_latency_ms, deadline)
         timely = link.timely(deadline - med)

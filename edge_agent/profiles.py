@@ -215,8 +215,8 @@ class VariantProfile:
 
     def _live_weights(self) -> np.ndarray:
         live = np.fromiter(self.live_scores, dtype=float)
-        share = np.bincount(np.searchsorted(self._edges, live, side="right"), minlength=self._edges.size + 1)
-        share = share / live.size
+        counts = np.bincount(np.searchsorted(self._edges, live, side="right"), minlength=self._edges.size + 1)
+        share = counts / live.size
         ratio = np.divide(share, self._bin_share, out=np.zeros_like(share), where=self._bin_share > 0)
         lam = live.size / (live.size + self._live_weight)
         return ((1 - lam) + lam * ratio)[self._bin]
