@@ -239,12 +239,14 @@ def run_demo(*, dataset: str = "auto", transport: str = "grpc", budget_ms: float
     tmp = None if workdir is not None else tempfile.TemporaryDirectory(prefix="tierkit-demo-")
     work = Path(workdir or tmp.name)  # type: ignore[union-attr]
     work.mkdir(parents=True, exist_ok=True)
-    bar = tqdm(total=6, desc="tierkit demo", file=sys.stderr, disable=quiet, bar_format="{desc}: {n}/{total} {bar}")
+    bar = tqdm(total=6, desc="tierkit demo", file=sys.stderr, disable=quiet,
+               bar_format="{desc}: {n}/{total} {bar} {elapsed}")
 
     def say(step: str) -> None:
         bar.set_description_str(step)
 
     broker = cloud = None
+    started = time.monotonic()
     try:
         models = build_models(dataset, say)
         bar.update(1)
@@ -294,6 +296,7 @@ def run_demo(*, dataset: str = "auto", transport: str = "grpc", budget_ms: float
             "fault_accuracy": float((_top1(fault) == s.y_test).mean()),
             "budget_ms": budget_ms, "edge_variant": variant, "threshold": threshold,
             "edge_model": models.edge_desc, "cloud_model": models.cloud_desc,
+            "elapsed_s": round(time.monotonic() - started, 1),
         }
         bar.update(1)
         return result
