@@ -147,7 +147,14 @@ async def serve(config: ServerConfig) -> None:
     async with CloudService(config) as service:
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
-        loop.add_signal_handler(signal.SIGHUP, lambda: loop.create_task(service.reload()))
+        reloads: set[asyncio.Task[Any]] = set()
+
+        def reload() -> None:
+            task = loop.create_task(service.reload())
+            reloads.add(task)
+            task.add_done_callback(reloads.discard)
+
+        loop.add_signal_handler(signal.SIGHUP, reload)
         models = ", ".join(f"{m.name}:{m.version}" for m in service.repository) or "none"
         for kind in ("grpc", "mqtt", "metrics"):
             if kind in service.addresses:

@@ -22,7 +22,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -102,10 +102,11 @@ class ModelRepository:
         >>> model = repo.get("digits")            # default version
     """
 
-    def __init__(self, config: ServerConfig, *, observer_for=None, on_load=None) -> None:  # type: ignore[no-untyped-def]
+    def __init__(self, config: ServerConfig, *, observer_for: Callable[[str], BatchObserver | None] | None = None,
+                 on_load: Callable[[str, str], None] | None = None) -> None:
         self.config = config
-        self._observer_for = observer_for or (lambda name: None)
-        self._on_load = on_load or (lambda name, outcome: None)
+        self._observer_for: Callable[[str], BatchObserver | None] = observer_for or (lambda name: None)
+        self._on_load: Callable[[str, str], None] = on_load or (lambda name, outcome: None)
         self._entries: dict[str, _Entry] = {}
         self._fingerprints: dict[tuple[str, str], str] = {}
         self._refused: dict[tuple[str, str], str] = {}

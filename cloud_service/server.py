@@ -133,6 +133,9 @@ class InferenceServicer:
             remaining = context.time_remaining()
             deadline = None if remaining is None else asyncio.get_running_loop().time() + remaining
             response = await infer(self.repository, request, deadline=deadline)
+        except asyncio.CancelledError:  # the client went away or its deadline passed: count it, then unwind
+            self.metrics.request_done(label or "_unknown", "grpc", time.perf_counter() - started, code="CANCELLED")
+            raise
         except Exception as exc:
             code, message = status_of(exc)
             self.metrics.request_done(label or "_unknown", "grpc", time.perf_counter() - started, code=code)

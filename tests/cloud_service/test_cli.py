@@ -6,6 +6,7 @@ import argparse
 import signal
 import subprocess
 import sys
+import time
 import urllib.request
 from pathlib import Path
 
@@ -95,3 +96,24 @@ def test_build_config_from_flags_environment_and_model_config(tmp_path: Path) ->
 def test_bad_flags_are_config_errors(argv: tuple[str, ...], words: str) -> None:
     with pytest.raises(ConfigError, match=words.replace("[", r"\[").replace("]", r"\]")):
         build_config(_parse("--models", "m", *argv), {})
+
+
+def test_sighup_rescans_the_models_directory(tmp_path: Path, digits_cnn_onnx: Path) -> None:
+    from cloud_service.protocol import inference_pb2 as pb
+    from tests.cloud_service.helpers import make_package
+
+    (tmp_path / "models").mkdir()
+    server = ServeProcess("--models", str(tmp_path / "models"), "--grpc", "127.0.0.1:0")
+    try:
+        assert server.addresses["models"] == "none"
+        make_package(tmp_path / "models" / "digits", digits_cnn_onnx)
+        server.proc.send_signal(signal.SIGHUP)
+        with grpc.insecure_channel(server.addresses["grpc"]) as channel:
+            stub = pbg.GRPCInferenceServiceStub(channel)
+            deadline = time.monotonic() + 30
+            while not stub.ModelReady(pb.ModelReadyRequest(name="digits"), timeout=5).ready:
+                assert time.monotonic() < deadline, "SIGHUP did not load the new package"
+                time.sleep(0.1)
+    finally:
+        code, _, err = server.stop()
+    assert code == 0, err

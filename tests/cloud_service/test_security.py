@@ -19,6 +19,7 @@ from cloud_service.protocol import encode_request, topics
 from cloud_service.protocol import inference_pb2 as pb
 from cloud_service.protocol import inference_pb2_grpc as pbg
 from cloud_service.security import GrpcTls, MqttTls
+from runtimes.errors import ConfigError
 from tests.broker import Broker, _free_port
 from tests.cloud_service.helpers import Device, Pki, ServerThread, metric_value
 
@@ -139,3 +140,26 @@ def test_shipped_mosquitto_config_refuses_the_unauthenticated(deploy_broker: Dep
                        username="tierkit-cloud", password="wrong", tls=MqttTls(ca_file=pki.ca))
     with pytest.raises(BackendUnavailable, match="refused the connection"):
         serve(models_dir, grpc_address=None, mqtt=wrong)
+
+
+@pytest.mark.mqtt
+def test_mqtt_bridge_with_a_client_certificate(tmp_path: Path, pki: Pki, serve: Callable[..., ServerThread],
+                                               models_dir: Path) -> None:
+    tls = (f"cafile {pki.ca}\ncertfile {pki.server_cert}\nkeyfile {pki.server_key}\n"
+           "require_certificate true\nuse_identity_as_username true\n")
+    broker = Broker(tmp_path / "broker", extra_conf=("user root\n" if os.geteuid() == 0 else "") + tls).start()
+    try:
+        mqtt = MqttConfig(url=f"mqtts://127.0.0.1:{broker.port}", client_id="cloud-cert",
+                          tls=MqttTls(ca_file=pki.ca, cert_file=pki.cloud_cert, key_file=pki.cloud_key))
+        serve(models_dir, grpc_address=None, mqtt=mqtt)
+        device = Device("127.0.0.1", broker.port, "cam-1", tls=_device_tls(pki))
+        try:
+            reply = device.ask(encode_request("digits", {"x": np.zeros((1, 1, 8, 8), np.float32)}).SerializeToString())
+            assert reply is not None
+            assert pb.ModelInferResponse.FromString(reply.payload).outputs[0].name == "logits"
+        finally:
+            device.close()
+        with pytest.raises(ConfigError):  # a certificate without its key is refused up front
+            MqttTls(ca_file=pki.ca, cert_file=pki.cloud_cert)
+    finally:
+        broker.stop()
