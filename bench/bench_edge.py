@@ -142,6 +142,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="tierkit-bench-edge-") as tmp:
         split, packages = build(Path(tmp))
         x = np.ascontiguousarray(split.x_test[0])
+        time.sleep(2.0)  # let the training and compile thread pools go idle: they would steal a core
         for name, package in packages:
             rows += bench_model(name, package, x, threads=args.threads, blocks=blocks, calls=calls)
     if args.json:
