@@ -54,6 +54,8 @@ class ControllerConfig:
         escalation_grid: escalation rates whose validation thresholds are the candidate thresholds.
         latency_headroom: plan p95 latency at most this share of the budget (noise margin).
         accuracy_margin: switch for accuracy alone only when the new point is better by this much.
+        violation_tolerance: the current point is kept while it is predicted over the budgets by at
+            most this share (summed relative excess), unless a feasible point is as accurate.
         energy_margin: switch at the same accuracy only when it saves this share of energy or p95.
         tie_tolerance: accuracies closer than this are equal (then less energy wins).
         min_observations: requests (or samples) before a measured rate or latency is trusted.
@@ -73,6 +75,7 @@ class ControllerConfig:
     escalation_grid: tuple[float, ...] = _DEFAULT_GRID
     latency_headroom: float = 0.9
     accuracy_margin: float = 0.002
+    violation_tolerance: float = 0.05
     energy_margin: float = 0.1
     tie_tolerance: float = 2e-4
     min_observations: int = 20
@@ -427,12 +430,14 @@ class Controller:
         cfg = self.config
         if cand.key == cur.key:
             return ""
-        if not cur.feasible:
+        if not cur.feasible and cur.shortfall > cfg.violation_tolerance:
             if cand.feasible:
                 return f"current point violates the {' and '.join(cur.violated)} budget"
             return "closer to the budgets" if cand.shortfall < cur.shortfall - 1e-9 else ""
         if not cand.feasible:
             return ""
+        if not cur.feasible and cand.predicted_accuracy >= cur.predicted_accuracy - cfg.accuracy_margin:
+            return f"current point is over the {' and '.join(cur.violated)} budget (within tolerance)"
         if cand.predicted_accuracy > cur.predicted_accuracy + cfg.accuracy_margin:
             return f"accuracy {cur.predicted_accuracy:.4f} -> {cand.predicted_accuracy:.4f}"
         if cand.predicted_accuracy < cur.predicted_accuracy - cfg.tie_tolerance:

@@ -348,7 +348,7 @@ class LinkProfile:
                  bytes_per_escalation: float = 1024.0, energy_per_byte_mj: float = 1e-4,
                  wait_power_w: float = 0.3, energy_label: str = "modeled:default-radio",
                  cloud_accuracy: float = 0.99, cloud_prior_strength: float = 50.0,
-                 edge_prior_strength: float = 200.0, high_quantile: float = 0.95, window: int = 64,
+                 edge_prior_strength: float = 200.0, high_quantile: float = 0.95, window: int = 256,
                  alpha: float = 0.2, down_after: int = 3, up_after: int = 1, agreement_window: int = 256) -> None:
         if not (rtt_ms > 0 and 0 < cloud_accuracy <= 1 and 0 < high_quantile < 1 and down_after >= 1):
             msg = (f"LinkProfile: need rtt_ms > 0, 0 < cloud_accuracy <= 1, 0 < high_quantile < 1, "

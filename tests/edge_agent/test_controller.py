@@ -241,3 +241,15 @@ def test_history_is_bounded() -> None:
     for ms in (8, 20, 8, 20, 8):
         c.set_budget(Budget(latency_ms=ms))
     assert len(c.decisions) == 3
+
+
+def test_a_point_slightly_over_budget_is_kept_within_the_tolerance_band() -> None:
+    cfg = ControllerConfig(escalation_grid=GRID, latency_headroom=0.9, probe_escalation_rate=0.0)
+    c = Controller(profiles(), Budget(latency_ms=17), link=link(), config=cfg, clock=Clock())
+    assert (c.current.variant, rate(c.current)) == ("slow", 0.1)  # p95 15 ms <= 0.9 x 17
+    assert c.set_budget(Budget(latency_ms=16.2)) is None  # 15 ms is 3% over 0.9 x 16.2, and fast is 2 points worse
+    assert not c.current.feasible
+    assert c.current.violated == ("latency",)
+    d = c.set_budget(Budget(latency_ms=15.5))  # 7.5% over: out of the band
+    assert d is not None
+    assert (d.variant, rate(d), d.feasible) == ("fast", 0.1, True)
