@@ -160,3 +160,44 @@ def test_cli_help_mounts_agent() -> None:
     out = subprocess.run([sys.executable, "-m", "sdk.cli", "agent", "--help"], capture_output=True, text=True,
                          check=True).stdout
     assert "--config" in out
+
+
+@pytest.mark.mqtt
+def test_mqtt_cloud_link_carries_telemetry_and_desired(package: ModelPackage, digits: zoo.Split,
+                                                       broker: Any) -> None:
+    import paho.mqtt.client as mqtt
+
+    device = "dev-8"
+    config = parse_config({"model": str(package.directory), "listen": "127.0.0.1:0", "device_id": device,
+                           "cloud": f"{broker.url}/digits-cloud", "telemetry_interval_s": 0.2,
+                           "policy": {"threshold": -1.0}})
+    received: queue.Queue[tuple[str, bytes]] = queue.Queue()
+    client = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id="operator-2", protocol=mqtt.MQTTv5)
+    client.on_message = lambda c, u, m: received.put((m.topic, m.payload))
+    client.connect(broker.host, broker.port)
+    client.subscribe([(topics.telemetry_topic(device), 1), (topics.reported_topic(device), 1)])
+    client.loop_start()
+    client.publish(topics.desired_topic(device), json.dumps({"threshold": 0.25}), qos=1,
+                   retain=True).wait_for_publish(5)
+
+    async def main() -> float:
+        async with AgentDaemon(config) as daemon:
+            for _ in range(100):
+                await asyncio.sleep(0.05)
+                if daemon.desired_applied:
+                    break
+            await daemon.agent.infer(digits.x_test[0])
+            await asyncio.sleep(0.6)
+            return daemon.agent.threshold
+
+    try:
+        threshold = asyncio.run(main())
+        topics_seen = set()
+        while not received.empty():
+            topics_seen.add(received.get()[0])
+    finally:
+        client.loop_stop()
+        client.disconnect()
+    assert threshold == 0.25
+    assert topics.telemetry_topic(device) in topics_seen
+    assert topics.reported_topic(device) in topics_seen
