@@ -201,3 +201,21 @@ def test_mqtt_cloud_link_carries_telemetry_and_desired(package: ModelPackage, di
     assert threshold == 0.25
     assert topics.telemetry_topic(device) in topics_seen
     assert topics.reported_topic(device) in topics_seen
+
+
+def test_telemetry_is_journaled_without_a_broker(package: ModelPackage, tmp_path: Path) -> None:
+    from edge_agent.journal import Journal
+
+    config = parse_config({"model": str(package.directory), "listen": "127.0.0.1:0", "device_id": "dev-9",
+                           "telemetry_interval_s": 0.1, "journal": {"path": "journal.db"}}, base=tmp_path)
+
+    async def main() -> None:
+        async with AgentDaemon(config):
+            await asyncio.sleep(0.5)
+
+    asyncio.run(main())
+    with Journal(tmp_path / "journal.db.telemetry") as journal:
+        entries = journal.pending(10)
+    assert entries
+    assert {e.kind for e in entries} == {"telemetry"}
+    assert json.loads(entries[0].payload)["device"] == "dev-9"
