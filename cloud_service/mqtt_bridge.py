@@ -121,7 +121,7 @@ class MqttBridge:
         self._loop = asyncio.get_running_loop()
         self._subscribed = self._loop.create_future()
         host, port, _ = self.config.endpoint
-        props = Properties(PacketTypes.CONNECT)
+        props = Properties(PacketTypes.CONNECT)  # type: ignore[no-untyped-call]
         props.SessionExpiryInterval = self.config.session_expiry_s
         props.ReceiveMaximum = self.config.receive_maximum
         self._client.connect_async(host, port, self.config.keepalive_s, clean_start=False, properties=props)
@@ -156,7 +156,7 @@ class MqttBridge:
             await asyncio.sleep(_QUIET_S)
             if not self._tasks:
                 break
-        props = Properties(PacketTypes.DISCONNECT)
+        props = Properties(PacketTypes.DISCONNECT)  # type: ignore[no-untyped-call]
         props.SessionExpiryInterval = 0
         self._client.disconnect(properties=props)
         await asyncio.to_thread(self._client.loop_stop)
@@ -244,7 +244,7 @@ class MqttBridge:
             log.debug("MQTT escalation on %s failed: %s %s", message.topic, code, text)
         self.metrics.request_done(label, "mqtt", time.perf_counter() - started, code=code)
         if reply_to:
-            out = Properties(PacketTypes.PUBLISH)
+            out = Properties(PacketTypes.PUBLISH)  # type: ignore[no-untyped-call]
             if correlation is not None:
                 out.CorrelationData = correlation
             if code is not None:
@@ -253,12 +253,12 @@ class MqttBridge:
         # Acknowledge only now: the broker redelivers an escalation whose replica died before replying.
         self._client.ack(message.mid, message.qos)
 
-    def _parse(self, payload: bytes) -> pb.ModelInferRequest:
+    def _parse(self, payload: bytes | bytearray) -> pb.ModelInferRequest:
         if len(payload) > self.max_message_bytes:
             msg = f"payload of {len(payload)} bytes exceeds this server's limit of {self.max_message_bytes} bytes"
             raise MessageTooLarge(msg)
         try:
-            request = pb.ModelInferRequest.FromString(payload)
+            request: pb.ModelInferRequest = pb.ModelInferRequest.FromString(payload)
         except DecodeError as exc:
             self.metrics.mqtt_garbage.inc()
             msg = f"payload is not a serialized ModelInferRequest ({exc})"

@@ -120,9 +120,10 @@ class InferenceServicer:
                    "split the batch")
             return _Refused(MessageTooLarge(msg))
         try:
-            return pb.ModelInferRequest.FromString(data)
+            request: pb.ModelInferRequest = pb.ModelInferRequest.FromString(data)
         except DecodeError as exc:
             return _Refused(CodecError(f"request is not a valid ModelInferRequest: {exc}"))
+        return request
 
     async def ModelInfer(self, request: pb.ModelInferRequest | _Refused, context: Any) -> pb.ModelInferResponse:
         started = time.perf_counter()

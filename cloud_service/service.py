@@ -12,14 +12,18 @@ import asyncio
 import contextlib
 import logging
 from types import TracebackType
+from typing import TYPE_CHECKING
 
 import grpc
-from grpc_health.v1 import health_pb2
+from grpc_health.v1 import health, health_pb2
 
 from cloud_service.config import ServerConfig, split_address
 from cloud_service.metrics import Metrics
 from cloud_service.repository import ModelRepository, ReloadReport
 from cloud_service.server import SERVICE, InferenceServicer, start_grpc_server
+
+if TYPE_CHECKING:
+    from cloud_service.mqtt_bridge import MqttBridge
 
 log = logging.getLogger(__name__)
 
@@ -52,8 +56,8 @@ class CloudService:
         self.addresses: dict[str, str] = {}
         self.last_reload: ReloadReport | None = None
         self._grpc: grpc.aio.Server | None = None
-        self._health = None
-        self._bridge = None
+        self._health: health.aio.HealthServicer | None = None
+        self._bridge: MqttBridge | None = None
         self._poller: asyncio.Task[None] | None = None
         self._stopped = asyncio.Event()
         self._stopping = False
