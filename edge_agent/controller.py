@@ -394,7 +394,14 @@ class Controller:
         rate = (len(self._arrivals) - 1) / span if len(self._arrivals) >= self._min_obs and span > 0 else None
         overhead = float(np.mean(self._overheads)) if self._overheads else 0.0
         slowdown = statistics.median(self._ratios) if len(self._ratios) >= 5 else 1.0
-        return Conditions(request_rate=rate, edge_overhead_ms=overhead, slowdown=slowdown)
+        current = getattr(self, "current", None)
+        shift = 1.0
+        if current is not None and (p := self._by_id[current.variant]).live_scores:
+            live = float(p.curve(np.array([-np.inf]))[1][0])  # reweighted accuracy, nothing escalated
+            shift = min(max((1 - live) / max(1 - p.accuracy, 1e-6), 0.25), 4.0)
+        return Conditions(request_rate=rate, edge_overhead_ms=overhead, slowdown=slowdown,
+                          current_variant=current.variant if current is not None else None,
+                          shift_error_scale=shift)
 
     @property
     def _min_obs(self) -> int:
@@ -452,6 +459,7 @@ class Controller:
         decision = replace(decision, trigger=trigger, at=self._clock())
         if self.decisions and decision.variant != self.current.variant:
             self._ratios.clear()  # ratios of another variant are not comparable (fixed per-request costs)
+            self._by_id[self.current.variant].live_scores.clear()  # they will be stale when it runs again
         self.current = decision
         if record:
             self.decisions.append(decision)

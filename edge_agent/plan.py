@@ -47,11 +47,17 @@ class Conditions:
         request_rate: requests per second (None: assume a closed loop, one request after another).
         edge_overhead_ms: agent time around inference (pre/post-processing, scoring, scheduling).
         slowdown: how much slower the device runs than when the profiles' baselines were taken.
+        current_variant: the variant running now, whose profile sees the live inputs' scores.
+        shift_error_scale: how much more (> 1) or less the current variant errs on the live
+            inputs than on validation; applied to the other variants, which see no live scores,
+            so that all are compared on the same inputs.
     """
 
     request_rate: float | None = None
     edge_overhead_ms: float = 0.0
     slowdown: float = 1.0
+    current_variant: str | None = None
+    shift_error_scale: float = 1.0
 
 
 @dataclass(frozen=True)
@@ -79,6 +85,8 @@ def predict(profile: VariantProfile, thresholds: np.ndarray, link: LinkState | N
     t = np.atleast_1d(np.asarray(thresholds, dtype=float))
     esc, acc_acc, validation_acc_esc = profile.curve(t)
     scale = link.edge_error_scale if link else 1.0  # > 1 when agreement says the edge errs more than validation
+    if conditions.current_variant is not None and profile.id != conditions.current_variant:
+        scale *= conditions.shift_error_scale
     acc_acc, acc_esc = (np.clip(1 - (1 - a) * scale, 0, 1) for a in (acc_acc, validation_acc_esc))
     ratio = profile.latency.quantile(0.5) / max(profile.baseline_p50_ms, 1e-9)
     speed = min(max(conditions.slowdown / max(ratio, 1e-9), 0.25), 8.0)

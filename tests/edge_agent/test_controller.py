@@ -253,3 +253,16 @@ def test_a_point_slightly_over_budget_is_kept_within_the_tolerance_band() -> Non
     d = c.set_budget(Budget(latency_ms=15.5))  # 7.5% over: out of the band
     assert d is not None
     assert (d.variant, rate(d), d.feasible) == ("fast", 0.1, True)
+
+
+def test_a_drift_seen_by_the_running_variant_is_applied_to_the_others() -> None:
+    c = Controller(profiles(), Budget(latency_ms=20), link=None, config=CONFIG, clock=Clock())
+    assert c.current.variant == "slow"
+    before = choose(c.profiles, None, c.budget, CONFIG, conditions=c.conditions())
+    for i in range(300):  # live inputs score low: where both variants err most
+        c.observe_request(escalated=False, agreed=None, total_latency_ms=10.0, score=(i % 10) / 100)
+    cond = c.conditions()
+    assert cond.shift_error_scale > 1.5
+    after = choose(c.profiles, None, c.budget, CONFIG, conditions=cond)
+    assert after.variant == before.variant == "slow"  # still compared on the same inputs
+    assert after.predicted_accuracy < before.predicted_accuracy - 0.1
