@@ -42,16 +42,19 @@ import numpy as np
 from cloud_service.protocol import decode_outputs, encode_request, inference_pb2, topics
 from cloud_service.protocol.codec import CodecError
 from compilers.package import ModelPackage
-from compilers.variants import VariantSet, is_variant_set
+from compilers.variants import VariantSet
 from edge_agent.breaker import BreakerConfig, CircuitBreaker
 from edge_agent.budget import Budget
 from edge_agent.cache import ResultCache, input_key
 from edge_agent.journal import Journal, JournalEntry, drain
-from edge_agent.policy import BoundPolicy, Policy
+from edge_agent.ladder import Variant, load_packages, open_variants
+from edge_agent.policy import Policy
+from edge_agent.prediction import Prediction, make_prediction
+from edge_agent.stats import RttEstimator, Stats, feed_controller
 from edge_agent.transports.base import Transport, TransportOptions, open_transport
 from runtimes.energy import PowerProfile
 from runtimes.errors import CloudTimeout, CloudUnavailable, ConfigError, EscalationError, InputError, JournalFull
-from runtimes.session import Session, SessionOptions
+from runtimes.session import SessionOptions
 from runtimes.spec import check_inputs
 
 logger = logging.getLogger(__name__)
@@ -60,58 +63,6 @@ perf_counter = time.perf_counter
 DEFAULT_POWER = PowerProfile("generic-cpu", busy_watts=15.0, idle_watts=3.0, joules_per_byte_sent=5e-8)
 Telemetry = Callable[[dict[str, Any]], Awaitable[None]]
 LateReply = Callable[[int, dict[str, np.ndarray] | None], None]
-
-
-@dataclass(frozen=True)
-class Prediction:
-    """One answer of `predict`: the outputs and how they were obtained.
-
-    Attributes:
-        outputs: output name -> array; without the batch axis when the input had none.
-        tier: "cloud" when the cloud answered (some of) the rows, else "edge".
-        score: the edge confidence (the lowest over the rows of a batch); higher = surer.
-        variant: the edge variant that ran.
-        degraded: the cloud was wanted but unavailable, too slow, or its answer unusable.
-        latency_ms: wall time of the call.
-        energy_mj: device energy of the call (inference plus radio) in millijoules.
-        energy_label: `measured:<source>` or `modeled:<profile>`.
-        scores: the per-row edge scores.
-        cloud_rows: per-row mask of the rows the cloud answered.
-        reason: why the cloud was not used when wanted: "no_cloud" (edge only), "breaker_open", "rtt"
-            (recent round trips do not fit), "budget", "rate", "timeout", "unavailable", "error", "bad_reply",
-            "journal_full", "late"; empty otherwise.
-        cached: answered from the result cache.
-        seq: the request's sequence number on this agent (its id in the journal and telemetry).
-
-    Example:
-        >>> pred = model.predict(x)
-        >>> pred.outputs["logits"].argmax(), pred.tier, pred.degraded
-    """
-
-    outputs: dict[str, np.ndarray]
-    tier: str
-    score: float
-    variant: str
-    degraded: bool
-    latency_ms: float
-    energy_mj: float
-    energy_label: str
-    scores: np.ndarray = field(repr=False)
-    cloud_rows: np.ndarray = field(repr=False)
-    reason: str = ""
-    cached: bool = False
-    seq: int = 0
-
-
-def _prediction(outputs: dict[str, np.ndarray], tier: str, score: float, variant: str, degraded: bool,
-                latency_ms: float, energy_mj: float, energy_label: str, scores: np.ndarray, cloud_rows: np.ndarray,
-                reason: str, cached: bool, seq: int) -> Prediction:
-    """`Prediction(...)` without the frozen dataclass's per-field `object.__setattr__` (~3 µs per request)."""
-    pred = object.__new__(Prediction)
-    pred.__dict__.update(outputs=outputs, tier=tier, score=score, variant=variant, degraded=degraded,
-                         latency_ms=latency_ms, energy_mj=energy_mj, energy_label=energy_label, scores=scores,
-                         cloud_rows=cloud_rows, reason=reason, cached=cached, seq=seq)
-    return pred
 
 
 @dataclass(frozen=True)
@@ -172,76 +123,6 @@ def _safe_device(name: str) -> str:
 
 
 @dataclass
-class Variant:
-    """One loaded edge variant: its package, open session and bound policy."""
-
-    id: str
-    package: ModelPackage
-    session: Session
-    policy: BoundPolicy
-    p50_ms: float = 0.0
-    inline: bool = True
-
-    @property
-    def name(self) -> str:
-        return self.package.manifest.name
-
-
-def load_packages(model: str | Path | VariantSet | ModelPackage, *, trusted_keys: Iterable[Any] | None = None,
-                  ) -> tuple[dict[str, ModelPackage], str]:
-    """The packages of `model` by variant id, and the recommended variant's id."""
-    keys = None if trusted_keys is None else list(trusted_keys)
-    if isinstance(model, ModelPackage):
-        return {model.directory.name: model}, model.directory.name
-    if not isinstance(model, VariantSet) and is_variant_set(model):
-        model = VariantSet.load(model)
-    if isinstance(model, VariantSet):
-        pkgs = {e.id: model.open(e.id, trusted_keys=keys) for e in model.entries}
-        return pkgs, model.recommended.id
-    pkg = ModelPackage.open(model, trusted_keys=keys)
-    return {pkg.directory.name: pkg}, pkg.directory.name
-
-
-def read_validation(pkg: ModelPackage) -> tuple[np.ndarray, np.ndarray] | None:
-    """(logits, labels) of the package's validation file, or None when it has none."""
-    name = pkg.manifest.calibration.get("validation_file", "validation.npz")
-    path = pkg.directory / str(name)
-    if not path.is_file():
-        return None
-    with np.load(path) as data:
-        if "logits" not in data or "labels" not in data:
-            return None
-        return np.asarray(data["logits"]), np.asarray(data["labels"])
-
-
-def _warm(session: Session, runs: int = 5) -> float:
-    """p50 ms of `runs` batch-1 calls on zeros (also pays the first-call cost before traffic)."""
-    feed = {s.name: np.zeros(tuple(1 if isinstance(d, str) else d for d in s.shape), dtype=s.dtype)
-            for s in session.inputs}
-    times = []
-    for _ in range(runs):
-        t = perf_counter()
-        session.run(feed)
-        times.append((perf_counter() - t) * 1e3)
-    return float(np.median(times))
-
-
-def open_variants(packages: Mapping[str, ModelPackage], policy: Policy, ids: Iterable[str],
-                  options: SessionOptions | None, inline_max_ms: float) -> dict[str, Variant]:
-    out: dict[str, Variant] = {}
-    for vid in ids:
-        pkg = packages[vid]
-        validation = read_validation(pkg) if policy.needs_validation else None
-        bound = policy.bind(pkg.manifest.calibration, validation, pkg.manifest.outputs[0].name)
-        session = pkg.open_session(options)
-        p50 = _warm(session)
-        out[vid] = Variant(vid, pkg, session, bound, p50, p50 <= inline_max_ms)
-        logger.info("variant %s: p50 %.3f ms, threshold %.4g, %s", vid, p50, bound.threshold,
-                    "inline" if p50 <= inline_max_ms else "worker thread")
-    return out
-
-
-@dataclass
 class Pending:
     """An edge result with rows to escalate: what `escalate` needs to finish the request."""
 
@@ -256,24 +137,6 @@ class Pending:
     keep: bool
     key: bytes | None
     seq: int
-
-
-class RttEstimator:
-    """Recent escalation round trips: a high quantile predicts whether the next one fits."""
-
-    def __init__(self, quantile: float, window: int = 64) -> None:
-        self.quantile = quantile
-        self._rtts: deque[float] = deque(maxlen=window)
-        self.last_attempt = 0.0
-
-    def add(self, rtt_ms: float) -> None:
-        self._rtts.append(rtt_ms)
-
-    def predicted_ms(self) -> float:
-        if not self._rtts:
-            return 0.0
-        s = sorted(self._rtts)
-        return s[min(len(s) - 1, int(self.quantile * len(s)))]
 
 
 def _check_reply(response: inference_pb2.ModelInferResponse, model: str,
@@ -612,7 +475,7 @@ class EdgeAgent:
         if single:
             outputs = {k: a[0] for k, a in outputs.items()}
         tier = "cloud" if rtt_ms is not None and not degraded else "edge"
-        pred = _prediction(outputs, tier, float(scores[0] if n == 1 else scores.min()), v.id, degraded, total_ms,
+        pred = make_prediction(outputs, tier, float(scores[0] if n == 1 else scores.min()), v.id, degraded, total_ms,
                            energy, label, scores, cloud_rows, reason, False, seq)
         self._obs.append((v.id, edge_ms, power.busy_watts * edge_ms, energy, label, n, wanted, tier, degraded,
                           reason, rtt_ms, nbytes, agreed, total_ms, False, pred.score))
@@ -673,7 +536,7 @@ class EdgeAgent:
                 rec = self._obs.popleft()
                 self.stats.add(rec)
                 if ctl is not None:
-                    _feed(ctl, rec)
+                    feed_controller(ctl, rec)
             if ctl is not None:
                 try:
                     ctl.maybe_redecide()
@@ -759,66 +622,3 @@ def _decode(response: inference_pb2.ModelInferResponse) -> dict[str, np.ndarray]
         return decode_outputs(response)
     except CodecError:
         return None
-
-
-# An observation, one per request, in this order (a plain tuple: the hot path appends it):
-# variant, edge_ms, edge_mj, energy_mj, energy_label, rows, wanted_rows, tier, degraded, reason, rtt_ms,
-# bytes_sent, agreed, total_ms, cached, score
-
-
-def _feed(ctl: Any, rec: tuple[Any, ...]) -> None:
-    (variant, edge_ms, edge_mj, _mj, label, _n, wanted, tier, degraded, _reason, rtt_ms, nbytes, agreed, total_ms,
-     cached, score) = rec
-    if cached:
-        return
-    try:
-        ctl.observe_inference(variant, edge_ms, edge_mj, energy_label=label)
-        if wanted and (rtt_ms is not None or degraded):
-            ok = tier == "cloud"
-            ctl.observe_escalation(rtt_ms if ok else None, ok, nbytes, elapsed_ms=rtt_ms)
-        ctl.observe_request(bool(wanted), agreed, total_ms, score=score)
-    except Exception:
-        logger.exception("the controller rejected an observation; it is dropped")
-
-
-@dataclass
-class Stats:
-    """Counters since the agent started, and a window of recent latencies."""
-
-    requests: int = 0
-    rows: int = 0
-    escalations_wanted: int = 0
-    escalations_sent: int = 0
-    cloud_answers: int = 0
-    degraded: int = 0
-    cache_hits: int = 0
-    journaled: int = 0
-    late_replies: int = 0
-    reasons: dict[str, int] = field(default_factory=dict)
-    energy_mj: float = 0.0
-    latencies: deque[float] = field(default_factory=lambda: deque(maxlen=2048))
-
-    def add(self, rec: tuple[Any, ...]) -> None:
-        (_v, _edge_ms, _edge_mj, energy, _label, n, wanted, tier, degraded, reason, rtt_ms, _nb, _agreed, total_ms,
-         cached, _score) = rec
-        self.requests += 1
-        self.rows += n
-        self.escalations_wanted += wanted > 0
-        self.escalations_sent += rtt_ms is not None
-        self.cloud_answers += tier == "cloud"
-        self.degraded += degraded
-        self.cache_hits += cached
-        self.energy_mj += energy
-        if reason:
-            self.reasons[reason] = self.reasons.get(reason, 0) + 1
-        self.latencies.append(total_ms)
-
-    def snapshot(self) -> dict[str, Any]:
-        lat = np.fromiter(self.latencies, dtype=np.float64)
-        q = np.percentile(lat, [50, 95, 99]).tolist() if len(lat) else [0.0, 0.0, 0.0]
-        return {"requests": self.requests, "rows": self.rows, "escalations_wanted": self.escalations_wanted,
-                "escalations_sent": self.escalations_sent, "cloud_answers": self.cloud_answers,
-                "degraded": self.degraded, "cache_hits": self.cache_hits, "journaled": self.journaled,
-                "late_replies": self.late_replies, "reasons": dict(self.reasons),
-                "energy_mj_per_request": self.energy_mj / self.requests if self.requests else 0.0,
-                "p50_ms": q[0], "p95_ms": q[1], "p99_ms": q[2]}

@@ -1,0 +1,93 @@
+"""Per-request observations: counters, recent latencies and round trips, and the controller's feed."""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+logger = logging.getLogger(__name__)
+
+
+class RttEstimator:
+    """Recent escalation round trips: a high quantile predicts whether the next one fits."""
+
+    def __init__(self, quantile: float, window: int = 64) -> None:
+        self.quantile = quantile
+        self._rtts: deque[float] = deque(maxlen=window)
+        self.last_attempt = 0.0
+
+    def add(self, rtt_ms: float) -> None:
+        self._rtts.append(rtt_ms)
+
+    def predicted_ms(self) -> float:
+        if not self._rtts:
+            return 0.0
+        s = sorted(self._rtts)
+        return s[min(len(s) - 1, int(self.quantile * len(s)))]
+
+
+# An observation, one per request, in this order (a plain tuple: the hot path appends it):
+# variant, edge_ms, edge_mj, energy_mj, energy_label, rows, wanted_rows, tier, degraded, reason, rtt_ms,
+# bytes_sent, agreed, total_ms, cached, score
+
+
+def feed_controller(ctl: Any, rec: tuple[Any, ...]) -> None:
+    (variant, edge_ms, edge_mj, _mj, label, _n, wanted, tier, degraded, _reason, rtt_ms, nbytes, agreed, total_ms,
+     cached, score) = rec
+    if cached:
+        return
+    try:
+        ctl.observe_inference(variant, edge_ms, edge_mj, energy_label=label)
+        if wanted and (rtt_ms is not None or degraded):
+            ok = tier == "cloud"
+            ctl.observe_escalation(rtt_ms if ok else None, ok, nbytes, elapsed_ms=rtt_ms)
+        ctl.observe_request(bool(wanted), agreed, total_ms, score=score)
+    except Exception:
+        logger.exception("the controller rejected an observation; it is dropped")
+
+
+@dataclass
+class Stats:
+    """Counters since the agent started, and a window of recent latencies."""
+
+    requests: int = 0
+    rows: int = 0
+    escalations_wanted: int = 0
+    escalations_sent: int = 0
+    cloud_answers: int = 0
+    degraded: int = 0
+    cache_hits: int = 0
+    journaled: int = 0
+    late_replies: int = 0
+    reasons: dict[str, int] = field(default_factory=dict)
+    energy_mj: float = 0.0
+    latencies: deque[float] = field(default_factory=lambda: deque(maxlen=2048))
+
+    def add(self, rec: tuple[Any, ...]) -> None:
+        (_v, _edge_ms, _edge_mj, energy, _label, n, wanted, tier, degraded, reason, rtt_ms, _nb, _agreed, total_ms,
+         cached, _score) = rec
+        self.requests += 1
+        self.rows += n
+        self.escalations_wanted += wanted > 0
+        self.escalations_sent += rtt_ms is not None
+        self.cloud_answers += tier == "cloud"
+        self.degraded += degraded
+        self.cache_hits += cached
+        self.energy_mj += energy
+        if reason:
+            self.reasons[reason] = self.reasons.get(reason, 0) + 1
+        self.latencies.append(total_ms)
+
+    def snapshot(self) -> dict[str, Any]:
+        lat = np.fromiter(self.latencies, dtype=np.float64)
+        q = np.percentile(lat, [50, 95, 99]).tolist() if len(lat) else [0.0, 0.0, 0.0]
+        return {"requests": self.requests, "rows": self.rows, "escalations_wanted": self.escalations_wanted,
+                "escalations_sent": self.escalations_sent, "cloud_answers": self.cloud_answers,
+                "degraded": self.degraded, "cache_hits": self.cache_hits, "journaled": self.journaled,
+                "late_replies": self.late_replies, "reasons": dict(self.reasons),
+                "energy_mj_per_request": self.energy_mj / self.requests if self.requests else 0.0,
+                "p50_ms": q[0], "p95_ms": q[1], "p99_ms": q[2]}
