@@ -24,8 +24,6 @@ import asyncio
 import collections
 import contextlib
 import logging
-import queue
-import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -36,6 +34,7 @@ import numpy as np
 
 from cloud_service.config import BatchingConfig
 from cloud_service.errors import ServerBusy
+from cloud_service.instance import InstanceThread
 from runtimes.errors import BackendUnavailable, CloudTimeout, InferenceError, InputError, TierkitError
 
 log = logging.getLogger(__name__)
@@ -50,50 +49,6 @@ class BatchObserver(Protocol):
     def on_queue(self, depth: int) -> None: ...
     def on_batch(self, rows: int, requests: int, seconds: float) -> None: ...
     def on_expired(self, count: int) -> None: ...
-
-
-class _Instance:
-    """One model instance's thread: runs the batches handed to it, one at a time.
-
-    Lighter than `run_in_executor` (no concurrent.futures.Future per batch); the result comes back to
-    the event loop with `call_soon_threadsafe`.
-    """
-
-    def __init__(self, name: str, loop: asyncio.AbstractEventLoop) -> None:
-        self._loop = loop
-        self._jobs: queue.SimpleQueue[tuple[Callable[..., Any], tuple[Any, ...], asyncio.Future[Any]] | None] = (
-            queue.SimpleQueue())
-        self._thread = threading.Thread(target=self._main, name=name, daemon=True)
-        self._thread.start()
-
-    async def run(self, fn: Callable[..., Any], *args: Any) -> Any:
-        done: asyncio.Future[Any] = self._loop.create_future()
-        self._jobs.put((fn, args, done))
-        return await done
-
-    def close(self) -> None:
-        self._jobs.put(None)
-
-    def _main(self) -> None:
-        while (job := self._jobs.get()) is not None:
-            fn, args, done = job
-            try:
-                outcome, ok = fn(*args), True
-            except BaseException as exc:  # handed to the awaiting coroutine, which re-raises it
-                outcome, ok = exc, False
-            try:
-                self._loop.call_soon_threadsafe(_resolve, done, outcome, ok)
-            except RuntimeError:  # the loop closed while this batch ran
-                return
-
-
-def _resolve(future: asyncio.Future[Any], outcome: Any, ok: bool) -> None:
-    if future.done():
-        return
-    if ok:
-        future.set_result(outcome)
-    else:
-        future.set_exception(outcome)
 
 
 class _NullObserver:
@@ -143,7 +98,7 @@ class DynamicBatcher:
         self._wakeup = asyncio.Event()
         self._closed = False
         self._workers: list[asyncio.Task[None]] = []
-        self._instances: list[_Instance] = []
+        self._instances: list[InstanceThread] = []
         self._loop: asyncio.AbstractEventLoop | None = None
         self._batch_s = 0.001  # moving average of one batch's run time, for the retry hint
 
@@ -163,7 +118,7 @@ class DynamicBatcher:
         self._loop = asyncio.get_running_loop()
         for i, runner in enumerate(self._runners):
             # One thread per instance: the backend call blocks, and a session is used by one thread.
-            instance = _Instance(f"tierkit-{self.name}-{i}", self._loop)
+            instance = InstanceThread(f"tierkit-{self.name}-{i}", self._loop)
             self._instances.append(instance)
             self._workers.append(self._loop.create_task(self._work(runner, instance), name=f"batcher-{self.name}-{i}"))
 
@@ -277,7 +232,7 @@ class DynamicBatcher:
         self._queue.extendleft(reversed(rest))
         return batch
 
-    async def _work(self, runner: Runner, instance: _Instance) -> None:
+    async def _work(self, runner: Runner, instance: InstanceThread) -> None:
         loop = asyncio.get_running_loop()
         while True:
             batch = await self._take()
