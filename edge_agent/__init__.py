@@ -4,7 +4,7 @@ The names an integrator composes; transports are in `edge_agent.transports`, the
 `edge_agent.journal`, the controller in `edge_agent.controller`.
 """
 
-from edge_agent.agent import AgentOptions, EdgeAgent, Prediction
+from edge_agent.agent import AgentOptions, EdgeAgent
 from edge_agent.breaker import BreakerConfig, CircuitBreaker
 from edge_agent.budget import Budget
 from edge_agent.cache import ResultCache
@@ -23,6 +23,7 @@ from edge_agent.policy import (
     threshold_for_accuracy,
     threshold_for_rate,
 )
+from edge_agent.prediction import Prediction
 
 __all__ = [
     "AgentOptions",

@@ -18,9 +18,10 @@ from pathlib import Path
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
-from edge_agent.agent import AgentOptions, EdgeAgent, Pending, Prediction
+from edge_agent.agent import AgentOptions, EdgeAgent, Pending
 from edge_agent.budget import Budget
 from edge_agent.policy import Policy
+from edge_agent.prediction import Prediction
 from runtimes.errors import ConfigError
 
 if TYPE_CHECKING:

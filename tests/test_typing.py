@@ -24,9 +24,8 @@ CORE = {
     "cloud_service/protocol/codec.py",
     "cloud_service/protocol/topics.py",
     "cloud_service/protocol/regenerate.py",
-    "edge_agent/budget.py",
-    "sdk/cli.py",
-    "sdk/zoo.py",
+    "edge_agent",
+    "sdk",
 }
 
 

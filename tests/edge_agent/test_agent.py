@@ -14,10 +14,11 @@ import pytest
 
 from cloud_service.protocol import decode_inputs, encode_response, get_parameters, inference_pb2, topics
 from compilers.package import ModelPackage
-from edge_agent.agent import AgentOptions, EdgeAgent, Prediction
+from edge_agent.agent import AgentOptions, EdgeAgent
 from edge_agent.breaker import BreakerConfig
 from edge_agent.budget import Budget
 from edge_agent.policy import Policy
+from edge_agent.prediction import Prediction
 from edge_agent.transports.fake import FakeTransport
 from runtimes.errors import CloudUnavailable, InputError
 from sdk import zoo
