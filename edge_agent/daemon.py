@@ -48,6 +48,7 @@ from edge_agent.budget import Budget
 from edge_agent.config import AgentConfig
 from edge_agent.journal import Journal, JournalEntry, drain
 from edge_agent.transports.base import TransportOptions
+from edge_agent.transports.mqtt import MqttTransport
 from edge_agent.transports.mqtt_session import MqttSession
 from runtimes.errors import CloudUnavailable, ConfigError, InputError, JournalFull, TierkitError
 
@@ -173,14 +174,16 @@ class AgentDaemon:
         return transport.cloud.targets[0] if getattr(transport, "name", "") == "mqtt" else None  # type: ignore[union-attr]
 
     def _start_control(self) -> None:
+        desired = topics.desired_topic(self.device)
+        transport = self.agent.transport
+        if isinstance(transport, MqttTransport) and self.config.broker in (None, transport.cloud.targets[0]):
+            # one session, one client id (the device id): the per-device broker ACL covers it all
+            transport.listen(desired, self._on_desired)
+            return
         broker = self._control_broker()
         if broker is None:
             return
-        # the MQTT cloud link already holds the device id as its client id: the control channel takes another
-        mqtt_link = getattr(self.agent.transport, "name", "") == "mqtt"
-        client_id = f"{self.device}-control" if mqtt_link else self.device
-        self._control = MqttSession(broker[0], broker[1], client_id=client_id,
-                                    subscribe=topics.desired_topic(self.device), tls=False,
+        self._control = MqttSession(broker[0], broker[1], client_id=self.device, subscribe=desired, tls=False,
                                     options=self.agent.options.transport or TransportOptions(),
                                     on_message=self._on_desired, on_down=lambda why: None)
         self._control.start()

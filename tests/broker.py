@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 import socket
 import subprocess
@@ -50,6 +51,8 @@ class Broker:
             f"log_dest file {self.log}\n"
             "log_type error\nlog_type warning\nlog_type notice\n"
             + ("" if "allow_anonymous" in self.extra_conf else "allow_anonymous true\n")
+            # started as root, mosquitto switches to its own user, which cannot read pytest's private dirs
+            + ("user root\n" if os.geteuid() == 0 and "\nuser " not in f"\n{self.extra_conf}" else "")
             + self.extra_conf + "\n"
         )
 

@@ -29,7 +29,7 @@ from paho.mqtt.properties import Properties
 
 from cloud_service.protocol import inference_pb2, topics
 from edge_agent.transports.base import CloudURL, Transport, TransportOptions, escalation_error
-from edge_agent.transports.mqtt_session import MqttSession, backoff_delay
+from edge_agent.transports.mqtt_session import MessageHandler, MqttSession, backoff_delay
 from runtimes.errors import CloudTimeout, CloudUnavailable, ConfigError, EscalationError
 
 logger = logging.getLogger(__name__)
@@ -73,6 +73,7 @@ class MqttTransport(Transport):
         self._prefix = os.urandom(8)  # correlation data: unique across restarts of the same device
         self._counter = itertools.count()
         self._pending: dict[bytes, asyncio.Future[inference_pb2.ModelInferResponse]] = {}
+        self._listeners: dict[str, MessageHandler] = {}
         self._closed = False
         host, port = cloud.targets[0]
         self.session = MqttSession(host, port, client_id=device_id, subscribe=self.reply_topic, tls=cloud.tls,
@@ -170,7 +171,20 @@ class MqttTransport(Transport):
             msg = f"MQTT connection to {self.where} dropped before the publish on {topic} was acknowledged ({exc})"
             raise escalation_error(CloudUnavailable, msg, code="UNAVAILABLE") from None
 
+    def listen(self, topic: str, handler: MessageHandler) -> None:
+        """Deliver messages on `topic` (e.g. the device's retained `desired` config) to `handler` on the loop.
+
+        The subscription shares this transport's session and client id, so one per-device broker ACL
+        (`pattern readwrite tierkit/v1/%c/#`) covers escalations, telemetry and configuration.
+        """
+        self._listeners[topic] = handler
+        self.session.add_subscription(topic)
+
     def _on_reply(self, topic: str, payload: bytes, props: Properties | None) -> None:
+        listener = self._listeners.get(topic)
+        if listener is not None:
+            listener(topic, payload, props)
+            return
         correlation = getattr(props, "CorrelationData", None)
         future = self._pending.get(bytes(correlation)) if topic == self.reply_topic and correlation else None
         if future is None or future.done():

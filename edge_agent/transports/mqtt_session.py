@@ -51,7 +51,7 @@ class MqttSession:
         host: broker host.
         port: broker port.
         client_id: the MQTT client id (the device id, for per-device broker ACLs).
-        subscribe: topic subscribed with QoS 1 on every connection.
+        subscribe: topic subscribed with QoS 1 on every connection (more with `add_subscription`).
         tls: connect with TLS.
         options: credentials, keepalive, reconnect bounds, session expiry, in-flight bound.
         on_message: called on the loop with (topic, payload, properties) of each message received.
@@ -63,6 +63,7 @@ class MqttSession:
                  options: TransportOptions, on_message: MessageHandler, on_down: Callable[[str], None],
                  rng: random.Random | None = None) -> None:
         self.host, self.port, self.subscribe, self.options = host, port, subscribe, options
+        self.extra_subscriptions: list[str] = []
         self.where = f"{'mqtts' if tls else 'mqtt'}://{host}:{port}"
         self.problem = "not connected yet"
         self._on_message_cb, self._on_down_cb = on_message, on_down
@@ -195,6 +196,16 @@ class MqttSession:
             self._call_soon(self._set_up, False)
             return
         _, self._subscribe_mid = client.subscribe(self.subscribe, options=SubscribeOptions(qos=1, noLocal=True))
+        for topic in self.extra_subscriptions:
+            client.subscribe(topic, options=SubscribeOptions(qos=1, noLocal=True))
+
+    def add_subscription(self, topic: str) -> None:
+        """Also subscribe to `topic` (QoS 1), now if connected and again on every reconnection."""
+        if topic in self.extra_subscriptions or topic == self.subscribe:
+            return
+        self.extra_subscriptions.append(topic)
+        if self.client.is_connected():  # else _on_connect subscribes it
+            self.client.subscribe(topic, options=SubscribeOptions(qos=1, noLocal=True))
 
     def _on_subscribe(self, client: paho.Client, userdata: Any, mid: int, reasons: list[ReasonCode],
                       properties: Properties | None) -> None:

@@ -162,17 +162,33 @@ def test_cli_help_mounts_agent() -> None:
     assert "--config" in out
 
 
+@pytest.fixture
+def acl_broker(tmp_path: Path) -> Any:
+    """A broker where each client may touch only `tierkit/v1/<its client id>/#`, and user `operator` all."""
+    from tests.broker import Broker
+
+    acl = tmp_path / "acl"
+    acl.write_text("user operator\ntopic readwrite tierkit/v1/#\n\npattern readwrite tierkit/v1/%c/#\n")
+    b = Broker(tmp_path / "acl-broker", extra_conf=f"acl_file {acl}").start()
+    yield b
+    b.stop()
+
+
 @pytest.mark.mqtt
 def test_mqtt_cloud_link_carries_telemetry_and_desired(package: ModelPackage, digits: zoo.Split,
-                                                       broker: Any) -> None:
+                                                       acl_broker: Any) -> None:
+    """One session under the device's own client id carries telemetry, desired and reported state, so a
+    per-device ACL (`pattern readwrite tierkit/v1/%c/#`) admits all of it."""
     import paho.mqtt.client as mqtt
 
+    broker = acl_broker
     device = "dev-8"
     config = parse_config({"model": str(package.directory), "listen": "127.0.0.1:0", "device_id": device,
                            "cloud": f"{broker.url}/digits-cloud", "telemetry_interval_s": 0.2,
                            "policy": {"threshold": -1.0}})
     received: queue.Queue[tuple[str, bytes]] = queue.Queue()
     client = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id="operator-2", protocol=mqtt.MQTTv5)
+    client.username_pw_set("operator")
     client.on_message = lambda c, u, m: received.put((m.topic, m.payload))
     client.connect(broker.host, broker.port)
     client.subscribe([(topics.telemetry_topic(device), 1), (topics.reported_topic(device), 1)])
