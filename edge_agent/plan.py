@@ -129,7 +129,8 @@ def predict(profile: VariantProfile, thresholds: np.ndarray, link: LinkState | N
         mean_ms = float(np.mean(edge)) + esc * (success * rtt_mean + avail * (1 - timely) * (deadline - med)
                                                + (1 - avail) * fail_ms)
         rate = 1000.0 / np.maximum(mean_ms, 1e-3)
-    return Predictions(profile.id, profile.energy_label, t, esc, accuracy, p95, energy, esc * rate,
+    label = profile.energy_label if link is None else f"{profile.energy_label} + radio {link.energy_label}"
+    return Predictions(profile.id, label, t, esc, accuracy, p95, energy, esc * rate,
                        validation_acc_esc)
 
 

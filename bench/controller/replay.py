@@ -98,5 +98,5 @@ def replay(controller: Any, models: Models, phases: list[Phase], trace: np.ndarr
         decisions = [d.to_json() for d in getattr(controller, "decisions", [])]
     finally:
         model.close()
-    return {**rec, "variant": np.array(variants), "reason": np.array(reasons), "energy_label": ", ".join(sorted(labels)),
-            "decisions": decisions}
+    return {**rec, "variant": np.array(variants), "reason": np.array(reasons),
+            "energy_label": ", ".join(sorted(labels)), "decisions": decisions}

@@ -165,6 +165,8 @@ def main(argv: list[str] | None = None) -> int:
               f"points  settled after {c['converge_requests']} requests / {c['converge_s']:.2f} s  "
               f"{'ok' if all(ok) else 'MISSED'}")
     png = plot({k: records[k] for k in order}, plan, args.png)
+    with contextlib.suppress(ValueError):
+        png = png.resolve().relative_to(Path.cwd())
     if args.dump:
         arrays = {f"{k}.{f}": v for k in order for f, v in records[k].items() if isinstance(v, np.ndarray)}
         np.savez(args.dump, decisions=json.dumps(records["controller"]["decisions"]), **arrays)

@@ -75,7 +75,7 @@ def test_energy_budget_binds() -> None:
     assert (d.variant, rate(d), d.predicted_energy_mj) == ("fast", 0.1, pytest.approx(1.2))
     d = choose(profiles(), link().state(), Budget(latency_ms=20, energy_mj=1.1), CONFIG)
     assert (d.variant, rate(d)) == ("fast", 0.0)
-    assert d.energy_label == "modeled:test"
+    assert d.energy_label == "modeled:test + radio modeled:default-radio"
 
 
 def test_escalation_cap_binds() -> None:

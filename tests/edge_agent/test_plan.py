@@ -40,7 +40,7 @@ def test_plan_json_and_png(variants: Path, tmp_path: Path, capsys: pytest.Captur
     d = doc["decision"]
     assert d["feasible"] is True
     assert d["predicted_p95_ms"] <= 8 * 0.9
-    assert d["energy_label"] == "modeled:test-cpu"
+    assert d["energy_label"] == "modeled:test-cpu + radio modeled:default-radio"
     assert doc["frontier"]
     assert {p["variant"] for p in doc["frontier"]} <= {"linear", "cnn"}
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
