@@ -21,9 +21,7 @@ CORE = {
     "compilers/signing.py",
     "compilers/variants.py",
     "compilers/package_cli.py",
-    "cloud_service/protocol/codec.py",
-    "cloud_service/protocol/topics.py",
-    "cloud_service/protocol/regenerate.py",
+    "cloud_service",
     "edge_agent",
     "sdk",
 }

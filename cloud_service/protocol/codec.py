@@ -10,6 +10,7 @@ the standard library, numpy and protobuf.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Mapping, MutableMapping
 from typing import Any, ClassVar
 
@@ -65,7 +66,7 @@ def _shape(shape: Iterable[int], name: str) -> tuple[int, ...]:
 
 
 def _from_bytes(raw: bytes, dtype: np.dtype[Any], shape: tuple[int, ...], name: str) -> np.ndarray:
-    expected = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    expected = math.prod(shape) * dtype.itemsize
     if len(raw) != expected:
         msg = (f"tensor {name!r}: {len(raw)} bytes given, shape {list(shape)} of {dtype.name} needs {expected}")
         raise CodecError(msg)
@@ -79,7 +80,7 @@ def _from_typed(contents: pb.InferTensorContents, datatype: str, dtype: np.dtype
         msg = f"tensor {name!r}: datatype {datatype} must be sent in raw_input_contents"
         raise CodecError(msg)
     values = getattr(contents, field)
-    count = int(np.prod(shape, dtype=np.int64))
+    count = math.prod(shape)
     if len(values) != count:
         msg = f"tensor {name!r}: {len(values)} values given, shape {list(shape)} needs {count}"
         raise CodecError(msg)
