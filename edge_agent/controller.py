@@ -345,7 +345,7 @@ class Controller:
             self._flag("round-trip high quantile")
 
     def observe_request(self, escalated: bool, agreed: bool | None, total_latency_ms: float, *,
-                        score: float | None = None) -> None:
+                        score: float | None = None, variant: str | None = None) -> None:
         """One finished request.
 
         Args:
@@ -353,15 +353,21 @@ class Controller:
             agreed: on an answered escalation, whether the cloud's answer equals the edge's.
             total_latency_ms: end-to-end latency of the request.
             score: the policy's score of the edge output (lets the escalation curve follow drift).
+            variant: the variant that answered (default: the current one). A request of another known
+                variant (run before a switch, reported after it) credits its score to that variant
+                and is left out of the checks of the current operating point.
         """
         self._arrivals.append(self._clock())
+        if not escalated and self._last_inference_ms is not None:
+            self._overheads.append(max(0.0, total_latency_ms - self._last_inference_ms))
+        owner = variant if variant is not None and variant in self._by_id else self.current.variant
+        if score is not None:
+            self._by_id[owner].observe_score(score)
+        if owner != self.current.variant:
+            return
         self._totals.append(total_latency_ms)
         self._n += 1
         self._n_esc += bool(escalated)
-        if not escalated and self._last_inference_ms is not None:
-            self._overheads.append(max(0.0, total_latency_ms - self._last_inference_ms))
-        if score is not None:
-            self._by_id[self.current.variant].observe_score(score)
         if escalated and agreed is not None and self.link is not None:
             self.link.observe_agreement(agreed, self.current.edge_accuracy_escalated)
             self._n_agree += 1

@@ -37,6 +37,8 @@ log = logging.getLogger(__name__)
 
 DEFAULT_VALIDATION_FILE = "validation.npz"
 DEFAULT_BUSY_POWER_W = 5.0  # modeled CPU power while inferring, when the manifest has no energy figure
+DEFAULT_RTT_MS = 10.0  # prior median round trip to the cloud, until escalations measure it
+DEFAULT_CLOUD_ACCURACY = 0.99  # prior accuracy of the cloud on escalated inputs, until agreement refines it
 _Z95 = 1.6449
 
 
@@ -344,10 +346,10 @@ class LinkProfile:
         >>> link.observe(rtt_ms=4.2, ok=True, bytes_sent=420)
     """
 
-    def __init__(self, *, rtt_ms: float = 10.0, rtt_high_ms: float | None = None,
+    def __init__(self, *, rtt_ms: float = DEFAULT_RTT_MS, rtt_high_ms: float | None = None,
                  bytes_per_escalation: float = 1024.0, energy_per_byte_mj: float = 1e-4,
                  wait_power_w: float = 0.3, energy_label: str = "modeled:default-radio",
-                 cloud_accuracy: float = 0.99, cloud_prior_strength: float = 50.0,
+                 cloud_accuracy: float = DEFAULT_CLOUD_ACCURACY, cloud_prior_strength: float = 50.0,
                  edge_prior_strength: float = 200.0, high_quantile: float = 0.95, window: int = 256,
                  alpha: float = 0.2, down_after: int = 3, up_after: int = 1, agreement_window: int = 256) -> None:
         if not (rtt_ms > 0 and 0 < cloud_accuracy <= 1 and 0 < high_quantile < 1 and down_after >= 1):

@@ -266,3 +266,21 @@ def test_a_drift_seen_by_the_running_variant_is_applied_to_the_others() -> None:
     after = choose(c.profiles, None, c.budget, CONFIG, conditions=cond)
     assert after.variant == before.variant == "slow"  # still compared on the same inputs
     assert after.predicted_accuracy < before.predicted_accuracy - 0.1
+
+
+def test_a_score_is_credited_to_the_variant_that_produced_it() -> None:
+    c = controller()
+    assert c.current.variant == "slow"
+    c.observe_request(escalated=False, agreed=None, total_latency_ms=10.0, score=0.9, variant="slow")
+    assert c.set_budget(Budget(latency_ms=8)) is not None
+    assert c.current.variant == "fast"
+    by_id = {p.id: p for p in c.profiles}
+    # a request that ran on "slow" before the switch, reported after it
+    c.observe_request(escalated=True, agreed=False, total_latency_ms=15.0, score=0.02, variant="slow")
+    assert list(by_id["slow"].live_scores) == [0.02]  # the switch cleared slow's older scores
+    assert not by_id["fast"].live_scores
+    assert c._n == 0  # and it is not counted against the new operating point
+    c.observe_request(escalated=False, agreed=None, total_latency_ms=2.0, score=0.7, variant="fast")
+    c.observe_request(escalated=False, agreed=None, total_latency_ms=2.0, score=0.8)  # default: the current one
+    assert list(by_id["fast"].live_scores) == [0.7, 0.8]
+    assert c._n == 2
