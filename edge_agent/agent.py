@@ -3,7 +3,7 @@
 ```
 infer(x) -> check inputs -> cache? -> run variant -> policy scores -> all confident: edge answer
                                                           | unsure rows
-        breaker open / predicted RTT does not fit / rate cap -> local answer, degraded
+        breaker open / no time left / RTT clearly does not fit / rate cap -> local answer, degraded
         transport.escalate(unsure rows, deadline = budget - elapsed - margin)
             ok and well formed -> cloud rows merged in, tier="cloud"
             failed / late / malformed -> local answer, degraded (journaled when `keep`)
@@ -43,9 +43,11 @@ from cloud_service.protocol import decode_outputs, encode_request, inference_pb2
 from cloud_service.protocol.codec import CodecError
 from compilers.package import ModelPackage
 from compilers.variants import VariantSet
+from edge_agent.adaptive import AdaptiveOptions, build_controller
 from edge_agent.breaker import BreakerConfig, CircuitBreaker
 from edge_agent.budget import Budget
 from edge_agent.cache import ResultCache, input_key
+from edge_agent.controller import Controller, Decision
 from edge_agent.journal import Journal, JournalEntry, drain
 from edge_agent.ladder import Variant, load_packages, open_variants
 from edge_agent.policy import Policy
@@ -78,7 +80,10 @@ class AgentOptions:
         margin_ms: kept free of the budget when an escalation deadline is set.
         min_deadline_ms: below this much time left, escalation is skipped.
         inline_max_ms: a variant this fast runs on the event loop; slower ones in a worker thread.
-        rtt_quantile: the round-trip quantile an escalation must fit in.
+        rtt_quantile: the round-trip quantile an escalation must fit in (without a controller).
+        rtt_skip_share: with a controller (whose threshold already prices the link), escalation is
+            skipped for the round trip only when the time left is below this share of the median one.
+        rtt_max_age_s: round trips older than this are forgotten.
         rtt_probe_s: after skipping for a slow link this long, try once anyway (to notice recovery).
         power: the power profile used to model energy when no meter is given.
         journal_path: the store-and-forward journal (None: nothing is journaled).
@@ -87,6 +92,7 @@ class AgentOptions:
         drain_timeout_s: the deadline of a journaled escalation when it is finally sent.
         telemetry_interval_s: how often telemetry is published.
         strict: raise the escalation error instead of answering degraded.
+        adaptive: how `controller=True` builds the controller (cloud accuracy prior, ...).
     """
 
     device_id: str = field(default_factory=lambda: _safe_device(socket.gethostname()))
@@ -98,6 +104,8 @@ class AgentOptions:
     min_deadline_ms: float = 0.5
     inline_max_ms: float = 1.0
     rtt_quantile: float = 0.9
+    rtt_skip_share: float = 0.5
+    rtt_max_age_s: float = 10.0
     rtt_probe_s: float = 1.0
     power: PowerProfile = DEFAULT_POWER
     journal_path: str | Path | None = None
@@ -106,14 +114,17 @@ class AgentOptions:
     drain_timeout_s: float = 5.0
     telemetry_interval_s: float = 10.0
     strict: bool = False
+    adaptive: AdaptiveOptions = field(default_factory=AdaptiveOptions)
 
     def __post_init__(self) -> None:
         try:
             topics.check_device_id(self.device_id)
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
-        if self.margin_ms < 0 or self.min_deadline_ms < 0 or not 0 < self.rtt_quantile <= 1:
-            msg = "AgentOptions: margin_ms, min_deadline_ms must be >= 0 and rtt_quantile in (0, 1]"
+        if (self.margin_ms < 0 or self.min_deadline_ms < 0 or not 0 < self.rtt_quantile <= 1
+                or not 0 <= self.rtt_skip_share <= 1 or not self.rtt_max_age_s > 0):
+            msg = ("AgentOptions: margin_ms, min_deadline_ms must be >= 0, rtt_quantile in (0, 1], "
+                   "rtt_skip_share in [0, 1] and rtt_max_age_s > 0")
             raise ConfigError(msg)
 
 
@@ -167,7 +178,9 @@ class EdgeAgent:
         cloud: a cloud URL (`grpc://HOST:PORT/MODEL`, `mqtt://BROKER:PORT/MODEL`), a `Transport`, or None.
         budget: the per-request budget; escalation deadlines come out of its `latency_ms`.
         policy: a `Policy` or a scorer name.
-        controller: optional; its `current` decision picks the variant and threshold of each request.
+        controller: True builds one from the variants (see `edge_agent.adaptive`), or a ready
+            `Controller`; its `current` decision picks the variant and threshold of each request.
+            None or False: the policy's threshold on the recommended variant.
         options: rarer knobs (`AgentOptions`).
         meter: an energy meter with `label`, `start()` and `stop() -> reading` (measured figures).
         telemetry: an async callable publishing one telemetry document.
@@ -181,15 +194,16 @@ class EdgeAgent:
     """
 
     def __init__(self, model: str | Path | VariantSet | ModelPackage, *, cloud: str | Transport | None = None,
-                 budget: Budget | None = None, policy: Policy | str | None = None, controller: Any = None,
+                 budget: Budget | None = None, policy: Policy | str | None = None,
+                 controller: bool | Controller | None = None,
                  options: AgentOptions | None = None, meter: Any = None, telemetry: Telemetry | None = None,
                  on_late_reply: LateReply | None = None, trusted_keys: Iterable[Any] | None = None) -> None:
         self.options = opts = options or AgentOptions()
         self.budget = budget or Budget()
         self.policy = policy if isinstance(policy, Policy) else Policy(policy or "calibrated")
-        self.controller = controller
+        ctl = None if isinstance(controller, bool) else controller
         packages, recommended = load_packages(model, trusted_keys=trusted_keys)
-        ids = list(packages) if controller is not None else [recommended]
+        ids = list(packages) if controller is True or ctl is not None else [recommended]
         self.variants = open_variants(packages, self.policy, ids, opts.session, opts.inline_max_ms)
         self._variant = self.variants[recommended]
         self.inputs = self._variant.session.inputs
@@ -206,10 +220,18 @@ class EdgeAgent:
             cloud = open_transport(cloud, device_id=opts.device_id, boot_id=opts.boot_id, options=opts.transport)
         self.transport: Transport | None = cloud
         self.cloud_model = (cloud.model if cloud is not None else "") or self.model_name
+        if controller is True:
+            try:
+                ctl = build_controller(self.variants, self.budget, power=opts.power, cloud=cloud is not None,
+                                       options=opts.adaptive)
+            except BaseException:
+                self._close_sessions()
+                raise
+        self.controller: Controller | None = ctl
         self.breaker = CircuitBreaker(opts.breaker)
         self.cache: ResultCache[Prediction] | None = (ResultCache(self.policy.cache_size)
                                                       if self.policy.cache_size else None)
-        self.rtt = RttEstimator(opts.rtt_quantile)
+        self.rtt = RttEstimator(opts.rtt_quantile, max_age_s=opts.rtt_max_age_s)
         self.stats = Stats()
         self.meter = meter
         self.telemetry = telemetry
@@ -255,6 +277,9 @@ class EdgeAgent:
             await self.transport.aclose()
         if self.journal is not None:
             self.journal.close()
+        self._close_sessions()
+
+    def _close_sessions(self) -> None:
         for v in self.variants.values():
             v.session.close()
 
@@ -357,7 +382,8 @@ class EdgeAgent:
         """The asynchronous part: send the unsure rows within the deadline, merge or degrade."""
         rows = np.flatnonzero(p.mask)
         left_ms = self.budget.latency_ms - (perf_counter() - p.t0) * 1e3 - self.options.margin_ms
-        reason = self._skip_reason(left_ms)
+        needed_ms = self._rtt_needed()
+        reason = self._skip_reason(left_ms, needed_ms)
         if reason:
             return await self._degrade(p, rows, reason, None)
         whole = len(rows) == len(p.mask)
@@ -393,7 +419,7 @@ class EdgeAgent:
             logger.warning("ignoring the cloud's answer to request %d: %s", p.seq, cloud)
             return await self._degrade(p, rows, "bad_reply", None, rtt_ms=rtt_ms)
         self.breaker.record_success()
-        self.rtt.add(rtt_ms)
+        self.rtt.add(rtt_ms, probe=needed_ms > left_ms)  # a probe that fits: the slow samples are stale
         first = self.outputs[0].name
         agreed = bool((expected[first].argmax(axis=-1) == cloud[first].argmax(axis=-1)).all())
         if whole:
@@ -406,11 +432,17 @@ class EdgeAgent:
         return self._finish(p.variant, merged, p.scores, p.single, p.t0, p.edge_ms, p.seq, cloud_rows=cloud_rows,
                             rtt_ms=rtt_ms, nbytes=request.ByteSize(), key=p.key, wanted=len(rows), agreed=agreed)
 
-    def _skip_reason(self, left_ms: float) -> str:
+    def _rtt_needed(self) -> float:
+        """The round trip an escalation must fit in: a high quantile of the recent ones; with a
+        controller, whose threshold already accounts for the link, a share of the median only."""
+        if self.controller is None:
+            return self.rtt.predicted_ms()
+        return self.options.rtt_skip_share * self.rtt.predicted_ms(0.5)
+
+    def _skip_reason(self, left_ms: float, needed_ms: float) -> str:
         if left_ms < self.options.min_deadline_ms:
             return "budget"
-        if (self.rtt.predicted_ms() > left_ms
-                and time.monotonic() - self.rtt.last_attempt < self.options.rtt_probe_s):
+        if needed_ms > left_ms and time.monotonic() - self.rtt.last_attempt < self.options.rtt_probe_s:
             return "rtt"
         cap = self.budget.max_escalations_per_s
         if cap is not None:
@@ -515,6 +547,11 @@ class EdgeAgent:
         return self._current()[0].id
 
     @property
+    def decision(self) -> Decision | None:
+        """The controller's decision in force (inputs, predictions, why), or None without a controller."""
+        return None if self.controller is None else self.controller.current
+
+    @property
     def inline(self) -> bool:
         """Whether the current variant is fast enough to run on an event loop."""
         return self._current()[0].inline
@@ -547,13 +584,14 @@ class EdgeAgent:
         """Counters, latency quantiles and state, as published in telemetry."""
         self.fold()
         variant, threshold = self._current()
+        to_json = getattr(self.decision, "to_json", None)
         return {"device": self.options.device_id, "boot_id": self.options.boot_id, "ts": time.time(),
                 "model": self.model_name, "variant": variant.id,
                 "threshold": variant.policy.threshold if threshold is None else threshold,
                 "budget_ms": self.budget.latency_ms, "breaker": self.breaker.state,
                 "journal_pending": self._journal_pending(),
                 "journal_recovered_from": str(self.journal.recovered_from or "") if self.journal else "",
-                **self.stats.snapshot()}
+                "decision": to_json() if to_json is not None else None, **self.stats.snapshot()}
 
     async def _housekeeping(self) -> None:
         next_telemetry = time.monotonic() + self.options.telemetry_interval_s

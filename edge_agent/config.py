@@ -10,6 +10,8 @@ budget: {latency_ms: 30, energy_mj: 5}
 policy: {score: calibrated, target_accuracy: 0.995, max_rate: 0.25, ood: true, keep: true, cache_size: 0}
 breaker: {failure_threshold: 5, reset_timeout_s: 2}
 journal: {path: ./journal.db, max_bytes: 67108864}
+controller: true                    # adapt (variant, threshold) to the budget and the link; default false
+# controller: {cloud_accuracy: 0.995, rtt_ms: 20, benchmark_repeats: 20}   # the same, with priors
 telemetry_interval_s: 10
 threads: 0
 ```
@@ -23,27 +25,29 @@ Example:
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
 import yaml
 
+from edge_agent.adaptive import AdaptiveOptions
 from edge_agent.agent import AgentOptions
 from edge_agent.breaker import BreakerConfig
 from edge_agent.budget import Budget
+from edge_agent.controller import ControllerConfig
 from edge_agent.policy import Policy
 from edge_agent.transports.base import parse_cloud_url
 from runtimes.errors import ConfigError
 from runtimes.session import SessionOptions
 
 _KEYS = {"model", "device_id", "cloud", "listen", "broker", "budget", "policy", "breaker", "journal",
-         "telemetry_interval_s", "threads", "margin_ms"}
+         "telemetry_interval_s", "threads", "margin_ms", "controller"}
 
 
 @dataclass(frozen=True)
 class AgentConfig:
-    """Everything `tierkit agent` needs, validated."""
+    """Everything `tierkit agent` needs, validated (`controller`: the agent builds and runs one)."""
 
     model: Path
     cloud: str | None = None
@@ -52,6 +56,7 @@ class AgentConfig:
     budget: Budget = field(default_factory=Budget)
     policy: Policy = field(default_factory=Policy)
     options: AgentOptions = field(default_factory=AgentOptions)
+    controller: bool = False
 
 
 def _section(doc: Mapping[str, Any], key: str, cls: type, where: str) -> Any:
@@ -69,6 +74,22 @@ def _section(doc: Mapping[str, Any], key: str, cls: type, where: str) -> Any:
     except TypeError as exc:
         msg = f"{where}: '{key}': {exc}"
         raise ConfigError(msg) from None
+
+
+def _controller(value: Any, where: str) -> tuple[bool, AdaptiveOptions | None]:
+    """`controller: true | false | {cloud_accuracy, rtt_ms, benchmark_repeats, config: {...}}`."""
+    if value is None or isinstance(value, bool):
+        return bool(value), None
+    if not isinstance(value, Mapping):
+        msg = f"{where}: 'controller' must be true, false or a mapping of priors, got {value!r}"
+        raise ConfigError(msg)
+    priors = dict(value)
+    tuning = priors.pop("config", None)
+    adaptive = _section({"controller": priors}, "controller", AdaptiveOptions, where)
+    if tuning is not None:
+        config = _section({"controller.config": tuning}, "controller.config", ControllerConfig, where)
+        adaptive = replace(adaptive, config=config)
+    return True, adaptive
 
 
 def parse_listen(text: str, where: str = "listen") -> tuple[str, int]:
@@ -119,10 +140,13 @@ def parse_config(doc: Mapping[str, Any], *, base: Path = Path(), where: str = "a
     for key in ("telemetry_interval_s", "margin_ms"):
         if doc.get(key) is not None:
             opts[key] = float(doc[key])
+    controller, adaptive = _controller(doc.get("controller"), where)
+    if adaptive is not None:
+        opts["adaptive"] = adaptive
     return AgentConfig(model=base / str(doc["model"]), cloud=str(cloud) if cloud else None,
                        listen=parse_listen(doc.get("listen", "127.0.0.1:8500")), broker=broker,
                        budget=_section(doc, "budget", Budget, where), policy=_section(doc, "policy", Policy, where),
-                       options=AgentOptions(**opts))
+                       options=AgentOptions(**opts), controller=controller)
 
 
 def load_config(path: str | Path) -> AgentConfig:

@@ -8,7 +8,8 @@ to be kept for later with the boolean parameter `tierkit.keep`.
 Telemetry goes to `tierkit/v1/{device}/telemetry`: through the cloud link when it is MQTT, through
 the configured broker otherwise, and into a journal (`<journal>.telemetry`) while neither is
 reachable. With a broker, the retained `tierkit/v1/{device}/desired` document changes the budget
-and threshold, and the result is reported (retained) on `.../reported`:
+(a controller, when configured, re-decides at once) and the threshold (ignored while a controller
+decides), and the result is reported (retained) on `.../reported`:
 
 ```json
 {"budget": {"latency_ms": 25, "energy_mj": 4}, "threshold": 0.8}
@@ -135,7 +136,7 @@ class AgentDaemon:
         self.config = config
         opts = config.options
         self.agent = EdgeAgent(config.model, cloud=config.cloud, budget=config.budget, policy=config.policy,
-                               options=opts, telemetry=self._publish_telemetry)
+                               controller=config.controller, options=opts, telemetry=self._publish_telemetry)
         self.device = opts.device_id
         self.port = 0
         self._server: grpc.aio.Server | None = None

@@ -63,10 +63,15 @@ def read_validation(pkg: ModelPackage) -> tuple[np.ndarray, np.ndarray] | None:
         return np.asarray(data["logits"]), np.asarray(data["labels"])
 
 
+def zero_feed(session: Session) -> dict[str, np.ndarray]:
+    """A batch-1 input of zeros for every input of `session` (dynamic axes set to 1)."""
+    return {s.name: np.zeros(tuple(1 if isinstance(d, str) else d for d in s.shape), dtype=s.dtype)
+            for s in session.inputs}
+
+
 def _warm(session: Session, runs: int = 5) -> float:
     """p50 ms of `runs` batch-1 calls on zeros (also pays the first-call cost before traffic)."""
-    feed = {s.name: np.zeros(tuple(1 if isinstance(d, str) else d for d in s.shape), dtype=s.dtype)
-            for s in session.inputs}
+    feed = zero_feed(session)
     times = []
     for _ in range(runs):
         t = perf_counter()

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import logging
+import math
+import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -13,29 +16,70 @@ logger = logging.getLogger(__name__)
 
 
 class RttEstimator:
-    """Recent escalation round trips: a high quantile predicts whether the next one fits."""
+    """Recent escalation round trips: a quantile of them predicts whether the next one fits.
 
-    def __init__(self, quantile: float, window: int = 64) -> None:
+    Only the samples of the last `max_age_s` seconds count (at most `window` of them), so a slow
+    phase is forgotten once it is over, however few escalations are sent meanwhile. An answer that
+    came in time although the estimate said it would not (a probe sent while escalations were being
+    skipped) drops the older samples at once: the link is fast again and the slow tail is stale.
+
+    Args:
+        quantile: the quantile `predicted_ms` returns by default.
+        window: the most samples kept.
+        max_age_s: samples older than this many seconds are forgotten.
+        clock: monotonic seconds (injectable for tests).
+
+    Example:
+        >>> rtt = RttEstimator(0.9)
+        >>> rtt.add(4.2)
+        >>> rtt.predicted_ms() <= left_ms
+    """
+
+    def __init__(self, quantile: float, window: int = 64, *, max_age_s: float = 10.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.quantile = quantile
-        self._rtts: deque[float] = deque(maxlen=window)
-        self.last_attempt = 0.0
+        self.max_age_s = max_age_s
+        self.clock = clock
+        self._samples: deque[tuple[float, float]] = deque(maxlen=window)
+        self.last_attempt = -math.inf
 
-    def add(self, rtt_ms: float) -> None:
-        self._rtts.append(rtt_ms)
+    def add(self, rtt_ms: float, *, probe: bool = False) -> None:
+        """One round trip, or for a timeout how long the edge waited (a lower bound).
 
-    def predicted_ms(self) -> float:
-        if not self._rtts:
+        Args:
+            rtt_ms: milliseconds.
+            probe: an answer that came in time although the estimate said it would not: the older
+                samples no longer describe the link and are dropped.
+        """
+        if probe:
+            self._samples.clear()
+        self._samples.append((self.clock(), float(rtt_ms)))
+
+    def predicted_ms(self, quantile: float | None = None) -> float:
+        """The `quantile` (default: the estimator's) of the recent round trips; 0.0 when none is recent."""
+        samples = self._samples
+        horizon = self.clock() - self.max_age_s
+        while samples and samples[0][0] < horizon:
+            samples.popleft()
+        if not samples:
             return 0.0
-        s = sorted(self._rtts)
-        return s[min(len(s) - 1, int(self.quantile * len(s)))]
+        s = sorted(ms for _, ms in samples)
+        q = self.quantile if quantile is None else quantile
+        return s[min(len(s) - 1, int(q * len(s)))]
+
+    def __len__(self) -> int:
+        return len(self._samples)
 
 
 # An observation, one per request, in this order (a plain tuple: the hot path appends it):
 # variant, edge_ms, edge_mj, energy_mj, energy_label, rows, wanted_rows, tier, degraded, reason, rtt_ms,
 # bytes_sent, agreed, total_ms, cached, score
+# `rtt_ms` is None exactly when nothing was sent (no escalation wanted, or it was skipped: breaker open,
+# rate cap, no time left, round trip too slow); otherwise the round trip, or how long a failure took.
 
 
 def feed_controller(ctl: Any, rec: tuple[Any, ...]) -> None:
+    """Report one observation to the controller: the inference, the escalation if one was wanted, the request."""
     (variant, edge_ms, edge_mj, _mj, label, _n, wanted, tier, degraded, _reason, rtt_ms, nbytes, agreed, total_ms,
      cached, score) = rec
     if cached:
@@ -44,8 +88,9 @@ def feed_controller(ctl: Any, rec: tuple[Any, ...]) -> None:
         ctl.observe_inference(variant, edge_ms, edge_mj, energy_label=label)
         if wanted and (rtt_ms is not None or degraded):
             ok = tier == "cloud"
-            ctl.observe_escalation(rtt_ms if ok else None, ok, nbytes, elapsed_ms=rtt_ms)
-        ctl.observe_request(bool(wanted), agreed, total_ms, score=score)
+            ctl.observe_escalation(rtt_ms if ok else None, ok, nbytes, elapsed_ms=rtt_ms,
+                                   attempted=rtt_ms is not None)
+        ctl.observe_request(bool(wanted), agreed, total_ms, score=score, variant=variant)
     except Exception:
         logger.exception("the controller rejected an observation; it is dropped")
 

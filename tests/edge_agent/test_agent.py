@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import json
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -19,6 +21,7 @@ from edge_agent.breaker import BreakerConfig
 from edge_agent.budget import Budget
 from edge_agent.policy import Policy
 from edge_agent.prediction import Prediction
+from edge_agent.stats import RttEstimator
 from edge_agent.transports.fake import FakeTransport
 from runtimes.errors import CloudUnavailable, InputError
 from sdk import zoo
@@ -240,6 +243,7 @@ class FakeController:
     def __init__(self, variant: str, threshold: float) -> None:
         self.current = SimpleNamespace(variant=variant, threshold=threshold)
         self.seen: list[tuple[str, Any]] = []
+        self.attempted: list[bool | None] = []
         self.redecided = 0
 
     def observe_inference(self, variant: str, latency_ms: float, energy_mj: float | None = None, *,
@@ -247,11 +251,12 @@ class FakeController:
         self.seen.append(("inference", variant))
 
     def observe_escalation(self, rtt_ms: float | None, ok: bool, bytes_sent: int = 0, *,
-                           elapsed_ms: float | None = None) -> None:
+                           elapsed_ms: float | None = None, attempted: bool | None = None) -> None:
         self.seen.append(("escalation", ok))
+        self.attempted.append(attempted)
 
     def observe_request(self, escalated: bool, agreed: bool | None, total_latency_ms: float, *,
-                        score: float | None = None) -> None:
+                        score: float | None = None, variant: str | None = None) -> None:
         self.seen.append(("request", escalated))
 
     def set_budget(self, budget: Budget) -> None:
@@ -305,3 +310,151 @@ def test_edge_only_marks_unsure_rows_without_degrading(package: ModelPackage, di
 
     pred = asyncio.run(main())
     assert (pred.tier, pred.degraded, pred.reason) == ("edge", False, "no_cloud")
+
+
+class Clock:
+    """A monotonic clock the test moves by hand."""
+
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_rtt_estimator_forgets_a_slow_phase() -> None:
+    clock = Clock()
+    rtt = RttEstimator(0.9, max_age_s=10.0, clock=clock)
+    assert rtt.predicted_ms() == 0.0
+    for _ in range(64):
+        rtt.add(60.0)
+        clock.now += 0.1
+    assert rtt.predicted_ms() == 60.0
+    clock.now += 4.0
+    rtt.add(2.0)  # one fast answer does not outvote a recent slow phase...
+    assert rtt.predicted_ms() == 60.0
+    clock.now += 10.0  # ...but the slow phase ages out
+    assert rtt.predicted_ms() == 2.0
+    assert len(rtt) == 1
+    clock.now += 10.1
+    assert rtt.predicted_ms() == 0.0
+
+
+def test_rtt_estimator_drops_the_slow_tail_after_a_probe_fits() -> None:
+    clock = Clock()
+    rtt = RttEstimator(0.9, clock=clock)
+    for _ in range(20):
+        rtt.add(19.0)  # timeouts at the deadline
+    rtt.add(2.5, probe=True)  # sent although 19 ms did not fit, and answered in time
+    assert rtt.predicted_ms() == 2.5
+    assert rtt.predicted_ms(0.5) == 2.5
+
+
+def test_link_recovery_is_noticed_at_the_first_probe(package: ModelPackage, digits: zoo.Split) -> None:
+    delay = [0.03]
+
+    async def link(request: Any) -> Any:
+        await asyncio.sleep(delay[0])
+        return cloud_answer()(request)
+
+    async def main() -> list[Prediction]:
+        opts = AgentOptions(rtt_probe_s=0.05)
+        async with EdgeAgent(package, cloud=FakeTransport(link), policy=Policy("max_prob", threshold=ALWAYS),
+                             budget=Budget(latency_ms=20), options=opts) as agent:
+            out = [await agent.infer(digits.x_test[0]) for _ in range(2)]  # a timeout, then skipped
+            delay[0] = 0.0
+            await asyncio.sleep(0.06)
+            out += [await agent.infer(digits.x_test[0]) for _ in range(3)]  # the probe, then no skipping
+            return out
+
+    preds = asyncio.run(main())
+    assert [p.reason for p in preds] == ["timeout", "rtt", "", "", ""]
+    assert [p.tier for p in preds[2:]] == ["cloud"] * 3
+
+
+def test_with_a_controller_a_slow_link_is_not_second_guessed(package: ModelPackage, digits: zoo.Split) -> None:
+    async def slow(request: Any) -> Any:
+        await asyncio.sleep(0.03)
+        return cloud_answer()(request)
+
+    ctl = FakeController(package.directory.name, ALWAYS)
+    budget = Budget(latency_ms=20)
+    preds, _, fake = run(package, digits.x_test[0], handler=slow, budget=budget, n=3, controller=ctl,
+                         options=AgentOptions(rtt_probe_s=60))
+    # the round trips seen so far end near the deadline: not clearly too long, so the controller's choice stands
+    assert [p.reason for p in preds] == ["timeout"] * 3
+    assert len(fake.requests) == 3
+    assert all(p.latency_ms < budget.latency_ms + 15 for p in preds)  # each costs at most the deadline
+    assert ctl.attempted == [True] * 3
+
+
+def test_skips_are_reported_as_not_attempted(package: ModelPackage, digits: zoo.Split) -> None:
+    def down(request: Any) -> Any:
+        msg = "refused"
+        raise CloudUnavailable(msg)
+
+    opts = AgentOptions(breaker=BreakerConfig(failure_threshold=1, reset_timeout_s=60))
+    ctl = FakeController(package.directory.name, ALWAYS)
+    preds, _, _ = run(package, digits.x_test[0], handler=down, n=3, options=opts, controller=ctl)
+    assert [p.reason for p in preds] == ["unavailable", "breaker_open", "breaker_open"]
+    assert ctl.attempted == [True, False, False]
+
+    ctl = FakeController(package.directory.name, ALWAYS)
+    preds, _, _ = run(package, digits.x_test[0], budget=Budget(latency_ms=500, max_escalations_per_s=1), n=3,
+                      controller=ctl)
+    assert [p.reason for p in preds] == ["", "rate", "rate"]
+    assert ctl.attempted == [True, False, False]
+
+    ctl = FakeController(package.directory.name, ALWAYS)
+    preds, _, _ = run(package, digits.x_test[0], budget=Budget(latency_ms=0.01), n=2, controller=ctl)
+    assert [p.reason for p in preds] == ["budget", "budget"]
+    assert ctl.attempted == [False, False]
+
+
+def test_real_controller_learns_nothing_about_the_link_from_skips(package: ModelPackage,
+                                                                   digits: zoo.Split) -> None:
+    def down(request: Any) -> Any:
+        msg = "refused"
+        raise CloudUnavailable(msg)
+
+    opts = AgentOptions(breaker=BreakerConfig(failure_threshold=1, reset_timeout_s=60))
+
+    async def main() -> EdgeAgent:
+        async with EdgeAgent(package, cloud=FakeTransport(down), policy=Policy("max_prob"), controller=True,
+                             options=opts) as agent:
+            ctl = agent.controller
+            assert ctl is not None
+            ctl.current = dataclasses.replace(ctl.current, threshold=ALWAYS)  # every request wants the cloud
+            for _ in range(6):
+                await agent.infer(digits.x_test[0])
+            return agent
+
+    agent = asyncio.run(main())
+    assert agent.stats.reasons == {"unavailable": 1, "breaker_open": 5}
+    assert agent.controller is not None
+    assert agent.controller.link is not None
+    # the one escalation sent failed: availability drops once (EWMA, alpha 0.2); the 5 skips do not count
+    assert agent.controller.link.state().availability == pytest.approx(0.8)
+
+
+def test_telemetry_carries_the_controllers_decision(package: ModelPackage, digits: zoo.Split) -> None:
+    docs: list[dict[str, Any]] = []
+
+    async def publish(doc: dict[str, Any]) -> None:
+        docs.append(doc)
+
+    async def main() -> None:
+        opts = AgentOptions(telemetry_interval_s=0.05)
+        async with EdgeAgent(package, cloud=FakeTransport(cloud_answer()), policy=Policy("max_prob"),
+                             controller=True, options=opts, telemetry=publish) as agent:
+            await agent.infer(digits.x_test[0])
+            await asyncio.sleep(0.2)
+            assert agent.decision is not None
+            assert docs[-1]["decision"]["variant"] == agent.decision.variant
+
+    asyncio.run(main())
+    doc = docs[-1]["decision"]
+    assert doc["threshold"] is not None
+    assert doc["reason"]
+    assert {"budget", "link", "variant"} <= set(doc["inputs"])
+    assert json.loads(json.dumps(docs[-1]))["decision"] == doc

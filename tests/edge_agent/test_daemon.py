@@ -54,6 +54,9 @@ def test_config_parses_and_resolves_paths(tmp_path: Path) -> None:
     ({"model": "m", "listen": "8500"}, "HOST:PORT"),
     ({"model": "m", "policy": {"score": "confidence"}}, "not one of"),
     ({"model": "m", "broker": "grpc://127.0.0.1:1/x"}, "mqtt://"),
+    ({"model": "m", "controller": "yes"}, "true, false or a mapping"),
+    ({"model": "m", "controller": {"cloud_acc": 0.9}}, "unknown key"),
+    ({"model": "m", "controller": {"cloud_accuracy": 1.5}}, "cloud_accuracy"),
 ])
 def test_config_errors_name_the_problem(doc: dict[str, Any], match: str) -> None:
     with pytest.raises(ConfigError, match=match):
@@ -235,3 +238,36 @@ def test_telemetry_is_journaled_without_a_broker(package: ModelPackage, tmp_path
     assert entries
     assert {e.kind for e in entries} == {"telemetry"}
     assert json.loads(entries[0].payload)["device"] == "dev-9"
+
+
+def test_config_controller_switch_and_priors() -> None:
+    assert not parse_config({"model": "m"}).controller
+    assert parse_config({"model": "m", "controller": True}).controller
+    config = parse_config({"model": "m", "controller": {"cloud_accuracy": 0.97, "config": {"history": 8}}})
+    assert config.controller
+    assert config.options.adaptive.cloud_accuracy == 0.97
+    assert config.options.adaptive.config is not None
+    assert config.options.adaptive.config.history == 8
+
+
+def test_desired_budget_reaches_the_controller(package: ModelPackage, tmp_path: Path) -> None:
+    config = parse_config({"model": str(package.directory), "listen": "127.0.0.1:0", "controller": True,
+                           "cloud": "grpc://127.0.0.1:1/digits", "policy": {"score": "max_prob"},
+                           "budget": {"latency_ms": 200}}, base=tmp_path)
+
+    async def main() -> None:
+        async with AgentDaemon(config) as daemon:
+            ctl = daemon.agent.controller
+            assert ctl is not None
+            before = ctl.current
+            assert before.predicted_escalation_rate > 0
+            daemon._on_desired(topics.desired_topic(daemon.device), json.dumps(
+                {"budget": {"max_escalations_per_s": 0.5}}).encode(), None)
+            assert daemon.desired_applied == 1
+            assert ctl.budget.max_escalations_per_s == 0.5
+            assert ctl.budget.latency_ms == 200
+            assert ctl.current.key != before.key
+            assert ctl.current.trigger == "budget"
+            assert daemon.agent.snapshot()["decision"]["threshold"] == pytest.approx(ctl.current.threshold, abs=1e-6)
+
+    asyncio.run(main())

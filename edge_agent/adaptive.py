@@ -1,0 +1,102 @@
+"""The controller an agent builds for itself: `EdgeAgent(..., controller=True)`, `sdk.load(..., controller=True)`.
+
+Everything comes from what the agent already holds, with no session opened twice:
+
+- one `VariantProfile` per variant: the package's validation outputs scored by the agent's own
+  bound policy (the scores it compares with the threshold), latency from a short self-benchmark on
+  the agent's open session, energy modeled from the agent's power profile until measurements come;
+- a `LinkProfile` when a cloud is configured: waiting power (`idle_watts`) and radio energy per byte
+  (`joules_per_byte_sent`) from the same power profile and under its label, and the operator's
+  priors on the round trip and on the cloud's accuracy (`AdaptiveOptions`);
+- the agent's budget (later changes reach the controller through `EdgeAgent.set_budget`).
+
+Example:
+    >>> opts = AgentOptions(adaptive=AdaptiveOptions(cloud_accuracy=0.995))
+    >>> with sdk.load("variants/", cloud="grpc://127.0.0.1:8001/cnn", budget=sdk.Budget(latency_ms=20),
+    ...               controller=True, options=opts) as model:
+    ...     model.decision.variant, model.decision.threshold, model.decision.reason
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from edge_agent.budget import Budget
+from edge_agent.controller import Controller, ControllerConfig
+from edge_agent.ladder import Variant, zero_feed
+from edge_agent.profiles import DEFAULT_CLOUD_ACCURACY, DEFAULT_RTT_MS, LinkProfile, VariantProfile
+from runtimes.energy import PowerProfile
+from runtimes.errors import ConfigError
+
+__all__ = ["AdaptiveOptions", "build_controller", "link_profile", "variant_profile"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class AdaptiveOptions:
+    """How an agent builds its own controller.
+
+    Args:
+        cloud_accuracy: prior accuracy of the cloud on the inputs escalated to it (e.g. the cloud
+            model's validation accuracy); edge/cloud agreement refines it.
+        rtt_ms: prior median round trip to the cloud, until escalations measure it.
+        benchmark_repeats: timed batch-1 inferences per variant when the agent starts.
+        config: the controller's grid, headroom and hysteresis (None: `ControllerConfig()`).
+    """
+
+    cloud_accuracy: float = DEFAULT_CLOUD_ACCURACY
+    rtt_ms: float = DEFAULT_RTT_MS
+    benchmark_repeats: int = 20
+    config: ControllerConfig | None = None
+
+    def __post_init__(self) -> None:
+        if not (0 < self.cloud_accuracy <= 1 and self.rtt_ms > 0 and self.benchmark_repeats >= 1):
+            msg = (f"AdaptiveOptions: need 0 < cloud_accuracy <= 1, rtt_ms > 0 and benchmark_repeats >= 1; got "
+                   f"{self.cloud_accuracy!r}, {self.rtt_ms!r}, {self.benchmark_repeats!r}")
+            raise ConfigError(msg)
+
+
+def variant_profile(variant: Variant, power: PowerProfile, *, repeats: int = 20) -> VariantProfile:
+    """The profile of one open variant, benchmarked on its own session.
+
+    Raises:
+        PackageError: the package has no validation outputs to build the escalation curve from.
+    """
+    profile = VariantProfile.from_package(variant.package, variant.policy, variant_id=variant.id,
+                                          energy_mj=power.busy_watts * variant.p50_ms, energy_label=power.label)
+    session, feed = variant.session, zero_feed(variant.session)
+    # the session was warmed when the agent opened it: every run here is timed
+    profile.self_benchmark(lambda: session.run(feed), repeats=repeats, warmup=0)
+    return profile
+
+
+def link_profile(power: PowerProfile, options: AdaptiveOptions) -> LinkProfile:
+    """The link model: waiting and radio energy from the device's power profile, priors from `options`."""
+    return LinkProfile(rtt_ms=options.rtt_ms, cloud_accuracy=options.cloud_accuracy, wait_power_w=power.idle_watts,
+                       energy_per_byte_mj=power.joules_per_byte_sent * 1e3, energy_label=power.label)
+
+
+def build_controller(variants: Mapping[str, Variant], budget: Budget, *, power: PowerProfile, cloud: bool,
+                     options: AdaptiveOptions | None = None) -> Controller:
+    """A controller over the agent's open variants.
+
+    Args:
+        variants: the agent's variants by id, cheapest first.
+        budget: the budgets to keep.
+        power: the device power profile the agent models energy with.
+        cloud: whether a cloud is configured (without one, only "never escalate" is considered).
+        options: priors and benchmark length (default: `AdaptiveOptions()`).
+
+    Raises:
+        PackageError: a variant's package has no validation outputs.
+    """
+    options = options or AdaptiveOptions()
+    profiles = [variant_profile(v, power, repeats=options.benchmark_repeats) for v in variants.values()]
+    controller = Controller(profiles, budget, link=link_profile(power, options) if cloud else None,
+                            config=options.config)
+    d = controller.current
+    logger.info("controller: %s@%.4g (%s)", d.variant, d.threshold, d.reason)
+    return controller
