@@ -27,6 +27,7 @@ from runtimes.errors import ConfigError
 if TYPE_CHECKING:
     from compilers.package import ModelPackage
     from compilers.variants import VariantSet
+    from edge_agent.controller import Controller, Decision
     from edge_agent.transports.base import Transport
 
 __all__ = ["Budget", "Prediction", "TieredModel", "compile_model", "load"]
@@ -120,11 +121,21 @@ class TieredModel:
         return await asyncio.wrap_future(self._loop.submit(self._agent.escalate(step)))
 
     def stats(self) -> dict[str, Any]:
-        """Counters, latency quantiles and state (what telemetry publishes)."""
+        """Counters, latency quantiles and state (what telemetry publishes).
+
+        With a controller, `"decision"` holds its decision record: the chosen variant and threshold,
+        the predicted accuracy, p95 latency and energy, the inputs they were computed from, and why.
+        """
         return self._agent.snapshot()
 
+    @property
+    def decision(self) -> Decision | None:
+        """The controller's decision in force, or None when no controller is configured."""
+        return self._agent.decision
+
     def set_budget(self, budget: Budget) -> None:
-        self._loop.loop.call_soon_threadsafe(self._agent.set_budget, budget)
+        """Change the budget of the next requests; a controller re-decides before this returns."""
+        self._agent.set_budget(budget)
 
     def set_threshold(self, threshold: float | None) -> None:
         self._agent.set_threshold(threshold)
@@ -161,7 +172,8 @@ class TieredModel:
 
 
 def load(model: str | Path | VariantSet | ModelPackage, cloud: str | Transport | None = None, *,
-         budget: Budget | None = None, policy: Policy | str | None = None, controller: Any = None,
+         budget: Budget | None = None, policy: Policy | str | None = None,
+         controller: bool | Controller | None = None,
          options: AgentOptions | None = None, meter: Any = None,
          trusted_keys: Iterable[Any] | None = None) -> TieredModel:
     """Load a package or variant set for tiered inference.
@@ -172,7 +184,9 @@ def load(model: str | Path | VariantSet | ModelPackage, cloud: str | Transport |
             model's name), a `Transport`, or None for edge only.
         budget: per-request latency (and energy) budget; escalation deadlines come out of it.
         policy: a `Policy` or a scorer name ("calibrated", "margin", "entropy", ...).
-        controller: picks the variant and threshold per request when given.
+        controller: True: pick the variant and threshold per request adaptively, with a controller
+            built from the variants' validation data, a self-benchmark and the device's power profile
+            (`AgentOptions.adaptive` holds its priors); or a ready `Controller`. None: off.
         options: rarer knobs (`AgentOptions`: device id, breaker, journal, power profile, ...).
         meter: an energy meter for measured figures (otherwise energy is modeled).
         trusted_keys: refuse packages not signed by one of these Ed25519 public keys.
@@ -181,7 +195,9 @@ def load(model: str | Path | VariantSet | ModelPackage, cloud: str | Transport |
         ConfigError, PackageError: bad arguments or an unreadable package.
 
     Example:
-        >>> model = sdk.load("variants/", cloud="grpc://127.0.0.1:8001/cnn", budget=sdk.Budget(latency_ms=30))
+        >>> model = sdk.load("variants/", cloud="grpc://127.0.0.1:8001/cnn", budget=sdk.Budget(latency_ms=30),
+        ...                  controller=True)
+        >>> model.decision.variant, model.decision.threshold
     """
     if isinstance(policy, dict):
         msg = "policy must be a Policy or a scorer name, not a dict; use Policy(**...)"

@@ -9,6 +9,7 @@ import numpy as np
 
 from compilers.manifest import Manifest
 from compilers.package import ModelPackage, write_package
+from compilers.variants import VariantEntry, VariantSet
 from runtimes.registry import open_session
 
 
@@ -34,6 +35,22 @@ def make_package(onnx_path: Path, directory: Path, *, name: str, x_val: np.ndarr
     manifest = Manifest(name=name, version="1", target="x86", precision=precision, runtime="onnxruntime",
                         artifact="model.onnx", inputs=inputs, outputs=outputs, calibration=calibration)
     return write_package(directory, manifest)
+
+
+def make_variant_set(directory: Path, models: dict[str, Path], *, name: str, x_val: np.ndarray,
+                     y_val: np.ndarray) -> VariantSet:
+    """A variant set of `make_package` packages, one per (id, ONNX file), in this order; the first recommended."""
+    entries = []
+    for i, (vid, onnx_path) in enumerate(models.items()):
+        pkg = make_package(onnx_path, directory / vid, name=name, x_val=x_val, y_val=y_val)
+        with np.load(pkg.directory / "validation.npz") as data:
+            accuracy = float((data["logits"].argmax(axis=1) == data["labels"]).mean())
+        entries.append(VariantEntry(id=vid, path=vid, precision="fp32", runtime="onnxruntime", passes=[],
+                                    fidelity={"accuracy": accuracy}, latency_ms={"batch_1": {"p50": float(i + 1)}},
+                                    size_bytes=(pkg.directory / "model.onnx").stat().st_size, recommended=i == 0))
+    vs = VariantSet(directory, name, "x86", tuple(entries))
+    vs.write()
+    return vs
 
 
 _COMPILED: dict[tuple[str, str], Path] = {}

@@ -13,18 +13,30 @@ import pytest
 import sdk
 from cloud_service.protocol import decode_inputs, encode_response
 from compilers.package import ModelPackage
+from compilers.variants import VariantSet
+from edge_agent.adaptive import AdaptiveOptions
 from edge_agent.agent import AgentOptions
+from edge_agent.controller import Controller, Decision
 from edge_agent.policy import Policy
 from edge_agent.transports.fake import FakeTransport
 from runtimes.errors import CloudUnavailable, ConfigError, InputError
 from sdk import zoo
-from tests.sdk.packages import make_package
+from tests.sdk.packages import make_package, make_variant_set
 
 
 @pytest.fixture(scope="module")
 def package(digits_linear_onnx: Path, digits: zoo.Split, tmp_path_factory: pytest.TempPathFactory) -> ModelPackage:
     return make_package(digits_linear_onnx, tmp_path_factory.mktemp("pkg") / "digits", name="digits",
                         x_val=digits.x_val, y_val=digits.y_val)
+
+
+@pytest.fixture(scope="module")
+def ladder(digits_linear_onnx: Path, digits_cnn_onnx: Path, digits: zoo.Split,
+           tmp_path_factory: pytest.TempPathFactory) -> VariantSet:
+    """Two real variants: a fast logistic regression (~96%) and a small CNN (~99%)."""
+    return make_variant_set(tmp_path_factory.mktemp("ladder") / "digits",
+                            {"linear": digits_linear_onnx, "cnn": digits_cnn_onnx}, name="digits",
+                            x_val=digits.x_val, y_val=digits.y_val)
 
 
 def cloud(request: Any) -> Any:
@@ -106,3 +118,71 @@ def test_load_rejects_bad_arguments(package: ModelPackage, tmp_path: Path) -> No
         sdk.load(tmp_path)
     with pytest.raises(ConfigError):
         sdk.load(package, options=AgentOptions(device_id="a/b"))
+
+
+def test_load_with_controller_true_builds_one(ladder: VariantSet, digits: zoo.Split,
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    opened: list[str] = []
+    open_session = ModelPackage.open_session
+
+    def counting(self: ModelPackage, *args: Any, **kwargs: Any) -> Any:
+        opened.append(self.directory.name)
+        return open_session(self, *args, **kwargs)
+
+    monkeypatch.setattr(ModelPackage, "open_session", counting)
+    with sdk.load(ladder.directory, cloud=FakeTransport(cloud), budget=sdk.Budget(latency_ms=200),
+                  policy="max_prob", controller=True) as model:
+        assert sorted(opened) == ["cnn", "linear"]  # one session per variant: the benchmark reuses them
+        ctl = model.agent.controller
+        assert isinstance(ctl, Controller)
+        assert [p.id for p in ctl.profiles] == ["linear", "cnn"]
+        assert all(p.energy_label == "modeled:generic-cpu" for p in ctl.profiles)
+        assert ctl.link is not None
+        assert ctl.link.energy_label == "modeled:generic-cpu"
+        assert ctl.link.wait_power_w == 3.0
+        assert ctl.link.cloud_prior == 0.99  # LinkProfile's default prior
+        decision = model.decision
+        assert isinstance(decision, Decision)
+        preds = [model.predict(x) for x in digits.x_test[:20]]
+        assert {p.variant for p in preds} == {decision.variant}
+        doc = model.stats()["decision"]
+        assert doc["variant"] == decision.variant
+        assert doc["threshold"] == pytest.approx(decision.threshold, abs=1e-6)
+        assert doc["reason"]
+        assert doc["inputs"]["budget"]["latency_ms"] == 200
+    with sdk.load(ladder.directory, controller=None) as plain:
+        assert plain.decision is None
+        assert plain.stats()["decision"] is None
+
+
+def test_budget_change_moves_the_controllers_decision(ladder: VariantSet) -> None:
+    opts = AgentOptions(adaptive=AdaptiveOptions(cloud_accuracy=0.999, rtt_ms=10.0))
+    with sdk.load(ladder, cloud=FakeTransport(cloud), budget=sdk.Budget(latency_ms=200), policy="max_prob",
+                  controller=True, options=opts) as model:
+        roomy = model.decision
+        assert roomy is not None
+        assert roomy.feasible
+        assert roomy.variant == "cnn"  # the more accurate variant fits easily
+        assert roomy.predicted_escalation_rate > 0  # and a 10 ms round trip fits: the cloud helps
+        model.set_budget(sdk.Budget(latency_ms=200, max_escalations_per_s=0.5))  # a cloud-cost cap
+        capped = model.decision
+        assert capped is not None
+        assert capped.key != roomy.key
+        assert "budget" in capped.trigger
+        assert capped.feasible
+        assert capped.predicted_escalations_per_s <= 0.5
+        assert capped.predicted_accuracy <= roomy.predicted_accuracy
+        assert model.stats()["decision"]["threshold"] == pytest.approx(capped.threshold, abs=1e-6)
+        assert model.agent.threshold == capped.threshold
+
+
+def test_controller_true_without_a_cloud_never_escalates(package: ModelPackage, digits: zoo.Split) -> None:
+    with sdk.load(package, policy="max_prob", controller=True) as model:
+        decision = model.decision
+        assert decision is not None
+        assert decision.predicted_escalation_rate == 0
+        assert model.agent.controller is not None
+        assert model.agent.controller.link is None
+        pred = model.predict(digits.x_test[0])
+    assert pred.tier == "edge"
+    assert pred.variant == package.directory.name
