@@ -1,9 +1,11 @@
 """The edge agent: answer locally, escalate the inputs it is unsure about, never block.
 
 The names an integrator composes; transports are in `edge_agent.transports`, the journal in
-`edge_agent.journal`, the controller in `edge_agent.controller`.
+`edge_agent.journal`, the controller in `edge_agent.controller` (`EdgeAgent(controller=True)` builds
+one, with the priors of `AdaptiveOptions`).
 """
 
+from edge_agent.adaptive import AdaptiveOptions
 from edge_agent.agent import AgentOptions, EdgeAgent
 from edge_agent.breaker import BreakerConfig, CircuitBreaker
 from edge_agent.budget import Budget
@@ -26,6 +28,7 @@ from edge_agent.policy import (
 from edge_agent.prediction import Prediction
 
 __all__ = [
+    "AdaptiveOptions",
     "AgentOptions",
     "BoundPolicy",
     "BreakerConfig",
