@@ -1,7 +1,8 @@
 """Replay the held-out stream through the real agent while the delay proxy and the budget step.
 
 Requests go one after another through `sdk.load(...).predict`, paced at most `rate` per second,
-with the agent escalating over gRPC to the real cloud service behind the delay proxy.
+with the agent escalating over gRPC to the real cloud service behind the delay proxy. The controller
+is the one `sdk.load(..., controller=True)` builds; the other strategies stand in its place.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from proxy import DelayProxy
 from strategies import Scripted
 
 import sdk
+from edge_agent.adaptive import AdaptiveOptions
 from edge_agent.agent import AgentOptions
 from edge_agent.breaker import BreakerConfig
 from edge_agent.budget import Budget
@@ -46,17 +48,21 @@ class Phase:
             proxy.set(up_ms=self.rtt_ms / 2, down_ms=self.rtt_ms / 2, mode="up")
 
 
-def agent_options() -> AgentOptions:
+def agent_options(adaptive: AdaptiveOptions | None = None) -> AgentOptions:
     # rtt_probe_s: while its round-trip estimate says escalations do not fit, the agent still tries one
-    # every 10 ms, so that a link that got fast again is noticed within a second (its default is 1 s).
+    # every 10 ms (default 1 s), so that a link that got fast again is noticed within a few requests at this rate.
     return AgentOptions(device_id="bench-controller", breaker=BreakerConfig(failure_threshold=3, reset_timeout_s=1.0),
                         transport=TransportOptions(reconnect_min_s=0.05, reconnect_max_s=0.25, retry_max_attempts=1),
-                        rtt_probe_s=0.01, telemetry_interval_s=3600.0)
+                        rtt_probe_s=0.01, telemetry_interval_s=3600.0, adaptive=adaptive or AdaptiveOptions())
 
 
 def replay(controller: Any, models: Models, phases: list[Phase], trace: np.ndarray, proxy: DelayProxy, *,
-           rate: float, warmup: int = 200) -> dict[str, Any]:
-    """Run `trace` (indices into the test split) through a fresh agent; one record per request."""
+           rate: float, warmup: int = 200, adaptive: AdaptiveOptions | None = None) -> dict[str, Any]:
+    """Run `trace` (indices into the test split) through a fresh agent; one record per request.
+
+    `controller` is True (the agent builds its controller, with the priors of `adaptive`) or a
+    `Scripted` strategy.
+    """
     x, y = models.split.x_test, models.split.y_test
     n = sum(p.requests for p in phases)
     rec = {k: np.zeros(n, dtype=t) for k, t in (("phase", int), ("t", float), ("latency_ms", float),
@@ -67,7 +73,9 @@ def replay(controller: Any, models: Models, phases: list[Phase], trace: np.ndarr
     labels: set[str] = set()
     phases[0].apply(proxy)
     model = sdk.load(models.edge_dir, cloud=f"grpc://127.0.0.1:{proxy.port}/{CLOUD_NAME}",
-                     budget=phases[0].budget, policy=POLICY, controller=controller, options=agent_options())
+                     budget=phases[0].budget, policy=POLICY, controller=controller, options=agent_options(adaptive))
+    if controller is True:
+        controller = model.agent.controller
     try:
         for i in range(warmup):  # opens the channel and teaches the agent the round trip; not recorded
             model.predict(x[trace[i % trace.size]][None])

@@ -28,14 +28,12 @@ from typing import Any
 import numpy as np
 from models import CLOUD_NAME, Models, build
 from proxy import DelayProxy
-from replay import POLICY, Phase, replay
+from replay import Phase, replay
 from report import markdown, metrics, plot, table
 from strategies import ALWAYS, NEVER, PhaseLatency, Point, Scripted, hindsight
 
 from compilers.variants import VariantSet
-from edge_agent.agent import DEFAULT_POWER
-from edge_agent.controller import Controller, ControllerConfig
-from edge_agent.profiles import LinkProfile, VariantProfile
+from edge_agent.adaptive import AdaptiveOptions
 
 
 def phases(per_phase: int) -> list[Phase]:
@@ -74,24 +72,11 @@ def cloud_server(models: Models, port: int):  # type: ignore[no-untyped-def]
             proc.kill()
 
 
-def make_controller(models: Models, budget: Any) -> Controller:
-    """Profiles from the packages plus a warm-up self-benchmark; the link modeled with the agent's power profile."""
-    vs = models.variants
-    x1 = models.split.x_val[:1]
-    profiles = []
-    for e in vs.entries:
-        pkg = vs.open(e.id)
-        profile = VariantProfile.from_package(pkg, POLICY, variant_id=e.id)
-        with pkg.open_session() as s:
-            profile.self_benchmark(lambda s=s: s.run({"x": x1}), repeats=30)
-        profiles.append(profile)
-    power = DEFAULT_POWER
-    # the operator's prior on the cloud: its validation accuracy, as its compiler measured it
+def adaptive_options(models: Models) -> AdaptiveOptions:
+    """The operator's priors: the cloud model's validation accuracy, as its compiler measured it."""
     cloud = VariantSet.load(models.cloud_root / CLOUD_NAME).recommended
     prior = min(float(cloud.fidelity.get("accuracy", 0.99)), 0.999)
-    link = LinkProfile(rtt_ms=10.0, wait_power_w=power.idle_watts, energy_per_byte_mj=power.joules_per_byte_sent * 1e3,
-                       energy_label=power.label, cloud_accuracy=prior)
-    return Controller(profiles, budget, link=link, config=ControllerConfig())
+    return AdaptiveOptions(cloud_accuracy=prior, benchmark_repeats=30)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -146,8 +131,8 @@ def main(argv: list[str] | None = None) -> int:
             print("replaying oracle ...", flush=True)
             records["oracle"] = replay(Scripted(points), models, plan, trace, proxy, rate=args.rate)
             print("replaying controller ...", flush=True)
-            records["controller"] = replay(make_controller(models, plan[0].budget), models, plan, trace, proxy,
-                                           rate=args.rate)
+            records["controller"] = replay(True, models, plan, trace, proxy, rate=args.rate,
+                                           adaptive=adaptive_options(models))
         finally:
             proxy.stop()
     order = ["controller", "oracle", "fixed-0.5", "edge-only", "cloud-only"]
