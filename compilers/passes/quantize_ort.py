@@ -40,15 +40,17 @@ _METHODS = {"minmax": CalibrationMethod.MinMax, "entropy": CalibrationMethod.Ent
             "percentile": CalibrationMethod.Percentile}
 _TYPES = {"int8": QuantType.QInt8, "uint8": QuantType.QUInt8}
 _DYNAMIC_OPS = ("MatMul",)
-_RANKING_SAMPLES = 64
+_RANKING_SAMPLES = 32
 
 
 class _DropAdvice(logging.Filter):
-    """onnxruntime.quantization logs pre-processing advice on the root logger at every call; we
-    quantize the raw export on purpose (pre-processing fails on transformer exports)."""
+    """onnxruntime.quantization logs on the root logger, at every call, advice to pre-process (we
+    quantize the raw export on purpose: pre-processing fails on transformer exports) and a note per
+    1-D weight that per-channel does not apply to (it is quantized per tensor, as it should be)."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        return not str(record.msg).startswith("Please consider")
+        text = str(record.msg)
+        return not (text.startswith("Please consider") or "is out-of-range for weight" in text)
 
 
 @contextlib.contextmanager
@@ -62,15 +64,20 @@ def _quiet() -> Iterator[None]:
 
 
 class _Reader(CalibrationDataReader):
+    """Batches for the calibrator; `set_range` lets it collect a few batches at a time (see below)."""
+
     def __init__(self, batches: Sequence[dict[str, np.ndarray]]) -> None:
         self._batches = list(batches)
         self._it = iter(self._batches)
 
+    def __len__(self) -> int:
+        return len(self._batches)
+
     def get_next(self) -> dict[str, np.ndarray] | None:
         return next(self._it, None)
 
-    def rewind(self) -> None:
-        self._it = iter(self._batches)
+    def set_range(self, start_index: int, end_index: int) -> None:
+        self._it = iter(self._batches[start_index:end_index])
 
 
 def quantize(artifact: Path, ctx: PassContext, *, mode: str = "static", per_channel: bool | None = None,
@@ -110,8 +117,10 @@ def quantize(artifact: Path, ctx: PassContext, *, mode: str = "static", per_chan
     model = onnx.load(str(artifact))
     record: dict[str, Any] = {"name": "quantize_ort", "mode": mode, "per_channel": per_channel,
                               "reduce_range": reduce_range, "weight_type": weight_type}
+    # CalibStridedMinMax (despite its name, any method) makes the calibrator reduce every batch as it
+    # goes: by default it keeps every intermediate tensor of every batch, gigabytes on a transformer.
     common = {"per_channel": per_channel, "reduce_range": reduce_range, "weight_type": _TYPES[weight_type],
-              "extra_options": {"DefaultTensorType": onnx.TensorProto.FLOAT}}
+              "extra_options": {"DefaultTensorType": onnx.TensorProto.FLOAT, "CalibStridedMinMax": 1}}
     out = ctx.workdir / "model.onnx"
     n_attempt = [0]
 
@@ -134,7 +143,7 @@ def quantize(artifact: Path, ctx: PassContext, *, mode: str = "static", per_chan
             return path
 
         def rank() -> list[tuple[str, float]]:
-            batches = list(ctx.calibration.subset(_RANKING_SAMPLES).batches(16))
+            batches = list(ctx.calibration.subset(_RANKING_SAMPLES).batches(4))
             return sensitivity.dynamic_ranking(model, batches, ops, per_channel=per_channel, threads=ctx.threads)
         record["op_types"] = ops
     else:
@@ -166,7 +175,7 @@ def quantize(artifact: Path, ctx: PassContext, *, mode: str = "static", per_chan
             return path
 
         def rank() -> list[tuple[str, float]]:
-            batches = list(ctx.calibration.subset(_RANKING_SAMPLES).batches(16))
+            batches = list(ctx.calibration.subset(_RANKING_SAMPLES).batches(4))
             return sensitivity.qdq_ranking(model, onnx.load(str(out)), batches, threads=ctx.threads)
 
     first = build([])

@@ -3,7 +3,8 @@
 Ranking a QDQ model (static int8): every QuantizeLinear -> DequantizeLinear pair is made
 observable, the model runs once on a few validation batches, and each pair's noise is measured
 where it is injected: ||dq(q(t)) - t||² / ||t||² for activations (inside the quantized model, so
-upstream error is already included) and the same against the fp32 initializer for weights. A
+upstream error is already included; also over the elements below ±1000 alone, so that attention-mask
+sentinels cannot hide the damage) and the same against the fp32 initializer for weights. A
 node's score is the worst noise among the tensors it quantizes (its inputs, and its output when
 it owns that QDQ). Clipping from a bad calibration range and coarse per-tensor weights both show
 up here.
@@ -21,7 +22,7 @@ excluded.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -35,6 +36,10 @@ from compilers.fidelity import Verdict
 logger = logging.getLogger(__name__)
 
 _SAVED = "_tk_saved"
+# Attention masks fill padded positions with -1e4 or float32's minimum. Such sentinels dominate a
+# tensor's power, so a relative error over all elements cannot see that quantizing to their range
+# wiped out the ordinary values; the noise is therefore also measured over elements below this.
+_SENTINEL = 1e3
 _QDQ_OPS = ("QuantizeLinear", "DequantizeLinear")
 
 
@@ -52,7 +57,11 @@ def _expose(model: onnx.ModelProto, tensors: Iterable[str]) -> onnx.ModelProto:
 
 
 def _run_exposed(model: onnx.ModelProto, batches: Sequence[Mapping[str, np.ndarray]],
-                 threads: int) -> dict[str, list[np.ndarray]]:
+                 threads: int) -> Iterator[dict[str, np.ndarray]]:
+    """Run `model` (made by `_expose`) on each batch; yield its exposed tensors, one batch at a time.
+
+    One batch at a time: a transformer's intermediate tensors over many samples take gigabytes.
+    """
     import onnxruntime as ort
 
     so = ort.SessionOptions()
@@ -61,11 +70,8 @@ def _run_exposed(model: onnx.ModelProto, batches: Sequence[Mapping[str, np.ndarr
     so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
     sess = ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
     names = [o.name for o in sess.get_outputs() if o.name.endswith(_SAVED)]
-    values: dict[str, list[np.ndarray]] = {}
     for batch in batches:
-        for name, v in zip(names, sess.run(names, dict(batch)), strict=True):
-            values.setdefault(name[: -len(_SAVED)], []).append(np.asarray(v, np.float64))
-    return values
+        yield {name[: -len(_SAVED)]: v for name, v in zip(names, sess.run(names, dict(batch)), strict=True)}
 
 
 def _noise(pre: np.ndarray, post: np.ndarray) -> float:
@@ -116,12 +122,16 @@ def qdq_ranking(fp32: onnx.ModelProto, qdq: onnx.ModelProto, batches: Sequence[M
                 for owner in owners:
                     weight_noise[owner] = max(weight_noise.get(owner, 0.0), noise)
     observed = [t for pre, post, _ in act_pairs for t in (pre, post)]
-    values = _run_exposed(_expose(qdq, observed), batches, threads) if act_pairs else {}
+    # [0]/[1]: error and power over all elements; [2]/[3]: over the moderate ones (see _SENTINEL).
+    sums = np.zeros((len(act_pairs), 4))
+    for values in _run_exposed(_expose(qdq, observed), batches, threads) if act_pairs else ():
+        for k, (pre, post, _) in enumerate(act_pairs):
+            a, b = values[pre].astype(np.float64), values[post].astype(np.float64)
+            sq_err, moderate = (b - a) ** 2, np.abs(a) <= _SENTINEL
+            sums[k] += (sq_err.sum(), (a**2).sum(), sq_err[moderate].sum(), (a[moderate] ** 2).sum())
     scores = dict(weight_noise)
-    for pre, post, owners in act_pairs:
-        if pre not in values or post not in values:
-            continue
-        noise = _noise(np.concatenate(values[pre]), np.concatenate(values[post]))
+    for k, (_, _, owners) in enumerate(act_pairs):
+        noise = max(sums[k, 0] / max(sums[k, 1], 1e-30), sums[k, 2] / max(sums[k, 3], 1e-30))
         for owner in owners:
             scores[owner] = max(scores.get(owner, 0.0), noise)
     return sorted(scores.items(), key=lambda kv: -kv[1])
@@ -133,7 +143,18 @@ def dynamic_ranking(fp32: onnx.ModelProto, batches: Sequence[Mapping[str, np.nda
     init = {t.name: t for t in fp32.graph.initializer}
     nodes = [n for n in fp32.graph.node if n.op_type in op_types]
     acts = [i for n in nodes for i in n.input[:2] if i and i not in init]
-    values = _run_exposed(_expose(fp32, acts), batches, threads) if acts else {}
+    # Expected noise of per-batch [min, max] 8-bit quantization: (range / 255)² / 12 per batch.
+    quant_noise = dict.fromkeys(acts, 0.0)
+    stats = {a: [0.0, 0.0, 0] for a in acts}  # sum, sum of squares, count
+    n_batches = 0
+    for values in _run_exposed(_expose(fp32, acts), batches, threads) if acts else ():
+        n_batches += 1
+        for a in acts:
+            v = values[a].astype(np.float64)
+            quant_noise[a] += (np.ptp(v) / 255) ** 2 / 12
+            stats[a][0] += float(v.sum())
+            stats[a][1] += float((v**2).sum())
+            stats[a][2] += v.size
     scores = []
     for n in nodes:
         score = 0.0
@@ -142,10 +163,10 @@ def dynamic_ranking(fp32: onnx.ModelProto, batches: Sequence[Mapping[str, np.nda
                 w = numpy_helper.to_array(init[name]).astype(np.float64)
                 span = (np.ptp(w, axis=0) if per_channel and w.ndim == 2 else np.ptp(w))
                 score = max(score, float(np.mean(np.square(span / 255) / 12) / max(w.var(), 1e-30)))
-            elif name in values:
-                parts = values[name]
-                noise = np.mean([np.square(np.ptp(p) / 255) / 12 for p in parts])
-                score = max(score, float(noise / max(np.concatenate(parts).var(), 1e-30)))
+            elif name in stats and stats[name][2]:
+                total, squares, count = stats[name]
+                var = squares / count - (total / count) ** 2
+                score = max(score, quant_noise[name] / n_batches / max(var, 1e-30))
         scores.append((n.name, score))
     return sorted(scores, key=lambda kv: -kv[1])
 
@@ -162,24 +183,47 @@ class SearchResult:
 
 def search(build: Callable[[list[str]], Path], evaluate: Callable[[Path], tuple[dict[str, float], Verdict]],
            ranking: Sequence[tuple[str, float]], *, first: tuple[Path, dict[str, float], Verdict],
-           max_fraction: float = 0.5, max_attempts: int = 8) -> SearchResult:
-    """Exclude the top 1, 2, 4, ... ranked nodes until the guard passes; stop at `max_fraction` of them."""
+           max_fraction: float = 0.5, max_attempts: int = 8, refine: int = 2) -> SearchResult:
+    """Exclude the top 1, 2, 4, ... ranked nodes until the guard passes; stop at `max_fraction` of them.
+
+    Once k nodes pass where k/2 did not, up to `refine` bisection steps look for a smaller count
+    that still passes, so that as much as possible stays int8.
+    """
     artifact, fid, verdict = first
     attempts = [_attempt([], fid, verdict)]
     names = [n for n, _ in ranking]
     cap = max(1, int(len(names) * max_fraction))
-    k = 1
+    k, failed_at = 1, 0
     excluded: list[str] = []
     while not verdict.passed and len(attempts) <= max_attempts and names:
         excluded = names[:min(k, cap)]
-        artifact = build(excluded)
-        fid, verdict = evaluate(artifact)
-        attempts.append(_attempt(excluded, fid, verdict))
-        logger.info("excluding %d most sensitive node(s): %s", len(excluded), verdict.reason)
+        artifact, (fid, verdict) = _try(build, evaluate, excluded, attempts)
+        if not verdict.passed:
+            failed_at = len(excluded)
         if k >= cap:
             break
         k *= 2
-    return SearchResult(artifact, excluded if verdict.passed or excluded else [], verdict.passed, attempts)
+    best = (artifact, excluded, fid, verdict)
+    for _ in range(refine if verdict.passed else 0):
+        mid = (failed_at + len(best[1])) // 2
+        if mid <= failed_at:
+            break
+        path, (f, v) = _try(build, evaluate, names[:mid], attempts)
+        if v.passed:
+            best = (path, names[:mid], f, v)
+        else:
+            failed_at = mid
+    artifact, excluded, fid, verdict = best
+    return SearchResult(artifact, excluded, verdict.passed, attempts)
+
+
+def _try(build: Callable[[list[str]], Path], evaluate: Callable[[Path], tuple[dict[str, float], Verdict]],
+         excluded: list[str], attempts: list[dict[str, Any]]) -> tuple[Path, tuple[dict[str, float], Verdict]]:
+    artifact = build(excluded)
+    fid, verdict = evaluate(artifact)
+    attempts.append(_attempt(excluded, fid, verdict))
+    logger.info("excluding %d most sensitive node(s): %s", len(excluded), verdict.reason)
+    return artifact, (fid, verdict)
 
 
 def _attempt(excluded: list[str], fid: Mapping[str, float], verdict: Verdict) -> dict[str, Any]:
