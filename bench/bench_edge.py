@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 import tempfile
 import time
@@ -38,6 +37,8 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
+
+from bench.overhead import interleaved_medians  # noqa: E402 - after the path fix above
 
 TARGET_US, TARGET_PCT = 30.0, 5.0
 
@@ -56,24 +57,9 @@ class Row:
     calls_per_block: int
 
 
-def _time_block(fn: Callable[[], Any], calls: int) -> float:
-    start = time.perf_counter_ns()
-    for _ in range(calls):
-        fn()
-    return (time.perf_counter_ns() - start) / calls / 1e3
-
-
 def compare(model: str, case: str, raw: Callable[[], Any], sdk_call: Callable[[], Any], *, blocks: int,
             calls: int) -> Row:
-    for _ in range(max(20, calls // 4)):  # warm both paths: allocator, caches, thread pools
-        raw()
-        sdk_call()
-    raw_t, sdk_t = [], []
-    for block in range(blocks):
-        pair = ((raw, raw_t), (sdk_call, sdk_t))
-        for fn, sink in pair if block % 2 == 0 else reversed(pair):
-            sink.append(_time_block(fn, calls))
-    r, s = statistics.median(raw_t), statistics.median(sdk_t)
+    r, s = interleaved_medians(raw, sdk_call, blocks=blocks, calls=calls, warmup=max(20, calls // 4))
     allowed = max(TARGET_US, r * TARGET_PCT / 100)
     return Row(model, case, r, s, s - r, (s - r) / r * 100, allowed, s - r <= allowed, blocks, calls)
 

@@ -23,10 +23,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 import tempfile
-import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -37,6 +35,8 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
+
+from bench.overhead import interleaved_medians  # noqa: E402 - after the path fix above
 
 TARGET_US, TARGET_PCT = 20.0, 3.0
 
@@ -55,24 +55,9 @@ class Row:
     calls_per_block: int
 
 
-def _time_block(fn: Callable[[], Any], calls: int) -> float:
-    start = time.perf_counter_ns()
-    for _ in range(calls):
-        fn()
-    return (time.perf_counter_ns() - start) / calls / 1e3
-
-
 def compare(model: str, backend: str, raw: Callable[[], Any], wrapped: Callable[[], Any], *, blocks: int,
             calls: int) -> Row:
-    for _ in range(max(10, calls // 4)):  # warm both paths: allocator, caches, thread pools
-        raw()
-        wrapped()
-    raw_t, wrapped_t = [], []
-    for block in range(blocks):
-        pair = ((raw, raw_t), (wrapped, wrapped_t))
-        for fn, sink in pair if block % 2 == 0 else reversed(pair):
-            sink.append(_time_block(fn, calls))
-    r, w = statistics.median(raw_t), statistics.median(wrapped_t)
+    r, w = interleaved_medians(raw, wrapped, blocks=blocks, calls=calls, warmup=max(10, calls // 4))
     allowed = max(TARGET_US, r * TARGET_PCT / 100)
     return Row(model, backend, r, w, w - r, (w - r) / r * 100, allowed, w - r <= allowed, blocks, calls)
 
