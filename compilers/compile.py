@@ -24,7 +24,6 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
-import shutil
 import tempfile
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -150,9 +149,7 @@ def _prepare_output(out: Path) -> Path:
         if not is_variant_set(out):
             msg = f"output {str(out)!r} exists and is not a variant set; give an empty or new directory"
             raise ConfigError(msg)
-        old = VariantSet.load(out)
-        for entry in old.entries:
-            shutil.rmtree(out / entry.path, ignore_errors=True)
+        VariantSet.load(out)  # replaced only once the new set is built (report.write)
     out.mkdir(parents=True, exist_ok=True)
     return out
 

@@ -109,16 +109,11 @@ class Guard:
             return Verdict(True, "within limits", req)
         return Verdict(False, "; ".join(problems), req)
 
-    def score(self, fid: dict[str, float], task: str) -> float:
-        """One number, higher is better, whose drop the guard bounds (for accuracy-controlled quantizers)."""
-        if task == Task.CLASSIFICATION and "drop_points" in fid:
-            return -fid["drop_points"] / 100.0
-        return fid["cosine_mean"]
-
 
 def _log_softmax(z: np.ndarray) -> np.ndarray:
     z = z - z.max(axis=1, keepdims=True)
-    return z - np.log(np.exp(z).sum(axis=1, keepdims=True))
+    out: np.ndarray = z - np.log(np.exp(z).sum(axis=1, keepdims=True))
+    return out
 
 
 def nll(logits: np.ndarray, targets: np.ndarray, temperature: float = 1.0) -> float:
@@ -149,7 +144,8 @@ def fit_temperature(logits: np.ndarray, targets: np.ndarray, *, lo: float = 0.05
 
 
 def softmax_confidence(logits: np.ndarray, temperature: float) -> np.ndarray:
-    return np.exp(_log_softmax(np.asarray(logits, np.float64) / temperature).max(axis=1))
+    out: np.ndarray = np.exp(_log_softmax(np.asarray(logits, np.float64) / temperature).max(axis=1))
+    return out
 
 
 def escalation_curve(logits: np.ndarray, targets: np.ndarray, temperature: float,
@@ -178,7 +174,8 @@ def free_energy(logits: np.ndarray, temperature: float) -> np.ndarray:
     """-T · logsumexp(logits / T) per sample (lower means more in-distribution)."""
     z = np.asarray(logits, np.float64) / temperature
     m = z.max(axis=1, keepdims=True)
-    return -temperature * (m[:, 0] + np.log(np.exp(z - m).sum(axis=1)))
+    out: np.ndarray = -temperature * (m[:, 0] + np.log(np.exp(z - m).sum(axis=1)))
+    return out
 
 
 def ood_stats(logits: np.ndarray, temperature: float) -> dict[str, float]:

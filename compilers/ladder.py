@@ -237,7 +237,7 @@ class Ladder:
                      if isinstance(r.get("sensitivity"), dict) and r["sensitivity"].get("note")), None)
         if not verdict.passed or void:
             reason = void or verdict.reason
-            attempts = next((r["sensitivity"]["attempts"] for r in records if "sensitivity" in r), None)
+            attempts = next((r["sensitivity"].get("attempts") for r in records if "sensitivity" in r), None)
             rejected = {**entry, "stage": "guard", "reason": reason, "measured": fid, "required": verdict.required}
             if attempts:
                 rejected["attempts"] = attempts

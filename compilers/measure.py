@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 import platform
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -106,16 +106,3 @@ def modeled_energy(latency_ms: Mapping[str, Any], batch_size: int = 1,
     reading = runtime_energy.modeled_energy(profile, busy_s)
     return {"mj": reading.joules * 1e3, "label": reading.label, "batch_size": batch_size,
             "busy_watts": profile.busy_watts}
-
-
-def ratios(latencies: Mapping[str, Mapping[str, Any]], baseline: str, batch_sizes: Sequence[int]) -> dict[str, dict]:
-    """Speed-up of each variant over `baseline` per batch size (>1 means faster)."""
-    out: dict[str, dict[str, float]] = {}
-    for vid, lat in latencies.items():
-        out[vid] = {}
-        for b in batch_sizes:
-            key = f"batch_{b}"
-            base, own = latencies[baseline].get(key, {}).get("p50"), lat.get(key, {}).get("p50")
-            if base and own:
-                out[vid][key] = float(base / own)
-    return out

@@ -20,7 +20,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from compilers.manifest import Manifest
 from compilers.measure import host_cpu
 from compilers.package import write_package
-from compilers.variants import VariantEntry, VariantSet
+from compilers.variants import INDEX_FILE, VariantEntry, VariantSet, is_variant_set
 
 if TYPE_CHECKING:
     from compilers.ladder import Candidate, Ladder
@@ -44,6 +44,18 @@ def brief(fid: Mapping[str, float]) -> str:
     return ", ".join(parts)
 
 
+def pass_labels(records: list[dict[str, Any]]) -> list[str]:
+    """Short names of the passes that changed the model, e.g. ["prune", "fuse:onnxslim", "quantize_ort:static"]."""
+    labels = []
+    for r in records:
+        name = str(r["name"])
+        if name in ("source", "note") or (name == "fuse" and r.get("kept") == "none"):
+            continue
+        detail = r.get("kept") or r.get("mode") or ("fp16" if r.get("compress_to_fp16") else None)
+        labels.append(f"{name}:{detail}" if detail else name)
+    return labels
+
+
 def tool_versions() -> dict[str, str]:
     out = {}
     for dist in _TOOLS:
@@ -64,6 +76,17 @@ def _recommend(candidates: list[Candidate], baseline_latency: Mapping[str, Any],
     return min(eligible, key=lambda c: c.latency[key]["p50"]).id
 
 
+def _remove_previous(out: Path) -> None:
+    """Delete the packages and index of a variant set previously written to `out`."""
+    if not is_variant_set(out):
+        return
+    for entry in VariantSet.load(out).entries:
+        target = (out / entry.path).resolve()
+        if target.parent == out.resolve() and target.is_dir():
+            shutil.rmtree(target)
+    (out / INDEX_FILE).unlink()
+
+
 def _copy_artifact(artifact: Path, directory: Path) -> str:
     directory.mkdir(parents=True, exist_ok=True)
     for f in artifact.parent.iterdir():
@@ -75,6 +98,7 @@ def _copy_artifact(artifact: Path, directory: Path) -> str:
 def write(out: Path, ladder: Ladder, candidates: list[Candidate], baseline: str, *, name: str, version: str,
           sign_key: Ed25519PrivateKey | None, arguments: dict[str, Any]) -> VariantSet:
     """Write every candidate as a package under `out`, then the index; return the `VariantSet`."""
+    _remove_previous(out)
     default = ladder.batch_sizes[0]
     recommended = _recommend(candidates, ladder.baseline_latency, default)
     data = {"calibration": {"sha256": ladder.calibration.digest(), "samples": len(ladder.calibration),
@@ -106,7 +130,7 @@ def write(out: Path, ladder: Ladder, candidates: list[Candidate], baseline: str,
                             build={**build, "variant": c.id, "rung": c.rung.id, "base": c.base.label or "reference"})
         pkg = write_package(directory, manifest, sign_key=sign_key)
         entries.append(VariantEntry(id=c.id, path=c.id, precision=c.rung.precision, runtime=c.rung.runtime,
-                                    passes=[str(r["name"]) for r in c.records], fidelity=c.fidelity,
+                                    passes=pass_labels(c.records), fidelity=c.fidelity,
                                     latency_ms=c.latency, size_bytes=pkg.manifest.size_bytes, energy=energy,
                                     recommended=c.id == recommended, batch_sizes=list(ladder.batch_sizes)))
     entries.sort(key=lambda e: e.cost_ms)
@@ -172,7 +196,7 @@ def format_table(rows: list[dict[str, Any]], batch_sizes: tuple[int, ...]) -> st
         speed = [f"{r['speedup_vs_fp32'][f'batch_{b}']:.2f}" if f"batch_{b}" in r.get("speedup_vs_fp32", {}) else "-"
                  for b in sizes]
         size = f"{r['size_bytes'] / 1024:.0f} KB" if "size_bytes" in r else "-"
-        passes = ",".join(p for p in r["passes"] if p not in ("source", "export_onnx", "note"))
+        passes = ",".join(p for p in r["passes"] if not p.startswith("export_onnx"))
         lines.append([r["id"], r["status"], r["precision"], r["runtime"], passes or "-", _fid_cell(r["fidelity"]),
                       *speed, size])
     widths = [max(len(str(x)) for x in col) for col in zip(head, *lines, strict=True)]

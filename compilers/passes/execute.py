@@ -57,7 +57,7 @@ class _OrtRunner:
 
         so = ort.SessionOptions()
         so.intra_op_num_threads = threads
-        self._sess = ort.InferenceSession(str(artifact), so, providers=["CPUExecutionProvider"])
+        self._sess: Any = ort.InferenceSession(str(artifact), so, providers=["CPUExecutionProvider"])
         self._names = [o.name for o in self._sess.get_outputs()]
 
     def run(self, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -68,7 +68,7 @@ class _OrtRunner:
             raise InferenceError(msg) from exc
 
     def close(self) -> None:
-        self._sess = None  # type: ignore[assignment]
+        self._sess = None
 
 
 class _OvRunner:
@@ -78,8 +78,8 @@ class _OvRunner:
         config: dict[str, Any] = {"PERFORMANCE_HINT": "LATENCY"}
         if threads:
             config["INFERENCE_NUM_THREADS"] = threads
-        self._compiled = ov.Core().compile_model(str(artifact), "CPU", config)
-        self._request = self._compiled.create_infer_request()
+        self._compiled: Any = ov.Core().compile_model(str(artifact), "CPU", config)
+        self._request: Any = self._compiled.create_infer_request()
         self._names = [p.get_any_name() for p in self._compiled.outputs]
 
     def run(self, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:

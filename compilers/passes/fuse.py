@@ -1,7 +1,8 @@
 """Graph fusion, kept only where it measurably helps.
 
-Candidates: onnxslim (constant folding, dead-node removal, fusions) and onnxruntime's offline
-basic-level optimization (hardware-independent rewrites only, so the file still runs anywhere).
+Candidates: onnxslim (constant folding, dead-node removal, fusions), onnxruntime's offline
+basic-level optimization (hardware-independent rewrites only, so the file still runs anywhere),
+and onnxoptimizer when it is installed.
 Each candidate is timed against the unfused graph in the same interleaved run, all loaded the way
 devices load them (online ORT_ENABLE_ALL). The fastest is kept when it beats the original by
 `min_gain`; otherwise the original is kept and the measurements say why. Online optimization
@@ -11,6 +12,8 @@ not a failure.
 
 from __future__ import annotations
 
+import importlib
+import importlib.util
 import logging
 import shutil
 from pathlib import Path
@@ -19,14 +22,15 @@ from typing import Any
 from compilers.measure import TimingPlan, time_runners
 from compilers.passes import PassContext, PassResult
 from compilers.passes.execute import open_runner
+from runtimes.errors import ConfigError
 
 logger = logging.getLogger(__name__)
 
 
 def _onnxslim(src: Path, dst: Path) -> Path:
     import onnx
-    import onnxslim
 
+    onnxslim = importlib.import_module("onnxslim")
     onnx.save(onnxslim.slim(onnx.load(str(src))), str(dst))
     return dst
 
@@ -41,20 +45,40 @@ def _ort_basic(src: Path, dst: Path) -> Path:
     return dst
 
 
-_CANDIDATES = {"onnxslim": _onnxslim, "ort-basic": _ort_basic}
+def _onnxoptimizer(src: Path, dst: Path) -> Path:
+    import onnx
+
+    onnxoptimizer = importlib.import_module("onnxoptimizer")
+    onnx.save(onnxoptimizer.optimize(onnx.load(str(src))), str(dst))
+    return dst
 
 
-def fuse(artifact: Path, ctx: PassContext, *, candidates: tuple[str, ...] = ("onnxslim", "ort-basic"),
+_CANDIDATES = {"onnxslim": _onnxslim, "ort-basic": _ort_basic, "onnxoptimizer": _onnxoptimizer}
+
+
+def _default_candidates() -> tuple[str, ...]:
+    return tuple(n for n in ("onnxslim", "ort-basic", "onnxoptimizer")
+                 if n == "ort-basic" or importlib.util.find_spec(n) is not None)
+
+
+def fuse(artifact: Path, ctx: PassContext, *, candidates: tuple[str, ...] | None = None,
          min_gain: float = 0.03, budget_s: float = 0.8) -> PassResult:
     """Try each fusion candidate on `artifact`; keep the fastest if it is `min_gain` faster than none.
 
     Args:
         artifact: the fp32 ONNX model.
         ctx: pass context (timing threads, data, batch sizes).
-        candidates: which fusions to try ("onnxslim", "ort-basic").
+        candidates: which fusions to try ("onnxslim", "ort-basic", "onnxoptimizer"; default: the
+            installed ones).
         min_gain: the relative speed-up a candidate must show to be kept.
         budget_s: timing budget per batch size.
     """
+    if candidates is None:
+        candidates = _default_candidates()
+    unknown = sorted(set(candidates) - set(_CANDIDATES))
+    if unknown:
+        msg = f"fuse candidates {unknown} are not among {sorted(_CANDIDATES)}"
+        raise ConfigError(msg)
     built: dict[str, Path] = {"none": artifact}
     failures: dict[str, str] = {}
     for name in candidates:

@@ -32,6 +32,7 @@ logger = logging.getLogger(__name__)
 
 
 def _output_layers(model: nn.Module, tensors: tuple[torch.Tensor, ...]) -> list[nn.Module]:
+    layers: list[nn.Module]
     """Modules whose output is a model output: the last Linear/Conv with the output's width."""
     with torch.inference_mode():
         out = model(*tensors)
@@ -47,11 +48,13 @@ def _params(model: nn.Module) -> int:
 
 def _forward(model: nn.Module, batch: dict[str, torch.Tensor], names: list[str]) -> torch.Tensor:
     out = model(*(batch[n] for n in names))
-    return out[0] if isinstance(out, tuple | list) else out
+    first: torch.Tensor = out[0] if isinstance(out, tuple | list) else out
+    return first
 
 
 def prune(model: nn.Module, example_inputs: Any, calibration: CalibrationData, config: PruneConfig, *,
-          input_names: list[str], task: str, validation: CalibrationData | None = None) -> tuple[nn.Module, dict]:
+          input_names: list[str], task: str,
+          validation: CalibrationData | None = None) -> tuple[nn.Module, dict[str, Any]]:
     """Prune `config.ratio` of the channels of a copy of `model`, then recover it.
 
     Returns:
@@ -105,7 +108,8 @@ def _loss(task: str, temperature: float):  # type: ignore[no-untyped-def]
         kl = nn.KLDivLoss(reduction="batchmean", log_target=True)
 
         def distill(s: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
-            return kl(torch.log_softmax(s / temperature, 1), torch.log_softmax(t / temperature, 1)) * temperature**2
+            loss: torch.Tensor = kl(torch.log_softmax(s / temperature, 1), torch.log_softmax(t / temperature, 1))
+            return loss * temperature**2
 
         return distill
     return nn.functional.mse_loss
@@ -120,7 +124,7 @@ def _distill(teacher: nn.Module, student: nn.Module, calibration: CalibrationDat
     sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=max(1, config.epochs))
     loss_fn = _loss(task, config.temperature)
     n = len(calibration)
-    losses = []
+    losses: list[float] = []
     student.train()
     deadline = time.perf_counter() + config.max_seconds
     for _ in range(config.epochs):

@@ -63,7 +63,7 @@ def _quiet() -> Iterator[None]:
         root.removeFilter(advice)
 
 
-class _Reader(CalibrationDataReader):
+class _Reader(CalibrationDataReader):  # type: ignore[misc]
     """Batches for the calibrator; `set_range` lets it collect a few batches at a time (see below)."""
 
     def __init__(self, batches: Sequence[dict[str, np.ndarray]]) -> None:

