@@ -118,8 +118,9 @@ def compile_model(model: Any, *, output: str | Path, target: str | Target | Path
         work = Path(tmp)
         source = _load_source(model, example_inputs, work, task,
                               _data_names(calibration) or _data_names(validation))
-        if prune_config is not None and source.torch_model is None:
-            msg = "prune= needs the model as a torch nn.Module (with example_inputs); an ONNX file cannot be pruned"
+        if prune_config is not None and source.kind != "torch":
+            msg = (f"prune= needs the model as a torch nn.Module (with example_inputs); a {source.kind} model "
+                   "cannot be pruned")
             raise ConfigError(msg)
         calib, val = _data(calibration, validation, source.inputs)
         _check_batch_axis(source.inputs, sizes)

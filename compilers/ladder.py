@@ -86,10 +86,17 @@ class Ladder:
     progress: bool
     prune: PruneConfig | None
     rejected: list[dict[str, Any]] = field(default_factory=list)
+    # Filled in by run(): reference outputs on the validation data and on the OOD calibration subset,
+    # the fp32 baseline's latency, and each evaluated artifact's validation outputs.
+    ref_val: np.ndarray = field(init=False)
+    ref_cal: np.ndarray = field(init=False)
+    baseline_latency: dict[str, Any] = field(init=False)
+    _ood_data: CalibrationData = field(init=False)
     _outputs: dict[str, np.ndarray] = field(default_factory=dict)
 
     def run(self, out: Path, *, name: str, version: str, sign_key: Ed25519PrivateKey | None,
             arguments: dict[str, Any]) -> VariantSet:
+        """Build every rung on every base, time the survivors, write the packages and the index."""
         rungs = self._available_rungs()
         total = 3 + len(rungs) * (2 if self.prune else 1)
         with tqdm(total=total, desc="reference", file=sys.stderr, disable=not self.progress, unit="step") as bar:
@@ -144,9 +151,9 @@ class Ladder:
         if self.task is None:
             self.task = self._infer_task()
         labels = self.validation.labels
-        if self.task == Task.CLASSIFICATION and labels is not None:
-            self.reference_accuracy = float((self.ref_val.argmax(axis=1) == labels).mean())
-            logger.info("fp32 reference accuracy on validation: %.4f", self.reference_accuracy)
+        if self.task == Task.CLASSIFICATION and labels is not None and self.ref_val.ndim == 2:
+            accuracy = float((self.ref_val.argmax(axis=1) == labels).mean())
+            logger.info("fp32 reference accuracy on validation: %.4f", accuracy)
 
     def _infer_task(self) -> str:
         if self.validation.labels is not None or (self.ref_val.ndim == 2 and self.ref_val.shape[1] <= 1000):

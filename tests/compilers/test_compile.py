@@ -147,3 +147,22 @@ def test_recompiling_into_a_variant_set_replaces_it(digits_cnn_onnx: Path, digit
     assert [e.id for e in first] != [e.id for e in second] == ["fp32-ort"]
     assert not (out / "fp32-ov").exists()
     assert [e.id for e in VariantSet.load(out)] == ["fp32-ort"]
+
+
+def test_prune_with_a_user_training_loop(digits_cnn, digits: zoo.Split,  # type: ignore[no-untyped-def]
+                                         digits_validation: dict[str, np.ndarray], tmp_path: Path) -> None:
+    calls = []
+
+    def finetune(module):  # type: ignore[no-untyped-def]
+        calls.append(sum(p.numel() for p in module.parameters()))
+        return zoo.train(module, digits, epochs=3, seed=1)
+
+    vs = compile_model(digits_cnn, example_inputs=digits.x_train[:1], output=tmp_path / "ft", target=ort_target(),
+                       precisions=("fp32",), prune=PruneConfig(0.5, finetune=finetune),
+                       calibration={"x": digits.x_train[:300]}, validation=digits_validation, max_drop=2.0,
+                       progress=False)
+    assert len(calls) == 1
+    record = next(p for p in vs.open("pruned50-fp32-ort").manifest.passes if p["name"] == "prune")
+    assert record["recovery"] == {"method": "user-finetune"}
+    assert record["finetune"].endswith("finetune")
+    assert calls[0] == record["params_after"]
