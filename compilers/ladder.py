@@ -156,12 +156,14 @@ class Ladder:
             logger.info("fp32 reference accuracy on validation: %.4f", accuracy)
 
     def _infer_task(self) -> str:
-        if self.validation.labels is not None or (self.ref_val.ndim == 2 and self.ref_val.shape[1] <= 1000):
+        """Labels, or a 2-D output of at most 1,000 columns that is not L2-normalised, mean a classifier."""
+        ref = self.ref_val
+        normalised = ref.ndim == 2 and bool(np.allclose(np.linalg.norm(ref, axis=1), 1.0, atol=1e-3))
+        if self.validation.labels is not None or (ref.ndim == 2 and ref.shape[1] <= 1000 and not normalised):
             task = Task.CLASSIFICATION.value
         else:
             task = Task.EMBEDDING.value
-        logger.info("task inferred as %s from the output shape %s (pass task= to override)", task,
-                    list(self.ref_val.shape))
+        logger.info("task inferred as %s from the output shape %s (pass task= to override)", task, list(ref.shape))
         return task
 
     def _eval_batch(self) -> int:

@@ -78,11 +78,11 @@ def test_min_cosine_guard_rejects_coarse_logits(digits_cnn_onnx: Path, tmp_path:
                                                 digits_validation: dict[str, np.ndarray]) -> None:
     vs = compile_model(digits_cnn_onnx, output=tmp_path / "cos", target=ort_target(static_rung(repair=False)),
                        precisions=("fp32", "int8"), calibration=digits_calibration, validation=digits_validation,
-                       min_cosine=0.99999, progress=False)
+                       min_cosine=0.999999, progress=False)
     assert [e.id for e in vs] == ["fp32-ort"]
     rejected = next(r for r in vs.rejected if r["id"] == "int8-ort-static")
-    assert rejected["required"]["min_cosine_mean"] == 0.99999
-    assert rejected["measured"]["cosine_mean"] < 0.99999
+    assert rejected["required"]["min_cosine_mean"] == 0.999999
+    assert rejected["measured"]["cosine_mean"] < 0.999999
 
 
 def test_nncf_accuracy_control_reverts_layers_to_meet_the_guard(digits_cnn_onnx: Path, tmp_path: Path,
@@ -94,16 +94,17 @@ def test_nncf_accuracy_control_reverts_layers_to_meet_the_guard(digits_cnn_onnx:
     vs = compile_model(digits_cnn_onnx, output=tmp_path / "ac", target=Target("ov", ("openvino",), ("fp32", "int8"),
                                                                                 (ov_fp32, ov_int8)),
                        precisions=("fp32", "int8"), calibration=digits_calibration, validation=digits_validation,
-                       min_cosine=0.99995, progress=False)  # plain NNCF int8 reaches 0.998-0.9998 here
+                       min_cosine=0.99998, progress=False)  # plain NNCF int8 reaches 0.998-0.99996 here
     if "int8-ov" not in {e.id for e in vs}:  # every layer reverted, or the limit still missed: refused
         rejected = next(r for r in vs.rejected if r["id"] == "int8-ov")
         assert "accuracy-controlled mode reverted every layer" in rejected["reason"] or (
-            rejected["measured"]["cosine_mean"] < 0.99995)
+            rejected["measured"]["cosine_mean"] < 0.99998)
         return
     record = next(p for p in vs.open("int8-ov").manifest.passes if p["name"] == "quantize_nncf")
+    assert "accuracy_control" in record, (record, vs.entry("int8-ov").fidelity)
     control = record["accuracy_control"]
     assert control["used"]
     assert control["metric"] == "cosine_mean"
-    assert control["first_attempt"]["cosine_mean"] < 0.99995
+    assert control["first_attempt"]["cosine_mean"] < 0.99998
     assert 0 < control["fake_quantize_ops"] < record["fake_quantize_ops"]
-    assert vs.entry("int8-ov").fidelity["cosine_mean"] >= 0.99995
+    assert vs.entry("int8-ov").fidelity["cosine_mean"] >= 0.99998
