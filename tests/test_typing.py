@@ -16,11 +16,7 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 CORE = {
     "runtimes",
-    "compilers/manifest.py",
-    "compilers/package.py",
-    "compilers/signing.py",
-    "compilers/variants.py",
-    "compilers/package_cli.py",
+    "compilers",
     "cloud_service",
     "edge_agent",
     "sdk",
