@@ -33,7 +33,7 @@ from onnxruntime.capi import onnxruntime_pybind11_state as ort_state
 
 from runtimes.errors import ConfigError, InferenceError, InputError, PackageError
 from runtimes.session import Session, SessionOptions, axis_name
-from runtimes.spec import TensorSpec, check_inputs
+from runtimes.spec import TensorSpec, input_error
 
 logger = logging.getLogger(__name__)
 
@@ -142,12 +142,9 @@ class OrtSession(Session):
             raise InferenceError(msg) from exc
 
     def _input_error(self, inputs: Mapping[str, np.ndarray], exc: Exception) -> InferenceError:
-        try:
-            check_inputs(self.inputs, inputs)
-        except InputError as precise:
+        precise = input_error(self.inputs, inputs)
+        if precise is not None:
             return precise
-        except (ValueError, TypeError):  # a value numpy cannot read: the generic message below says enough
-            pass
         if isinstance(exc, ort_state.InvalidArgument | ValueError | TypeError | RuntimeError):
             msg = f"onnxruntime rejected the inputs: {exc}; the model takes {list(self.inputs)}"
             return InputError(msg)

@@ -32,7 +32,7 @@ import openvino as ov
 
 from runtimes.errors import BackendUnavailable, ConfigError, InferenceError, InputError, PackageError
 from runtimes.session import Session, SessionOptions, axis_name
-from runtimes.spec import TensorSpec, check_inputs
+from runtimes.spec import TensorSpec, input_error
 
 logger = logging.getLogger(__name__)
 
@@ -130,12 +130,9 @@ class OpenVinoSession(Session):
         return dict(zip(self._output_names, outputs, strict=True))
 
     def _input_error(self, inputs: Mapping[str, np.ndarray], exc: Exception | None) -> InferenceError:
-        try:
-            check_inputs(self.inputs, inputs)
-        except InputError as precise:
+        precise = input_error(self.inputs, inputs)
+        if precise is not None:
             return precise
-        except (ValueError, TypeError):
-            pass
         if exc is None:
             msg = f"inputs must be numpy arrays named {[s.name for s in self.inputs]}"
             return InputError(msg)

@@ -118,3 +118,18 @@ def check_inputs(specs: Sequence[TensorSpec], inputs: Mapping[str, np.ndarray]) 
             msg = f"missing input {spec.name!r}; the model takes {sorted(names)}"
             raise InputError(msg)
         spec.check(np.asarray(inputs[spec.name]))
+
+
+def input_error(specs: Sequence[TensorSpec], inputs: Mapping[str, np.ndarray]) -> InputError | None:
+    """The `InputError` naming what is wrong with `inputs`, or None when they match `specs`.
+
+    Backends call it after their library rejected a call, to turn its message into one that names
+    the input; a value numpy cannot even read also gives None (the caller's generic message stands).
+    """
+    try:
+        check_inputs(specs, inputs)
+    except InputError as exc:
+        return exc
+    except (ValueError, TypeError):
+        return None
+    return None

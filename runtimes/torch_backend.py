@@ -43,7 +43,7 @@ from runtimes.errors import (
     TierkitError,
 )
 from runtimes.session import Session, SessionOptions, axis_name, io_sidecar_path, read_io_sidecar
-from runtimes.spec import TensorSpec, check_inputs
+from runtimes.spec import TensorSpec, input_error
 
 logger = logging.getLogger(__name__)
 
@@ -163,12 +163,9 @@ class TorchSession(Session):
         return {n: t.cpu().numpy() for n, t in zip(self._output_names, results, strict=True)}
 
     def _input_error(self, inputs: Mapping[str, np.ndarray], exc: Exception | None) -> InferenceError:
-        try:
-            check_inputs(self.inputs, inputs)
-        except InputError as precise:
+        precise = input_error(self.inputs, inputs)
+        if precise is not None:
             return precise
-        except (ValueError, TypeError):
-            pass
         if exc is None:
             msg = f"inputs must be numpy arrays named {[s.name for s in self.inputs]}"
             return InputError(msg)
