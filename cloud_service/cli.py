@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import signal
 import socket
@@ -21,6 +20,7 @@ from typing import Any
 
 from cloud_service.config import BatchingConfig, ModelOptions, MqttConfig, ServerConfig
 from cloud_service.security import GrpcTls, MqttTls
+from runtimes.documents import read_document
 from runtimes.errors import ConfigError
 
 _BATCH_KEYS = {"max_batch_size", "preferred_batch_sizes", "max_queue_delay_us", "max_queue_size"}
@@ -81,17 +81,7 @@ def _options(doc: dict[str, Any], base: ModelOptions, where: str) -> ModelOption
 
 
 def _load_model_config(path: Path, defaults: ModelOptions) -> tuple[ModelOptions, dict[str, ModelOptions]]:
-    try:
-        text = path.read_text()
-        if path.suffix == ".json":
-            doc = json.loads(text)
-        else:
-            import yaml
-
-            doc = yaml.safe_load(text)
-    except (OSError, ValueError) as exc:
-        msg = f"cannot read the model config {str(path)!r}: {exc}"
-        raise ConfigError(msg) from None
+    doc = read_document(path, "model config")
     doc = doc or {}
     if not isinstance(doc, dict) or set(doc) - {"defaults", "models"}:
         msg = f"{path}: expected a mapping with 'defaults' and/or 'models'"

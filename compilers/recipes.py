@@ -13,7 +13,6 @@ Example:
 
 from __future__ import annotations
 
-import json
 import logging
 import platform
 from collections.abc import Callable, Iterable, Mapping
@@ -21,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from runtimes.documents import read_document
 from runtimes.errors import ConfigError
 from runtimes.spec import Precision
 
@@ -258,17 +258,7 @@ def get_target(target: str | Target | Path, *, probe: Mapping[str, Any] | None =
 
 
 def _load_target_file(path: Path) -> Target:
-    try:
-        raw = path.read_text()
-        if path.suffix == ".json":
-            doc = json.loads(raw)
-        else:
-            import yaml
-
-            doc = yaml.safe_load(raw)
-    except (OSError, ValueError) as exc:
-        msg = f"cannot read target file {str(path)!r}: {exc}"
-        raise ConfigError(msg) from None
+    doc = read_document(path, "target file")
     return Target.from_dict(doc)
 
 

@@ -29,8 +29,6 @@ from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from edge_agent.adaptive import AdaptiveOptions
 from edge_agent.agent import AgentOptions
 from edge_agent.breaker import BreakerConfig
@@ -38,6 +36,7 @@ from edge_agent.budget import Budget
 from edge_agent.controller import ControllerConfig
 from edge_agent.policy import Policy
 from edge_agent.transports.base import parse_cloud_url
+from runtimes.documents import read_document
 from runtimes.errors import ConfigError
 from runtimes.session import SessionOptions
 
@@ -152,12 +151,5 @@ def parse_config(doc: Mapping[str, Any], *, base: Path = Path(), where: str = "a
 def load_config(path: str | Path) -> AgentConfig:
     """Read and validate `agent.yaml`."""
     path = Path(path)
-    try:
-        doc = yaml.safe_load(path.read_text())
-    except OSError as exc:
-        msg = f"cannot read the agent config {str(path)!r}: {exc.strerror}"
-        raise ConfigError(msg) from None
-    except yaml.YAMLError as exc:
-        msg = f"the agent config {str(path)!r} is not valid YAML: {exc}"
-        raise ConfigError(msg) from None
+    doc = read_document(path, "agent config")
     return parse_config(doc or {}, base=path.resolve().parent, where=str(path))
