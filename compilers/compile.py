@@ -21,7 +21,6 @@ Example:
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
 import tempfile
@@ -36,6 +35,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from compilers.calibration import LABELS, CalibrationData
 from compilers.fidelity import Guard
 from compilers.ladder import Ladder
+from compilers.package import sha256_file
 from compilers.recipes import PruneConfig, Target, get_target
 from compilers.signing import load_private_key
 from compilers.variants import VariantSet, is_variant_set
@@ -194,14 +194,6 @@ def _check_batch_axis(specs: Sequence[TensorSpec], sizes: Sequence[int]) -> None
             raise ConfigError(msg)
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with path.open("rb") as fh:
-        for chunk in iter(lambda: fh.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def onnx_specs(path: Path) -> tuple[tuple[TensorSpec, ...], tuple[TensorSpec, ...]]:
     """Input and output specs of an ONNX file (initializers are not inputs; unnamed dynamic axes get names)."""
     import onnx
@@ -249,8 +241,8 @@ def _load_source(model: Any, example_inputs: Any, work: Path, task: str | None,
             raise ConfigError(msg)
         if path.suffix.lower() == ".onnx":
             inputs, outputs = onnx_specs(path)
-            return Source(path, inputs, outputs, "onnx", sha256=_sha256(path), record={"name": "source", "kind": "onnx",
-                                                                                         "file": path.name})
+            record = {"name": "source", "kind": "onnx", "file": path.name}
+            return Source(path, inputs, outputs, "onnx", sha256=sha256_file(path), record=record)
         if path.suffix.lower() not in _TORCH_SUFFIXES:
             msg = f"model {str(path)!r}: expected an .onnx file or a .pt2 torch.export program"
             raise ConfigError(msg)
@@ -270,5 +262,5 @@ def _load_source(model: Any, example_inputs: Any, work: Path, task: str | None,
         inputs = tuple(TensorSpec(s.name, s.dtype, (static, *s.shape[1:])) for s in inputs)
         outputs = tuple(TensorSpec(s.name, s.dtype, (static, *s.shape[1:])) for s in outputs)
     return Source(onnx_path, inputs, outputs, kind, torch_model=model, example_inputs=example_inputs,
-                  sha256=_sha256(onnx_path), record={"name": "export_onnx", "kind": kind, "exporter": "torchscript",
+                  sha256=sha256_file(onnx_path), record={"name": "export_onnx", "kind": kind, "exporter": "torchscript",
                                                      "opset": 17})
