@@ -27,7 +27,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -38,30 +38,16 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from bench.overhead import interleaved_medians  # noqa: E402 - after the path fix above
+from bench import overhead  # noqa: E402 - after the path fix above
+from bench.overhead import OverheadRow  # noqa: E402
 
 TARGET_US, TARGET_PCT = 30.0, 5.0
 
 
-@dataclass(frozen=True)
-class Row:
-    model: str
-    case: str
-    raw_us: float
-    sdk_us: float
-    added_us: float
-    added_pct: float
-    allowed_us: float
-    passed: bool
-    blocks: int
-    calls_per_block: int
-
-
 def compare(model: str, case: str, raw: Callable[[], Any], sdk_call: Callable[[], Any], *, blocks: int,
-            calls: int) -> Row:
-    r, s = interleaved_medians(raw, sdk_call, blocks=blocks, calls=calls, warmup=max(20, calls // 4))
-    allowed = max(TARGET_US, r * TARGET_PCT / 100)
-    return Row(model, case, r, s, s - r, (s - r) / r * 100, allowed, s - r <= allowed, blocks, calls)
+            calls: int) -> OverheadRow:
+    return overhead.compare(model, case, raw, sdk_call, blocks=blocks, calls=calls, warmup=max(20, calls // 4),
+                            target_us=TARGET_US, target_pct=TARGET_PCT)
 
 
 def build(work: Path) -> tuple[Any, list[tuple[str, Path]]]:
@@ -83,7 +69,7 @@ def build(work: Path) -> tuple[Any, list[tuple[str, Path]]]:
     return split, out
 
 
-def bench_model(name: str, package: Path, x: np.ndarray, *, threads: int, blocks: int, calls: int) -> list[Row]:
+def bench_model(name: str, package: Path, x: np.ndarray, *, threads: int, blocks: int, calls: int) -> list[OverheadRow]:
     import sdk
     from cloud_service.protocol import encode_response
     from edge_agent.agent import AgentOptions
@@ -108,9 +94,9 @@ def bench_model(name: str, package: Path, x: np.ndarray, *, threads: int, blocks
     return rows
 
 
-def render(rows: list[Row]) -> str:
+def render(rows: list[OverheadRow]) -> str:
     head = ("model", "case", "raw µs", "sdk µs", "added µs", "added %", "allowed µs", "result")
-    lines = [head] + [(r.model, r.case, f"{r.raw_us:.1f}", f"{r.sdk_us:.1f}", f"{r.added_us:+.1f}",
+    lines = [head] + [(r.model, r.case, f"{r.raw_us:.1f}", f"{r.wrapped_us:.1f}", f"{r.added_us:+.1f}",
                        f"{r.added_pct:+.1f}", f"{r.allowed_us:.1f}", "PASS" if r.passed else "FAIL") for r in rows]
     widths = [max(len(line[i]) for line in lines) for i in range(len(head))]
     return "\n".join("  ".join(c.ljust(w) if i < 2 else c.rjust(w)
@@ -124,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=1, help="intra-op threads of both paths (default 1)")
     args = parser.parse_args(argv)
     blocks, calls = (9, 200) if args.quick else (41, 1000)
-    rows: list[Row] = []
+    rows: list[OverheadRow] = []
     with tempfile.TemporaryDirectory(prefix="tierkit-bench-edge-") as tmp:
         split, packages = build(Path(tmp))
         x = np.ascontiguousarray(split.x_test[0])

@@ -26,7 +26,7 @@ import os
 import sys
 import tempfile
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -36,30 +36,16 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from bench.overhead import interleaved_medians  # noqa: E402 - after the path fix above
+from bench import overhead  # noqa: E402 - after the path fix above
+from bench.overhead import OverheadRow  # noqa: E402
 
 TARGET_US, TARGET_PCT = 20.0, 3.0
 
 
-@dataclass(frozen=True)
-class Row:
-    model: str
-    backend: str
-    raw_us: float
-    tierkit_us: float
-    added_us: float
-    added_pct: float
-    allowed_us: float
-    passed: bool
-    blocks: int
-    calls_per_block: int
-
-
 def compare(model: str, backend: str, raw: Callable[[], Any], wrapped: Callable[[], Any], *, blocks: int,
-            calls: int) -> Row:
-    r, w = interleaved_medians(raw, wrapped, blocks=blocks, calls=calls, warmup=max(10, calls // 4))
-    allowed = max(TARGET_US, r * TARGET_PCT / 100)
-    return Row(model, backend, r, w, w - r, (w - r) / r * 100, allowed, w - r <= allowed, blocks, calls)
+            calls: int) -> OverheadRow:
+    return overhead.compare(model, backend, raw, wrapped, blocks=blocks, calls=calls, warmup=max(10, calls // 4),
+                            target_us=TARGET_US, target_pct=TARGET_PCT)
 
 
 def tiny_cnn(workdir: Path) -> tuple[Path, dict[str, np.ndarray]]:
@@ -113,7 +99,7 @@ def to_ir(onnx_path: Path) -> Path:
 
 
 def bench_model(name: str, onnx_path: Path, feed: dict[str, np.ndarray], *, threads: int, blocks: int,
-                calls: int) -> list[Row]:
+                calls: int) -> list[OverheadRow]:
     from runtimes import SessionOptions, open_session
 
     options = SessionOptions(intra_op_threads=threads, inter_op_threads=1)
@@ -133,9 +119,9 @@ def bench_model(name: str, onnx_path: Path, feed: dict[str, np.ndarray], *, thre
     return rows
 
 
-def render(rows: list[Row]) -> str:
+def render(rows: list[OverheadRow]) -> str:
     head = ("model", "backend", "raw µs", "tierkit µs", "added µs", "added %", "allowed µs", "result")
-    lines = [head] + [(r.model, r.backend, f"{r.raw_us:.1f}", f"{r.tierkit_us:.1f}", f"{r.added_us:+.1f}",
+    lines = [head] + [(r.model, r.case, f"{r.raw_us:.1f}", f"{r.wrapped_us:.1f}", f"{r.added_us:+.1f}",
                        f"{r.added_pct:+.1f}", f"{r.allowed_us:.1f}", "PASS" if r.passed else "FAIL") for r in rows]
     widths = [max(len(line[i]) for line in lines) for i in range(len(head))]
     return "\n".join("  ".join(c.ljust(w) if i < 2 else c.rjust(w) for i, (c, w) in enumerate(zip(line, widths,
@@ -151,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # the MiniLM weights are local; never reach a hub
     blocks = 9 if args.quick else 41
-    rows: list[Row] = []
+    rows: list[OverheadRow] = []
     with tempfile.TemporaryDirectory(prefix="tierkit-bench-") as tmp:
         work = Path(tmp)
         path, feed = tiny_cnn(work)
