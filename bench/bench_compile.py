@@ -237,6 +237,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--resnet-size", type=int, default=224, help="ResNet-like input size (default 224)")
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     parser.add_argument("--budget", type=float, default=3.0, help="timing seconds per batch size")
+    parser.add_argument("--keep", type=Path, help="build in this folder and keep it (default: a temporary one)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     wanted = ["digits"] if args.quick else [m.strip() for m in args.models.split(",") if m.strip()]
@@ -247,7 +248,9 @@ def main(argv: list[str] | None = None) -> int:
     for name in wanted:
         case = builders[name]()
         with tempfile.TemporaryDirectory(prefix=f"bench-{name}-") as tmp:
-            case_rows = run_case(case, Path(tmp), args.threads, 0.6 if args.quick else args.budget)
+            work = Path(tmp) if args.keep is None else args.keep / name
+            work.mkdir(parents=True, exist_ok=True)
+            case_rows = run_case(case, work, args.threads, 0.6 if args.quick else args.budget)
         rows += case_rows
         checks[name] = check_targets(name, case_rows, case.batch_sizes[0])
     if args.json:

@@ -31,10 +31,14 @@ logger = logging.getLogger(__name__)
 class TimingPlan:
     """How long to time each batch size: `rounds` interleaved rounds within `budget_s` seconds in all.
 
-    Each round times every variant in a block of calls. The first `switch_warmup` calls of a block
-    are not timed: the runtime timed just before keeps its threads spinning for a while, and measured
-    here, alternating onnxruntime and OpenVINO call by call made OpenVINO int8 MiniLM look 1.8× faster
-    than onnxruntime fp32 where blocks of 10 calls showed 3.0×.
+    Each round times every variant in a block of calls. A block starts with untimed calls, at least
+    `switch_warmup` of them and at least `switch_warmup_s` seconds' worth: the onnxruntime session
+    timed just before keeps its threads spinning for tens of milliseconds and slows whatever runs
+    next. Measured here: alternating onnxruntime and OpenVINO call by call made OpenVINO int8 MiniLM
+    look 1.8x faster than onnxruntime fp32 where blocks of 10 calls showed 3.0x; on the ResNet-like
+    CNN (224x224) the 5 to 10 calls that follow an onnxruntime fp32 block run 1.5x to 2x slower
+    (40 to 60 ms in all, gone when that session may not spin), and blocks of 3 calls after 2 untimed
+    ones put onnxruntime int8 at 1.5x fp32 where steady state is 2.9x.
     """
 
     budget_s: float = 1.5
@@ -42,6 +46,7 @@ class TimingPlan:
     warmup: int = 3
     min_iterations: int = 5
     switch_warmup: int = 2
+    switch_warmup_s: float = 0.08
     min_block: int = 3
 
 
@@ -90,8 +95,7 @@ def time_runners(runners: Mapping[str, Runner], inputs: Mapping[int, Mapping[str
                 n = max(1, round(slot / per_call[vid]))
                 n = max(n, -(-plan.min_iterations // plan.rounds), plan.min_block)
                 run = runners[vid].run
-                for _ in range(plan.switch_warmup):
-                    run(feed)
+                _settle(run, feed, plan)
                 for _ in range(n):
                     t0 = time.perf_counter()
                     run(feed)
@@ -101,6 +105,15 @@ def time_runners(runners: Mapping[str, Runner], inputs: Mapping[int, Mapping[str
             out[vid][f"batch_{batch_size}"] = {"p50": float(np.median(ms)), "p95": float(np.quantile(ms, 0.95)),
                                                "mean": float(ms.mean()), "iterations": float(len(ms))}
     return out
+
+
+def _settle(run: Any, feed: Mapping[str, np.ndarray], plan: TimingPlan) -> None:
+    """The untimed calls that start a block: `switch_warmup` calls and `switch_warmup_s` seconds."""
+    end = time.perf_counter() + plan.switch_warmup_s
+    done = 0
+    while done < plan.switch_warmup or time.perf_counter() < end:
+        run(feed)
+        done += 1
 
 
 def latency_record(timing: Mapping[str, Mapping[str, float]], threads: int) -> dict[str, Any]:
