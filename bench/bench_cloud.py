@@ -49,6 +49,7 @@ if str(ROOT) not in sys.path:
 
 THROUGHPUT_TARGET, LATENCY_TARGET = 0.70, 1.5
 BATCH_SIZES = (1, 8, 16, 32, 64)
+ROUNDS = 5  # interleaved rounds per concurrency level
 
 
 @dataclass(frozen=True)
@@ -275,15 +276,29 @@ def bench_model(model: Model, work: Path, *, levels: tuple[int, ...], requests: 
         ("tierkit-batch", [*serve, "--max-batch-size", "64"], infer),
         ("tierkit-nobatch", [*serve, "--no-batching"], infer),
     ]
-    for path, argv, method in servers:
-        proc, address = start_process(argv)
-        try:
-            for concurrency in levels:
-                done, elapsed, lat = asyncio.run(drive(address, method, payload, concurrency=concurrency,
-                                                       requests=requests, max_s=max_s))
-                rows.append(Row(model.name, path, concurrency, 1, done, done / elapsed,
+    # All servers up at once, each level driven in interleaved rounds, so a load spike on a shared
+    # host spreads over echo and tierkit instead of landing on whichever ran during it.
+    procs: list[subprocess.Popen[str]] = []
+    try:
+        targets = []
+        for path, argv, method in servers:
+            proc, address = start_process(argv)
+            procs.append(proc)
+            targets.append((path, address, method))
+        for concurrency in levels:
+            seconds = dict.fromkeys((t[0] for t in targets), 0.0)
+            latencies: dict[str, list[float]] = {t[0]: [] for t in targets}
+            for _ in range(ROUNDS):
+                for path, address, method in targets:
+                    _, elapsed, lat = asyncio.run(drive(address, method, payload, concurrency=concurrency,
+                                                        requests=max(1, requests // ROUNDS), max_s=max_s / ROUNDS))
+                    seconds[path] += elapsed
+                    latencies[path] += lat
+            for path, lat in latencies.items():
+                rows.append(Row(model.name, path, concurrency, 1, len(lat), len(lat) / seconds[path],
                                 statistics.median(lat) * 1e3, _p99(lat) * 1e3))
-        finally:
+    finally:
+        for proc in procs:
             stop_process(proc)
     return rows
 
@@ -342,14 +357,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--requests", type=int, default=0, help="requests per level (default 3000, quick 300)")
     parser.add_argument("--threads", type=int, default=0,
                         help="intra-op threads of the server's sessions and of the ceiling (0: onnxruntime's default)")
+    parser.add_argument("--models", default="mnist,minilm", help="comma-separated: mnist, minilm (default both)")
+    parser.add_argument("--levels", default="1,8,32", help="client concurrency levels (default 1,8,32)")
     parser.add_argument("--echo-server", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.echo_server:
         return serve_echo()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # the MiniLM weights are local; never reach a hub
-    levels = (1, 8) if args.quick else (1, 8, 32)
+    levels = (1, 8) if args.quick else tuple(int(c) for c in args.levels.split(","))
     requests = args.requests or (300 if args.quick else 3000)
-    builders: list[Callable[[Path], Model]] = [digits_cnn] if args.quick else [mnist_cnn, minilm_int8]
+    known: dict[str, Callable[[Path], Model]] = {"mnist": mnist_cnn, "minilm": minilm_int8}
+    wanted = [m.strip() for m in args.models.split(",") if m.strip()]
+    unknown = sorted(set(wanted) - set(known))
+    if unknown:
+        parser.error(f"unknown model(s) {unknown}; choose from {sorted(known)}")
+    builders = [digits_cnn] if args.quick else [known[m] for m in wanted]
     rows: list[Row] = []
     with tempfile.TemporaryDirectory(prefix="bench-cloud-") as tmp:
         work = Path(tmp)

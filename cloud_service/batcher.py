@@ -1,8 +1,11 @@
-"""A Triton-style dynamic batcher: pure asyncio, no RPC types inside.
+"""A Triton-style dynamic batcher: no RPC types inside.
 
-Requests queue per model. Each model instance has one worker coroutine and one dedicated thread:
-the worker forms a batch (concatenating compatible requests along axis 0), runs it in its thread
-so the event loop stays free, and splits the outputs back to the callers' futures.
+Requests queue per model. Each model instance has one dedicated thread that takes a batch from
+the queue (concatenating compatible requests along axis 0), runs it there, so the event loop stays
+free, and hands the outputs back to the callers' futures on the event loop, one callback per batch.
+The threads pull from the queue themselves: a request costs one wake-up of an instance thread and
+one of the event loop, nothing more (measured here on the MNIST CNN: a coroutine worker between the
+queue and the thread added two event-loop passes, about 35 µs a request).
 
 - A full queue refuses at once with `ServerBusy` (RESOURCE_EXHAUSTED plus a retry hint): the
   server never grows an unbounded backlog.
@@ -24,6 +27,7 @@ import asyncio
 import collections
 import contextlib
 import logging
+import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -34,13 +38,13 @@ import numpy as np
 
 from cloud_service.config import BatchingConfig
 from cloud_service.errors import ServerBusy
-from cloud_service.instance import InstanceThread
 from runtimes.errors import BackendUnavailable, CloudTimeout, InferenceError, InputError, TierkitError
 
 log = logging.getLogger(__name__)
 
 Arrays = Mapping[str, np.ndarray]
 Runner = Callable[[Arrays], Mapping[str, np.ndarray]]
+Outcome = dict[str, np.ndarray] | BaseException
 
 
 class BatchObserver(Protocol):
@@ -67,8 +71,8 @@ class _Request:
     inputs: Arrays
     rows: int
     key: tuple[Any, ...]
-    deadline: float | None
-    enqueued: float
+    deadline: float | None  # time.monotonic()
+    enqueued: float  # time.monotonic()
     future: asyncio.Future[dict[str, np.ndarray]]
 
 
@@ -81,7 +85,7 @@ class DynamicBatcher:
         config: batching limits.
         batched: whether inputs may be concatenated along axis 0 (every input and output has a
             dynamic batch axis). When False each request runs alone, still bounded by the queue.
-        observer: receives queue depth, batch sizes and drops.
+        observer: receives queue depth, batch sizes and drops (called on the event loop).
     """
 
     def __init__(self, name: str, runners: Sequence[Runner], config: BatchingConfig, *, batched: bool,
@@ -95,10 +99,11 @@ class DynamicBatcher:
         self._runners = list(runners)
         self._observer: BatchObserver = observer or _NullObserver()
         self._queue: collections.deque[_Request] = collections.deque()
-        self._wakeup = asyncio.Event()
+        self._ready = threading.Condition(threading.Lock())
         self._closed = False
-        self._workers: list[asyncio.Task[None]] = []
-        self._instances: list[InstanceThread] = []
+        self._threads: list[threading.Thread] = []
+        self._finished: list[asyncio.Future[None]] = []
+        self._running: dict[int, list[_Request]] = {}  # instance -> the batch it is computing
         self._loop: asyncio.AbstractEventLoop | None = None
         self._batch_s = 0.001  # moving average of one batch's run time, for the retry hint
 
@@ -115,30 +120,31 @@ class DynamicBatcher:
         return len(self._queue)
 
     def start(self) -> None:
-        self._loop = asyncio.get_running_loop()
+        loop = self._loop = asyncio.get_running_loop()
         for i, runner in enumerate(self._runners):
             # One thread per instance: the backend call blocks, and a session is used by one thread.
-            instance = InstanceThread(f"tierkit-{self.name}-{i}", self._loop)
-            self._instances.append(instance)
-            self._workers.append(self._loop.create_task(self._work(runner, instance), name=f"batcher-{self.name}-{i}"))
+            finished: asyncio.Future[None] = loop.create_future()
+            thread = threading.Thread(target=self._main, args=(i, runner, finished), name=f"tierkit-{self.name}-{i}",
+                                      daemon=True)
+            self._finished.append(finished)
+            self._threads.append(thread)
+            thread.start()
 
     async def aclose(self, timeout: float | None = None) -> None:
         """Stop taking requests, finish the queued ones (up to `timeout`), stop the threads."""
-        self._closed = True
-        self._wakeup.set()
-        if self._workers:
-            _, pending = await asyncio.wait(self._workers, timeout=timeout)
-            for task in pending:
-                task.cancel()
-            await asyncio.gather(*pending, return_exceptions=True)
-        while self._queue:
-            request = self._queue.popleft()
+        with self._ready:
+            self._closed = True
+            self._ready.notify_all()
+        if self._finished:
+            await asyncio.wait(self._finished, timeout=timeout)
+        with self._ready:  # threads still busy after the timeout: answer, never strand a caller
+            stranded = [*self._queue, *(r for batch in self._running.values() for r in batch)]
+            self._queue.clear()
+        for request in stranded:
             if not request.future.done():
-                msg = f"model {self.name!r} was unloaded before this request ran; retry"
+                msg = f"model {self.name!r} was unloaded before this request was answered; retry"
                 request.future.set_exception(BackendUnavailable(msg))
-        for instance in self._instances:
-            instance.close()
-        self._workers.clear()
+        self._finished.clear()
 
     def submit(self, inputs: Arrays, *, deadline: float | None = None) -> asyncio.Future[dict[str, np.ndarray]]:
         """Queue one request; its future resolves to the outputs. Raises at once when refused.
@@ -158,8 +164,11 @@ class DynamicBatcher:
             raise ServerBusy(msg, retry_after_ms=self._retry_hint_ms())
         rows, key = self._shape_key(inputs)
         future: asyncio.Future[dict[str, np.ndarray]] = loop.create_future()
-        self._queue.append(_Request(inputs, rows, key, deadline, loop.time(), future))
-        self._wakeup.set()
+        now = time.monotonic()
+        due = None if deadline is None else now + (deadline - loop.time())
+        with self._ready:
+            self._queue.append(_Request(inputs, rows, key, due, now, future))
+            self._ready.notify()
         self._observer.on_queue(len(self._queue))
         return future
 
@@ -185,27 +194,87 @@ class DynamicBatcher:
         batches = len(self._queue) / per_batch / len(self._runners)
         return int(min(5000, max(1, 1000 * self._batch_s * max(1.0, batches))))
 
-    async def _take(self) -> list[_Request] | None:
-        loop = asyncio.get_running_loop()
-        delay = self.config.max_queue_delay_us / 1e6
-        while True:
-            if not self._queue:
-                if self._closed:
-                    return None
-                self._wakeup.clear()
-                await self._wakeup.wait()
+    # -- on the event loop, called from the instance threads ------------------------------------
+
+    def _deliver(self, requests: list[_Request], outcomes: list[Outcome], expired: int, rows: int,
+                 seconds: float) -> None:
+        for request, outcome in zip(requests, outcomes, strict=True):
+            if request.future.done():
                 continue
-            head = self._queue[0]
-            if not self.batched:
-                return [self._queue.popleft()]
-            if self._closed or delay == 0 or self._ready_rows(head) >= self.config.target_rows:
-                return self._pop_batch(head)
-            wait = head.enqueued + delay - loop.time()
-            if wait <= 0:
-                return self._pop_batch(head)
-            self._wakeup.clear()
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wakeup.wait(), wait)
+            if isinstance(outcome, BaseException):
+                request.future.set_exception(outcome)
+            else:
+                request.future.set_result(outcome)
+        if expired:
+            self._observer.on_expired(expired)
+        if rows:
+            self._observer.on_batch(rows, len(requests) - expired, seconds)
+        self._observer.on_queue(len(self._queue))
+
+    # -- in the instance's thread --------------------------------------------------------------
+
+    def _main(self, index: int, runner: Runner, finished: asyncio.Future[None]) -> None:
+        loop = self._loop
+        assert loop is not None
+        try:
+            while (batch := self._take()) is not None:
+                self._serve(index, runner, batch, loop)
+        finally:
+            with contextlib.suppress(RuntimeError):  # the loop closed first
+                loop.call_soon_threadsafe(_finish, finished)
+
+    def _serve(self, index: int, runner: Runner, batch: list[_Request], loop: asyncio.AbstractEventLoop) -> None:
+        now = time.monotonic()
+        done: list[_Request] = []
+        outcomes: list[Outcome] = []
+        live: list[_Request] = []
+        for request in batch:
+            if request.future.done():  # the caller gave up (cancelled)
+                continue
+            if request.deadline is not None and now >= request.deadline:
+                waited = (now - request.enqueued) * 1000
+                msg = f"model {self.name!r}: request expired after {waited:.1f} ms in the queue; not computed"
+                done.append(request)
+                outcomes.append(CloudTimeout(msg))
+            else:
+                live.append(request)
+        expired, rows, seconds = len(done), 0, 0.0
+        if live:
+            with self._ready:
+                self._running[index] = live
+            started = time.perf_counter()
+            outcomes += self._run(runner, live)
+            seconds = time.perf_counter() - started
+            self._batch_s = 0.8 * self._batch_s + 0.2 * seconds
+            rows = sum(r.rows for r in live)
+            done += live
+        if done:
+            try:
+                loop.call_soon_threadsafe(self._deliver, done, outcomes, expired, rows, seconds)
+            except RuntimeError:  # the loop closed while this batch ran
+                return
+        if live:
+            with self._ready:
+                self._running.pop(index, None)
+
+    def _take(self) -> list[_Request] | None:
+        delay = self.config.max_queue_delay_us / 1e6
+        with self._ready:
+            while True:
+                if not self._queue:
+                    if self._closed:
+                        return None
+                    self._ready.wait()
+                    continue
+                head = self._queue[0]
+                if not self.batched:
+                    return [self._queue.popleft()]
+                if self._closed or delay == 0 or self._ready_rows(head) >= self.config.target_rows:
+                    return self._pop_batch(head)
+                wait = head.enqueued + delay - time.monotonic()
+                if wait <= 0:
+                    return self._pop_batch(head)
+                self._ready.wait(wait)
 
     def _ready_rows(self, head: _Request) -> int:
         rows = 0
@@ -232,53 +301,9 @@ class DynamicBatcher:
         self._queue.extendleft(reversed(rest))
         return batch
 
-    async def _work(self, runner: Runner, instance: InstanceThread) -> None:
-        loop = asyncio.get_running_loop()
-        while True:
-            batch = await self._take()
-            if batch is None:
-                return
-            self._observer.on_queue(len(self._queue))
-            now = loop.time()
-            live: list[_Request] = []
-            expired = 0
-            for request in batch:
-                if request.future.done():  # the caller gave up (cancelled)
-                    continue
-                if request.deadline is not None and now >= request.deadline:
-                    waited = (now - request.enqueued) * 1000
-                    msg = f"model {self.name!r}: request expired after {waited:.1f} ms in the queue; not computed"
-                    request.future.set_exception(CloudTimeout(msg))
-                    expired += 1
-                    continue
-                live.append(request)
-            if expired:
-                self._observer.on_expired(expired)
-            if not live:
-                continue
-            started = time.perf_counter()
-            try:
-                results = await instance.run(self._run, runner, live)
-            except asyncio.CancelledError:  # aclose() gave up waiting: answer, never strand a caller
-                for request in live:
-                    if not request.future.done():
-                        msg = f"model {self.name!r} was unloaded while this request ran; retry"
-                        request.future.set_exception(BackendUnavailable(msg))
-                raise
-            seconds = time.perf_counter() - started
-            self._batch_s = 0.8 * self._batch_s + 0.2 * seconds
-            self._observer.on_batch(sum(r.rows for r in live), len(live), seconds)
-            for request, result in zip(live, results, strict=True):
-                if request.future.done():
-                    continue
-                if isinstance(result, BaseException):
-                    request.future.set_exception(result)
-                else:
-                    request.future.set_result(result)
-
     # -- in the instance's thread --------------------------------------------------------------
 
-    def _run(self, runner: Runner, batch: list[_Request]) -> list[dict[str, np.ndarray] | BaseException]:
+    def _run(self, runner: Runner, batch: list[_Request]) -> list[Outcome]:
         if len(batch) == 1:
             return [self._call(runner, batch[0].inputs, batch[0].rows)]
         merged = {name: np.concatenate([r.inputs[name] for r in batch]) for name in batch[0].inputs}
@@ -287,7 +312,7 @@ class DynamicBatcher:
         if isinstance(out, BaseException):
             # Isolate the request that broke the batch; the others still get answers.
             return [self._call(runner, r.inputs, r.rows) for r in batch]
-        results: list[dict[str, np.ndarray] | BaseException] = []
+        results: list[Outcome] = []
         start = 0
         for request in batch:
             stop = start + request.rows
@@ -295,7 +320,7 @@ class DynamicBatcher:
             start = stop
         return results
 
-    def _call(self, runner: Runner, inputs: Arrays, rows: int) -> dict[str, np.ndarray] | BaseException:
+    def _call(self, runner: Runner, inputs: Arrays, rows: int) -> Outcome:
         try:
             out = {name: np.asarray(value) for name, value in runner(inputs).items()}
         except TierkitError as exc:
@@ -312,3 +337,8 @@ class DynamicBatcher:
                 msg = f"model {self.name!r}: outputs {bad} do not have the batch's {rows} rows on axis 0"
                 return InferenceError(msg)
         return out
+
+
+def _finish(future: asyncio.Future[None]) -> None:
+    if not future.done():
+        future.set_result(None)
