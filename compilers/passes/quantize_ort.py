@@ -3,9 +3,10 @@
 Static: activations are calibrated once (MinMax, Entropy or Percentile) and the ranges cached,
 so every repair attempt re-quantizes in milliseconds; weights are per-channel by default (on the
 digits CNN per-tensor lost 2 points where per-channel lost none). The model is pre-processed first
-(`quant_pre_process`: graph optimisation and shape inference). It matters: the torch exporter
-leaves an Identity between each folded Conv weight and its Conv, and QDQ over the raw ResNet-like
-export ran at 0.73x fp32 where the pre-processed one ran at 1.8x (u8s8, 224x224, 2 threads).
+(`quant_pre_process`: graph optimisation and shape inference). It matters: the torch exporter folds
+BatchNorm into Conv and shares equal folded biases through Identity nodes, a Conv so fed keeps an
+fp32 bias and is not fused into an int8 convolution; QDQ over the raw ResNet-like export ran at
+0.73x fp32 where the pre-processed one ran at 1.8x (u8s8, 224x224, 2 threads).
 Symbolic shape inference fails on transformer exports ("Incomplete symbolic shape inference"):
 then it is skipped, and when pre-processing fails altogether the raw export is quantized. A
 BERT-fused graph needs an explicit default tensor type. On x86 the activations are best uint8

@@ -11,7 +11,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from compilers import PruneConfig, VariantSet, compile_model
 from compilers.fidelity import nll
 from sdk import zoo
-from tests.compilers.conftest import ort_target
+from tests.compilers.conftest import ort_target, static_rung
 
 
 def test_ladder_keeps_fp32_and_both_int8_quantizers(digits_ladder: VariantSet) -> None:
@@ -81,9 +81,51 @@ def test_int8_passes_are_recorded_for_reproduction(digits_ladder: VariantSet) ->
     passes = digits_ladder.open("int8-ort-static").manifest.passes
     q = next(p for p in passes if p["name"] == "quantize_ort")
     assert (q["mode"], q["per_channel"], q["method"]) == ("static", True, "minmax")
+    assert (q["preprocess"], q["activation_type"]) == ("full", "uint8")  # u8s8: what x86 VNNI kernels take
     nncf = next(p for p in digits_ladder.open("int8-ov").manifest.passes if p["name"] == "quantize_nncf")
     assert nncf["fake_quantize_ops"] > 0
     assert nncf["nncf"]
+
+
+def test_static_int8_quantizes_every_conv_weight_after_preprocessing(digits: zoo.Split, tmp_path: Path) -> None:
+    """The torch export folds BatchNorm into Conv and shares equal folded biases through Identity
+    nodes; quantized as exported, such a Conv keeps an fp32 bias and onnxruntime cannot fuse it into
+    an int8 convolution. Pre-processing removes the aliases: every Conv reads an int8 weight and an
+    int32 bias, each through a DequantizeLinear."""
+    import onnx
+    import torch
+
+    from compilers.passes import export
+
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Conv2d(1, 8, 3, bias=False), torch.nn.BatchNorm2d(8), torch.nn.ReLU(),
+                              torch.nn.Conv2d(8, 8, 3, bias=False), torch.nn.BatchNorm2d(8), torch.nn.ReLU(),
+                              torch.nn.Flatten(), torch.nn.Linear(8 * 4 * 4, 10)).eval()
+    raw, _ = export.to_onnx(net, {"x": torch.from_numpy(digits.x_test[:1])}, tmp_path / "convbn.onnx")
+    assert any(n.op_type == "Identity" for n in onnx.load(str(raw)).graph.node)  # what the exporter does
+    vs = compile_model(raw, output=tmp_path / "out", target=ort_target(static_rung()), precisions=("int8",),
+                       calibration={"x": digits.x_train[:64]}, validation={"x": digits.x_val[:64]},
+                       max_drop=100.0, progress=False)
+    graph = onnx.load(str(vs.open("int8-ort-static").artifact_path)).graph
+    producers = {o: n for n in graph.node for o in n.output}
+    initializers = {i.name: i.data_type for i in graph.initializer}
+    convs = [n for n in graph.node if n.op_type == "Conv"]
+    assert len(convs) == 2
+    for conv in convs:
+        for index, dtype in ((1, onnx.TensorProto.INT8), (2, onnx.TensorProto.INT32)):
+            dq = producers[conv.input[index]]
+            assert dq.op_type == "DequantizeLinear", (conv.name, index)
+            assert initializers[dq.input[0]] == dtype, (conv.name, index)
+
+
+def test_preprocessing_falls_back_to_the_raw_model(tmp_path: Path) -> None:
+    from compilers.passes.quantize_ort import _preprocess
+
+    broken = tmp_path / "broken.onnx"
+    broken.write_bytes(b"not a model")
+    model, how = _preprocess(broken, tmp_path / "pre" / "model.onnx")
+    assert model == broken
+    assert how.startswith("none: ")
 
 
 def test_recommended_package_runs_through_runtimes(digits_ladder: VariantSet, digits: zoo.Split,
