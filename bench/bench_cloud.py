@@ -5,6 +5,7 @@ a package is built in a temporary directory, and:
 
 - ceiling: raw onnxruntime (the runtimes session the server runs), no RPC, at batch sizes 1..64;
   the best rows/s is the throughput ceiling, batch 1's p50 the compute time of one request;
+  ceiling-paced: batch 1 again, each call after 1 ms idle, as a server answering one client runs it;
 - echo: a raw grpc.aio server that returns the request bytes, called with the very payload sent to
   tierkit (a serialized one-row ModelInferRequest): the cost of a Python gRPC round trip alone;
 - tierkit, batching on (max batch 64, queue delay 0) and off (max batch 1), at concurrency 1, 8, 32.
@@ -50,6 +51,7 @@ if str(ROOT) not in sys.path:
 THROUGHPUT_TARGET, LATENCY_TARGET = 0.70, 1.5
 BATCH_SIZES = (1, 8, 16, 32, 64)
 ROUNDS = 5  # interleaved rounds per concurrency level
+PACED_GAP_S = 0.001  # idle time before each call of the paced compute row
 
 
 @dataclass(frozen=True)
@@ -183,6 +185,17 @@ def ceiling(model: Model, package: Path, *, seconds: float, threads: int) -> lis
                 times.append(time.perf_counter() - t)
             rows.append(Row(model.name, "ceiling", 0, batch, len(times), batch * len(times) / sum(times),
                             statistics.median(times) * 1e3, _p99(times) * 1e3))
+        # One row per PACED_GAP_S, as a server answering one client runs it: the model idles between
+        # calls, and on a shared VM its first instructions after a gap run on a cold core.
+        times = []
+        stop = time.perf_counter() + seconds
+        while time.perf_counter() < stop or len(times) < 5:
+            time.sleep(PACED_GAP_S)
+            t = time.perf_counter()
+            session.run(model.feed)
+            times.append(time.perf_counter() - t)
+        rows.append(Row(model.name, "ceiling-paced", 0, 1, len(times), len(times) / sum(times),
+                        statistics.median(times) * 1e3, _p99(times) * 1e3))
     return rows
 
 
@@ -312,6 +325,7 @@ def ratios(rows: list[Row], top: int) -> list[dict[str, Any]]:
         mine = [r for r in rows if r.model == name]
         best = max((r for r in mine if r.path == "ceiling"), key=lambda r: r.rows_per_s)
         compute = next(r for r in mine if r.path == "ceiling" and r.batch == 1).p50_ms
+        paced = next(r for r in mine if r.path == "ceiling-paced").p50_ms
 
         def at(path: str, c: int, rs: list[Row] = mine) -> Row:
             return next(r for r in rs if r.path == path and r.concurrency == c)
@@ -324,7 +338,8 @@ def ratios(rows: list[Row], top: int) -> list[dict[str, Any]]:
                     "compute_p50_ms": compute, f"batch_vs_ceiling_at_{top}": throughput,
                     f"batch_vs_nobatch_at_{top}": batch_top.rows_per_s / nobatch_top.rows_per_s,
                     f"batch_vs_echo_at_{top}": batch_top.rows_per_s / at("echo", top).rows_per_s,
-                    "p50_overhead_vs_echo_at_1": overhead,
+                    "p50_overhead_vs_echo_at_1": overhead, "paced_compute_p50_ms": paced,
+                    "p50_overhead_vs_echo_at_1_paced": (tk1.p50_ms - paced) / echo1.p50_ms,
                     "throughput_target_met": throughput >= THROUGHPUT_TARGET,
                     "latency_target_met": overhead <= LATENCY_TARGET})
     return out
@@ -333,21 +348,23 @@ def ratios(rows: list[Row], top: int) -> list[dict[str, Any]]:
 def print_report(rows: list[Row], summary: list[dict[str, Any]], top: int) -> None:
     print(f"{'model':<12} {'path':<16} {'conc':>4} {'batch':>5} {'reqs':>6} {'rows/s':>10} {'p50 ms':>8} {'p99 ms':>8}")
     for r in rows:
-        conc = "-" if r.path == "ceiling" else str(r.concurrency)
+        conc = "-" if r.path.startswith("ceiling") else str(r.concurrency)
         print(f"{r.model:<12} {r.path:<16} {conc:>4} {r.batch:>5} {r.requests:>6} {r.rows_per_s:>10.0f} "
               f"{r.p50_ms:>8.3f} {r.p99_ms:>8.3f}")
     print()
     print(f"{'model':<12} {'ceiling rows/s':>15} {'batch/ceiling@' + str(top):>18} {'batch/nobatch@' + str(top):>18} "
-          f"{'(p50-compute)/echo@1':>22}")
+          f"{'(p50-compute)/echo@1':>22} {'(p50-paced)/echo@1':>19}")
     for s in summary:
         tp = s[f"batch_vs_ceiling_at_{top}"]
         lat = s["p50_overhead_vs_echo_at_1"]
         print(f"{s['model']:<12} {s['ceiling_rows_per_s']:>15.0f} "
               f"{tp:>12.2f} ({'ok' if tp >= THROUGHPUT_TARGET else 'MISS'}) "
               f"{s[f'batch_vs_nobatch_at_{top}']:>18.2f} "
-              f"{lat:>16.2f} ({'ok' if lat <= LATENCY_TARGET else 'MISS'})")
+              f"{lat:>16.2f} ({'ok' if lat <= LATENCY_TARGET else 'MISS'}) "
+              f"{s['p50_overhead_vs_echo_at_1_paced']:>19.2f}")
     print(f"\ntargets: batch/ceiling >= {THROUGHPUT_TARGET:.2f} at concurrency {top}; "
-          f"(p50 - compute)/echo p50 <= {LATENCY_TARGET} at concurrency 1")
+          f"(p50 - compute)/echo p50 <= {LATENCY_TARGET} at concurrency 1, compute = the ceiling's batch-1 p50 "
+          f"(hot loop); paced = batch 1 after {PACED_GAP_S * 1e3:g} ms idle, for reference")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -197,3 +197,24 @@ def test_cancelled_callers_are_skipped() -> None:
 
     asyncio.run(main())
     assert model.batches == [1, 1]
+
+
+def test_close_that_times_out_answers_running_and_queued_requests() -> None:
+    gate = threading.Event()
+    model = Model(gate=gate)
+
+    async def main() -> None:
+        b = DynamicBatcher("m", [model], BatchingConfig(max_batch_size=1), batched=True)
+        b.start()
+        running = b.submit(rows(1))
+        await asyncio.sleep(0.02)  # the instance thread holds it, blocked in the model
+        queued = b.submit(rows(1))
+        await b.aclose(timeout=0.05)
+        for future in (running, queued):
+            with pytest.raises(BackendUnavailable, match="unloaded"):
+                future.result()
+        gate.set()  # the stuck batch finishes later; its answer is dropped, nothing raises
+        await asyncio.sleep(0.05)
+
+    asyncio.run(main())
+    assert model.batches == [1]
