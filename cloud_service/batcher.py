@@ -1,11 +1,16 @@
 """A Triton-style dynamic batcher: no RPC types inside.
 
-Requests queue per model. Each model instance has one dedicated thread that takes a batch from
-the queue (concatenating compatible requests along axis 0), runs it there, so the event loop stays
-free, and hands the outputs back to the callers' futures on the event loop, one callback per batch.
-The threads pull from the queue themselves: a request costs one wake-up of an instance thread and
-one of the event loop, nothing more (measured here on the MNIST CNN: a coroutine worker between the
-queue and the thread added two event-loop passes, about 35 µs a request).
+Requests queue per model; each model instance (session) is guarded by a lock. Two kinds of caller:
+
+- `submit()` (coroutines: the MQTT bridge): the request waits for the model's instance threads.
+  Each instance has one dedicated thread that takes a batch from the queue (concatenating compatible
+  requests along axis 0), runs it there, off the event loop, and answers the batch's futures with one
+  event-loop callback.
+- `run()` (blocking threads: the gRPC handlers): leader/follower. The caller queues its request,
+  then, when an instance is free, takes the batch at the head of the queue (its own request and
+  whatever waits with it) and runs it in its own thread; otherwise it waits for an instance thread
+  or another leader to answer it. An idle server thus runs a request with no thread hand-off at
+  all; a busy one batches what piled up while the instances were busy.
 
 - A full queue refuses at once with `ServerBusy` (RESOURCE_EXHAUSTED plus a retry hint): the
   server never grows an unbounded backlog.
@@ -48,7 +53,7 @@ Outcome = dict[str, np.ndarray] | BaseException
 
 
 class BatchObserver(Protocol):
-    """Receives the batcher's measurements (the metrics module implements it)."""
+    """Receives the batcher's measurements (the metrics module implements it), from any thread."""
 
     def on_queue(self, depth: int) -> None: ...
     def on_batch(self, rows: int, requests: int, seconds: float) -> None: ...
@@ -66,6 +71,43 @@ class _NullObserver:
         pass
 
 
+class BatcherClosed(BackendUnavailable):
+    """The batcher is closing (its model is being unloaded or swapped): look the model up again."""
+
+
+class _Waiter:
+    """A blocking caller's answer slot: set once, by whichever thread answers the request.
+
+    A held lock, released by `set`, rather than a `threading.Event` (a Python-level condition):
+    in the common case the caller answers itself and never blocks.
+    """
+
+    __slots__ = ("_done", "_lock", "outcome")
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._lock.acquire()
+        self._done = False
+        self.outcome: Outcome | None = None
+
+    def done(self) -> bool:
+        return self._done
+
+    def set(self, outcome: Outcome) -> None:
+        if self._done:
+            return
+        self._done = True
+        self.outcome = outcome
+        with contextlib.suppress(RuntimeError):  # a racing second answer finds it released
+            self._lock.release()
+
+    def wait(self) -> Outcome:
+        if not self._done:
+            self._lock.acquire()
+        assert self.outcome is not None
+        return self.outcome
+
+
 @dataclass(eq=False, slots=True)
 class _Request:
     inputs: Arrays
@@ -73,7 +115,7 @@ class _Request:
     key: tuple[Any, ...]
     deadline: float | None  # time.monotonic()
     enqueued: float  # time.monotonic()
-    future: asyncio.Future[dict[str, np.ndarray]]
+    future: asyncio.Future[dict[str, np.ndarray]] | _Waiter
 
 
 class DynamicBatcher:
@@ -100,6 +142,7 @@ class DynamicBatcher:
         self._observer: BatchObserver = observer or _NullObserver()
         self._queue: collections.deque[_Request] = collections.deque()
         self._ready = threading.Condition(threading.Lock())
+        self._instances = [threading.Lock() for _ in self._runners]  # held while a session runs
         self._closed = False
         self._threads: list[threading.Thread] = []
         self._finished: list[asyncio.Future[None]] = []
@@ -135,16 +178,26 @@ class DynamicBatcher:
         with self._ready:
             self._closed = True
             self._ready.notify_all()
+        started = time.monotonic()
         if self._finished:
             await asyncio.wait(self._finished, timeout=timeout)
+        left = None if timeout is None else max(0.0, timeout - (time.monotonic() - started))
+        await asyncio.to_thread(self._quiesce, left)  # leaders still running a batch finish it
         with self._ready:  # threads still busy after the timeout: answer, never strand a caller
-            stranded = [*self._queue, *(r for batch in self._running.values() for r in batch)]
+            stranded = [*self._queue, *(r for batch in self._running.copy().values() for r in batch)]
             self._queue.clear()
         for request in stranded:
-            if not request.future.done():
-                msg = f"model {self.name!r} was unloaded before this request was answered; retry"
-                request.future.set_exception(BackendUnavailable(msg))
+            msg = f"model {self.name!r} was unloaded before this request was answered; retry"
+            _answer(request, BackendUnavailable(msg))
         self._finished.clear()
+
+    def _quiesce(self, timeout: float | None) -> None:
+        """Wait (up to `timeout` in all) until no thread is running a session."""
+        end = None if timeout is None else time.monotonic() + timeout
+        for lock in self._instances:
+            wait = -1.0 if end is None else max(0.0, end - time.monotonic())
+            if lock.acquire(timeout=wait):
+                lock.release()
 
     def submit(self, inputs: Arrays, *, deadline: float | None = None) -> asyncio.Future[dict[str, np.ndarray]]:
         """Queue one request; its future resolves to the outputs. Raises at once when refused.
@@ -155,22 +208,68 @@ class DynamicBatcher:
                 request is dropped instead of computed.
         """
         loop = self._loop
-        if self._closed or loop is None:
-            msg = f"model {self.name!r} is not accepting requests (unloading); retry"
+        if loop is None:
+            msg = f"model {self.name!r} is not started; retry"
             raise BackendUnavailable(msg)
+        future: asyncio.Future[dict[str, np.ndarray]] = loop.create_future()
+        due = None if deadline is None else time.monotonic() + (deadline - loop.time())
+        self._enqueue(inputs, due, future)
+        with self._ready:
+            self._ready.notify()
+        return future
+
+    def run(self, inputs: Arrays, *, timeout: float | None = None) -> dict[str, np.ndarray]:
+        """Blocking: queue one request and return its outputs (see the module doc: leader/follower).
+
+        Args:
+            inputs: validated input arrays.
+            timeout: seconds after which the request is dropped instead of computed (None: never).
+
+        Raises:
+            BatcherClosed, ServerBusy, InputError, CloudTimeout, InferenceError.
+        """
+        waiter = _Waiter()
+        due = None if timeout is None else time.monotonic() + timeout
+        request = self._enqueue(inputs, due, waiter)
+        if not self._lead(request):
+            with self._ready:  # no instance free: an instance thread (or the next leader) answers it
+                self._ready.notify()
+        outcome = waiter.wait()
+        if isinstance(outcome, BaseException):
+            raise outcome
+        return outcome
+
+    def _enqueue(self, inputs: Arrays, due: float | None,
+                 future: asyncio.Future[dict[str, np.ndarray]] | _Waiter) -> _Request:
+        if self._closed:
+            msg = f"model {self.name!r} is not accepting requests (unloading); retry"
+            raise BatcherClosed(msg)
         if len(self._queue) >= self.config.max_queue_size:
             msg = (f"model {self.name!r}: queue full ({self.config.max_queue_size} requests waiting); "
                    "retry after the hinted delay or add replicas")
             raise ServerBusy(msg, retry_after_ms=self._retry_hint_ms())
         rows, key = self._shape_key(inputs)
-        future: asyncio.Future[dict[str, np.ndarray]] = loop.create_future()
-        now = time.monotonic()
-        due = None if deadline is None else now + (deadline - loop.time())
+        request = _Request(inputs, rows, key, due, time.monotonic(), future)
         with self._ready:
-            self._queue.append(_Request(inputs, rows, key, due, now, future))
-            self._ready.notify()
+            self._queue.append(request)
         self._observer.on_queue(len(self._queue))
-        return future
+        return request
+
+    def _lead(self, request: _Request) -> bool:
+        """Run batches in this thread while an instance is free and `request` is unanswered."""
+        for index, lock in enumerate(self._instances):
+            if not lock.acquire(blocking=False):
+                continue
+            try:
+                while not request.future.done() and (batch := self._take_now()) is not None:
+                    self._serve(index, self._runners[index], batch)
+            finally:
+                lock.release()
+            if self._queue:
+                with self._ready:
+                    self._ready.notify()
+            return request.future.done()
+        return False
 
     async def infer(self, inputs: Arrays, *, deadline: float | None = None) -> dict[str, np.ndarray]:
         """Queue one request and wait for its outputs."""
@@ -196,20 +295,10 @@ class DynamicBatcher:
 
     # -- on the event loop, called from the instance threads ------------------------------------
 
-    def _deliver(self, requests: list[_Request], outcomes: list[Outcome], expired: int, rows: int,
-                 seconds: float) -> None:
+    @staticmethod
+    def _deliver(requests: list[_Request], outcomes: list[Outcome]) -> None:
         for request, outcome in zip(requests, outcomes, strict=True):
-            if request.future.done():
-                continue
-            if isinstance(outcome, BaseException):
-                request.future.set_exception(outcome)
-            else:
-                request.future.set_result(outcome)
-        if expired:
-            self._observer.on_expired(expired)
-        if rows:
-            self._observer.on_batch(rows, len(requests) - expired, seconds)
-        self._observer.on_queue(len(self._queue))
+            _answer(request, outcome)
 
     # -- in the instance's thread --------------------------------------------------------------
 
@@ -218,12 +307,14 @@ class DynamicBatcher:
         assert loop is not None
         try:
             while (batch := self._take()) is not None:
-                self._serve(index, runner, batch, loop)
+                with self._instances[index]:
+                    self._serve(index, runner, batch)
         finally:
             with contextlib.suppress(RuntimeError):  # the loop closed first
                 loop.call_soon_threadsafe(_finish, finished)
 
-    def _serve(self, index: int, runner: Runner, batch: list[_Request], loop: asyncio.AbstractEventLoop) -> None:
+    def _serve(self, index: int, runner: Runner, batch: list[_Request]) -> None:
+        """Run `batch` on instance `index` (its lock held) and answer every request in it."""
         now = time.monotonic()
         done: list[_Request] = []
         outcomes: list[Outcome] = []
@@ -238,24 +329,28 @@ class DynamicBatcher:
                 outcomes.append(CloudTimeout(msg))
             else:
                 live.append(request)
-        expired, rows, seconds = len(done), 0, 0.0
+        if done:
+            self._observer.on_expired(len(done))
         if live:
-            with self._ready:
-                self._running[index] = live
+            self._running[index] = live  # one dict store: atomic; aclose() copies before reading
             started = time.perf_counter()
             outcomes += self._run(runner, live)
             seconds = time.perf_counter() - started
             self._batch_s = 0.8 * self._batch_s + 0.2 * seconds
-            rows = sum(r.rows for r in live)
+            self._observer.on_batch(sum(r.rows for r in live), len(live), seconds)
             done += live
-        if done:
-            try:
-                loop.call_soon_threadsafe(self._deliver, done, outcomes, expired, rows, seconds)
-            except RuntimeError:  # the loop closed while this batch ran
-                return
+        self._observer.on_queue(len(self._queue))
+        later: list[tuple[_Request, Outcome]] = []
+        for request, outcome in zip(done, outcomes, strict=True):
+            if isinstance(request.future, _Waiter):
+                request.future.set(outcome)
+            else:
+                later.append((request, outcome))
+        if later and self._loop is not None:
+            with contextlib.suppress(RuntimeError):  # the loop closed while this batch ran
+                self._loop.call_soon_threadsafe(self._deliver, [r for r, _ in later], [o for _, o in later])
         if live:
-            with self._ready:
-                self._running.pop(index, None)
+            self._running.pop(index, None)
 
     def _take(self) -> list[_Request] | None:
         delay = self.config.max_queue_delay_us / 1e6
@@ -275,6 +370,20 @@ class DynamicBatcher:
                 if wait <= 0:
                     return self._pop_batch(head)
                 self._ready.wait(wait)
+
+    def _take_now(self) -> list[_Request] | None:
+        """The batch to run now, or None when the queue is empty or its head should wait for more."""
+        with self._ready:
+            if not self._queue:
+                return None
+            head = self._queue[0]
+            if not self.batched:
+                return [self._queue.popleft()]
+            delay = self.config.max_queue_delay_us / 1e6
+            if (self._closed or delay == 0 or self._ready_rows(head) >= self.config.target_rows
+                    or head.enqueued + delay <= time.monotonic()):
+                return self._pop_batch(head)
+            return None
 
     def _ready_rows(self, head: _Request) -> int:
         rows = 0
@@ -337,6 +446,18 @@ class DynamicBatcher:
                 msg = f"model {self.name!r}: outputs {bad} do not have the batch's {rows} rows on axis 0"
                 return InferenceError(msg)
         return out
+
+
+def _answer(request: _Request, outcome: Outcome) -> None:
+    """Set a request's outcome once, whichever kind of caller it has (on the loop for futures)."""
+    future = request.future
+    if isinstance(future, _Waiter):
+        future.set(outcome)
+    elif not future.done():
+        if isinstance(outcome, BaseException):
+            future.set_exception(outcome)
+        else:
+            future.set_result(outcome)
 
 
 def _finish(future: asyncio.Future[None]) -> None:

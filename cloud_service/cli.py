@@ -53,6 +53,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[
     s.add_argument("--max-message-mb", type=float, default=16.0, help="largest request accepted")
     s.add_argument("--poll-s", type=float, default=0.0, help="rescan the models directory every N seconds")
     s.add_argument("--drain-s", type=float, default=30.0, help="grace for in-flight requests on shutdown/swap")
+    s.add_argument("--grpc-workers", type=int, default=64, help="threads answering gRPC calls (calls in flight)")
     t = p.add_argument_group("security")
     t.add_argument("--grpc-cert", type=Path, help="server certificate (PEM) for gRPC TLS")
     t.add_argument("--grpc-key", type=Path, help="server key (PEM) for gRPC TLS")
@@ -125,7 +126,8 @@ def build_config(args: argparse.Namespace, env: dict[str, str]) -> ServerConfig:
     return ServerConfig(models_dir=args.models, grpc_address=None if args.no_grpc else args.grpc, grpc_tls=grpc_tls,
                         mqtt=mqtt, metrics_address=args.metrics, trusted_keys=tuple(args.trusted_key),
                         defaults=defaults, models=models, max_message_bytes=int(args.max_message_mb * 1024 * 1024),
-                        poll_interval_s=args.poll_s, drain_timeout_s=args.drain_s)
+                        poll_interval_s=args.poll_s, drain_timeout_s=args.drain_s,
+                        grpc_workers=args.grpc_workers)
 
 
 async def serve(config: ServerConfig) -> None:

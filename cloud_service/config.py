@@ -169,6 +169,7 @@ class ServerConfig:
         poll_interval_s: how often the models directory is rescanned for new versions (0 = never;
             `reload()` and SIGHUP still work).
         drain_timeout_s: how long shutdown and hot swap wait for in-flight requests.
+        grpc_workers: threads answering gRPC calls; bounds the calls in flight (more wait in gRPC).
     """
 
     models_dir: Path
@@ -182,6 +183,7 @@ class ServerConfig:
     max_message_bytes: int = 16 * 1024 * 1024
     poll_interval_s: float = 0.0
     drain_timeout_s: float = 30.0
+    grpc_workers: int = 64
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "models_dir", Path(self.models_dir))
@@ -195,6 +197,9 @@ class ServerConfig:
             raise ConfigError(msg)
         if self.poll_interval_s < 0 or self.drain_timeout_s < 0:
             msg = "poll_interval_s and drain_timeout_s must be >= 0"
+            raise ConfigError(msg)
+        if self.grpc_workers < 1:
+            msg = f"grpc_workers must be >= 1, got {self.grpc_workers}"
             raise ConfigError(msg)
 
     def options_for(self, model: str) -> ModelOptions:

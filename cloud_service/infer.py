@@ -1,4 +1,5 @@
-"""One inference, shared by the gRPC servicer and the MQTT bridge: decode, check, batch, encode.
+"""One inference, shared by the gRPC servicer (blocking) and the MQTT bridge (async): decode, check,
+batch, encode.
 
 Also the one place that turns an exception into a status name (`status_of`): every tierkit error
 and the codec's error carry a `grpc_status`; anything else is an internal error whose details stay
@@ -9,7 +10,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Mapping
 
+import numpy as np
+
+from cloud_service.batcher import BatcherClosed, DynamicBatcher
 from cloud_service.models import ServedModel
 from cloud_service.protocol import decode_inputs, encode_response, get_parameters, topics
 from cloud_service.protocol import inference_pb2 as pb
@@ -32,7 +37,7 @@ def status_of(exc: BaseException) -> tuple[str, str]:
 
 async def infer(repository: ModelRepository, request: pb.ModelInferRequest, *,
                 deadline: float | None = None) -> pb.ModelInferResponse:
-    """Answer one `ModelInferRequest`.
+    """Answer one `ModelInferRequest` from a coroutine (the MQTT bridge).
 
     Args:
         repository: where the model is looked up.
@@ -44,16 +49,55 @@ async def infer(repository: ModelRepository, request: pb.ModelInferRequest, *,
     """
     # No await between get() and submit(): a hot swap cannot slip in between, so the request runs
     # on the version it was checked against, and that version drains before it is closed.
+    model, arrays, names = _prepare(repository, request)
+    outputs = await _batcher(model).submit(arrays, deadline=deadline)
+    return _respond(model, request, outputs, names)
+
+
+def infer_blocking(repository: ModelRepository, request: pb.ModelInferRequest, *,
+                   timeout: float | None = None) -> pb.ModelInferResponse:
+    """Answer one `ModelInferRequest` in the calling thread (the gRPC handlers).
+
+    A hot swap can retire the looked-up version between the lookup and the queueing (the swap
+    installs the new version first, then closes the old): the request is then looked up again.
+
+    Args:
+        repository: where the model is looked up.
+        request: the decoded message.
+        timeout: seconds after which the request is dropped before compute (None: never).
+    """
+    for attempt in range(_LOOKUPS):
+        model, arrays, names = _prepare(repository, request)
+        try:
+            outputs = _batcher(model).run(arrays, timeout=timeout)
+        except BatcherClosed:
+            if attempt == _LOOKUPS - 1:
+                raise
+            continue
+        return _respond(model, request, outputs, names)
+    raise AssertionError  # unreachable: the loop returns or raises
+
+
+_LOOKUPS = 3
+
+
+def _prepare(repository: ModelRepository,
+             request: pb.ModelInferRequest) -> tuple[ServedModel, dict[str, np.ndarray], list[str]]:
     model = repository.get(request.model_name, request.model_version)
     arrays = decode_inputs(request)
     model.validate(arrays)
-    names = model.output_names(o.name for o in request.outputs)
-    batcher = model.batcher
-    if batcher is None:
+    return model, arrays, model.output_names(o.name for o in request.outputs)
+
+
+def _batcher(model: ServedModel) -> DynamicBatcher:
+    if model.batcher is None:
         msg = f"model {model.name!r} is loading; retry"
         raise BackendUnavailable(msg)
-    future = batcher.submit(arrays, deadline=deadline)
-    outputs = await future
+    return model.batcher
+
+
+def _respond(model: ServedModel, request: pb.ModelInferRequest, outputs: Mapping[str, np.ndarray],
+             names: list[str]) -> pb.ModelInferResponse:
     return encode_response(model.name, {n: outputs[n] for n in names}, version=model.version,
                            request_id=request.id, parameters=_reply_parameters(model, request))
 

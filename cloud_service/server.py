@@ -1,7 +1,13 @@
 """The Open Inference Protocol over gRPC (`inference.GRPCInferenceService`), plus health and reflection.
 
-Thin: decode -> `infer.infer` (batcher) -> encode. Errors become statuses in one place
+Thin: decode -> `infer.infer_blocking` (batcher) -> encode. Errors become statuses in one place
 (`infer.status_of`). A queue-full answer carries the standard `grpc-retry-pushback-ms` trailer.
+
+The server is grpcio's thread-pool server, not grpc.aio: each call runs in a pool thread, and an
+idle model runs the request right there (the batcher's leader/follower mode), with no hop to an
+event loop and back. Measured here (MNIST CNN, one client, loopback): a bytes echo answers in
+0.45 ms on the thread-pool server against 0.55 ms on grpc.aio, and the asyncio servicer with
+instance threads spent ~0.2 ms more per request on its two thread hand-offs.
 
 Oversize requests: the servicer reads each ModelInfer message's size before parsing it, so a request
 over `max_message_bytes` gets RESOURCE_EXHAUSTED with a message, and is counted. gRPC's own receive
@@ -11,10 +17,10 @@ limit is set to twice that, as a hard memory bound; messages beyond it are refus
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable, Iterator
+from concurrent import futures
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,7 +31,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection, reflection_pb2
 
 from cloud_service.errors import MessageTooLarge
-from cloud_service.infer import infer, model_label, status_of
+from cloud_service.infer import infer_blocking, model_label, status_of
 from cloud_service.metrics import Metrics
 from cloud_service.models import ServedModel
 from cloud_service.protocol import CodecError
@@ -72,26 +78,26 @@ class InferenceServicer:
 
     # -- server -----------------------------------------------------------------------------
 
-    async def ServerLive(self, request: pb.ServerLiveRequest, context: Any) -> pb.ServerLiveResponse:
+    def ServerLive(self, request: pb.ServerLiveRequest, context: Any) -> pb.ServerLiveResponse:
         return pb.ServerLiveResponse(live=True)
 
-    async def ServerReady(self, request: pb.ServerReadyRequest, context: Any) -> pb.ServerReadyResponse:
+    def ServerReady(self, request: pb.ServerReadyRequest, context: Any) -> pb.ServerReadyResponse:
         return pb.ServerReadyResponse(ready=self.ready)
 
-    async def ServerMetadata(self, request: pb.ServerMetadataRequest, context: Any) -> pb.ServerMetadataResponse:
+    def ServerMetadata(self, request: pb.ServerMetadataRequest, context: Any) -> pb.ServerMetadataResponse:
         return pb.ServerMetadataResponse(name=SERVER_NAME, version=self.version, extensions=EXTENSIONS)
 
     # -- models -----------------------------------------------------------------------------
 
-    async def ModelReady(self, request: pb.ModelReadyRequest, context: Any) -> pb.ModelReadyResponse:
+    def ModelReady(self, request: pb.ModelReadyRequest, context: Any) -> pb.ModelReadyResponse:
         try:
             model = self.repository.get(request.name, request.version)
         except Exception:
             return pb.ModelReadyResponse(ready=False)
         return pb.ModelReadyResponse(ready=self.ready and model.batcher is not None)
 
-    async def ModelMetadata(self, request: pb.ModelMetadataRequest, context: Any) -> pb.ModelMetadataResponse:
-        model = await self._model(request.name, request.version, context)
+    def ModelMetadata(self, request: pb.ModelMetadataRequest, context: Any) -> pb.ModelMetadataResponse:
+        model = self._model(request.name, request.version, context)
         out = pb.ModelMetadataResponse(name=model.name, versions=self.repository.versions(model.name),
                                        platform=model.platform)
         for spec in model.inputs:
@@ -100,16 +106,16 @@ class InferenceServicer:
             out.outputs.add(name=spec.name, datatype=_OIP[spec.dtype], shape=spec.oip_shape)
         return out
 
-    async def ModelConfig(self, request: pb.ModelConfigRequest, context: Any) -> pb.ModelConfigResponse:
-        model = await self._model(request.name, request.version, context)
+    def ModelConfig(self, request: pb.ModelConfigRequest, context: Any) -> pb.ModelConfigResponse:
+        model = self._model(request.name, request.version, context)
         return pb.ModelConfigResponse(config=model_config(model))
 
-    async def _model(self, name: str, version: str, context: Any) -> ServedModel:
+    def _model(self, name: str, version: str, context: Any) -> ServedModel:
         try:
             return self.repository.get(name, version)
         except Exception as exc:
             code, message = status_of(exc)
-            await context.abort(getattr(grpc.StatusCode, code), message)
+            context.abort(getattr(grpc.StatusCode, code), message)
             raise  # unreachable: abort raises
 
     # -- inference --------------------------------------------------------------------------
@@ -125,38 +131,34 @@ class InferenceServicer:
             return _Refused(CodecError(f"request is not a valid ModelInferRequest: {exc}"))
         return request
 
-    async def ModelInfer(self, request: pb.ModelInferRequest | _Refused, context: Any) -> pb.ModelInferResponse:
+    def ModelInfer(self, request: pb.ModelInferRequest | _Refused, context: Any) -> pb.ModelInferResponse:
         started = time.perf_counter()
         label = "" if isinstance(request, _Refused) else model_label(self.repository, request.model_name)
         try:
             if isinstance(request, _Refused):
                 raise request.error
-            remaining = context.time_remaining()
-            deadline = None if remaining is None else asyncio.get_running_loop().time() + remaining
-            response = await infer(self.repository, request, deadline=deadline)
-        except asyncio.CancelledError:  # the client went away or its deadline passed: count it, then unwind
-            self.metrics.request_done(label or "_unknown", "grpc", time.perf_counter() - started, code="CANCELLED")
-            raise
+            response = infer_blocking(self.repository, request, timeout=context.time_remaining())
         except Exception as exc:
             code, message = status_of(exc)
             self.metrics.request_done(label or "_unknown", "grpc", time.perf_counter() - started, code=code)
             pushback = getattr(exc, "retry_after_ms", None)
-            trailer = (("grpc-retry-pushback-ms", str(pushback)),) if pushback is not None else ()
-            await context.abort(getattr(grpc.StatusCode, code), message, trailing_metadata=trailer)
+            if pushback is not None:
+                context.set_trailing_metadata((("grpc-retry-pushback-ms", str(pushback)),))
+            context.abort(getattr(grpc.StatusCode, code), message)
             raise  # unreachable: abort raises
         self.metrics.request_done(label, "grpc", time.perf_counter() - started, code=None)
         return response
 
-    async def ModelStreamInfer(self, requests: AsyncIterator[pb.ModelInferRequest | _Refused],
-                               context: Any) -> AsyncIterator[pb.ModelStreamInferResponse]:
+    def ModelStreamInfer(self, requests: Iterator[pb.ModelInferRequest | _Refused],
+                         context: Any) -> Iterator[pb.ModelStreamInferResponse]:
         """Answers in request order; an error answers that request and the stream goes on."""
-        async for request in requests:
+        for request in requests:
             started = time.perf_counter()
             label = "" if isinstance(request, _Refused) else model_label(self.repository, request.model_name)
             try:
                 if isinstance(request, _Refused):
                     raise request.error
-                response = await infer(self.repository, request)
+                response = infer_blocking(self.repository, request)
             except Exception as exc:
                 code, message = status_of(exc)
                 self.metrics.request_done(label or "_unknown", "grpc", time.perf_counter() - started, code=code)
@@ -224,12 +226,16 @@ def reflection_pool() -> descriptor_pool.DescriptorPool:
     return pool
 
 
-async def start_grpc_server(servicer: InferenceServicer, address: str, *,
-                            credentials: grpc.ServerCredentials | None = None
-                            ) -> tuple[grpc.aio.Server, health.aio.HealthServicer, int]:
-    """Start the server with the inference service, health and reflection; return it and the bound port."""
+def start_grpc_server(servicer: InferenceServicer, address: str, *, credentials: grpc.ServerCredentials | None = None,
+                      workers: int = 64) -> tuple[grpc.Server, health.HealthServicer, int]:
+    """Start the server with the inference service, health and reflection; return it and the bound port.
+
+    `workers` threads answer calls; a call waiting for its batch holds one, so it bounds the
+    requests in flight (beyond it, calls wait in gRPC's queue until a thread is free).
+    """
     hard_limit = min(2 * servicer.max_message_bytes, 2**31 - 1)
-    server = grpc.aio.server(options=[
+    pool = futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="tierkit-grpc")
+    server = grpc.server(pool, options=[
         ("grpc.max_receive_message_length", hard_limit),
         ("grpc.max_send_message_length", -1),
         ("grpc.so_reuseport", 0),  # a port in use must fail loudly, not be shared silently
@@ -237,19 +243,21 @@ async def start_grpc_server(servicer: InferenceServicer, address: str, *,
     handlers = servicer.handlers()
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))
     server.add_registered_method_handlers(SERVICE, handlers)
-    health_servicer = health.aio.HealthServicer()
+    health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     names = (SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME)
     reflection.enable_server_reflection(names, server, pool=reflection_pool())
     try:
         port = server.add_secure_port(address, credentials) if credentials else server.add_insecure_port(address)
     except RuntimeError as exc:
+        pool.shutdown(wait=False)
         msg = f"cannot listen on {address}: {exc}"
         raise ConfigError(msg) from None
     if not port:
+        pool.shutdown(wait=False)
         msg = f"cannot listen on {address} (in use, or not an address of this host)"
         raise ConfigError(msg)
-    await server.start()
+    server.start()
     for name in ("", SERVICE):
-        await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+        health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
     return server, health_servicer, port

@@ -55,8 +55,8 @@ class CloudService:
                                           max_message_bytes=config.max_message_bytes)
         self.addresses: dict[str, str] = {}
         self.last_reload: ReloadReport | None = None
-        self._grpc: grpc.aio.Server | None = None
-        self._health: health.aio.HealthServicer | None = None
+        self._grpc: grpc.Server | None = None
+        self._health: health.HealthServicer | None = None
         self._bridge: MqttBridge | None = None
         self._poller: asyncio.Task[None] | None = None
         self._stopped = asyncio.Event()
@@ -79,8 +79,8 @@ class CloudService:
             await self.reload()
             if config.grpc_address:
                 credentials = config.grpc_tls.server_credentials() if config.grpc_tls else None
-                self._grpc, self._health, port = await start_grpc_server(self.servicer, config.grpc_address,
-                                                                         credentials=credentials)
+                self._grpc, self._health, port = start_grpc_server(self.servicer, config.grpc_address,
+                                                                   credentials=credentials, workers=config.grpc_workers)
                 host = split_address(config.grpc_address)[0]
                 self.addresses["grpc"] = f"{host}:{port}"
             if config.mqtt is not None:
@@ -93,7 +93,7 @@ class CloudService:
             self.servicer.ready = True
             if self._health is not None:
                 for name in ("", SERVICE):
-                    await self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
+                    self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
             if config.poll_interval_s > 0:
                 self._poller = asyncio.get_running_loop().create_task(self._poll(config.poll_interval_s))
         except BaseException:
@@ -130,12 +130,13 @@ class CloudService:
                 with contextlib.suppress(asyncio.CancelledError):
                     await self._poller
             if self._health is not None:
-                await self._health.enter_graceful_shutdown()
+                self._health.enter_graceful_shutdown()
             drain = self.config.drain_timeout_s
             if self._bridge is not None:
                 await self._bridge.stop(drain)
             if self._grpc is not None:
-                await self._grpc.stop(grace=drain)
+                stopped = self._grpc.stop(grace=drain)
+                await asyncio.to_thread(stopped.wait)
             await self.repository.aclose()
         finally:
             self.metrics.stop()

@@ -218,3 +218,77 @@ def test_close_that_times_out_answers_running_and_queued_requests() -> None:
 
     asyncio.run(main())
     assert model.batches == [1]
+
+
+class ThreadModel(Model):
+    """Model that also records which thread ran each batch."""
+
+    def __init__(self, delay_s: float = 0.0) -> None:
+        super().__init__(delay_s)
+        self.threads: list[str] = []
+
+    def __call__(self, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        self.threads.append(threading.current_thread().name)
+        return super().__call__(inputs)
+
+
+def test_blocking_caller_runs_its_request_itself_when_the_model_is_idle() -> None:
+    model = ThreadModel()
+
+    async def main() -> None:
+        async with DynamicBatcher("m", [model], BatchingConfig(max_batch_size=8), batched=True) as b:
+            def call() -> tuple[np.ndarray, str]:
+                return b.run(rows(1, 3.0))["y"], threading.current_thread().name
+
+            out, caller = await asyncio.to_thread(call)
+            assert out[0, 0] == 6.0
+            assert model.threads == [caller]  # no hand-off to the instance thread
+
+    asyncio.run(main())
+
+
+def test_blocking_callers_batch_together_and_mix_with_coroutines() -> None:
+    from concurrent.futures import ThreadPoolExecutor
+
+    model = ThreadModel(delay_s=0.01)
+
+    async def main() -> None:
+        async with DynamicBatcher("m", [model], BatchingConfig(max_batch_size=16), batched=True) as b:
+            loop = asyncio.get_running_loop()
+            with ThreadPoolExecutor(12) as pool:
+                blocking = [loop.run_in_executor(pool, lambda i=i: b.run(rows(1, float(i)))) for i in range(12)]
+                coroutines = [b.infer(rows(2, 100.0 + i)) for i in range(4)]
+                results = await asyncio.gather(*blocking, *coroutines)
+            for i, out in enumerate(results[:12]):
+                np.testing.assert_array_equal(out["y"], np.full((1, 3), 2.0 * i, np.float32))
+            for i, out in enumerate(results[12:]):
+                np.testing.assert_array_equal(out["y"], np.full((2, 3), 2.0 * (100 + i), np.float32))
+
+    asyncio.run(main())
+    assert sum(model.batches) == 12 + 8
+    assert max(model.batches) > 1, model.batches  # requests that piled up while one ran were merged
+
+
+def test_blocking_caller_gets_refusals_and_expiry() -> None:
+    gate = threading.Event()
+    model = Model(gate=gate)
+
+    async def main() -> None:
+        b = DynamicBatcher("m", [model], BatchingConfig(max_batch_size=1, max_queue_size=2), batched=True)
+        b.start()
+        blocker = b.submit(rows(1))
+        await asyncio.sleep(0.02)  # the instance thread is stuck in the model
+        late = asyncio.ensure_future(asyncio.to_thread(b.run, rows(1), timeout=0.01))
+        await asyncio.sleep(0.05)
+        b.submit(rows(1))
+        with pytest.raises(ServerBusy):
+            b.run(rows(1))  # queue full: refused at once, in the caller's thread
+        gate.set()
+        await blocker
+        with pytest.raises(CloudTimeout, match="expired"):
+            await late
+        await b.aclose(timeout=5)
+        with pytest.raises(BackendUnavailable, match="unloading"):
+            b.run(rows(1))
+
+    asyncio.run(main())
