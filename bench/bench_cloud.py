@@ -4,8 +4,10 @@ For each model (an MNIST CNN; all-MiniLM-L6-v2 int8 at sequence length 128; `--q
 a package is built in a temporary directory, and:
 
 - ceiling: raw onnxruntime (the runtimes session the server runs), no RPC, at batch sizes 1..64;
-  the best rows/s is the throughput ceiling, batch 1's p50 the compute time of one request;
-  ceiling-paced: batch 1 again, each call after 1 ms idle, as a server answering one client runs it;
+  the best rows/s is the throughput ceiling;
+- compute / compute-paced: the same session at batch 1 alone, timed in every round of concurrency 1
+  between the servers' turns, back to back and after 1 ms idle (as a server answering one client runs
+  it): the compute time of one request;
 - echo: a raw grpc.aio server that returns the request bytes, called with the very payload sent to
   tierkit (a serialized one-row ModelInferRequest): the cost of a Python gRPC round trip alone;
 - tierkit, batching on (max batch 64, queue delay 0) and off (max batch 1), at concurrency 1, 8, 32.
@@ -15,7 +17,7 @@ clients are grpc.aio coroutines over one channel in this process, sending and re
 so tierkit and echo pay the same client cost. Targets:
 
 - throughput: tierkit with batching at concurrency 32 reaches >= 70 % of the ceiling's rows/s;
-- latency: at concurrency 1, tierkit's p50 minus the compute time (ceiling batch-1 p50) is at most
+- latency: at concurrency 1, tierkit's p50 minus the compute time (`compute` p50) is at most
   1.5x the echo's p50: what the server adds around the model costs at most 1.5 bare round trips.
 
 Usage:
@@ -166,37 +168,30 @@ def write_package(model: Model, models_dir: Path) -> Path:
 # -- measurements ------------------------------------------------------------------------------
 
 
-def ceiling(model: Model, package: Path, *, seconds: float, threads: int) -> list[Row]:
+def ceiling(model: Model, session: Any, *, seconds: float) -> list[Row]:
     """Raw runtimes session throughput per batch size (no RPC), with the server's thread count."""
-    from compilers.package import ModelPackage
-    from runtimes.session import SessionOptions
-
     rows = []
-    with ModelPackage.open(package).open_session(SessionOptions(intra_op_threads=threads)) as session:
-        for batch in BATCH_SIZES:
-            feed = {n: np.ascontiguousarray(np.repeat(a, batch, axis=0)) for n, a in model.feed.items()}
-            for _ in range(3):
-                session.run(feed)
-            times: list[float] = []
-            stop = time.perf_counter() + seconds
-            while time.perf_counter() < stop or len(times) < 5:
-                t = time.perf_counter()
-                session.run(feed)
-                times.append(time.perf_counter() - t)
-            rows.append(Row(model.name, "ceiling", 0, batch, len(times), batch * len(times) / sum(times),
-                            statistics.median(times) * 1e3, _p99(times) * 1e3))
-        # One row per PACED_GAP_S, as a server answering one client runs it: the model idles between
-        # calls, and on a shared VM its first instructions after a gap run on a cold core.
-        times = []
-        stop = time.perf_counter() + seconds
-        while time.perf_counter() < stop or len(times) < 5:
-            time.sleep(PACED_GAP_S)
-            t = time.perf_counter()
-            session.run(model.feed)
-            times.append(time.perf_counter() - t)
-        rows.append(Row(model.name, "ceiling-paced", 0, 1, len(times), len(times) / sum(times),
+    for batch in BATCH_SIZES:
+        feed = {n: np.ascontiguousarray(np.repeat(a, batch, axis=0)) for n, a in model.feed.items()}
+        for _ in range(3):
+            session.run(feed)
+        times = _time_calls(session, feed, seconds=seconds)
+        rows.append(Row(model.name, "ceiling", 0, batch, len(times), batch * len(times) / sum(times),
                         statistics.median(times) * 1e3, _p99(times) * 1e3))
     return rows
+
+
+def _time_calls(session: Any, feed: dict[str, np.ndarray], *, seconds: float, gap_s: float = 0.0) -> list[float]:
+    """Seconds per call for `seconds` (at least 5 calls), sleeping `gap_s` before each call."""
+    times: list[float] = []
+    stop = time.perf_counter() + seconds
+    while time.perf_counter() < stop or len(times) < 5:
+        if gap_s:
+            time.sleep(gap_s)
+        t = time.perf_counter()
+        session.run(feed)
+        times.append(time.perf_counter() - t)
+    return times
 
 
 def _p99(values: list[float]) -> float:
@@ -275,11 +270,25 @@ def serve_echo() -> int:
 
 def bench_model(model: Model, work: Path, *, levels: tuple[int, ...], requests: int, max_s: float,
                 ceiling_s: float, threads: int) -> list[Row]:
-    from cloud_service.protocol import encode_request
+    from compilers.package import ModelPackage
+    from runtimes.session import SessionOptions
 
     models_dir = work / f"serve-{model.name}"
     package = write_package(model, models_dir)
-    rows = ceiling(model, package, seconds=ceiling_s, threads=threads)
+    with ModelPackage.open(package).open_session(SessionOptions(intra_op_threads=threads)) as session:
+        rows = ceiling(model, session, seconds=ceiling_s)
+        rows += drive_servers(model, models_dir, session, levels=levels, requests=requests, max_s=max_s,
+                              compute_s=ceiling_s / ROUNDS, threads=threads)
+    return rows
+
+
+def drive_servers(model: Model, models_dir: Path, session: Any, *, levels: tuple[int, ...], requests: int,
+                  max_s: float, compute_s: float, threads: int) -> list[Row]:
+    """Echo and tierkit at each level, in interleaved rounds. At concurrency 1 each round also times
+    the model alone at batch 1, back to back (`compute`) and after 1 ms idle (`compute-paced`), so
+    the compute subtracted from tierkit's latency is measured in the same rounds."""
+    from cloud_service.protocol import encode_request
+
     payload = encode_request(model.name, model.feed).SerializeToString()
     serve = [sys.executable, "-m", "sdk.cli", "serve", "--models", str(models_dir), "--grpc", "127.0.0.1:0",
              "--max-queue-size", "4096", "--threads", str(threads)]
@@ -289,8 +298,8 @@ def bench_model(model: Model, work: Path, *, levels: tuple[int, ...], requests: 
         ("tierkit-batch", [*serve, "--max-batch-size", "64"], infer),
         ("tierkit-nobatch", [*serve, "--no-batching"], infer),
     ]
-    # All servers up at once, each level driven in interleaved rounds, so a load spike on a shared
-    # host spreads over echo and tierkit instead of landing on whichever ran during it.
+    rows: list[Row] = []
+    compute: dict[str, list[float]] = {"compute": [], "compute-paced": []}
     procs: list[subprocess.Popen[str]] = []
     try:
         targets = []
@@ -302,6 +311,10 @@ def bench_model(model: Model, work: Path, *, levels: tuple[int, ...], requests: 
             seconds = dict.fromkeys((t[0] for t in targets), 0.0)
             latencies: dict[str, list[float]] = {t[0]: [] for t in targets}
             for _ in range(ROUNDS):
+                if concurrency == 1:
+                    compute["compute"] += _time_calls(session, model.feed, seconds=compute_s)
+                    compute["compute-paced"] += _time_calls(session, model.feed, seconds=compute_s,
+                                                            gap_s=PACED_GAP_S)
                 for path, address, method in targets:
                     _, elapsed, lat = asyncio.run(drive(address, method, payload, concurrency=concurrency,
                                                         requests=max(1, requests // ROUNDS), max_s=max_s / ROUNDS))
@@ -313,6 +326,10 @@ def bench_model(model: Model, work: Path, *, levels: tuple[int, ...], requests: 
     finally:
         for proc in procs:
             stop_process(proc)
+    for path, times in compute.items():
+        if times:
+            rows.append(Row(model.name, path, 1, 1, len(times), len(times) / sum(times),
+                            statistics.median(times) * 1e3, _p99(times) * 1e3))
     return rows
 
 
@@ -324,8 +341,8 @@ def ratios(rows: list[Row], top: int) -> list[dict[str, Any]]:
     for name in dict.fromkeys(r.model for r in rows):
         mine = [r for r in rows if r.model == name]
         best = max((r for r in mine if r.path == "ceiling"), key=lambda r: r.rows_per_s)
-        compute = next(r for r in mine if r.path == "ceiling" and r.batch == 1).p50_ms
-        paced = next(r for r in mine if r.path == "ceiling-paced").p50_ms
+        compute = next(r for r in mine if r.path == "compute").p50_ms
+        paced = next(r for r in mine if r.path == "compute-paced").p50_ms
 
         def at(path: str, c: int, rs: list[Row] = mine) -> Row:
             return next(r for r in rs if r.path == path and r.concurrency == c)
@@ -348,7 +365,7 @@ def ratios(rows: list[Row], top: int) -> list[dict[str, Any]]:
 def print_report(rows: list[Row], summary: list[dict[str, Any]], top: int) -> None:
     print(f"{'model':<12} {'path':<16} {'conc':>4} {'batch':>5} {'reqs':>6} {'rows/s':>10} {'p50 ms':>8} {'p99 ms':>8}")
     for r in rows:
-        conc = "-" if r.path.startswith("ceiling") else str(r.concurrency)
+        conc = "-" if r.path == "ceiling" else str(r.concurrency)
         print(f"{r.model:<12} {r.path:<16} {conc:>4} {r.batch:>5} {r.requests:>6} {r.rows_per_s:>10.0f} "
               f"{r.p50_ms:>8.3f} {r.p99_ms:>8.3f}")
     print()
@@ -363,8 +380,8 @@ def print_report(rows: list[Row], summary: list[dict[str, Any]], top: int) -> No
               f"{lat:>16.2f} ({'ok' if lat <= LATENCY_TARGET else 'MISS'}) "
               f"{s['p50_overhead_vs_echo_at_1_paced']:>19.2f}")
     print(f"\ntargets: batch/ceiling >= {THROUGHPUT_TARGET:.2f} at concurrency {top}; "
-          f"(p50 - compute)/echo p50 <= {LATENCY_TARGET} at concurrency 1, compute = the ceiling's batch-1 p50 "
-          f"(hot loop); paced = batch 1 after {PACED_GAP_S * 1e3:g} ms idle, for reference")
+          f"(p50 - compute)/echo p50 <= {LATENCY_TARGET} at concurrency 1, compute = batch 1 back to back "
+          f"in the same rounds; paced = batch 1 after {PACED_GAP_S * 1e3:g} ms idle, for reference")
 
 
 def main(argv: list[str] | None = None) -> int:
