@@ -278,6 +278,10 @@ class DynamicBatcher:
     def _shape_key(self, inputs: Arrays) -> tuple[int, tuple[Any, ...]]:
         if not self.batched:
             return 1, ()
+        if len(inputs) == 1:  # the common case, without the set and the sort
+            ((name, array),) = inputs.items()
+            if array.ndim and array.shape[0] <= self.config.max_batch_size:
+                return int(array.shape[0]), ((name, array.dtype.str, array.shape[1:]),)
         rows = {int(a.shape[0]) if a.ndim else -1 for a in inputs.values()}
         if len(rows) != 1 or -1 in rows:
             msg = f"model {self.name!r}: all inputs must share axis 0 (the batch), got {sorted(rows)}"

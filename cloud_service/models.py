@@ -92,7 +92,8 @@ class ServedModel:
             check_inputs(self.inputs, arrays)
         for name, array in arrays.items():
             dtype, ndim, fixed = expected[name]
-            if array.dtype != dtype or array.ndim != ndim or any(array.shape[i] != d for i, d in fixed):
+            shape = array.shape
+            if array.dtype != dtype or len(shape) != ndim or [d for i, d in fixed if shape[i] != d]:
                 check_inputs(self.inputs, arrays)
                 msg = f"input {name!r} does not match {self.inputs}"
                 raise InputError(msg)
