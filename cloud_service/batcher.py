@@ -127,7 +127,7 @@ class DynamicBatcher:
         config: batching limits.
         batched: whether inputs may be concatenated along axis 0 (every input and output has a
             dynamic batch axis). When False each request runs alone, still bounded by the queue.
-        observer: receives queue depth, batch sizes and drops (called on the event loop).
+        observer: receives queue depth, batch sizes and drops (called from the threads that run batches).
     """
 
     def __init__(self, name: str, runners: Sequence[Runner], config: BatchingConfig, *, batched: bool,
