@@ -53,7 +53,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[
     s.add_argument("--max-message-mb", type=float, default=16.0, help="largest request accepted")
     s.add_argument("--poll-s", type=float, default=0.0, help="rescan the models directory every N seconds")
     s.add_argument("--drain-s", type=float, default=30.0, help="grace for in-flight requests on shutdown/swap")
-    s.add_argument("--grpc-workers", type=int, default=64, help="threads answering gRPC calls (calls in flight)")
+    s.add_argument("--grpc-workers", type=int, default=128,
+                   help="threads answering gRPC calls: the calls in flight (more are refused)")
     t = p.add_argument_group("security")
     t.add_argument("--grpc-cert", type=Path, help="server certificate (PEM) for gRPC TLS")
     t.add_argument("--grpc-key", type=Path, help="server key (PEM) for gRPC TLS")

@@ -169,7 +169,8 @@ class ServerConfig:
         poll_interval_s: how often the models directory is rescanned for new versions (0 = never;
             `reload()` and SIGHUP still work).
         drain_timeout_s: how long shutdown and hot swap wait for in-flight requests.
-        grpc_workers: threads answering gRPC calls; bounds the calls in flight (more wait in gRPC).
+        grpc_workers: threads answering gRPC calls: the calls in flight (more are refused with
+            RESOURCE_EXHAUSTED).
     """
 
     models_dir: Path
@@ -183,7 +184,7 @@ class ServerConfig:
     max_message_bytes: int = 16 * 1024 * 1024
     poll_interval_s: float = 0.0
     drain_timeout_s: float = 30.0
-    grpc_workers: int = 64
+    grpc_workers: int = 128
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "models_dir", Path(self.models_dir))

@@ -230,12 +230,14 @@ def start_grpc_server(servicer: InferenceServicer, address: str, *, credentials:
                       workers: int = 64) -> tuple[grpc.Server, health.HealthServicer, int]:
     """Start the server with the inference service, health and reflection; return it and the bound port.
 
-    `workers` threads answer calls; a call waiting for its batch holds one, so it bounds the
-    requests in flight (beyond it, calls wait in gRPC's queue until a thread is free).
+    `workers` threads answer calls, and a call waiting for its batch holds one; calls beyond
+    `workers` in flight are refused at once with RESOURCE_EXHAUSTED (gRPC's concurrent-RPC limit)
+    rather than left waiting, unbounded, for a thread. gRPC refuses those before the servicer sees
+    them, so they are not in tierkit's failure counters.
     """
     hard_limit = min(2 * servicer.max_message_bytes, 2**31 - 1)
     pool = futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="tierkit-grpc")
-    server = grpc.server(pool, options=[
+    server = grpc.server(pool, maximum_concurrent_rpcs=workers, options=[
         ("grpc.max_receive_message_length", hard_limit),
         ("grpc.max_send_message_length", -1),
         ("grpc.so_reuseport", 0),  # a port in use must fail loudly, not be shared silently

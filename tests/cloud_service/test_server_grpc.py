@@ -253,3 +253,27 @@ def test_stream_infer_answers_each_request(stub: pbg.GRPCInferenceServiceStub, d
     replies = list(stub.ModelStreamInfer(iter(requests)))
     assert [r.infer_response.id for r in replies] == ["a", "", "c"]
     assert replies[1].error_message.startswith("NOT_FOUND")
+
+
+def test_calls_beyond_the_worker_pool_are_refused_at_once(serve: Callable[..., ServerThread],
+                                                          tmp_path: Path) -> None:
+    make_fake_package(tmp_path / "m" / "slow", delay_s=0.3)
+    server = serve(tmp_path / "m", grpc_workers=2,
+                   defaults=ModelOptions(batching=BatchingConfig(max_batch_size=1, max_queue_size=64)))
+    x = np.ones((1, 4), np.float32)
+    with grpc.insecure_channel(server.grpc) as channel:
+        stub = pbg.GRPCInferenceServiceStub(channel)
+        stub.ModelInfer(encode_request("slow", {"x": x}), timeout=20)  # the channel is up
+        started = time.monotonic()
+        calls = [stub.ModelInfer.future(encode_request("slow", {"x": x}), timeout=20) for _ in range(5)]
+        codes = []
+        for call in calls:
+            try:
+                call.result()
+                codes.append(grpc.StatusCode.OK)
+            except grpc.RpcError as exc:
+                codes.append(exc.code())
+        elapsed = time.monotonic() - started
+    assert codes.count(grpc.StatusCode.OK) == 2, codes  # one thread each
+    assert codes.count(grpc.StatusCode.RESOURCE_EXHAUSTED) == 3, codes
+    assert elapsed < 1.5  # the refused ones did not wait behind the running ones (2 x 0.3 s)
