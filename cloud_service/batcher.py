@@ -9,7 +9,8 @@ Requests queue per model; each model instance (session) is guarded by a lock. Tw
 - `run()` (blocking threads: the gRPC handlers): leader/follower. The caller queues its request,
   then, when an instance is free, takes the batch at the head of the queue (its own request and
   whatever waits with it) and runs it in its own thread; otherwise it waits for an instance thread
-  or another leader to answer it. An idle server thus runs a request with no thread hand-off at
+  or another leader to answer it. With nothing queued and an instance free, the request runs at
+  once without entering the queue. An idle server thus runs a request with no thread hand-off at
   all; a busy one batches what piled up while the instances were busy.
 
 - A full queue refuses at once with `ServerBusy` (RESOURCE_EXHAUSTED plus a retry hint): the
@@ -228,6 +229,12 @@ class DynamicBatcher:
         Raises:
             BatcherClosed, ServerBusy, InputError, CloudTimeout, InferenceError.
         """
+        if not self._queue and not self._closed:
+            outcome = self._run_now(inputs, timeout)
+            if isinstance(outcome, BaseException):
+                raise outcome
+            if outcome is not None:
+                return outcome
         waiter = _Waiter()
         due = None if timeout is None else time.monotonic() + timeout
         request = self._enqueue(inputs, due, waiter)
@@ -238,6 +245,35 @@ class DynamicBatcher:
         if isinstance(outcome, BaseException):
             raise outcome
         return outcome
+
+    def _run_now(self, inputs: Arrays, timeout: float | None) -> Outcome | None:
+        """Nothing queued and an instance free: run here without queueing (what the queue would do).
+
+        Returns None when every instance is busy or a request queued meanwhile: queue then.
+        """
+        for index, lock in enumerate(self._instances):
+            if not lock.acquire(blocking=False):
+                continue
+            try:
+                if self._queue:  # someone queued first: keep the order
+                    return None
+                rows, _ = self._shape_key(inputs)
+                if timeout is not None and timeout <= 0:
+                    self._observer.on_expired(1)
+                    msg = f"model {self.name!r}: request expired before it ran; not computed"
+                    return CloudTimeout(msg)
+                started = time.perf_counter()
+                outcome = self._call(self._runners[index], inputs, rows)
+                seconds = time.perf_counter() - started
+                self._batch_s = 0.8 * self._batch_s + 0.2 * seconds
+                self._observer.on_batch(rows, 1, seconds)
+            finally:
+                lock.release()
+            if self._queue:  # requests that queued while this one ran: wake a thread for them
+                with self._ready:
+                    self._ready.notify()
+            return outcome
+        return None
 
     def _enqueue(self, inputs: Arrays, due: float | None,
                  future: asyncio.Future[dict[str, np.ndarray]] | _Waiter) -> _Request:
