@@ -60,16 +60,38 @@ class ReloadReport:
 
 @dataclass
 class _Entry:
+    """A model name's versions. Change them through `put`, `remove` and `recommend`: the default
+    version is worked out there, once, not on every request."""
+
     versions: dict[str, ServedModel] = field(default_factory=dict)
     recommended: str | None = None
+    _default: str | None = None
 
     @property
     def default(self) -> ServedModel | None:
+        return None if self._default is None else self.versions.get(self._default)
+
+    def put(self, version: str, model: ServedModel) -> ServedModel | None:
+        """Install `model` as `version`; return the model it replaces."""
+        old = self.versions.get(version)
+        self.versions[version] = model
+        self._refresh()
+        return old
+
+    def remove(self, version: str) -> ServedModel:
+        model = self.versions.pop(version)
+        self._refresh()
+        return model
+
+    def recommend(self, version: str) -> None:
+        self.recommended = version
+        self._refresh()
+
+    def _refresh(self) -> None:
         if self.recommended in self.versions:
-            return self.versions[self.recommended]
-        if not self.versions:
-            return None
-        return self.versions[max(self.versions, key=_version_key)]
+            self._default = self.recommended
+        else:
+            self._default = max(self.versions, key=_version_key) if self.versions else None
 
 
 def _version_key(version: str) -> tuple[int, int, str]:
@@ -156,13 +178,13 @@ class ModelRepository:
                 seen.add(key)
                 entry = self._entries.setdefault(source.name, _Entry())
                 if source.recommended:
-                    entry.recommended = source.version
+                    entry.recommend(source.version)
                 if self._fingerprints.get(key) == source.fingerprint or self._refused.get(key) == source.fingerprint:
                     continue
                 await self._load(source, entry, report)
             for name, entry in list(self._entries.items()):
                 for version in [v for v in entry.versions if (name, v) not in seen]:
-                    self._retire(entry.versions.pop(version))
+                    self._retire(entry.remove(version))
                     self._fingerprints.pop((name, version), None)
                     report.unloaded.append(f"{name}:{version}")
                 if not entry.versions:
@@ -185,8 +207,7 @@ class ModelRepository:
             self._on_load(source.name, "refused")
             return
         model.start(observer)
-        old_model = entry.versions.get(source.version)
-        entry.versions[source.version] = model  # the swap: requests looked up from now on get the new one
+        old_model = entry.put(source.version, model)  # the swap: requests looked up from now on get the new one
         self._fingerprints[key] = source.fingerprint
         self._refused.pop(key, None)
         if old_model is not None:
