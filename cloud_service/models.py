@@ -87,7 +87,7 @@ class ServedModel:
             expected = self._expected = {s.name: (np.dtype(s.dtype), len(s.shape),
                                                   tuple((i, d) for i, d in enumerate(s.shape) if isinstance(d, int)))
                                          for s in self.inputs}
-        # Fast path (this runs on the event loop for every request); `check_inputs` words the refusal.
+        # Fast path (this runs for every request); `check_inputs` words the refusal.
         if arrays.keys() != expected.keys():
             check_inputs(self.inputs, arrays)
         for name, array in arrays.items():

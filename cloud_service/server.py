@@ -7,7 +7,7 @@ The server is grpcio's thread-pool server, not grpc.aio: each call runs in a poo
 idle model runs the request right there (the batcher's leader/follower mode), with no hop to an
 event loop and back. Measured here (one client, loopback): a bytes echo answers in 0.45 ms on the
 thread-pool server against 0.55 ms on grpc.aio, and on the MNIST CNN this servicer's p50 is
-0.90-0.92 ms where the grpc.aio one with instance threads was 1.00-1.08 ms (bench/RESULTS.md).
+0.87-0.92 ms where the grpc.aio one with instance threads was 1.00-1.08 ms (bench/RESULTS.md).
 
 Oversize requests: the servicer reads each ModelInfer message's size before parsing it, so a request
 over `max_message_bytes` gets RESOURCE_EXHAUSTED with a message, and is counted. gRPC's own receive
