@@ -214,9 +214,7 @@ class DynamicBatcher:
             raise BackendUnavailable(msg)
         future: asyncio.Future[dict[str, np.ndarray]] = loop.create_future()
         due = None if deadline is None else time.monotonic() + (deadline - loop.time())
-        self._enqueue(inputs, due, future)
-        with self._ready:
-            self._ready.notify()
+        self._enqueue(inputs, due, future, wake=True)
         return future
 
     def run(self, inputs: Arrays, *, timeout: float | None = None) -> dict[str, np.ndarray]:
@@ -237,7 +235,7 @@ class DynamicBatcher:
                 return outcome
         waiter = _Waiter()
         due = None if timeout is None else time.monotonic() + timeout
-        request = self._enqueue(inputs, due, waiter)
+        request = self._enqueue(inputs, due, waiter, wake=False)  # it tries to run it itself first
         if not self._lead(request):
             with self._ready:  # no instance free: an instance thread (or the next leader) answers it
                 self._ready.notify()
@@ -264,9 +262,7 @@ class DynamicBatcher:
                     return CloudTimeout(msg)
                 started = time.perf_counter()
                 outcome = self._call(self._runners[index], inputs, rows)
-                seconds = time.perf_counter() - started
-                self._batch_s = 0.8 * self._batch_s + 0.2 * seconds
-                self._observer.on_batch(rows, 1, seconds)
+                self._ran(rows, 1, time.perf_counter() - started)
             finally:
                 lock.release()
             if self._queue:  # requests that queued while this one ran: wake a thread for them
@@ -275,8 +271,8 @@ class DynamicBatcher:
             return outcome
         return None
 
-    def _enqueue(self, inputs: Arrays, due: float | None,
-                 future: asyncio.Future[dict[str, np.ndarray]] | _Waiter) -> _Request:
+    def _enqueue(self, inputs: Arrays, due: float | None, future: asyncio.Future[dict[str, np.ndarray]] | _Waiter,
+                 *, wake: bool) -> _Request:
         if self._closed:
             msg = f"model {self.name!r} is not accepting requests (unloading); retry"
             raise BatcherClosed(msg)
@@ -288,6 +284,8 @@ class DynamicBatcher:
         request = _Request(inputs, rows, key, due, time.monotonic(), future)
         with self._ready:
             self._queue.append(request)
+            if wake:
+                self._ready.notify()
         self._observer.on_queue(len(self._queue))
         return request
 
@@ -375,9 +373,7 @@ class DynamicBatcher:
             self._running[index] = live  # one dict store: atomic; aclose() copies before reading
             started = time.perf_counter()
             outcomes += self._run(runner, live)
-            seconds = time.perf_counter() - started
-            self._batch_s = 0.8 * self._batch_s + 0.2 * seconds
-            self._observer.on_batch(sum(r.rows for r in live), len(live), seconds)
+            self._ran(sum(r.rows for r in live), len(live), time.perf_counter() - started)
             done += live
         self._observer.on_queue(len(self._queue))
         later: list[tuple[_Request, Outcome]] = []
@@ -391,6 +387,11 @@ class DynamicBatcher:
                 self._loop.call_soon_threadsafe(self._deliver, [r for r, _ in later], [o for _, o in later])
         if live:
             self._running.pop(index, None)
+
+    def _ran(self, rows: int, requests: int, seconds: float) -> None:
+        """Account one run: the moving average behind the retry hint, and the observer."""
+        self._batch_s = 0.8 * self._batch_s + 0.2 * seconds
+        self._observer.on_batch(rows, requests, seconds)
 
     def _take(self) -> list[_Request] | None:
         delay = self.config.max_queue_delay_us / 1e6

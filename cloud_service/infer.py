@@ -54,6 +54,9 @@ async def infer(repository: ModelRepository, request: pb.ModelInferRequest, *,
     return _respond(model, request, outputs, names)
 
 
+_LOOKUPS = 3  # lookups of a model that a hot swap keeps retiring under a blocking call
+
+
 def infer_blocking(repository: ModelRepository, request: pb.ModelInferRequest, *,
                    timeout: float | None = None) -> pb.ModelInferResponse:
     """Answer one `ModelInferRequest` in the calling thread (the gRPC handlers).
@@ -76,9 +79,6 @@ def infer_blocking(repository: ModelRepository, request: pb.ModelInferRequest, *
             continue
         return _respond(model, request, outputs, names)
     raise AssertionError  # unreachable: the loop returns or raises
-
-
-_LOOKUPS = 3
 
 
 def _prepare(repository: ModelRepository,

@@ -146,7 +146,9 @@ class InferenceServicer:
                 context.set_trailing_metadata((("grpc-retry-pushback-ms", str(pushback)),))
             context.abort(getattr(grpc.StatusCode, code), message)
             raise  # unreachable: abort raises
-        self.metrics.request_done(label, "grpc", time.perf_counter() - started, code=None)
+        # The client went away or its deadline passed while this ran: gRPC drops the answer.
+        gone = None if context.is_active() else "CANCELLED"
+        self.metrics.request_done(label, "grpc", time.perf_counter() - started, code=gone)
         return response
 
     def ModelStreamInfer(self, requests: Iterator[pb.ModelInferRequest | _Refused],
@@ -226,8 +228,9 @@ def reflection_pool() -> descriptor_pool.DescriptorPool:
     return pool
 
 
-def start_grpc_server(servicer: InferenceServicer, address: str, *, credentials: grpc.ServerCredentials | None = None,
-                      workers: int = 64) -> tuple[grpc.Server, health.HealthServicer, int]:
+def start_grpc_server(servicer: InferenceServicer, address: str, *, workers: int,
+                      credentials: grpc.ServerCredentials | None = None
+                      ) -> tuple[grpc.Server, health.HealthServicer, int]:
     """Start the server with the inference service, health and reflection; return it and the bound port.
 
     `workers` threads answer calls, and a call waiting for its batch holds one; calls beyond

@@ -80,7 +80,7 @@ class CloudService:
             if config.grpc_address:
                 credentials = config.grpc_tls.server_credentials() if config.grpc_tls else None
                 self._grpc, self._health, port = start_grpc_server(self.servicer, config.grpc_address,
-                                                                   credentials=credentials, workers=config.grpc_workers)
+                                                                   workers=config.grpc_workers, credentials=credentials)
                 host = split_address(config.grpc_address)[0]
                 self.addresses["grpc"] = f"{host}:{port}"
             if config.mqtt is not None:

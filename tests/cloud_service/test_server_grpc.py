@@ -243,7 +243,13 @@ def test_requests_past_their_deadline_are_not_computed(serve: Callable[..., Serv
         assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
         first.result()
         stub.ModelInfer(encode_request("slow", {"x": x}), timeout=20)
-    assert metric_value(server.metrics_text, "tierkit_batch_size_count", model="slow") == 2
+        with pytest.raises(grpc.RpcError) as info:  # this one starts at once, and outlives its deadline
+            stub.ModelInfer(encode_request("slow", {"x": x}), timeout=0.1)
+        assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        time.sleep(0.4)  # it finishes its run; nobody is waiting for the answer any more
+    text = server.metrics_text
+    assert metric_value(text, "tierkit_batch_size_count", model="slow") == 3
+    assert metric_value(text, "tierkit_request_failures_total", model="slow", protocol="grpc", code="CANCELLED") >= 1
 
 
 def test_stream_infer_answers_each_request(stub: pbg.GRPCInferenceServiceStub, digits_x: np.ndarray) -> None:
