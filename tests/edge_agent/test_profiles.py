@@ -59,7 +59,10 @@ def test_profile_from_a_real_package(package: ModelPackage, digits: zoo.Split) -
     esc, acc_accepted, acc_escalated = profile.curve(thresholds)
     assert esc.tolist() == pytest.approx([0.0, 0.1, 1.0], abs=0.01)
     assert acc_accepted[1] >= acc_accepted[0] == pytest.approx(profile.accuracy)
-    assert acc_escalated[1] < profile.accuracy
+    if profile.accuracy < 1.0:
+        assert acc_escalated[1] < profile.accuracy
+    else:  # the digits CNN is not bit-reproducible across processes and sometimes makes no mistake
+        assert acc_escalated[1] == acc_accepted[1] == 1.0
     # the scores are those of the bound scorer the agent uses
     bound = Policy("max_prob").scorer(package.manifest.calibration, "logits")
     assert np.sort(bound.score({"logits": logits})) == pytest.approx(profile.scores)
