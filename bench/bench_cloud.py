@@ -8,17 +8,22 @@ a package is built in a temporary directory, and:
 - compute / compute-paced: the same session at batch 1 alone, timed in every round of concurrency 1
   between the servers' turns, back to back and after 1 ms idle (as a server answering one client runs
   it): the compute time of one request;
-- echo: a raw grpc.aio server that returns the request bytes, called with the very payload sent to
-  tierkit (a serialized one-row ModelInferRequest): the cost of a Python gRPC round trip alone;
+- echo / echo-threads: a raw gRPC server that returns the request bytes, on grpc.aio and on grpcio's
+  thread-pool server (the kind tierkit serves on), called with the very payload sent to tierkit (a
+  serialized one-row ModelInferRequest): the cost of a Python gRPC round trip alone;
+- minimal: a ModelInfer server with the least Python there can be around the model (raw contents to
+  numpy, one onnxruntime run, raw contents back; no checks, batching or metrics): the floor any
+  Python server of the protocol on grpcio stands on (bench/baseline_servers.py);
 - tierkit, batching on (max batch 64, queue delay 0) and off (max batch 1), at concurrency 1, 8, 32.
 
-Servers run as separate processes (`tierkit serve`, and this script with `--echo-server`); the
+Servers run as separate processes (`tierkit serve`, and bench/baseline_servers.py); the
 clients are grpc.aio coroutines over one channel in this process, sending and receiving raw bytes,
 so tierkit and echo pay the same client cost. Targets:
 
 - throughput: tierkit with batching at concurrency 32 reaches >= 70 % of the ceiling's rows/s;
 - latency: at concurrency 1, tierkit's p50 minus the compute time (`compute` p50) is at most
-  1.5x the echo's p50: what the server adds around the model costs at most 1.5 bare round trips.
+  1.5x the p50 of the faster echo: what the server adds around the model costs at most 1.5 bare
+  round trips.
 
 Usage:
     python bench/bench_cloud.py [--quick] [--json] [--requests N] [--threads N]
@@ -31,7 +36,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import json
 import os
 import statistics
@@ -52,6 +56,7 @@ if str(ROOT) not in sys.path:
 
 THROUGHPUT_TARGET, LATENCY_TARGET = 0.70, 1.5
 BATCH_SIZES = (1, 8, 16, 32, 64)
+ECHOES = ("echo", "echo-threads")  # grpc.aio; grpcio's thread-pool server (tierkit's kind)
 ROUNDS = 5  # interleaved rounds per concurrency level
 PACED_GAP_S = 0.001  # idle time before each call of the paced compute row
 
@@ -68,7 +73,7 @@ class Model:
 @dataclass(frozen=True)
 class Row:
     model: str
-    path: str  # ceiling | echo | tierkit-batch | tierkit-nobatch
+    path: str  # ceiling | echo | echo-threads | tierkit-batch | tierkit-nobatch | compute | compute-paced
     concurrency: int
     batch: int
     requests: int
@@ -247,27 +252,6 @@ def stop_process(proc: subprocess.Popen[str]) -> None:
         proc.communicate()
 
 
-def serve_echo() -> int:
-    """`--echo-server`: a grpc.aio server answering /echo.Echo/Echo with the request bytes."""
-    import grpc
-
-    async def echo(request: bytes, context: Any) -> bytes:
-        return request
-
-    async def main() -> None:
-        server = grpc.aio.server(options=[("grpc.max_receive_message_length", 64 << 20), ("grpc.so_reuseport", 0)])
-        handler = grpc.unary_unary_rpc_method_handler(echo)
-        server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("echo.Echo", {"Echo": handler}),))
-        port = server.add_insecure_port("127.0.0.1:0")
-        await server.start()
-        print(f"grpc 127.0.0.1:{port}\nready", flush=True)
-        await server.wait_for_termination()
-
-    with contextlib.suppress(KeyboardInterrupt):
-        asyncio.run(main())
-    return 0
-
-
 def bench_model(model: Model, work: Path, *, levels: tuple[int, ...], requests: int, max_s: float,
                 ceiling_s: float, threads: int) -> list[Row]:
     from compilers.package import ModelPackage
@@ -293,8 +277,11 @@ def drive_servers(model: Model, models_dir: Path, session: Any, *, levels: tuple
     serve = [sys.executable, "-m", "sdk.cli", "serve", "--models", str(models_dir), "--grpc", "127.0.0.1:0",
              "--max-queue-size", "4096", "--threads", str(threads)]
     infer = "/inference.GRPCInferenceService/ModelInfer"
+    baseline = [sys.executable, str(Path(__file__).with_name("baseline_servers.py"))]
     servers: list[tuple[str, list[str], str]] = [
-        ("echo", [sys.executable, __file__, "--echo-server"], "/echo.Echo/Echo"),
+        ("echo", [*baseline, "echo-aio"], "/echo.Echo/Echo"),
+        ("echo-threads", [*baseline, "echo-threads"], "/echo.Echo/Echo"),
+        ("minimal", [*baseline, "minimal", str(model.onnx), str(threads)], infer),
         ("tierkit-batch", [*serve, "--max-batch-size", "64"], infer),
         ("tierkit-nobatch", [*serve, "--no-batching"], infer),
     ]
@@ -348,15 +335,19 @@ def ratios(rows: list[Row], top: int) -> list[dict[str, Any]]:
             return next(r for r in rs if r.path == path and r.concurrency == c)
 
         batch_top, nobatch_top = at("tierkit-batch", top), at("tierkit-nobatch", top)
-        echo1, tk1 = at("echo", 1), at("tierkit-batch", 1)
+        # the baseline is the faster of the two echo servers: the stricter comparison
+        echo1 = min((at(e, 1) for e in ECHOES), key=lambda r: r.p50_ms)
+        tk1 = at("tierkit-batch", 1)
         throughput = batch_top.rows_per_s / best.rows_per_s
         overhead = (tk1.p50_ms - compute) / echo1.p50_ms
         out.append({"model": name, "ceiling_rows_per_s": best.rows_per_s, "ceiling_batch": best.batch,
                     "compute_p50_ms": compute, f"batch_vs_ceiling_at_{top}": throughput,
                     f"batch_vs_nobatch_at_{top}": batch_top.rows_per_s / nobatch_top.rows_per_s,
                     f"batch_vs_echo_at_{top}": batch_top.rows_per_s / at("echo", top).rows_per_s,
-                    "p50_overhead_vs_echo_at_1": overhead, "paced_compute_p50_ms": paced,
+                    "echo_at_1": echo1.path, "p50_overhead_vs_echo_at_1": overhead, "paced_compute_p50_ms": paced,
                     "p50_overhead_vs_echo_at_1_paced": (tk1.p50_ms - paced) / echo1.p50_ms,
+                    "minimal_p50_overhead_vs_echo_at_1": (at("minimal", 1).p50_ms - compute) / echo1.p50_ms,
+                    "p50_over_minimal_at_1_ms": tk1.p50_ms - at("minimal", 1).p50_ms,
                     "throughput_target_met": throughput >= THROUGHPUT_TARGET,
                     "latency_target_met": overhead <= LATENCY_TARGET})
     return out
@@ -370,7 +361,7 @@ def print_report(rows: list[Row], summary: list[dict[str, Any]], top: int) -> No
               f"{r.p50_ms:>8.3f} {r.p99_ms:>8.3f}")
     print()
     print(f"{'model':<12} {'ceiling rows/s':>15} {'batch/ceiling@' + str(top):>18} {'batch/nobatch@' + str(top):>18} "
-          f"{'(p50-compute)/echo@1':>22} {'(p50-paced)/echo@1':>19}")
+          f"{'(p50-compute)/echo@1':>22} {'(p50-paced)/echo@1':>19} {'minimal@1':>10} {'tierkit-minimal@1':>18}")
     for s in summary:
         tp = s[f"batch_vs_ceiling_at_{top}"]
         lat = s["p50_overhead_vs_echo_at_1"]
@@ -378,10 +369,13 @@ def print_report(rows: list[Row], summary: list[dict[str, Any]], top: int) -> No
               f"{tp:>12.2f} ({'ok' if tp >= THROUGHPUT_TARGET else 'MISS'}) "
               f"{s[f'batch_vs_nobatch_at_{top}']:>18.2f} "
               f"{lat:>16.2f} ({'ok' if lat <= LATENCY_TARGET else 'MISS'}) "
-              f"{s['p50_overhead_vs_echo_at_1_paced']:>19.2f}")
+              f"{s['p50_overhead_vs_echo_at_1_paced']:>19.2f} {s['minimal_p50_overhead_vs_echo_at_1']:>10.2f} "
+              f"{s['p50_over_minimal_at_1_ms']:>15.3f} ms")
     print(f"\ntargets: batch/ceiling >= {THROUGHPUT_TARGET:.2f} at concurrency {top}; "
-          f"(p50 - compute)/echo p50 <= {LATENCY_TARGET} at concurrency 1, compute = batch 1 back to back "
-          f"in the same rounds; paced = batch 1 after {PACED_GAP_S * 1e3:g} ms idle, for reference")
+          f"(p50 - compute)/echo p50 <= {LATENCY_TARGET} at concurrency 1, echo = the faster echo server, "
+          f"compute = batch 1 back to back in the same rounds; "
+          f"paced = batch 1 after {PACED_GAP_S * 1e3:g} ms idle, for reference; "
+          f"minimal@1 = (minimal p50 - compute)/echo p50, the floor; tierkit-minimal@1 = the p50s' difference")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -393,10 +387,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="intra-op threads of the server's sessions and of the ceiling (0: onnxruntime's default)")
     parser.add_argument("--models", default="mnist,minilm", help="comma-separated: mnist, minilm (default both)")
     parser.add_argument("--levels", default="1,8,32", help="client concurrency levels (default 1,8,32)")
-    parser.add_argument("--echo-server", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    if args.echo_server:
-        return serve_echo()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # the MiniLM weights are local; never reach a hub
     levels = (1, 8) if args.quick else tuple(int(c) for c in args.levels.split(","))
     requests = args.requests or (300 if args.quick else 3000)
