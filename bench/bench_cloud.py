@@ -14,7 +14,10 @@ a package is built in a temporary directory, and:
 - minimal: a ModelInfer server with the least Python there can be around the model (raw contents to
   numpy, one onnxruntime run, raw contents back; no checks, batching or metrics): the floor any
   Python server of the protocol on grpcio stands on (bench/baseline_servers.py);
-- tierkit, batching on (max batch 64, queue delay 0) and off (max batch 1), at concurrency 1, 8, 32.
+- tierkit, batching on (max batch 64, queue delay 0) and off (max batch 1), at concurrency 1, 8, 32;
+- server-request-mean / server-compute-mean: inside tierkit with batching at concurrency 1, from its
+  ModelStatistics (Triton's statistics extension): mean time from lookup to answer, and mean model
+  run, per request (means: the server keeps sums).
 
 Servers run as separate processes (`tierkit serve`, and bench/baseline_servers.py); the
 clients are grpc.aio coroutines over one channel in this process, sending and receiving raw bytes,
@@ -287,6 +290,7 @@ def drive_servers(model: Model, models_dir: Path, session: Any, *, levels: tuple
     ]
     rows: list[Row] = []
     compute: dict[str, list[float]] = {"compute": [], "compute-paced": []}
+    inside = {"compute_infer": [0, 0], "success": [0, 0]}  # tierkit-batch at concurrency 1: count, ns
     procs: list[subprocess.Popen[str]] = []
     try:
         targets = []
@@ -303,10 +307,18 @@ def drive_servers(model: Model, models_dir: Path, session: Any, *, levels: tuple
                     compute["compute-paced"] += _time_calls(session, model.feed, seconds=compute_s,
                                                             gap_s=PACED_GAP_S)
                 for path, address, method in targets:
+                    measured = concurrency == 1 and path == "tierkit-batch"
+                    before = server_stats(address, model.name) if measured else None
                     _, elapsed, lat = asyncio.run(drive(address, method, payload, concurrency=concurrency,
                                                         requests=max(1, requests // ROUNDS), max_s=max_s / ROUNDS))
                     seconds[path] += elapsed
                     latencies[path] += lat
+                    if before is not None:
+                        after = server_stats(address, model.name)
+                        for key, sums in inside.items():
+                            count, ns = _delta(before, after, key)
+                            sums[0] += count
+                            sums[1] += ns
             for path, lat in latencies.items():
                 rows.append(Row(model.name, path, concurrency, 1, len(lat), len(lat) / seconds[path],
                                 statistics.median(lat) * 1e3, _p99(lat) * 1e3))
@@ -317,7 +329,29 @@ def drive_servers(model: Model, models_dir: Path, session: Any, *, levels: tuple
         if times:
             rows.append(Row(model.name, path, 1, 1, len(times), len(times) / sum(times),
                             statistics.median(times) * 1e3, _p99(times) * 1e3))
+    for key, (count, ns) in inside.items():
+        if count:  # means, not medians: the server keeps sums (Triton's statistics extension)
+            path = "server-compute-mean" if key == "compute_infer" else "server-request-mean"
+            rows.append(Row(model.name, path, 1, 1, count, float("nan"), ns / count / 1e6, float("nan")))
     return rows
+
+
+def server_stats(address: str, model: str) -> Any:
+    """tierkit's ModelStatistics for `model` (all versions: the bench serves one)."""
+    import grpc
+
+    from cloud_service.protocol import inference_pb2 as pb
+    from cloud_service.protocol import inference_pb2_grpc as pbg
+
+    with grpc.insecure_channel(address) as channel:
+        reply = pbg.GRPCInferenceServiceStub(channel).ModelStatistics(pb.ModelStatisticsRequest(name=model))
+    (stats,) = reply.model_stats
+    return stats.inference_stats
+
+
+def _delta(before: Any, after: Any, key: str) -> tuple[int, int]:
+    b, a = getattr(before, key), getattr(after, key)
+    return a.count - b.count, a.ns - b.ns
 
 
 # -- report ------------------------------------------------------------------------------------
@@ -348,16 +382,22 @@ def ratios(rows: list[Row], top: int) -> list[dict[str, Any]]:
                     "p50_overhead_vs_echo_at_1_paced": (tk1.p50_ms - paced) / echo1.p50_ms,
                     "minimal_p50_overhead_vs_echo_at_1": (at("minimal", 1).p50_ms - compute) / echo1.p50_ms,
                     "p50_over_minimal_at_1_ms": tk1.p50_ms - at("minimal", 1).p50_ms,
+                    "server_request_mean_ms": _mean_row(mine, "server-request-mean"),
+                    "server_compute_mean_ms": _mean_row(mine, "server-compute-mean"),
                     "throughput_target_met": throughput >= THROUGHPUT_TARGET,
                     "latency_target_met": overhead <= LATENCY_TARGET})
     return out
 
 
+def _mean_row(rows: list[Row], path: str) -> float:
+    return next((r.p50_ms for r in rows if r.path == path), float("nan"))
+
+
 def print_report(rows: list[Row], summary: list[dict[str, Any]], top: int) -> None:
-    print(f"{'model':<12} {'path':<16} {'conc':>4} {'batch':>5} {'reqs':>6} {'rows/s':>10} {'p50 ms':>8} {'p99 ms':>8}")
+    print(f"{'model':<12} {'path':<20} {'conc':>4} {'batch':>5} {'reqs':>6} {'rows/s':>10} {'p50 ms':>8} {'p99 ms':>8}")
     for r in rows:
         conc = "-" if r.path == "ceiling" else str(r.concurrency)
-        print(f"{r.model:<12} {r.path:<16} {conc:>4} {r.batch:>5} {r.requests:>6} {r.rows_per_s:>10.0f} "
+        print(f"{r.model:<12} {r.path:<20} {conc:>4} {r.batch:>5} {r.requests:>6} {r.rows_per_s:>10.0f} "
               f"{r.p50_ms:>8.3f} {r.p99_ms:>8.3f}")
     print()
     print(f"{'model':<12} {'ceiling rows/s':>15} {'batch/ceiling@' + str(top):>18} {'batch/nobatch@' + str(top):>18} "
@@ -376,6 +416,9 @@ def print_report(rows: list[Row], summary: list[dict[str, Any]], top: int) -> No
           f"compute = batch 1 back to back in the same rounds; "
           f"paced = batch 1 after {PACED_GAP_S * 1e3:g} ms idle, for reference; "
           f"minimal@1 = (minimal p50 - compute)/echo p50, the floor; tierkit-minimal@1 = the p50s' difference")
+    for s in summary:
+        print(f"{s['model']}: inside tierkit-batch at concurrency 1 (means from its ModelStatistics): "
+              f"{s['server_request_mean_ms']:.3f} ms a request, {s['server_compute_mean_ms']:.3f} ms of it the model")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -57,7 +57,8 @@ class BatchObserver(Protocol):
     """Receives the batcher's measurements (the metrics module implements it), from any thread."""
 
     def on_queue(self, depth: int) -> None: ...
-    def on_batch(self, rows: int, requests: int, seconds: float) -> None: ...
+    def on_batch(self, rows: int, requests: int, seconds: float, queued: float) -> None:
+        """One run: rows and requests in it, its run time, and the seconds its requests waited in all."""
     def on_expired(self, count: int) -> None: ...
 
 
@@ -65,7 +66,7 @@ class _NullObserver:
     def on_queue(self, depth: int) -> None:
         pass
 
-    def on_batch(self, rows: int, requests: int, seconds: float) -> None:
+    def on_batch(self, rows: int, requests: int, seconds: float, queued: float) -> None:
         pass
 
     def on_expired(self, count: int) -> None:
@@ -262,7 +263,7 @@ class DynamicBatcher:
                     return CloudTimeout(msg)
                 started = time.perf_counter()
                 outcome = self._call(self._runners[index], inputs, rows)
-                self._ran(rows, 1, time.perf_counter() - started)
+                self._ran(rows, 1, time.perf_counter() - started, 0.0)
             finally:
                 lock.release()
             if self._queue:  # requests that queued while this one ran: wake a thread for them
@@ -373,7 +374,8 @@ class DynamicBatcher:
             self._running[index] = live  # one dict store: atomic; aclose() copies before reading
             started = time.perf_counter()
             outcomes += self._run(runner, live)
-            self._ran(sum(r.rows for r in live), len(live), time.perf_counter() - started)
+            self._ran(sum(r.rows for r in live), len(live), time.perf_counter() - started,
+                      sum(now - r.enqueued for r in live))
             done += live
         self._observer.on_queue(len(self._queue))
         later: list[tuple[_Request, Outcome]] = []
@@ -388,10 +390,10 @@ class DynamicBatcher:
         if live:
             self._running.pop(index, None)
 
-    def _ran(self, rows: int, requests: int, seconds: float) -> None:
+    def _ran(self, rows: int, requests: int, seconds: float, queued: float) -> None:
         """Account one run: the moving average behind the retry hint, and the observer."""
         self._batch_s = 0.8 * self._batch_s + 0.2 * seconds
-        self._observer.on_batch(rows, requests, seconds)
+        self._observer.on_batch(rows, requests, seconds, queued)
 
     def _take(self) -> list[_Request] | None:
         delay = self.config.max_queue_delay_us / 1e6

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Mapping
 
 import numpy as np
@@ -47,11 +48,19 @@ async def infer(repository: ModelRepository, request: pb.ModelInferRequest, *,
     Raises:
         ModelNotFound, InputError, CodecError, ServerBusy, CloudTimeout, InferenceError.
     """
+    started = time.perf_counter()
     # No await between get() and submit(): a hot swap cannot slip in between, so the request runs
     # on the version it was checked against, and that version drains before it is closed.
-    model, arrays, names = _prepare(repository, request)
-    outputs = await _batcher(model).submit(arrays, deadline=deadline)
-    return _respond(model, request, outputs, names)
+    model = repository.get(request.model_name, request.model_version)
+    try:
+        arrays, names = _check(model, request)
+        outputs = await _batcher(model).submit(arrays, deadline=deadline)
+        response = _respond(model, request, outputs, names)
+    except BaseException:
+        model.stats.request_done(time.perf_counter() - started, ok=False)
+        raise
+    model.stats.request_done(time.perf_counter() - started, ok=True)
+    return response
 
 
 _LOOKUPS = 3  # lookups of a model that a hot swap keeps retiring under a blocking call
@@ -69,24 +78,28 @@ def infer_blocking(repository: ModelRepository, request: pb.ModelInferRequest, *
         request: the decoded message.
         timeout: seconds after which the request is dropped before compute (None: never).
     """
+    started = time.perf_counter()
     for attempt in range(_LOOKUPS):
-        model, arrays, names = _prepare(repository, request)
+        model = repository.get(request.model_name, request.model_version)
         try:
+            arrays, names = _check(model, request)
             outputs = _batcher(model).run(arrays, timeout=timeout)
-        except BatcherClosed:
-            if attempt == _LOOKUPS - 1:
-                raise
-            continue
-        return _respond(model, request, outputs, names)
+            response = _respond(model, request, outputs, names)
+        except BaseException as exc:
+            if isinstance(exc, BatcherClosed) and attempt < _LOOKUPS - 1:
+                continue
+            model.stats.request_done(time.perf_counter() - started, ok=False)
+            raise
+        model.stats.request_done(time.perf_counter() - started, ok=True)
+        return response
     raise AssertionError  # unreachable: the loop returns or raises
 
 
-def _prepare(repository: ModelRepository,
-             request: pb.ModelInferRequest) -> tuple[ServedModel, dict[str, np.ndarray], list[str]]:
-    model = repository.get(request.model_name, request.model_version)
+def _check(model: ServedModel, request: pb.ModelInferRequest) -> tuple[dict[str, np.ndarray], list[str]]:
+    """The request's inputs, checked against `model`, and the outputs it asks for."""
     arrays = decode_inputs(request)
     model.validate(arrays)
-    return model, arrays, model.output_names(o.name for o in request.outputs)
+    return arrays, model.output_names(o.name for o in request.outputs)
 
 
 def _batcher(model: ServedModel) -> DynamicBatcher:

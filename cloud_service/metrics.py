@@ -113,7 +113,7 @@ class ModelObserver:
     def on_queue(self, depth: int) -> None:
         self._depth.set(depth)
 
-    def on_batch(self, rows: int, requests: int, seconds: float) -> None:
+    def on_batch(self, rows: int, requests: int, seconds: float, queued: float) -> None:
         self._size.observe(rows)
         self._seconds.observe(seconds)
 

@@ -16,6 +16,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
 from cloud_service.batcher import BatchObserver, DynamicBatcher
 from cloud_service.config import ModelOptions
+from cloud_service.statistics import ModelStats
 from compilers.manifest import Manifest
 from compilers.package import ModelPackage
 from runtimes.errors import InputError, PackageError, TierkitError
@@ -39,6 +40,7 @@ class ServedModel:
         batched: whether requests are concatenated along axis 0 (every input and output has a
             dynamic batch axis, and batching allows more than one row).
         variant: the variant id when it comes from a variant set.
+        stats: its statistics since it was loaded (the ModelStatistics RPC).
     """
 
     name: str
@@ -50,6 +52,7 @@ class ServedModel:
     variant: str | None = None
     cleanup_dir: Path | None = None
     batcher: DynamicBatcher | None = field(default=None, init=False)
+    stats: ModelStats = field(default_factory=ModelStats, init=False)
     _expected: dict[str, tuple[np.dtype[Any], int, tuple[tuple[int, int], ...]]] | None = field(
         default=None, init=False, repr=False)
 
@@ -76,8 +79,9 @@ class ServedModel:
         return PLATFORMS.get(self.manifest.runtime, self.manifest.runtime)
 
     def start(self, observer: BatchObserver | None = None) -> None:
+        self.stats = ModelStats(observer)
         self.batcher = DynamicBatcher(self.name, [s.run for s in self.sessions], self.options.batching,
-                                      batched=self.batched, observer=observer)
+                                      batched=self.batched, observer=self.stats)
         self.batcher.start()
 
     def validate(self, arrays: Mapping[str, np.ndarray]) -> None:

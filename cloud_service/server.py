@@ -43,7 +43,7 @@ log = logging.getLogger(__name__)
 
 SERVICE = "inference.GRPCInferenceService"
 SERVER_NAME = "tierkit"
-EXTENSIONS = ("model_configuration", "parameters", "health", "reflection")
+EXTENSIONS = ("model_configuration", "parameters", "statistics", "health", "reflection")
 _DATA_TYPES = {"bool": pb.TYPE_BOOL, "uint8": pb.TYPE_UINT8, "int8": pb.TYPE_INT8, "int16": pb.TYPE_INT16,
                "int32": pb.TYPE_INT32, "int64": pb.TYPE_INT64, "float16": pb.TYPE_FP16,
                "float32": pb.TYPE_FP32, "float64": pb.TYPE_FP64, "bfloat16": pb.TYPE_BF16}
@@ -109,6 +109,17 @@ class InferenceServicer:
     def ModelConfig(self, request: pb.ModelConfigRequest, context: Any) -> pb.ModelConfigResponse:
         model = self._model(request.name, request.version, context)
         return pb.ModelConfigResponse(config=model_config(model))
+
+    def ModelStatistics(self, request: pb.ModelStatisticsRequest, context: Any) -> pb.ModelStatisticsResponse:
+        """Every served version (no name), every version of a model (no version), or one version."""
+        if not request.name:
+            models = list(self.repository)
+        elif request.version:
+            models = [self._model(request.name, request.version, context)]
+        else:
+            self._model(request.name, "", context)  # NOT_FOUND for an unknown model
+            models = [m for m in self.repository if m.name == request.name]
+        return pb.ModelStatisticsResponse(model_stats=[m.stats.to_proto(m.name, m.version) for m in models])
 
     def _model(self, name: str, version: str, context: Any) -> ServedModel:
         try:
@@ -181,6 +192,7 @@ class InferenceServicer:
             "ModelReady": unary(self.ModelReady, pb.ModelReadyRequest, pb.ModelReadyResponse),
             "ModelMetadata": unary(self.ModelMetadata, pb.ModelMetadataRequest, pb.ModelMetadataResponse),
             "ModelConfig": unary(self.ModelConfig, pb.ModelConfigRequest, pb.ModelConfigResponse),
+            "ModelStatistics": unary(self.ModelStatistics, pb.ModelStatisticsRequest, pb.ModelStatisticsResponse),
             "ModelInfer": grpc.unary_unary_rpc_method_handler(
                 self.ModelInfer, request_deserializer=self.read_infer_request,
                 response_serializer=pb.ModelInferResponse.SerializeToString),

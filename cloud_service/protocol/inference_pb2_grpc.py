@@ -74,6 +74,11 @@ class GRPCInferenceServiceStub:
                 request_serializer=cloud__service_dot_protocol_dot_inference__pb2.ModelConfigRequest.SerializeToString,
                 response_deserializer=cloud__service_dot_protocol_dot_inference__pb2.ModelConfigResponse.FromString,
                 _registered_method=True)
+        self.ModelStatistics = channel.unary_unary(
+                '/inference.GRPCInferenceService/ModelStatistics',
+                request_serializer=cloud__service_dot_protocol_dot_inference__pb2.ModelStatisticsRequest.SerializeToString,
+                response_deserializer=cloud__service_dot_protocol_dot_inference__pb2.ModelStatisticsResponse.FromString,
+                _registered_method=True)
 
 
 class GRPCInferenceServiceServicer:
@@ -127,6 +132,12 @@ class GRPCInferenceServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ModelStatistics(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_GRPCInferenceServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -169,6 +180,11 @@ def add_GRPCInferenceServiceServicer_to_server(servicer, server):
                     servicer.ModelConfig,
                     request_deserializer=cloud__service_dot_protocol_dot_inference__pb2.ModelConfigRequest.FromString,
                     response_serializer=cloud__service_dot_protocol_dot_inference__pb2.ModelConfigResponse.SerializeToString,
+            ),
+            'ModelStatistics': grpc.unary_unary_rpc_method_handler(
+                    servicer.ModelStatistics,
+                    request_deserializer=cloud__service_dot_protocol_dot_inference__pb2.ModelStatisticsRequest.FromString,
+                    response_serializer=cloud__service_dot_protocol_dot_inference__pb2.ModelStatisticsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -387,6 +403,33 @@ class GRPCInferenceService:
             '/inference.GRPCInferenceService/ModelConfig',
             cloud__service_dot_protocol_dot_inference__pb2.ModelConfigRequest.SerializeToString,
             cloud__service_dot_protocol_dot_inference__pb2.ModelConfigResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ModelStatistics(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/inference.GRPCInferenceService/ModelStatistics',
+            cloud__service_dot_protocol_dot_inference__pb2.ModelStatisticsRequest.SerializeToString,
+            cloud__service_dot_protocol_dot_inference__pb2.ModelStatisticsResponse.FromString,
             options,
             channel_credentials,
             insecure,

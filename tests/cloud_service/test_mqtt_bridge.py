@@ -66,6 +66,8 @@ def test_duplicates_are_answered_from_the_cache(server: ServerThread, device: De
     text = server.metrics_text
     assert metric_value(text, "tierkit_mqtt_duplicates_total") == 1
     assert metric_value(text, "tierkit_batch_size_count", model="digits") == 2
+    stats = server.service.repository.get("digits").stats.to_proto("digits", "1")
+    assert stats.inference_stats.success.count == 2  # the duplicate never reached the model
 
 
 def test_garbage_and_bad_requests_are_answered_counted_and_others_keep_working(

@@ -29,7 +29,8 @@ def _fields(descriptor) -> dict[str, tuple[int, int, int]]:  # type: ignore[no-u
 @pytest.mark.parametrize("name", [
     "ModelInferRequest", "ModelInferResponse", "InferParameter", "InferTensorContents",
     "ModelMetadataResponse", "ServerMetadataResponse", "ModelReadyRequest", "ModelConfigRequest",
-    "ModelStreamInferResponse",
+    "ModelStreamInferResponse", "ModelStatisticsRequest", "ModelStatisticsResponse", "ModelStatistics",
+    "InferStatistics", "InferBatchStatistics", "InferResponseStatistics", "StatisticDuration", "MemoryUsage",
 ])
 def test_messages_match_the_public_spec(name: str) -> None:
     ours, theirs = getattr(pb, name).DESCRIPTOR, getattr(service_pb2, name).DESCRIPTOR
