@@ -16,6 +16,7 @@ from collections.abc import Mapping
 import numpy as np
 
 from cloud_service.batcher import BatcherClosed, DynamicBatcher
+from cloud_service.metrics import UNKNOWN_MODEL
 from cloud_service.models import ServedModel
 from cloud_service.protocol import decode_inputs, encode_response, get_parameters, topics
 from cloud_service.protocol import inference_pb2 as pb
@@ -127,6 +128,4 @@ def _reply_parameters(model: ServedModel, request: pb.ModelInferRequest) -> dict
 
 def model_label(repository: ModelRepository, name: str) -> str:
     """The metrics label for a requested model name (unknown names share one label)."""
-    from cloud_service.metrics import UNKNOWN_MODEL
-
     return name if name in repository else UNKNOWN_MODEL
