@@ -1,7 +1,8 @@
 """Per-version inference statistics, as Triton's statistics extension reports them (ModelStatistics).
 
-Semantics follow Triton's, so tools written for it (tritonclient's `get_inference_statistics`,
-perf_analyzer's server-side breakdown) read them right:
+Semantics follow Triton's, so tools written for it read them right (tritonclient's
+`get_inference_statistics` is tested against it; perf_analyzer's server-side breakdown reads the same
+fields but has not been run against tierkit):
 
 - `inference_count`: rows computed (a batch of n rows counts n); `execution_count`: model runs.
 - `inference_stats`, per request: `success` / `fail` (count and time from receipt to answer in the
