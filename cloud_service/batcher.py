@@ -140,6 +140,9 @@ class DynamicBatcher:
         self.name = name
         self.config = config
         self.batched = batched and config.max_batch_size > 1
+        # A request may run the moment an instance is free unless it should wait for company
+        # (a queue delay with batching: Triton holds it up to the delay, idle instance or not).
+        self._eager = not self.batched or config.max_queue_delay_us == 0
         self._runners = list(runners)
         self._observer: BatchObserver = observer or _NullObserver()
         self._queue: collections.deque[_Request] = collections.deque()
@@ -228,7 +231,7 @@ class DynamicBatcher:
         Raises:
             BatcherClosed, ServerBusy, InputError, CloudTimeout, InferenceError.
         """
-        if not self._queue and not self._closed:
+        if self._eager and not self._queue and not self._closed:
             outcome = self._run_now(inputs, timeout)
             if isinstance(outcome, BaseException):
                 raise outcome
@@ -246,7 +249,8 @@ class DynamicBatcher:
         return outcome
 
     def _run_now(self, inputs: Arrays, timeout: float | None) -> Outcome | None:
-        """Nothing queued and an instance free: run here without queueing (what the queue would do).
+        """Nothing queued and an instance free: run here without queueing (what the queue would do
+        when requests may not wait for company: `_eager`).
 
         Returns None when every instance is busy or a request queued meanwhile: queue then.
         """

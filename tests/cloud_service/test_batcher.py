@@ -247,6 +247,32 @@ def test_blocking_caller_runs_its_request_itself_when_the_model_is_idle() -> Non
     asyncio.run(main())
 
 
+def test_blocking_callers_wait_the_queue_delay_for_company_even_when_the_model_is_idle() -> None:
+    from concurrent.futures import ThreadPoolExecutor
+
+    model = ThreadModel()
+    config = BatchingConfig(max_batch_size=32, preferred_batch_sizes=(4,), max_queue_delay_us=300_000)
+
+    async def main() -> float:
+        async with DynamicBatcher("m", [model], config, batched=True) as b:
+            loop = asyncio.get_running_loop()
+            with ThreadPoolExecutor(4) as pool:
+                calls = []
+                for i in range(4):  # the model is idle all along: only the delay keeps them waiting
+                    calls.append(loop.run_in_executor(pool, lambda i=i: b.run(rows(1, float(i)))))
+                    await asyncio.sleep(0.02)
+                results = await asyncio.gather(*calls)
+            for i, out in enumerate(results):
+                np.testing.assert_array_equal(out["y"], np.full((1, 3), 2.0 * i, np.float32))
+            started = time.perf_counter()
+            await asyncio.to_thread(b.run, rows(1))  # alone: waits the full delay, then runs
+            return time.perf_counter() - started
+
+    alone = asyncio.run(main())
+    assert model.batches[0] == 4, model.batches  # the preferred size, not four runs of one
+    assert 0.25 < alone < 3.0
+
+
 def test_blocking_callers_batch_together_and_mix_with_coroutines() -> None:
     from concurrent.futures import ThreadPoolExecutor
 
