@@ -41,6 +41,7 @@ import argparse
 import asyncio
 import json
 import os
+import shlex
 import statistics
 import subprocess
 import sys
@@ -256,7 +257,7 @@ def stop_process(proc: subprocess.Popen[str]) -> None:
 
 
 def bench_model(model: Model, work: Path, *, levels: tuple[int, ...], requests: int, max_s: float,
-                ceiling_s: float, threads: int) -> list[Row]:
+                ceiling_s: float, threads: int, serve_args: tuple[str, ...] = ()) -> list[Row]:
     from compilers.package import ModelPackage
     from runtimes.session import SessionOptions
 
@@ -265,12 +266,12 @@ def bench_model(model: Model, work: Path, *, levels: tuple[int, ...], requests: 
     with ModelPackage.open(package).open_session(SessionOptions(intra_op_threads=threads)) as session:
         rows = ceiling(model, session, seconds=ceiling_s)
         rows += drive_servers(model, models_dir, session, levels=levels, requests=requests, max_s=max_s,
-                              compute_s=ceiling_s / ROUNDS, threads=threads)
+                              compute_s=ceiling_s / ROUNDS, threads=threads, serve_args=serve_args)
     return rows
 
 
 def drive_servers(model: Model, models_dir: Path, session: Any, *, levels: tuple[int, ...], requests: int,
-                  max_s: float, compute_s: float, threads: int) -> list[Row]:
+                  max_s: float, compute_s: float, threads: int, serve_args: tuple[str, ...] = ()) -> list[Row]:
     """Echo and tierkit at each level, in interleaved rounds. At concurrency 1 each round also times
     the model alone at batch 1, back to back (`compute`) and after 1 ms idle (`compute-paced`), so
     the compute subtracted from tierkit's latency is measured in the same rounds."""
@@ -278,7 +279,7 @@ def drive_servers(model: Model, models_dir: Path, session: Any, *, levels: tuple
 
     payload = encode_request(model.name, model.feed).SerializeToString()
     serve = [sys.executable, "-m", "sdk.cli", "serve", "--models", str(models_dir), "--grpc", "127.0.0.1:0",
-             "--max-queue-size", "4096", "--threads", str(threads)]
+             "--max-queue-size", "4096", "--threads", str(threads), *serve_args]
     infer = "/inference.GRPCInferenceService/ModelInfer"
     baseline = [sys.executable, str(Path(__file__).with_name("baseline_servers.py"))]
     servers: list[tuple[str, list[str], str]] = [
@@ -430,6 +431,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="intra-op threads of the server's sessions and of the ceiling (0: onnxruntime's default)")
     parser.add_argument("--models", default="mnist,minilm", help="comma-separated: mnist, minilm (default both)")
     parser.add_argument("--levels", default="1,8,32", help="client concurrency levels (default 1,8,32)")
+    parser.add_argument("--serve-args", default="",
+                        help="more `tierkit serve` options for both tierkit servers, e.g. \"--threads 1\"")
     args = parser.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # the MiniLM weights are local; never reach a hub
     levels = (1, 8) if args.quick else tuple(int(c) for c in args.levels.split(","))
@@ -446,7 +449,8 @@ def main(argv: list[str] | None = None) -> int:
         for build in builders:
             model = build(work)
             rows += bench_model(model, work, levels=levels, requests=requests, max_s=5 if args.quick else 20,
-                                ceiling_s=0.5 if args.quick else 3, threads=args.threads)
+                                ceiling_s=0.5 if args.quick else 3, threads=args.threads,
+                                serve_args=tuple(shlex.split(args.serve_args)))
     summary = ratios(rows, levels[-1])
     if args.json:
         print(json.dumps({"rows": [asdict(r) for r in rows], "summary": summary, "quick": args.quick}, indent=2))
