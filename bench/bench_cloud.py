@@ -17,6 +17,8 @@ a package is built in a temporary directory, and:
 - tierkit, batching on (max batch 64, queue delay 0) and off (max batch 1), at concurrency 1, 8, 32;
 - kserve (with `--kserve-python PY`): KServe's Python model server with the model as a custom
   `kserve.Model` over onnxruntime (bench/kserve_server.py, run by PY, which has kserve installed);
+- triton-python (with `--pytriton-python PY`): Triton Inference Server serving the model from a
+  Python callable through PyTriton, dynamic batching on (bench/pytriton_server.py);
 - server-request-mean / server-compute-mean: inside tierkit with batching at concurrency 1, from its
   ModelStatistics (Triton's statistics extension): mean time from lookup to answer, and mean model
   run, per request (means: the server keeps sums).
@@ -260,7 +262,7 @@ def stop_process(proc: subprocess.Popen[str]) -> None:
 
 def bench_model(model: Model, work: Path, *, levels: tuple[int, ...], requests: int, max_s: float,
                 ceiling_s: float, threads: int, serve_args: tuple[str, ...] = (),
-                kserve_python: str = "") -> list[Row]:
+                others: tuple[tuple[str, str, str], ...] = ()) -> list[Row]:
     from compilers.package import ModelPackage
     from runtimes.session import SessionOptions
 
@@ -270,13 +272,13 @@ def bench_model(model: Model, work: Path, *, levels: tuple[int, ...], requests: 
         rows = ceiling(model, session, seconds=ceiling_s)
         rows += drive_servers(model, models_dir, session, levels=levels, requests=requests, max_s=max_s,
                               compute_s=ceiling_s / ROUNDS, threads=threads, serve_args=serve_args,
-                              kserve_python=kserve_python)
+                              others=others)
     return rows
 
 
 def drive_servers(model: Model, models_dir: Path, session: Any, *, levels: tuple[int, ...], requests: int,
                   max_s: float, compute_s: float, threads: int, serve_args: tuple[str, ...] = (),
-                  kserve_python: str = "") -> list[Row]:
+                  others: tuple[tuple[str, str, str], ...] = ()) -> list[Row]:
     """Echo and tierkit at each level, in interleaved rounds. At concurrency 1 each round also times
     the model alone at batch 1, back to back (`compute`) and after 1 ms idle (`compute-paced`), so
     the compute subtracted from tierkit's latency is measured in the same rounds."""
@@ -294,9 +296,9 @@ def drive_servers(model: Model, models_dir: Path, session: Any, *, levels: tuple
         ("tierkit-batch", [*serve, "--max-batch-size", "64"], infer),
         ("tierkit-nobatch", [*serve, "--no-batching"], infer),
     ]
-    if kserve_python:
-        kserve = [kserve_python, str(Path(__file__).with_name("kserve_server.py")), str(model.onnx), model.name]
-        servers.append(("kserve", [*kserve, str(threads)], infer))
+    for path, python, script in others:  # other Python servers, each under a Python that has its package
+        argv = [python, str(Path(__file__).with_name(script)), str(model.onnx), model.name, str(threads)]
+        servers.append((path, argv, infer))
     rows: list[Row] = []
     compute: dict[str, list[float]] = {"compute": [], "compute-paced": []}
     inside = {"compute_infer": [0, 0], "success": [0, 0]}  # tierkit-batch at concurrency 1: count, ns
@@ -383,11 +385,12 @@ def ratios(rows: list[Row], top: int) -> list[dict[str, Any]]:
         tk1 = at("tierkit-batch", 1)
         throughput = batch_top.rows_per_s / best.rows_per_s
         overhead = (tk1.p50_ms - compute) / echo1.p50_ms
-        if any(r.path == "kserve" for r in mine):
-            extra = {"kserve_p50_at_1_ms": at("kserve", 1).p50_ms, "tierkit_p50_at_1_ms": tk1.p50_ms,
-                     f"batch_vs_kserve_at_{top}": batch_top.rows_per_s / at("kserve", top).rows_per_s}
-        else:
-            extra = {}
+        extra: dict[str, Any] = {"tierkit_p50_at_1_ms": tk1.p50_ms, "others": {}}
+        for other in sorted({r.path for r in mine} & {"kserve", "triton-python"}):
+            extra["others"][other] = {"p50_at_1_ms": at(other, 1).p50_ms,
+                                      f"batch_vs_it_at_{top}": batch_top.rows_per_s / at(other, top).rows_per_s,
+                                      f"p99_at_{top}_ms": at(other, top).p99_ms}
+        extra[f"tierkit_p99_at_{top}_ms"] = batch_top.p99_ms
         out.append({**extra, "model": name, "ceiling_rows_per_s": best.rows_per_s, "ceiling_batch": best.batch,
                     "compute_p50_ms": compute, f"batch_vs_ceiling_at_{top}": throughput,
                     f"batch_vs_nobatch_at_{top}": batch_top.rows_per_s / nobatch_top.rows_per_s,
@@ -431,10 +434,11 @@ def print_report(rows: list[Row], summary: list[dict[str, Any]], top: int) -> No
           f"paced = batch 1 after {PACED_GAP_S * 1e3:g} ms idle, for reference; "
           f"minimal@1 = (minimal p50 - compute)/echo p50, the floor; tierkit-minimal@1 = the p50s' difference")
     for s in summary:
-        if "kserve_p50_at_1_ms" in s:
-            print(f"{s['model']}: against KServe's Python server: p50 at concurrency 1 {s['tierkit_p50_at_1_ms']:.3f} "
-                  f"against {s['kserve_p50_at_1_ms']:.3f} ms; at concurrency {top} tierkit-batch answers "
-                  f"{s[f'batch_vs_kserve_at_{top}']:.2f}x KServe's requests/s")
+        for other, o in s["others"].items():
+            print(f"{s['model']}: against {other}: p50 at concurrency 1 {s['tierkit_p50_at_1_ms']:.3f} against "
+                  f"{o['p50_at_1_ms']:.3f} ms; at concurrency {top} tierkit-batch answers "
+                  f"{o[f'batch_vs_it_at_{top}']:.2f}x its requests/s, p99 {s[f'tierkit_p99_at_{top}_ms']:.1f} "
+                  f"against {o[f'p99_at_{top}_ms']:.1f} ms")
     for s in summary:
         print(f"{s['model']}: inside tierkit-batch at concurrency 1 (means from its ModelStatistics): "
               f"{s['server_request_mean_ms']:.3f} ms a request, {s['server_compute_mean_ms']:.3f} ms of it the model")
@@ -453,6 +457,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="more `tierkit serve` options for both tierkit servers, e.g. \"--threads 1\"")
     parser.add_argument("--kserve-python", default="",
                         help="a Python with kserve installed: also measure KServe's model server (kserve_server.py)")
+    parser.add_argument("--pytriton-python", default="",
+                        help="a Python with nvidia-pytriton installed: also measure Triton serving the model from "
+                             "Python (pytriton_server.py)")
     args = parser.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # the MiniLM weights are local; never reach a hub
     levels = (1, 8) if args.quick else tuple(int(c) for c in args.levels.split(","))
@@ -463,6 +470,9 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         parser.error(f"unknown model(s) {unknown}; choose from {sorted(known)}")
     builders = [digits_cnn] if args.quick else [known[m] for m in wanted]
+    others = tuple((path, python, script) for path, python, script in
+                   (("kserve", args.kserve_python, "kserve_server.py"),
+                    ("triton-python", args.pytriton_python, "pytriton_server.py")) if python)
     rows: list[Row] = []
     with tempfile.TemporaryDirectory(prefix="bench-cloud-") as tmp:
         work = Path(tmp)
@@ -470,7 +480,7 @@ def main(argv: list[str] | None = None) -> int:
             model = build(work)
             rows += bench_model(model, work, levels=levels, requests=requests, max_s=5 if args.quick else 20,
                                 ceiling_s=0.5 if args.quick else 3, threads=args.threads,
-                                serve_args=tuple(shlex.split(args.serve_args)), kserve_python=args.kserve_python)
+                                serve_args=tuple(shlex.split(args.serve_args)), others=others)
     summary = ratios(rows, levels[-1])
     if args.json:
         print(json.dumps({"rows": [asdict(r) for r in rows], "summary": summary, "quick": args.quick}, indent=2))
