@@ -37,12 +37,15 @@ from cloud_service.models import ServedModel
 from cloud_service.protocol import CodecError
 from cloud_service.protocol import inference_pb2 as pb
 from cloud_service.repository import ModelRepository
+from cloud_service.stream import StreamRunner
 from runtimes.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
 SERVICE = "inference.GRPCInferenceService"
 SERVER_NAME = "tierkit"
+STREAM_WORKERS = 64  # threads answering stream requests, shared by all streams
+STREAM_WINDOW = 64  # requests of one stream in flight at most
 EXTENSIONS = ("model_configuration", "parameters", "statistics", "health", "reflection")
 _DATA_TYPES = {"bool": pb.TYPE_BOOL, "uint8": pb.TYPE_UINT8, "int8": pb.TYPE_INT8, "int16": pb.TYPE_INT16,
                "int32": pb.TYPE_INT32, "int64": pb.TYPE_INT64, "float16": pb.TYPE_FP16,
@@ -75,6 +78,7 @@ class InferenceServicer:
         self.version = version
         self.max_message_bytes = max_message_bytes
         self.ready = False
+        self._streams = StreamRunner(workers=STREAM_WORKERS, window=STREAM_WINDOW)
 
     # -- server -----------------------------------------------------------------------------
 
@@ -164,21 +168,27 @@ class InferenceServicer:
 
     def ModelStreamInfer(self, requests: Iterator[pb.ModelInferRequest | _Refused],
                          context: Any) -> Iterator[pb.ModelStreamInferResponse]:
-        """Answers in request order; an error answers that request and the stream goes on."""
-        for request in requests:
-            started = time.perf_counter()
-            label = "" if isinstance(request, _Refused) else model_label(self.repository, request.model_name)
-            try:
-                if isinstance(request, _Refused):
-                    raise request.error
-                response = infer_blocking(self.repository, request)
-            except Exception as exc:
-                code, message = status_of(exc)
-                self.metrics.request_done(label or "_unknown", "grpc", time.perf_counter() - started, code=code)
-                yield pb.ModelStreamInferResponse(error_message=f"{code}: {message}")
-                continue
-            self.metrics.request_done(label, "grpc", time.perf_counter() - started, code=None)
-            yield pb.ModelStreamInferResponse(infer_response=response)
+        """Each request runs as it arrives (the batcher merges a stream's requests); answers go back
+        in request order; an error answers that request and the stream goes on (`stream.py`)."""
+        return self._streams.answers(requests, self._stream_answer, is_active=context.is_active)
+
+    def _stream_answer(self, request: pb.ModelInferRequest | _Refused) -> pb.ModelStreamInferResponse:
+        started = time.perf_counter()
+        label = "" if isinstance(request, _Refused) else model_label(self.repository, request.model_name)
+        try:
+            if isinstance(request, _Refused):
+                raise request.error
+            response = infer_blocking(self.repository, request)
+        except Exception as exc:
+            code, message = status_of(exc)
+            self.metrics.request_done(label or "_unknown", "grpc", time.perf_counter() - started, code=code)
+            return pb.ModelStreamInferResponse(error_message=f"{code}: {message}")
+        self.metrics.request_done(label, "grpc", time.perf_counter() - started, code=None)
+        return pb.ModelStreamInferResponse(infer_response=response)
+
+    def close(self) -> None:
+        """After the gRPC server stopped: release the stream threads."""
+        self._streams.close()
 
     def handlers(self) -> dict[str, grpc.RpcMethodHandler]:
         def unary(fn: Callable[..., Any], req: Any, resp: Any) -> grpc.RpcMethodHandler:

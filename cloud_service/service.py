@@ -137,6 +137,7 @@ class CloudService:
             if self._grpc is not None:
                 stopped = self._grpc.stop(grace=drain)
                 await asyncio.to_thread(stopped.wait)
+            self.servicer.close()
             await self.repository.aclose()
         finally:
             self.metrics.stop()

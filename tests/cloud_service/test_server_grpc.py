@@ -261,6 +261,30 @@ def test_stream_infer_answers_each_request(stub: pbg.GRPCInferenceServiceStub, d
     assert replies[1].error_message.startswith("NOT_FOUND")
 
 
+def test_a_streams_requests_are_batched_together_and_answered_in_order(
+        serve: Callable[..., ServerThread], models_dir: Path, digits_x: np.ndarray) -> None:
+    batching = BatchingConfig(max_batch_size=32, preferred_batch_sizes=(8,), max_queue_delay_us=200_000)
+    server = serve(models_dir, defaults=ModelOptions(batching=batching))
+    expected = direct(models_dir, digits_x[:24])
+    requests = [encode_request("digits", {"x": digits_x[i:i + 1]}, request_id=f"r{i}") for i in range(24)]
+    requests.insert(5, encode_request("digits", {"x": digits_x[:1, :, :4]}, request_id="bad"))
+    with grpc.insecure_channel(server.grpc) as channel:
+        stub = pbg.GRPCInferenceServiceStub(channel)
+        started = time.monotonic()
+        replies = list(stub.ModelStreamInfer(iter(requests), timeout=30))
+        elapsed = time.monotonic() - started
+        (stats,) = stub.ModelStatistics(pb.ModelStatisticsRequest(name="digits")).model_stats
+    assert replies[5].error_message.startswith("INVALID_ARGUMENT")  # answered in its place
+    del replies[5]
+    assert [r.infer_response.id for r in replies] == [f"r{i}" for i in range(24)]
+    for i, reply in enumerate(replies):
+        np.testing.assert_allclose(decode_outputs(reply.infer_response)["logits"], expected[i:i + 1],
+                                   rtol=1e-5, atol=1e-5)
+    # one at a time, each request would wait out the 200 ms delay alone: 24 runs, ~5 s
+    assert stats.execution_count <= 8, [(b.batch_size, b.compute_infer.count) for b in stats.batch_stats]
+    assert elapsed < 4.0
+
+
 def test_calls_beyond_the_worker_pool_are_refused_at_once(serve: Callable[..., ServerThread],
                                                           tmp_path: Path) -> None:
     make_fake_package(tmp_path / "m" / "slow", delay_s=0.3)

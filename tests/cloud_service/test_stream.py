@@ -1,0 +1,75 @@
+"""The stream runner on its own: order, the in-flight window, and a client that goes away."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+
+from cloud_service.stream import StreamRunner
+
+
+def counted(n: int, pulled: list[int]) -> Iterator[int]:
+    for i in range(n):
+        pulled.append(i)
+        yield i
+
+
+def test_answers_leave_in_request_order_though_later_ones_finish_first() -> None:
+    runner = StreamRunner(workers=8, window=8)
+    finished: list[int] = []
+
+    def answer(i: int) -> int:
+        time.sleep(0.05 if i % 2 == 0 else 0.0)  # odd requests finish first
+        finished.append(i)
+        return i * 10
+
+    try:
+        started = time.monotonic()
+        out = list(runner.answers(iter(range(8)), answer, is_active=lambda: True))
+        elapsed = time.monotonic() - started
+    finally:
+        runner.close()
+    assert out == [i * 10 for i in range(8)]
+    assert finished != sorted(finished)  # they did run concurrently, out of order
+    assert elapsed < 0.3  # not 4 x 50 ms one after the other
+
+
+def test_at_most_a_window_of_requests_is_in_flight() -> None:
+    runner = StreamRunner(workers=16, window=4)
+    gate = threading.Event()
+    pulled: list[int] = []
+    try:
+        stream = runner.answers(counted(100, pulled), lambda i: gate.wait(5) and i, is_active=lambda: True)
+        first = threading.Thread(target=lambda: next(stream))
+        first.start()
+        time.sleep(0.3)
+        assert len(pulled) <= 4 + 2, pulled  # the window, the one being handed over, the one read
+        gate.set()
+        first.join(5)
+        assert list(stream) == list(range(1, 100))
+    finally:
+        gate.set()
+        runner.close()
+
+
+def test_reader_stops_when_the_client_goes_away() -> None:
+    runner = StreamRunner(workers=2, window=2)
+    active = [True]
+    pulled: list[int] = []
+    gate = threading.Event()
+    try:
+        stream = runner.answers(counted(1000, pulled), lambda i: gate.wait(5) and i, is_active=lambda: active[0])
+        waiter = threading.Thread(target=lambda: next(stream, None), daemon=True)
+        waiter.start()
+        time.sleep(0.2)
+        active[0] = False  # the client cancelled; nobody reads the answers any more
+        gate.set()
+        time.sleep(0.5)
+        settled = len(pulled)
+        time.sleep(0.3)
+        assert len(pulled) == settled < 10  # the reader stopped instead of pulling the whole stream
+        assert not any(t.name == "tierkit-stream-reader" and t.is_alive() for t in threading.enumerate())
+    finally:
+        gate.set()
+        runner.close()
