@@ -5,7 +5,8 @@
     python bench/baseline_servers.py minimal MODEL.onnx [THREADS]
 
 - echo-aio / echo-threads: answer /echo.Echo/Echo with the request bytes, on grpc.aio and on grpcio's
-  thread-pool server (the kind `tierkit serve` runs): the cost of a Python gRPC round trip alone.
+  thread-pool server (the kind `tierkit serve` runs): the cost of a Python gRPC round trip alone;
+  echo-threads also answers each message of a /echo.Echo/Stream stream with itself.
 - minimal: answers /inference.GRPCInferenceService/ModelInfer for one ONNX model on the thread-pool
   server with the least Python there can be: raw input contents to numpy, one onnxruntime run, raw
   output contents back. No checks, no batching, no metrics, no errors handled: a floor for any Python
@@ -37,9 +38,9 @@ def _listening(port: int) -> None:
     print(f"grpc 127.0.0.1:{port}\nready", flush=True)
 
 
-def serve_threads(service: str, method: str, handler: grpc.RpcMethodHandler) -> None:
+def serve_threads(service: str, handlers: dict[str, grpc.RpcMethodHandler]) -> None:
     server = grpc.server(ThreadPoolExecutor(max_workers=128), options=OPTIONS)
-    server.add_generic_rpc_handlers((_generic(service, {method: handler}),))
+    server.add_generic_rpc_handlers((_generic(service, handlers),))
     port = server.add_insecure_port("127.0.0.1:0")
     server.start()
     _listening(port)
@@ -87,7 +88,7 @@ def serve_minimal(onnx: str, threads: int) -> None:
 
     handler = grpc.unary_unary_rpc_method_handler(infer, request_deserializer=pb.ModelInferRequest.FromString,
                                                   response_serializer=pb.ModelInferResponse.SerializeToString)
-    serve_threads("inference.GRPCInferenceService", "ModelInfer", handler)
+    serve_threads("inference.GRPCInferenceService", {"ModelInfer": handler})
 
 
 def main(argv: list[str]) -> int:
@@ -95,7 +96,9 @@ def main(argv: list[str]) -> int:
     if kind == "echo-aio":
         serve_echo_aio()
     elif kind == "echo-threads":
-        serve_threads("echo.Echo", "Echo", grpc.unary_unary_rpc_method_handler(lambda request, context: request))
+        unary = grpc.unary_unary_rpc_method_handler(lambda request, context: request)
+        stream = grpc.stream_stream_rpc_method_handler(lambda requests, context: requests)
+        serve_threads("echo.Echo", {"Echo": unary, "Stream": stream})
     elif kind == "minimal" and len(argv) in (2, 3):
         serve_minimal(argv[1], int(argv[2]) if len(argv) == 3 else 0)
     else:

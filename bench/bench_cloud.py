@@ -19,6 +19,8 @@ a package is built in a temporary directory, and:
   `kserve.Model` over onnxruntime (bench/kserve_server.py, run by PY, which has kserve installed);
 - triton-python (with `--pytriton-python PY`): Triton Inference Server serving the model from a
   Python callable through PyTriton, dynamic batching on (bench/pytriton_server.py);
+- *-stream (with `--stream`): the same servers over one bidirectional stream (ModelStreamInfer; a
+  stream echo for echo-threads) with `concurrency` messages in flight instead of that many calls;
 - server-request-mean / server-compute-mean: inside tierkit with batching at concurrency 1, from its
   ModelStatistics (Triton's statistics extension): mean time from lookup to answer, and mean model
   run, per request (means: the server keeps sums).
@@ -43,6 +45,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import json
 import os
 import shlex
@@ -64,6 +67,8 @@ if str(ROOT) not in sys.path:
 
 THROUGHPUT_TARGET, LATENCY_TARGET = 0.70, 1.5
 BATCH_SIZES = (1, 8, 16, 32, 64)
+STREAMS = {"echo-threads": "/echo.Echo/Stream", "tierkit-batch": "/inference.GRPCInferenceService/ModelStreamInfer",
+           "triton-python": "/inference.GRPCInferenceService/ModelStreamInfer"}  # with --stream
 ECHOES = ("echo", "echo-threads")  # grpc.aio; grpcio's thread-pool server (tierkit's kind)
 ROUNDS = 5  # interleaved rounds per concurrency level
 PACED_GAP_S = 0.001  # idle time before each call of the paced compute row
@@ -236,6 +241,41 @@ async def drive(address: str, method: str, payload: bytes, *, concurrency: int, 
         return len(latencies), time.perf_counter() - started, latencies
 
 
+async def drive_stream(address: str, method: str, payload: bytes, *, concurrency: int, requests: int,
+                       max_s: float) -> tuple[int, float, list[float]]:
+    """Send `payload` over one bidirectional stream with `concurrency` messages in flight; answers come
+    back in order, so each latency is from its message's send to its answer."""
+    import grpc
+
+    async with grpc.aio.insecure_channel(address, options=[("grpc.max_receive_message_length", -1)]) as channel:
+        latencies: list[float] = []
+        for n, record in ((max(10, concurrency * 2), False), (requests, True)):
+            stream = channel.stream_stream(method)(timeout=max_s + 30)
+            slots = asyncio.Semaphore(concurrency)
+            sent: collections.deque[float] = collections.deque()
+            deadline = time.perf_counter() + max_s
+
+            async def send(stream: Any = stream, n: int = n, slots: asyncio.Semaphore = slots,
+                           sent: collections.deque[float] = sent, deadline: float = deadline) -> None:
+                for _ in range(n):
+                    await slots.acquire()
+                    if time.perf_counter() > deadline:
+                        break
+                    sent.append(time.perf_counter())
+                    await stream.write(payload)
+                await stream.done_writing()
+
+            started = time.perf_counter()
+            writer = asyncio.ensure_future(send())
+            while (answer := await stream.read()) is not grpc.aio.EOF:
+                assert answer
+                if record:
+                    latencies.append(time.perf_counter() - sent.popleft())
+                slots.release()
+            await writer
+        return len(latencies), time.perf_counter() - started, latencies
+
+
 def start_process(argv: list[str]) -> tuple[subprocess.Popen[str], str]:
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     address = ""
@@ -262,7 +302,7 @@ def stop_process(proc: subprocess.Popen[str]) -> None:
 
 def bench_model(model: Model, work: Path, *, levels: tuple[int, ...], requests: int, max_s: float,
                 ceiling_s: float, threads: int, serve_args: tuple[str, ...] = (),
-                others: tuple[tuple[str, str, str], ...] = ()) -> list[Row]:
+                others: tuple[tuple[str, str, str], ...] = (), stream: bool = False) -> list[Row]:
     from compilers.package import ModelPackage
     from runtimes.session import SessionOptions
 
@@ -272,13 +312,13 @@ def bench_model(model: Model, work: Path, *, levels: tuple[int, ...], requests: 
         rows = ceiling(model, session, seconds=ceiling_s)
         rows += drive_servers(model, models_dir, session, levels=levels, requests=requests, max_s=max_s,
                               compute_s=ceiling_s / ROUNDS, threads=threads, serve_args=serve_args,
-                              others=others)
+                              others=others, stream=stream)
     return rows
 
 
 def drive_servers(model: Model, models_dir: Path, session: Any, *, levels: tuple[int, ...], requests: int,
                   max_s: float, compute_s: float, threads: int, serve_args: tuple[str, ...] = (),
-                  others: tuple[tuple[str, str, str], ...] = ()) -> list[Row]:
+                  others: tuple[tuple[str, str, str], ...] = (), stream: bool = False) -> list[Row]:
     """Echo and tierkit at each level, in interleaved rounds. At concurrency 1 each round also times
     the model alone at batch 1, back to back (`compute`) and after 1 ms idle (`compute-paced`), so
     the compute subtracted from tierkit's latency is measured in the same rounds."""
@@ -309,6 +349,8 @@ def drive_servers(model: Model, models_dir: Path, session: Any, *, levels: tuple
             proc, address = start_process(argv)
             procs.append(proc)
             targets.append((path, address, method))
+            if stream and path in STREAMS:
+                targets.append((f"{path}-stream", address, STREAMS[path]))
         for concurrency in levels:
             seconds = dict.fromkeys((t[0] for t in targets), 0.0)
             latencies: dict[str, list[float]] = {t[0]: [] for t in targets}
@@ -320,8 +362,9 @@ def drive_servers(model: Model, models_dir: Path, session: Any, *, levels: tuple
                 for path, address, method in targets:
                     measured = concurrency == 1 and path == "tierkit-batch"
                     before = server_stats(address, model.name) if measured else None
-                    _, elapsed, lat = asyncio.run(drive(address, method, payload, concurrency=concurrency,
-                                                        requests=max(1, requests // ROUNDS), max_s=max_s / ROUNDS))
+                    run = drive_stream if path.endswith("-stream") else drive
+                    _, elapsed, lat = asyncio.run(run(address, method, payload, concurrency=concurrency,
+                                                      requests=max(1, requests // ROUNDS), max_s=max_s / ROUNDS))
                     seconds[path] += elapsed
                     latencies[path] += lat
                     if before is not None:
@@ -457,6 +500,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="more `tierkit serve` options for both tierkit servers, e.g. \"--threads 1\"")
     parser.add_argument("--kserve-python", default="",
                         help="a Python with kserve installed: also measure KServe's model server (kserve_server.py)")
+    parser.add_argument("--stream", action="store_true",
+                        help="also drive ModelStreamInfer (and a stream echo): one stream, `concurrency` in flight")
     parser.add_argument("--pytriton-python", default="",
                         help="a Python with nvidia-pytriton installed: also measure Triton serving the model from "
                              "Python (pytriton_server.py)")
@@ -480,7 +525,8 @@ def main(argv: list[str] | None = None) -> int:
             model = build(work)
             rows += bench_model(model, work, levels=levels, requests=requests, max_s=5 if args.quick else 20,
                                 ceiling_s=0.5 if args.quick else 3, threads=args.threads,
-                                serve_args=tuple(shlex.split(args.serve_args)), others=others)
+                                serve_args=tuple(shlex.split(args.serve_args)), others=others,
+                                stream=args.stream)
     summary = ratios(rows, levels[-1])
     if args.json:
         print(json.dumps({"rows": [asdict(r) for r in rows], "summary": summary, "quick": args.quick}, indent=2))
