@@ -23,7 +23,9 @@ a package is built in a temporary directory, and:
   stream echo for echo-threads) with `concurrency` messages in flight instead of that many calls;
 - server-request-mean / server-compute-mean: inside tierkit with batching at concurrency 1, from its
   ModelStatistics (Triton's statistics extension): mean time from lookup to answer, and mean model
-  run, per request (means: the server keeps sums).
+  run, per request (means: the server keeps sums);
+- server-rows-per-run: rows per model run inside tierkit-batch at the top concurrency, from the same
+  statistics (in the p50 column; `reqs` is the number of runs).
 
 Servers run as separate processes (`tierkit serve`, and bench/baseline_servers.py); the
 clients are grpc.aio coroutines over one channel in this process, sending and receiving raw bytes,
@@ -248,32 +250,38 @@ async def drive_stream(address: str, method: str, payload: bytes, *, concurrency
     import grpc
 
     async with grpc.aio.insecure_channel(address, options=[("grpc.max_receive_message_length", -1)]) as channel:
-        latencies: list[float] = []
-        for n, record in ((max(10, concurrency * 2), False), (requests, True)):
-            stream = channel.stream_stream(method)(timeout=max_s + 30)
-            slots = asyncio.Semaphore(concurrency)
-            sent: collections.deque[float] = collections.deque()
-            deadline = time.perf_counter() + max_s
-
-            async def send(stream: Any = stream, n: int = n, slots: asyncio.Semaphore = slots,
-                           sent: collections.deque[float] = sent, deadline: float = deadline) -> None:
-                for _ in range(n):
-                    await slots.acquire()
-                    if time.perf_counter() > deadline:
-                        break
-                    sent.append(time.perf_counter())
-                    await stream.write(payload)
-                await stream.done_writing()
-
-            started = time.perf_counter()
-            writer = asyncio.ensure_future(send())
-            while (answer := await stream.read()) is not grpc.aio.EOF:
-                assert answer
-                if record:
-                    latencies.append(time.perf_counter() - sent.popleft())
-                slots.release()
-            await writer
+        await _stream_round(channel.stream_stream(method), payload, concurrency, max(10, concurrency * 2), max_s)
+        started = time.perf_counter()
+        latencies = await _stream_round(channel.stream_stream(method), payload, concurrency, requests, max_s)
         return len(latencies), time.perf_counter() - started, latencies
+
+
+async def _stream_round(open_stream: Any, payload: bytes, concurrency: int, n: int, max_s: float) -> list[float]:
+    """One stream of up to `n` messages (`max_s` at most), `concurrency` in flight; their latencies."""
+    import grpc
+
+    stream = open_stream(timeout=max_s + 30)
+    slots = asyncio.Semaphore(concurrency)
+    sent: collections.deque[float] = collections.deque()
+    deadline = time.perf_counter() + max_s
+
+    async def send() -> None:
+        for _ in range(n):
+            await slots.acquire()
+            if time.perf_counter() > deadline:
+                break
+            sent.append(time.perf_counter())
+            await stream.write(payload)
+        await stream.done_writing()
+
+    writer = asyncio.ensure_future(send())
+    latencies: list[float] = []
+    while (answer := await stream.read()) is not grpc.aio.EOF:
+        assert answer
+        latencies.append(time.perf_counter() - sent.popleft())
+        slots.release()
+    await writer
+    return latencies
 
 
 def start_process(argv: list[str]) -> tuple[subprocess.Popen[str], str]:
@@ -342,6 +350,7 @@ def drive_servers(model: Model, models_dir: Path, session: Any, *, levels: tuple
     rows: list[Row] = []
     compute: dict[str, list[float]] = {"compute": [], "compute-paced": []}
     inside = {"compute_infer": [0, 0], "success": [0, 0]}  # tierkit-batch at concurrency 1: count, ns
+    runs = [0, 0]  # tierkit-batch at the top concurrency: rows, model runs
     procs: list[subprocess.Popen[str]] = []
     try:
         targets = []
@@ -360,7 +369,7 @@ def drive_servers(model: Model, models_dir: Path, session: Any, *, levels: tuple
                     compute["compute-paced"] += _time_calls(session, model.feed, seconds=compute_s,
                                                             gap_s=PACED_GAP_S)
                 for path, address, method in targets:
-                    measured = concurrency == 1 and path == "tierkit-batch"
+                    measured = path == "tierkit-batch" and concurrency in (1, levels[-1])
                     before = server_stats(address, model.name) if measured else None
                     run = drive_stream if path.endswith("-stream") else drive
                     _, elapsed, lat = asyncio.run(run(address, method, payload, concurrency=concurrency,
@@ -369,10 +378,14 @@ def drive_servers(model: Model, models_dir: Path, session: Any, *, levels: tuple
                     latencies[path] += lat
                     if before is not None:
                         after = server_stats(address, model.name)
-                        for key, sums in inside.items():
-                            count, ns = _delta(before, after, key)
-                            sums[0] += count
-                            sums[1] += ns
+                        if concurrency == levels[-1]:
+                            runs[0] += after.inference_count - before.inference_count
+                            runs[1] += after.execution_count - before.execution_count
+                        if concurrency == 1:
+                            for key, sums in inside.items():
+                                count, ns = _delta(before.inference_stats, after.inference_stats, key)
+                                sums[0] += count
+                                sums[1] += ns
             for path, lat in latencies.items():
                 rows.append(Row(model.name, path, concurrency, 1, len(lat), len(lat) / seconds[path],
                                 statistics.median(lat) * 1e3, _p99(lat) * 1e3))
@@ -387,6 +400,9 @@ def drive_servers(model: Model, models_dir: Path, session: Any, *, levels: tuple
         if count:  # means, not medians: the server keeps sums (Triton's statistics extension)
             path = "server-compute-mean" if key == "compute_infer" else "server-request-mean"
             rows.append(Row(model.name, path, 1, 1, count, float("nan"), ns / count / 1e6, float("nan")))
+    if runs[1]:
+        rows.append(Row(model.name, "server-rows-per-run", levels[-1], 1, runs[1], float("nan"), runs[0] / runs[1],
+                        float("nan")))
     return rows
 
 
@@ -400,7 +416,7 @@ def server_stats(address: str, model: str) -> Any:
     with grpc.insecure_channel(address) as channel:
         reply = pbg.GRPCInferenceServiceStub(channel).ModelStatistics(pb.ModelStatisticsRequest(name=model))
     (stats,) = reply.model_stats
-    return stats.inference_stats
+    return stats
 
 
 def _delta(before: Any, after: Any, key: str) -> tuple[int, int]:
@@ -444,6 +460,7 @@ def ratios(rows: list[Row], top: int) -> list[dict[str, Any]]:
                     "p50_over_minimal_at_1_ms": tk1.p50_ms - at("minimal", 1).p50_ms,
                     "server_request_mean_ms": _mean_row(mine, "server-request-mean"),
                     "server_compute_mean_ms": _mean_row(mine, "server-compute-mean"),
+                    "server_rows_per_run": _mean_row(mine, "server-rows-per-run"),
                     "throughput_target_met": throughput >= THROUGHPUT_TARGET,
                     "latency_target_met": overhead <= LATENCY_TARGET})
     return out
@@ -484,7 +501,8 @@ def print_report(rows: list[Row], summary: list[dict[str, Any]], top: int) -> No
                   f"against {o[f'p99_at_{top}_ms']:.1f} ms")
     for s in summary:
         print(f"{s['model']}: inside tierkit-batch at concurrency 1 (means from its ModelStatistics): "
-              f"{s['server_request_mean_ms']:.3f} ms a request, {s['server_compute_mean_ms']:.3f} ms of it the model")
+              f"{s['server_request_mean_ms']:.3f} ms a request, {s['server_compute_mean_ms']:.3f} ms of it the model; "
+              f"{s['server_rows_per_run']:.2f} rows a model run at concurrency {top}")
 
 
 def main(argv: list[str] | None = None) -> int:
