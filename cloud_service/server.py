@@ -32,7 +32,7 @@ from grpc_reflection.v1alpha import reflection, reflection_pb2
 
 from cloud_service.errors import MessageTooLarge
 from cloud_service.infer import infer_blocking, model_label, status_of
-from cloud_service.metrics import Metrics
+from cloud_service.metrics import UNKNOWN_MODEL, Metrics
 from cloud_service.models import ServedModel
 from cloud_service.protocol import CodecError
 from cloud_service.protocol import inference_pb2 as pb
@@ -148,14 +148,14 @@ class InferenceServicer:
 
     def ModelInfer(self, request: pb.ModelInferRequest | _Refused, context: Any) -> pb.ModelInferResponse:
         started = time.perf_counter()
-        label = "" if isinstance(request, _Refused) else model_label(self.repository, request.model_name)
+        label = self._label(request)
         try:
             if isinstance(request, _Refused):
                 raise request.error
             response = infer_blocking(self.repository, request, timeout=context.time_remaining())
         except Exception as exc:
             code, message = status_of(exc)
-            self.metrics.request_done(label or "_unknown", "grpc", time.perf_counter() - started, code=code)
+            self.metrics.request_done(label, "grpc", time.perf_counter() - started, code=code)
             pushback = getattr(exc, "retry_after_ms", None)
             if pushback is not None:
                 context.set_trailing_metadata((("grpc-retry-pushback-ms", str(pushback)),))
@@ -174,17 +174,21 @@ class InferenceServicer:
 
     def _stream_answer(self, request: pb.ModelInferRequest | _Refused) -> pb.ModelStreamInferResponse:
         started = time.perf_counter()
-        label = "" if isinstance(request, _Refused) else model_label(self.repository, request.model_name)
+        label = self._label(request)
         try:
             if isinstance(request, _Refused):
                 raise request.error
             response = infer_blocking(self.repository, request)
         except Exception as exc:
             code, message = status_of(exc)
-            self.metrics.request_done(label or "_unknown", "grpc", time.perf_counter() - started, code=code)
+            self.metrics.request_done(label, "grpc", time.perf_counter() - started, code=code)
             return pb.ModelStreamInferResponse(error_message=f"{code}: {message}")
         self.metrics.request_done(label, "grpc", time.perf_counter() - started, code=None)
         return pb.ModelStreamInferResponse(infer_response=response)
+
+    def _label(self, request: pb.ModelInferRequest | _Refused) -> str:
+        """The metrics label: the model's name, or one label for unknown models and unparsed requests."""
+        return UNKNOWN_MODEL if isinstance(request, _Refused) else model_label(self.repository, request.model_name)
 
     def close(self) -> None:
         """After the gRPC server stopped: release the stream threads."""
