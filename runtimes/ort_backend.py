@@ -54,7 +54,59 @@ _INPUT_ERRORS = (ort_state.InvalidArgument, ValueError, TypeError, KeyError, Run
 _RUN_ERRORS = (ort_state.Fail, ort_state.RuntimeException, ort_state.NotImplemented, ort_state.EPFail)
 
 
-def _device_providers(device: str) -> list[str | tuple[str, dict[str, Any]]]:
+def trt_provider_options(artifact: Path | None, options: SessionOptions, device_id: str) -> dict[str, Any]:
+    """onnxruntime's TensorRT provider options: an engine cache beside the model, explicit shape profiles.
+
+    Without a cache every process builds its engines again (minutes for a large model), and without
+    explicit profiles a batch size the provider has not seen rebuilds an engine on the request path.
+    Profiles span batch 1 .. `options.max_batch` on axis 0 of every input whose other axes are fixed;
+    fp16 and int8 variants enable those kernels, fp32 ones keep TensorRT's fp32 (TF32 is a CUDA-provider
+    setting and stays off there).
+    """
+    opts: dict[str, Any] = {"device_id": device_id, "trt_timing_cache_enable": "True"}
+    if options.precision in ("fp16", "int8"):
+        opts["trt_fp16_enable"] = "True"
+    if options.precision == "int8":
+        opts["trt_int8_enable"] = "True"
+    if artifact is None:
+        return opts
+    cache = artifact.parent / ".trt-cache"
+    opts.update(trt_engine_cache_enable="True", trt_engine_cache_path=str(cache), trt_timing_cache_path=str(cache))
+    profiles = _batch_profiles(artifact, options.max_batch)
+    if profiles:
+        for key, shapes in zip(("trt_profile_min_shapes", "trt_profile_opt_shapes", "trt_profile_max_shapes"),
+                               profiles, strict=True):
+            opts[key] = shapes
+    return opts
+
+
+def _batch_profiles(artifact: Path, max_batch: int) -> tuple[str, str, str] | None:
+    """"name:1x3x224x224,..." strings for min/opt/max, when only axis 0 of the inputs is dynamic."""
+    import onnx
+
+    try:
+        graph = onnx.load(str(artifact), load_external_data=False).graph
+    except Exception:  # the session itself will report an unreadable file
+        return None
+    inits = {t.name for t in graph.initializer}
+    rows: list[tuple[str, list[int]]] = []
+    for vi in graph.input:
+        if vi.name in inits:
+            continue
+        dims = [d.dim_value if d.HasField("dim_value") and d.dim_value > 0 else -1
+                for d in vi.type.tensor_type.shape.dim]
+        if not dims or -1 in dims[1:]:
+            return None
+        rows.append((vi.name, dims[1:]))
+
+    def text(batch: int) -> str:
+        return ",".join(f"{name}:{'x'.join(str(d) for d in (batch, *rest))}" for name, rest in rows)
+
+    return text(1), text(1), text(max_batch)
+
+
+def _device_providers(device: str, artifact: Path | None = None,
+                      options: SessionOptions | None = None) -> list[str | tuple[str, dict[str, Any]]]:
     dev = device.strip()
     low = dev.lower()
     if low.startswith("cuda") or dev == "gpu":
@@ -62,7 +114,8 @@ def _device_providers(device: str) -> list[str | tuple[str, dict[str, Any]]]:
         if not index.isdigit():
             msg = f"device {device!r}: expected 'cuda:<index>', e.g. 'cuda:0'"
             raise ConfigError(msg)
-        return [(_TRT, {"device_id": index}), (_CUDA, {"device_id": index}), _CPU]
+        trt = trt_provider_options(artifact, options or SessionOptions(), index)
+        return [(_TRT, trt), (_CUDA, {"device_id": index, "use_tf32": "0"}), _CPU]
     if dev == "cpu":
         return [_CPU]
     if dev.isupper() or dev.startswith(("AUTO", "HETERO", "MULTI")):
@@ -75,12 +128,12 @@ def _provider_name(entry: str | tuple[str, dict[str, Any]]) -> str:
     return entry if isinstance(entry, str) else entry[0]
 
 
-def select_providers(options: SessionOptions,
-                     available: list[str] | None = None) -> list[str | tuple[str, dict[str, Any]]]:
+def select_providers(options: SessionOptions, available: list[str] | None = None,
+                     artifact: Path | None = None) -> list[str | tuple[str, dict[str, Any]]]:
     """The execution providers to request, best first, restricted to those this build has."""
     available = ort.get_available_providers() if available is None else available
     wanted: list[str | tuple[str, dict[str, Any]]] = (
-        list(options.providers) if options.providers else _device_providers(options.device))
+        list(options.providers) if options.providers else _device_providers(options.device, artifact, options))
     chosen = [p for p in wanted if _provider_name(p) in available]
     missing = [_provider_name(p) for p in wanted if _provider_name(p) not in available]
     if missing:
@@ -109,7 +162,7 @@ class OrtSession(Session):
         so.inter_op_num_threads = options.inter_op_threads
         if options.inter_op_threads > 1:
             so.execution_mode = ort.ExecutionMode.ORT_PARALLEL
-        providers = select_providers(options)
+        providers = select_providers(options, artifact=artifact)
         try:
             self._sess = ort.InferenceSession(str(artifact), so, providers=providers)
         except (ort_state.InvalidProtobuf, ort_state.InvalidGraph, ort_state.NoSuchFile,
@@ -123,6 +176,7 @@ class OrtSession(Session):
                            artifact.name)
         where = f"model {artifact.name!r}"
         self.inputs = tuple(_spec(a, where) for a in self._sess.get_inputs())
+        self.precision = options.precision
         self.outputs = tuple(_spec(a, where) for a in self._sess.get_outputs())
         self._output_names = [s.name for s in self.outputs]
 

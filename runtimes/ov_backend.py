@@ -41,6 +41,11 @@ _OV_TYPES = {
     "i16": "int16", "i32": "int32", "i64": "int64", "boolean": "bool",
 }
 _SUFFIXES = (".xml", ".onnx")
+# A variant's declared precision -> OpenVINO's INFERENCE_PRECISION_HINT. Without a hint the CPU plugin
+# computes in bf16 on CPUs with avx512_bf16 or AMX and the GPU plugin in f16, whatever the model says.
+# int8 models keep their non-quantized parts in f32, as they were validated.
+_HINTS = {"fp32": "f32", "int8": "f32", "bf16": "bf16", "fp16": "f16"}
+_EXECUTED = {"f32": "fp32", "float32": "fp32", "bf16": "bf16", "bfloat16": "bf16", "f16": "fp16", "float16": "fp16"}
 
 
 def ov_device(device: str) -> str:
@@ -69,6 +74,21 @@ def _spec(port: Any, index: int, kind: str, where: str) -> TensorSpec:
     return TensorSpec(name, dtype, shape)
 
 
+def executed_precision(compiled: Any, declared: str) -> str:
+    """The precision a compiled model computes in, from its INFERENCE_PRECISION_HINT as OpenVINO reports it.
+
+    An int8 model whose float parts run f32 is reported "int8"; a bf16 model on a CPU without native
+    bf16 (OpenVINO then runs f32) is reported "fp32", so a caller can refuse or relabel it.
+    """
+    try:
+        value = compiled.get_property("INFERENCE_PRECISION_HINT")
+    except RuntimeError:  # a device that does not report it
+        return declared
+    name = getattr(value, "get_type_name", lambda: str(value))()
+    executed = _EXECUTED.get(str(name).lower(), str(name))
+    return "int8" if declared == "int8" and executed == "fp32" else executed
+
+
 class OpenVinoSession(Session):
     """A model compiled by OpenVINO. Build it with `OpenVinoBackend().load(...)`.
 
@@ -88,7 +108,8 @@ class OpenVinoSession(Session):
         if device.partition(":")[0] not in (*known, "AUTO", "HETERO", "MULTI", "BATCH"):
             msg = f"OpenVINO device {device!r} is not available here; this machine has {known}"
             raise BackendUnavailable(msg)
-        config: dict[str, Any] = {"PERFORMANCE_HINT": options.performance_hint}
+        config: dict[str, Any] = {"PERFORMANCE_HINT": options.performance_hint,
+                                  "INFERENCE_PRECISION_HINT": _HINTS[options.precision]}
         if options.intra_op_threads:
             config["INFERENCE_NUM_THREADS"] = options.intra_op_threads
         try:
@@ -102,6 +123,7 @@ class OpenVinoSession(Session):
             msg = f"OpenVINO cannot compile {artifact.name!r} for {device} with {config}: {exc}"
             raise InferenceError(msg) from exc
         self.device = device
+        self.precision = executed_precision(self._compiled, options.precision)
         where = f"model {artifact.name!r}"
         self.inputs = tuple(_spec(p, i, "x", where) for i, p in enumerate(self._compiled.inputs))
         self.outputs = tuple(_spec(p, i, "y", where) for i, p in enumerate(self._compiled.outputs))

@@ -16,7 +16,7 @@ from types import TracebackType
 import numpy as np
 
 from runtimes.errors import ConfigError, PackageError
-from runtimes.spec import TensorSpec, check_inputs
+from runtimes.spec import Precision, TensorSpec, check_inputs
 
 IO_SIDECAR_SUFFIX = ".io.json"
 
@@ -66,6 +66,11 @@ class SessionOptions:
         providers: onnxruntime execution providers in order of preference; empty picks the best
             available (TensorRT, CUDA, OpenVINO, CPU).
         performance_hint: OpenVINO "LATENCY" or "THROUGHPUT".
+        precision: the precision the variant declares ("fp32", "fp16", "bf16", "int8"). Backends
+            that choose their own arithmetic pin it (OpenVINO's inference precision hint: f32 for
+            fp32 and int8, bf16 for bf16, f16 for fp16), so that a variant computes the same on a
+            CPU whose default is bf16 as on one without; onnxruntime and torch run the graph as it is.
+        max_batch: the largest batch a GPU engine's shape profile covers (onnxruntime's TensorRT provider).
     """
 
     intra_op_threads: int = 0
@@ -73,8 +78,11 @@ class SessionOptions:
     device: str = "cpu"
     providers: tuple[str, ...] = field(default_factory=tuple)
     performance_hint: str = "LATENCY"
+    precision: str = "fp32"
+    max_batch: int = 64
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "precision", Precision.parse(self.precision).value)
         if self.intra_op_threads < 0 or self.inter_op_threads < 0:
             msg = f"thread counts must be >= 0, got {self.intra_op_threads}/{self.inter_op_threads}"
             raise ConfigError(msg)
@@ -94,6 +102,8 @@ class Session:
     """
 
     backend: str = ""
+    # What the runtime reports it executes (OpenVINO: its inference precision); the declared one otherwise.
+    precision: str = "fp32"
     inputs: tuple[TensorSpec, ...] = ()
     outputs: tuple[TensorSpec, ...] = ()
     _closed: bool = False

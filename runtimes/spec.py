@@ -42,6 +42,20 @@ Dim = int | str
 _DTYPES = {"float32", "float16", "float64", "int8", "uint8", "int16", "int32", "int64", "bool", "bfloat16"}
 
 
+def _dim(name: str, index: int, dim: Any) -> Dim:
+    """One axis as exporters write it: an int >= 0 is fixed; -1, None, "", "?" and "-1" are dynamic and get
+    the conventional name ("batch" for axis 0, else "dim<i>"); any other string is a named dynamic axis."""
+    if isinstance(dim, bool) or (not isinstance(dim, int | str) and dim is not None):
+        msg = f"TensorSpec {name!r}: dimension {dim!r} must be an int, -1 or a name"
+        raise ConfigError(msg)
+    if dim is None or (isinstance(dim, int) and dim < 0) or (isinstance(dim, str) and dim.strip() in ("", "?", "-1")):
+        if isinstance(dim, int) and dim < -1:
+            msg = f"TensorSpec {name!r}: dimension {dim} must be >= 0, or -1 for a dynamic axis"
+            raise ConfigError(msg)
+        return "batch" if index == 0 else f"dim{index}"
+    return dim
+
+
 @dataclass(frozen=True, slots=True)
 class TensorSpec:
     """Name, numpy dtype name and shape of one model input or output.
@@ -62,11 +76,7 @@ class TensorSpec:
         if self.dtype not in _DTYPES:
             msg = f"TensorSpec {self.name!r}: dtype {self.dtype!r} is not one of {sorted(_DTYPES)}"
             raise ConfigError(msg)
-        shape = tuple(self.shape)
-        for dim in shape:
-            if not isinstance(dim, str) and (not isinstance(dim, int) or dim < 0):
-                msg = f"TensorSpec {self.name!r}: dimension {dim!r} must be an int >= 0 or a name"
-                raise ConfigError(msg)
+        shape = tuple(_dim(self.name, i, d) for i, d in enumerate(self.shape))
         object.__setattr__(self, "shape", shape)
 
     @property

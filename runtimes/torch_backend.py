@@ -135,6 +135,7 @@ class TorchSession(Session):
                 raise PackageError(msg)
             inputs, outputs = sidecar
         self.inputs, self.outputs = inputs, outputs
+        self.precision = options.precision
         self._output_names = [s.name for s in outputs]
         self._on_cpu = self.device.type == "cpu"
 

@@ -118,6 +118,7 @@ class TensorRTSession(Session):
             self._torch_dtypes[name] = dtype[1]
             (inputs if engine.get_tensor_mode(name) == trt.TensorIOMode.INPUT else outputs).append(spec)
         self.inputs, self.outputs = tuple(inputs), tuple(outputs)
+        self.precision = options.precision
         self._lock = threading.Lock()
 
     def profile_range(self, name: str) -> tuple[tuple[int, ...], tuple[int, ...]]:

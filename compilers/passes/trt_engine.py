@@ -68,6 +68,11 @@ def shape_profiles(specs: Sequence[TensorSpec], data: CalibrationData, batch_siz
     return out
 
 
+def calibration_shapes(profiles: Mapping[str, Profile], batch: int) -> dict[str, tuple[int, ...]]:
+    """The one shape per input the int8 calibrator feeds: `batch` rows, the profile's opt for the other axes."""
+    return {name: (batch, *opt[1:]) for name, (_, opt, _) in profiles.items()}
+
+
 def _has_qdq(path: Path) -> bool:
     import onnx
 
@@ -118,18 +123,28 @@ def build(artifact: Path, ctx: PassContext, *, precision: str = "fp32", calibrat
     record: dict[str, Any] = {"name": "tensorrt_engine", "precision": precision, "tensorrt": trt.__version__,
                               "profiles": {k: [list(s) for s in v] for k, v in profiles.items()},
                               "workspace_mb": workspace_mb}
+    # TensorRT enables TF32 for fp32 layers by default on Ampere and later: an fp32 rung must compute in fp32.
+    config.clear_flag(trt.BuilderFlag.TF32)
+    record["tf32"] = False
     if precision == "fp16":
         config.set_flag(trt.BuilderFlag.FP16)
+    elif precision == "bf16":
+        config.set_flag(trt.BuilderFlag.BF16)
     elif precision == "int8":
         config.set_flag(trt.BuilderFlag.INT8)
         config.set_flag(trt.BuilderFlag.FP16)  # layers int8 cannot take fall back to fp16, not fp32
         if _has_qdq(artifact):
             record["int8"] = "explicit-qdq"
         else:
-            config.int8_calibrator = _calibrator(trt, calibrator, calib, ctx.specs, calibration_batch, cache)
-            config.set_calibration_profile(profile)
+            batch = min(calibration_batch, len(calib))
+            config.int8_calibrator = _calibrator(trt, calibrator, calib, ctx.specs, batch, cache)
+            # The calibrator feeds batches of exactly `batch` rows: its profile must be that shape (min = opt = max).
+            calibration_profile = builder.create_optimization_profile()
+            for name, shape in calibration_shapes(profiles, batch).items():
+                calibration_profile.set_shape(name, shape, shape, shape)
+            config.set_calibration_profile(calibration_profile)
             record.update(int8="calibrated", calibrator=calibrator, calibration_samples=len(calib),
-                          calibration_cache=cache.name)
+                          calibration_batch=batch, calibration_cache=cache.name)
     engine = builder.build_serialized_network(network, config)
     if engine is None:
         msg = f"TensorRT failed to build the {precision} engine for {artifact.name}; see the TensorRT log above"

@@ -7,10 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from runtimes import ConfigError, SessionOptions, open_session
+from runtimes import ConfigError, SessionOptions, open_session, ort_backend
 from runtimes.errors import PackageError
-
-ort_backend = pytest.importorskip("runtimes.ort_backend")
 
 CPU, CUDA, TRT, OV = ("CPUExecutionProvider", "CUDAExecutionProvider", "TensorrtExecutionProvider",
                       "OpenVINOExecutionProvider")
@@ -25,13 +23,31 @@ def test_thread_counts_reach_onnxruntime(digits_cnn_onnx: Path) -> None:
 
 @pytest.mark.parametrize(("device", "available", "expected"), [
     ("cpu", [TRT, CUDA, CPU], [CPU]),
-    ("gpu", [TRT, CUDA, CPU], [(TRT, {"device_id": "0"}), (CUDA, {"device_id": "0"}), CPU]),
-    ("cuda:1", [CUDA, CPU], [(CUDA, {"device_id": "1"}), CPU]),
+    ("gpu", [TRT, CUDA, CPU], [(TRT, {"device_id": "0", "trt_timing_cache_enable": "True"}),
+                               (CUDA, {"device_id": "0", "use_tf32": "0"}), CPU]),
+    ("cuda:1", [CUDA, CPU], [(CUDA, {"device_id": "1", "use_tf32": "0"}), CPU]),
     ("gpu", ["AzureExecutionProvider", CPU], [CPU]),
     ("NPU", [OV, CPU], [(OV, {"device_type": "NPU"}), CPU]),
 ])
 def test_providers_follow_device_and_availability(device: str, available: list[str], expected: list[object]) -> None:
     assert ort_backend.select_providers(SessionOptions(device=device), available) == expected
+
+
+def test_tensorrt_provider_gets_an_engine_cache_and_batch_profiles(digits_cnn_onnx: Path) -> None:
+    options = SessionOptions(device="cuda:0", precision="fp16", max_batch=32)
+    trt, cuda, cpu = ort_backend.select_providers(options, [TRT, CUDA, CPU], artifact=digits_cnn_onnx)
+    assert isinstance(trt, tuple)
+    assert isinstance(cuda, tuple)
+    opts = trt[1]
+    assert opts["trt_engine_cache_enable"] == "True"
+    assert Path(opts["trt_engine_cache_path"]).parent == digits_cnn_onnx.parent
+    assert opts["trt_fp16_enable"] == "True"
+    assert "trt_int8_enable" not in opts
+    # every batch from 1 to max_batch is inside the one profile: no engine is built on the request path
+    assert opts["trt_profile_min_shapes"] == "x:1x1x8x8"
+    assert opts["trt_profile_max_shapes"] == "x:32x1x8x8"
+    assert cuda[1]["use_tf32"] == "0"
+    assert cpu == CPU
 
 
 def test_explicit_providers_keep_their_order() -> None:
