@@ -17,6 +17,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 from cloud_service.batcher import BatchObserver, DynamicBatcher
 from cloud_service.config import ModelOptions
 from cloud_service.statistics import ModelStats
+from compilers.golden import require_golden
 from compilers.manifest import Manifest
 from compilers.package import ModelPackage
 from runtimes.errors import InputError, PackageError, TierkitError
@@ -159,6 +160,7 @@ def open_model(path: Path, name: str, version: str, options: ModelOptions, *,
                 msg = f"package {str(path)!r}: the backend cannot load {package.manifest.artifact!r}: {exc}"
                 raise PackageError(msg) from exc
         smoke_check(sessions[0], package.manifest, where=f"package {str(path)!r}")
+        require_golden(package, sessions[0], where=f"package {str(path)!r}")
     except BaseException:
         for session in sessions:
             session.close()

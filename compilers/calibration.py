@@ -45,8 +45,12 @@ class CalibrationData:
     """
 
     def __init__(self, source: Any, transform: Callable[[Any], Any] | None = None, *,
-                 input_names: Sequence[str] = ("x",)) -> None:
+                 input_names: Sequence[str] = ("x",), sample_axes: Mapping[str, int | None] | None = None) -> None:
         self.origin = str(source) if isinstance(source, str | Path) else type(source).__name__
+        # Which axis of each input holds the samples: 0 unless the specs say otherwise (a recurrent state
+        # [layers, batch, hidden] has them on axis 1); None for an input every sample shares (an int64 scalar
+        # such as a sample rate), which is passed whole with every batch.
+        self.sample_axes: dict[str, int | None] = dict(sample_axes or {})
         self._columns: dict[str, list[np.ndarray]] | None = None
         if isinstance(source, str | Path | Mapping | np.ndarray) and transform is None:
             inputs, labels = _read(source, list(input_names))
@@ -55,9 +59,22 @@ class CalibrationData:
             inputs = _assemble(self._columns, {})
         self._set(inputs, labels)
 
+    def _axis(self, name: str, array: np.ndarray) -> int | None:
+        axis = self.sample_axes.get(name, 0)
+        return None if axis is None or array.ndim == 0 or axis >= array.ndim else axis
+
+    def _take(self, index: Any) -> dict[str, np.ndarray]:
+        """Every input with `index` (a slice or an index array) applied on its sample axis."""
+        out = {}
+        for name, array in self.inputs.items():
+            axis = self._axis(name, array)
+            out[name] = array if axis is None else np.take(array, np.arange(array.shape[axis])[index], axis=axis)
+        return out
+
     def _set(self, inputs: dict[str, np.ndarray], labels: np.ndarray | None) -> None:
-        lengths = {name: len(a) for name, a in inputs.items()}
-        if not inputs or not all(lengths.values()):
+        lengths = {name: a.shape[axis] for name, a in inputs.items()
+                   if (axis := self._axis(name, a)) is not None}
+        if not inputs or not lengths or not all(lengths.values()):
             msg = f"calibration/validation data from {self.origin} is empty: give at least one sample per input"
             raise ConfigError(msg)
         if len(set(lengths.values())) != 1:
@@ -71,25 +88,30 @@ class CalibrationData:
         self.labels: np.ndarray | None = labels
 
     def __len__(self) -> int:
-        return len(next(iter(self.inputs.values())))
+        return int(next(a.shape[axis] for name, a in self.inputs.items()
+                        if (axis := self._axis(name, a)) is not None))
 
     def __repr__(self) -> str:
         shapes = ", ".join(f"{k}{list(v.shape)}" for k, v in self.inputs.items())
         return f"<CalibrationData {shapes} labels={self.labels is not None}>"
 
     @classmethod
-    def of(cls, source: Any, *, input_names: Sequence[str]) -> CalibrationData:
-        """Return `source` itself when it is already a `CalibrationData`, else wrap it."""
+    def of(cls, source: Any, *, input_names: Sequence[str],
+           specs: Sequence[TensorSpec] | None = None) -> CalibrationData:
+        """Return `source` itself when it is already a `CalibrationData`, else wrap it (sample axes from `specs`)."""
         if isinstance(source, CalibrationData):
+            if specs is not None and not source.sample_axes:
+                source.sample_axes = sample_axes(specs)
             return source
-        return cls(source, input_names=input_names)
+        return cls(source, input_names=input_names, sample_axes=sample_axes(specs) if specs else None)
 
     @classmethod
-    def from_arrays(cls, inputs: Mapping[str, np.ndarray], labels: np.ndarray | None = None) -> CalibrationData:
+    def from_arrays(cls, inputs: Mapping[str, np.ndarray], labels: np.ndarray | None = None,
+                    sample_axes: Mapping[str, int | None] | None = None) -> CalibrationData:
         data = dict(inputs)
         if labels is not None:
             data[LABELS] = labels
-        return cls(data, input_names=list(inputs))
+        return cls(data, input_names=list(inputs), sample_axes=sample_axes)
 
     def check(self, specs: Sequence[TensorSpec], *, what: str = "data") -> None:
         """Check names, ranks and fixed axes against the model's inputs; cast dtypes in place.
@@ -112,15 +134,19 @@ class CalibrationData:
         if unknown:
             msg = f"{what} ({self.origin}) holds arrays {unknown} the model does not take (inputs: {names})"
             raise ConfigError(msg)
+        if not self.sample_axes:
+            self.sample_axes = sample_axes(specs)
         for spec in specs:
             array = self.inputs[spec.name]
             sample_shape = tuple(spec.shape)
+            axis = self._axis(spec.name, array)
             ok = array.ndim == len(sample_shape) and all(
-                isinstance(d, str) or i == 0 or d == n for i, (d, n) in enumerate(zip(sample_shape, array.shape,
-                                                                                     strict=True)))
+                isinstance(d, str) or i == axis or d == n for i, (d, n) in enumerate(zip(sample_shape, array.shape,
+                                                                                        strict=True)))
             if not ok:
+                where = "a scalar shared by every sample" if axis is None else f"axis {axis} is the sample axis"
                 msg = (f"{what} ({self.origin}): input {spec.name!r} has shape {list(array.shape)}, the model takes "
-                       f"{list(spec.shape)} (axis 0 is the sample axis; named axes may take any size)")
+                       f"{list(spec.shape)} ({where}; named axes may take any size)")
                 raise ConfigError(msg)
             if array.dtype.name != spec.dtype:
                 if not np.can_cast(array.dtype, spec.dtype, casting="same_kind"):
@@ -132,19 +158,18 @@ class CalibrationData:
     def batches(self, batch_size: int) -> Iterator[dict[str, np.ndarray]]:
         """Consecutive batches of at most `batch_size` samples."""
         for start in range(0, len(self), batch_size):
-            yield {k: v[start:start + batch_size] for k, v in self.inputs.items()}
+            yield self._take(slice(start, start + batch_size))
 
     def batch(self, size: int) -> dict[str, np.ndarray]:
         """The first `size` samples, repeated when there are fewer (for timing)."""
-        reps = -(-size // len(self))
-        return {k: np.concatenate([v] * reps)[:size] if reps > 1 else v[:size] for k, v in self.inputs.items()}
+        return self._take(np.arange(size) % len(self))
 
     def subset(self, n: int) -> CalibrationData:
         """The first `n` samples (all of them when there are fewer)."""
         if n >= len(self):
             return self
         labels = None if self.labels is None else self.labels[:n]
-        return CalibrationData.from_arrays({k: v[:n] for k, v in self.inputs.items()}, labels)
+        return CalibrationData.from_arrays(self._take(slice(0, n)), labels, self.sample_axes)
 
     def split(self, fraction: float, seed: int = 0) -> tuple[CalibrationData, CalibrationData]:
         """A deterministic shuffled split into (1 - fraction, fraction) parts."""
@@ -153,7 +178,7 @@ class CalibrationData:
         parts = []
         for idx in (np.sort(order[:cut]), np.sort(order[cut:])):
             labels = None if self.labels is None else self.labels[idx]
-            parts.append(CalibrationData.from_arrays({k: v[idx] for k, v in self.inputs.items()}, labels))
+            parts.append(CalibrationData.from_arrays(self._take(idx), labels, self.sample_axes))
         return parts[0], parts[1]
 
     def digest(self) -> str:
@@ -172,6 +197,21 @@ class CalibrationData:
             arrays[LABELS] = self.labels
         np.savez(Path(path), **arrays)  # type: ignore[arg-type]
         return Path(path)
+
+
+def sample_axes(specs: Sequence[TensorSpec]) -> dict[str, int | None]:
+    """The sample axis of each input: where the first input's batch axis name appears, else 0; None for scalars."""
+    first = specs[0].shape[0] if specs and specs[0].shape else None
+    batch = first if isinstance(first, str) else None
+    axes: dict[str, int | None] = {}
+    for spec in specs:
+        if not spec.shape:
+            axes[spec.name] = None
+        elif batch is not None and spec.shape[0] != batch and batch in spec.shape[1:]:
+            axes[spec.name] = spec.shape.index(batch)
+        else:
+            axes[spec.name] = 0
+    return axes
 
 
 def _read(source: Any, names: list[str]) -> tuple[dict[str, np.ndarray], np.ndarray | None]:

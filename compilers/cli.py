@@ -7,6 +7,7 @@ import contextlib
 import importlib
 import json
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -35,13 +36,21 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[
     p.add_argument("-o", "--output", required=True, metavar="OUT", help="variant set directory to write")
     p.add_argument("--target", default="auto",
                    help=f"one of {', '.join(target_names())}, or a .json/.yaml target file (default: auto)")
-    p.add_argument("--precision", default="fp32,int8", help="comma-separated precisions (default: fp32,int8)")
+    p.add_argument("--precision", default=None,
+                   help="comma-separated precisions (default: fp32, bf16 where the hardware has it natively, int8)")
     p.add_argument("--calibration", metavar="FILE", help=".npz calibration data")
     p.add_argument("--validation", metavar="FILE", help=".npz validation data (labels optional)")
     limit = p.add_mutually_exclusive_group()
     limit.add_argument("--max-drop", type=float, metavar="POINTS",
                        help="accuracy points a classifier may lose (default: 1.0)")
     limit.add_argument("--min-cosine", type=float, metavar="C", help="least mean cosine to the fp32 outputs")
+    p.add_argument("--max-slice-error", type=float, metavar="E",
+                   help="most RMS error of any slice of any output relative to its own RMS, below fp32 (default: "
+                        "0.35): a small-valued part of an output (class scores beside box coordinates) cannot die")
+    p.add_argument("--metric", metavar="MODULE:FUNCTION",
+                   help="your own metric, fn(outputs: dict, labels or None) -> float, higher is better (e.g. mAP)")
+    p.add_argument("--max-metric-drop", type=float, metavar="D",
+                   help="most the --metric may fall below the reference's value, in its units (default: 0.01)")
     p.add_argument("--prune", type=float, metavar="RATIO",
                    help="also build variants with this share of channels pruned, recovered by distillation "
                         "(MODEL must be a package.module:factory torch model)")
@@ -52,7 +61,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[
                    help="how fidelity is measured (default: inferred)")
     p.add_argument("--name", help="model name (default: the file stem)")
     p.add_argument("--version", dest="model_version", default="1", help="model version (default: 1)")
-    p.add_argument("--strict", action="store_true", help="fail when any variant fails the accuracy guard")
+    p.add_argument("--strict", action="store_true",
+                   help="fail (exit 1) when any variant is rejected; by default the compile succeeds when one passes")
     p.add_argument("--threads", type=int, help="threads for validation and timing (default: all cores)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
@@ -87,6 +97,21 @@ def _factory(spec: str, calibration: str | None) -> tuple[Any, Any]:
     return factory(), {k: v[:1] for k, v in data.inputs.items()}
 
 
+@contextlib.contextmanager
+def _one_line_errors() -> Iterator[None]:
+    """Whatever a library underneath raises reaches the user as one `CompileError` line, not a traceback."""
+    from runtimes.errors import CompileError, TierkitError
+
+    try:
+        yield
+    except TierkitError:
+        raise
+    except Exception as exc:
+        text = " ".join(str(exc).split())
+        msg = f"{type(exc).__name__}: {text[:500]} (rerun with --debug for the traceback)"
+        raise CompileError(msg) from exc
+
+
 def run(args: argparse.Namespace) -> int:
     """Run `tierkit compile` with parsed arguments; print the report."""
     from compilers.compile import compile_model
@@ -99,8 +124,11 @@ def run(args: argparse.Namespace) -> int:
         model, kwargs["example_inputs"] = _factory(model, args.calibration)
     if args.max_drop is not None:
         kwargs["max_drop"] = args.max_drop
+    for name in ("max_slice_error", "metric", "max_metric_drop"):
+        if getattr(args, name) is not None:
+            kwargs[name] = getattr(args, name)
     # Libraries underneath may print to stdout; keep it for the report (JSON must stay parseable).
-    with contextlib.redirect_stdout(sys.stderr):
+    with contextlib.redirect_stdout(sys.stderr), _one_line_errors():
         vs = compile_model(model, output=args.output, target=args.target, precisions=args.precision,
                            calibration=args.calibration, validation=args.validation, min_cosine=args.min_cosine,
                            prune=args.prune, sign_key=args.sign_key, name=args.name, version=args.model_version,
@@ -115,4 +143,9 @@ def run(args: argparse.Namespace) -> int:
     else:
         print(format_table(rows, sizes))
         print(f"\nwrote {len(vs)} variant(s) to {vs.directory}; recommended: {vs.recommended.id}")
+    failed = [r for r in vs.rejected if r.get("stage") not in ("unavailable", "skipped")]
+    if args.strict and failed:
+        print(f"tierkit: error: --strict: {len(failed)} rung(s) rejected: "
+              + "; ".join(f"{r['id']}: {r['reason']}" for r in failed), file=sys.stderr)
+        return 1
     return 0

@@ -32,8 +32,8 @@ from typing import Any
 import numpy as np
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from compilers.calibration import LABELS, CalibrationData
-from compilers.fidelity import Guard
+from compilers.calibration import LABELS, CalibrationData, sample_axes
+from compilers.fidelity import DEFAULT_MAX_SLICE_ERROR, Guard
 from compilers.ladder import Ladder
 from compilers.package import sha256_file
 from compilers.recipes import PruneConfig, Target, get_target
@@ -62,9 +62,10 @@ class Source:
 
 
 def compile_model(model: Any, *, output: str | Path, target: str | Target | Path = "auto",
-                  precisions: Sequence[str] | str = ("fp32", "int8"), calibration: Any = None,
+                  precisions: Sequence[str] | str | None = None, calibration: Any = None,
                   validation: Any = None, example_inputs: Any = None, max_drop: float = 1.0,
-                  min_cosine: float | None = None, prune: float | PruneConfig | None = None,
+                  min_cosine: float | None = None, max_slice_error: float = DEFAULT_MAX_SLICE_ERROR,
+                  metric: Any = None, max_metric_drop: float = 0.01, prune: float | PruneConfig | None = None,
                   sign_key: Ed25519PrivateKey | str | Path | None = None, name: str | None = None,
                   version: str = "1", batch_sizes: Sequence[int] = (1,), task: str | None = None,
                   strict: bool = False, progress: bool = True, threads: int | None = None) -> VariantSet:
@@ -76,13 +77,20 @@ def compile_model(model: Any, *, output: str | Path, target: str | Target | Path
         output: the variant set directory (created; an existing variant set there is replaced).
         target: a target name (see `compilers.recipes.target_names()`), "auto", a `Target`, or a
             `.json`/`.yaml` target file.
-        precisions: which precisions to build ("fp32", "fp16", "int8"), as a sequence or "fp32,int8".
+        precisions: which precisions to build ("fp32", "fp16", "bf16", "int8"), as a sequence or
+            "fp32,int8"; default fp32, bf16 (built only where the hardware computes it natively) and int8.
         calibration: calibration data: `.npz` path, dict of arrays, array or iterable (see
-            `CalibrationData`); `labels` optional.
+            `CalibrationData`); `labels` optional. With neither calibration nor validation data, fp32
+            variants are built and checked on generated inputs (the manifest says so) and int8 is skipped.
         validation: held-out data for the accuracy guard (default: 20% of the calibration data).
         example_inputs: example inputs of a torch module (a tensor, tuple or dict).
         max_drop: accuracy points a classifier may lose (or disagree on, without labels).
         min_cosine: least mean cosine to the reference (embeddings default to 0.99).
+        max_slice_error: most RMS error of any slice of any output relative to its own RMS (see
+            `compilers.fidelity.measure_outputs`): a small-valued part of an output cannot die unseen.
+        metric: a function `(outputs: dict[str, ndarray], labels | None) -> float`, higher is better (e.g.
+            mAP); each variant's value may fall at most `max_metric_drop` below the reference's.
+        max_metric_drop: see `metric`, in the metric's own units.
         prune: a channel ratio or `PruneConfig`: also build pruned, recovered variants (torch only).
         sign_key: an Ed25519 private key (or its PEM path) to sign every package.
         name: model name (default: the file stem or class name).
@@ -103,10 +111,17 @@ def compile_model(model: Any, *, output: str | Path, target: str | Target | Path
         CompileError: the reference could not be built or run.
     """
     spec = get_target(target)
-    wanted = [p.strip() for p in precisions.split(",")] if isinstance(precisions, str) else list(precisions)
-    wanted = [Precision.parse(p).value for p in wanted if p]
-    rungs = spec.rungs_for(wanted)
-    guard = Guard(max_drop=max_drop, min_cosine=min_cosine)
+    if precisions is None or precisions == "auto":
+        rungs = spec.rungs_for(None)
+        wanted = list(dict.fromkeys(r.precision for r in rungs))
+    else:
+        asked = [p.strip() for p in precisions.split(",")] if isinstance(precisions, str) else list(precisions)
+        wanted = [Precision.parse(p).value for p in asked if p]
+        rungs = spec.rungs_for(wanted)
+    guard = Guard(max_drop=max_drop, min_cosine=min_cosine, max_slice_error=max_slice_error,
+                  max_metric_drop=max_metric_drop)
+    if metric is not None and not callable(metric):
+        metric = load_metric(str(metric))
     sizes = _batch_sizes(batch_sizes)
     prune_config = PruneConfig(float(prune)) if isinstance(prune, int | float) else prune
     key = load_private_key(sign_key) if isinstance(sign_key, str | Path) else sign_key
@@ -126,12 +141,32 @@ def compile_model(model: Any, *, output: str | Path, target: str | Target | Path
         _check_batch_axis(source.inputs, sizes)
         ladder = Ladder(source=source, target=spec, rungs=rungs, calibration=calib, validation=val, guard=guard,
                         task=task, batch_sizes=sizes, threads=threads or os.cpu_count() or 1, work=work,
-                        strict=strict, progress=progress, prune=prune_config)
+                        strict=strict, progress=progress, prune=prune_config, metric=metric,
+                        generated_data=calib.origin == GENERATED_ORIGIN)
         arguments = {"precisions": wanted, "max_drop": max_drop, "min_cosine": min_cosine, "batch_sizes": list(sizes),
                      "task": task, "strict": strict, "prune": prune_config.to_json() if prune_config else None,
                      "target": spec.name}
         return ladder.run(out, name=name or _default_name(model), version=version, sign_key=key,
                           arguments=arguments)
+
+
+def load_metric(spec: str) -> Any:
+    """Import a user metric named `package.module:function`."""
+    import importlib
+
+    module_name, _, attr = spec.partition(":")
+    if not module_name or not attr:
+        msg = f"metric {spec!r} must be 'package.module:function'"
+        raise ConfigError(msg)
+    try:
+        fn = getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError) as exc:
+        msg = f"cannot import metric {spec!r}: {exc}"
+        raise ConfigError(msg) from None
+    if not callable(fn):
+        msg = f"metric {spec!r} is not callable"
+        raise ConfigError(msg)
+    return fn
 
 
 def _batch_sizes(batch_sizes: Iterable[int]) -> tuple[int, ...]:
@@ -164,11 +199,13 @@ def _default_name(model: Any) -> str:
 def _data(calibration: Any, validation: Any, specs: Sequence[TensorSpec]) -> tuple[CalibrationData, CalibrationData]:
     names = [s.name for s in specs]
     if calibration is None and validation is None:
-        msg = ("compile needs data: give calibration= (and ideally validation=), an .npz of arrays keyed by the "
-               f"model's input names {names}, with an optional 'labels' array")
-        raise ConfigError(msg)
-    calib = CalibrationData.of(calibration, input_names=names) if calibration is not None else None
-    val = CalibrationData.of(validation, input_names=names) if validation is not None else None
+        logger.warning("no calibration or validation data: checking fp32 variants on %d generated inputs; give "
+                       "calibration= (an .npz keyed by %s) for int8 and a real accuracy check",
+                       GENERATED_SAMPLES, names)
+        generated = generate_inputs(specs, GENERATED_SAMPLES)
+        return generated, generated
+    calib = CalibrationData.of(calibration, input_names=names, specs=specs) if calibration is not None else None
+    val = CalibrationData.of(validation, input_names=names, specs=specs) if validation is not None else None
     if calib is not None:
         calib.check(specs, what="calibration data")
     if val is not None:
@@ -184,6 +221,30 @@ def _data(calibration: Any, validation: Any, specs: Sequence[TensorSpec]) -> tup
         logger.warning("no calibration data: calibrating on the validation data")
         calib = val
     return calib, val
+
+
+GENERATED_SAMPLES = 32
+GENERATED_ORIGIN = "generated"
+
+
+def generate_inputs(specs: Sequence[TensorSpec], samples: int, *, seed: int = 0) -> CalibrationData:
+    """Inputs made from the specs alone, for a compile without data: floats uniform in [0, 1) (images and
+    normalised features), integers 0 (ids and flags; an int scalar such as a sample rate needs real data),
+    bools False. Named axes take `samples` on the sample axis and 64 elsewhere (spatial and sequence
+    axes large enough for strided convolutions)."""
+    rng = np.random.default_rng(seed)
+    axes = sample_axes(specs)
+    arrays = {}
+    for spec in specs:
+        shape = tuple(d if isinstance(d, int) else (samples if i == axes[spec.name] else 64)
+                      for i, d in enumerate(spec.shape))
+        if np.issubdtype(np.dtype(spec.dtype), np.floating):
+            arrays[spec.name] = rng.random(shape).astype(spec.dtype)
+        else:
+            arrays[spec.name] = np.zeros(shape, dtype=spec.dtype)
+    data = CalibrationData.from_arrays(arrays, sample_axes=axes)
+    data.origin = GENERATED_ORIGIN
+    return data
 
 
 def _check_batch_axis(specs: Sequence[TensorSpec], sizes: Sequence[int]) -> None:
@@ -209,8 +270,9 @@ def onnx_specs(path: Path) -> tuple[tuple[TensorSpec, ...], tuple[TensorSpec, ..
     def spec(vi: Any) -> TensorSpec:
         tt = vi.type.tensor_type
         dtype = np.dtype(helper.tensor_dtype_to_np_dtype(tt.elem_type)).name
-        dims = tuple(d.dim_value if d.HasField("dim_value") else (d.dim_param or ("batch" if i == 0 else f"dim{i}"))
-                     for i, d in enumerate(tt.shape.dim))
+        # -1 (PP-OCR writes it), 0, "?" and unnamed axes are all dynamic: TensorSpec names them
+        dims = tuple(d.dim_value if d.HasField("dim_value") and d.dim_value > 0 else (d.dim_param or -1)
+                     for d in tt.shape.dim)
         return TensorSpec(vi.name, dtype, dims)
 
     return (tuple(spec(v) for v in model.graph.input if v.name not in inits),

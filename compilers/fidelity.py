@@ -4,7 +4,14 @@ Figures (all measured on the same validation inputs):
 
 - classifiers: top-1 agreement with the reference, task accuracy and the reference's accuracy when
   labels exist, and the drop in points (accuracy drop with labels, disagreement without);
-- every task: cosine similarity per sample (mean and min) and max abs error.
+- every task: cosine similarity per sample (mean and min) and max abs error;
+- every output, not only the first (`measure_outputs`): the max error relative to that output's
+  scale (max |reference|), which is what an fp32 rung is held to (`FP32_BOUND`), and the worst
+  slice error: along each channel-like axis (every non-batch axis of at most `SLICE_AXIS_MAX`
+  entries), each slice's RMS error relative to that slice's own RMS. A part of an output whose
+  values are small beside the rest (class scores concatenated with box coordinates in pixels)
+  cannot die unseen: all-zero scores give a slice error of 1.0 however good the mean cosine is;
+- a user metric (`--metric module:function`), compared with the reference's value on the same data.
 
 For classifiers it also fits a softmax temperature (calibrated confidence for the edge policy),
 the escalation curve (threshold -> escalation rate, accuracy on what stays at the edge), and the
@@ -18,6 +25,7 @@ Example:
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,6 +35,62 @@ from runtimes.errors import ConfigError
 from runtimes.spec import Task
 
 DEFAULT_MIN_COSINE = 0.99
+# An fp32 rung (the same graph, another runtime or fused) may differ from the reference by rounding
+# only: max |variant - reference| / max |reference| per output. Measured: OpenVINO f32 and fused
+# onnxruntime graphs stay below 1e-5 on the test models; bf16 arithmetic is 1e-3 to 1e-2.
+FP32_BOUND = 1e-4
+# Lower precisions: the worst slice's RMS error relative to its own RMS; a part that collapsed to zero
+# measures 1.0, one that lost its sign or scale more.
+DEFAULT_MAX_SLICE_ERROR = 0.35
+SLICE_AXIS_MAX = 256
+_SCALE_FLOOR = 1e-6  # slices whose RMS is below this share of the output's max are judged on that floor
+
+
+def measure_outputs(reference: Mapping[str, np.ndarray], outputs: Mapping[str, np.ndarray], *,
+                    judged_by_task: str | None = None) -> tuple[dict[str, float], str]:
+    """Numeric fidelity over every output: `max_rel_error` and `slice_error_max`, and where the worst slice is.
+
+    Outputs are compared by name; each must have the reference's shape (samples on axis 0).
+    `judged_by_task` names a classifier's logits, which the task's accuracy judges: they count toward
+    `max_rel_error` but not the slice check (a pruned classifier's logits move while its answers hold).
+    """
+    fid = {"max_rel_error": 0.0, "slice_error_max": 0.0}
+    where = ""
+    for name, ref_value in reference.items():
+        if name not in outputs:
+            msg = f"variant has no output {name!r}; the reference has {sorted(reference)}"
+            raise ConfigError(msg)
+        ref = np.asarray(ref_value, np.float64)
+        out = np.asarray(outputs[name], np.float64)
+        if ref.shape != out.shape:
+            msg = f"output {name!r}: variant shape {list(out.shape)} differs from the reference's {list(ref.shape)}"
+            raise ConfigError(msg)
+        if not ref.size:
+            continue
+        if not np.isfinite(out).all():
+            return {"max_rel_error": float("inf"), "slice_error_max": float("inf")}, f"{name}: non-finite values"
+        err = out - ref
+        scale = float(np.abs(ref).max())
+        fid["max_rel_error"] = max(fid["max_rel_error"], float(np.abs(err).max()) / max(scale, 1e-30))
+        if name == judged_by_task:
+            continue
+        floor = max(scale * _SCALE_FLOOR, 1e-30)
+        for axis in range(1, ref.ndim):
+            if ref.shape[axis] > SLICE_AXIS_MAX:
+                continue
+            others = tuple(a for a in range(ref.ndim) if a != axis)
+            rms_err = np.sqrt((err ** 2).mean(axis=others))
+            rms_ref = np.maximum(np.sqrt((ref ** 2).mean(axis=others)), floor)
+            rel = rms_err / rms_ref
+            worst = int(rel.argmax())
+            if rel[worst] > fid["slice_error_max"]:
+                fid["slice_error_max"] = float(rel[worst])
+                where = f"{name}[axis {axis} = {worst}]"
+        if ref.ndim == 1 or all(ref.shape[a] > SLICE_AXIS_MAX for a in range(1, ref.ndim)):
+            rel_all = float(np.sqrt((err ** 2).mean()) / max(float(np.sqrt((ref ** 2).mean())), floor))
+            if rel_all > fid["slice_error_max"]:
+                fid["slice_error_max"], where = rel_all, name
+    return fid, where
 
 
 def measure(reference: np.ndarray, outputs: np.ndarray, labels: np.ndarray | None, *, task: str) -> dict[str, float]:
@@ -75,10 +139,18 @@ class Guard:
         max_drop: most accuracy points a classifier may lose (labels) or disagree on (no labels).
         min_cosine: least mean cosine similarity to the reference; the criterion for embeddings and
             regression (default 0.99 there), and an extra one for classifiers when given.
+        max_slice_error: most RMS error of any slice of any output relative to that slice's RMS
+            (see `measure_outputs`), for every precision below fp32.
+        fp32_bound: most max error relative to each output's scale for an fp32 rung of the same graph;
+            an fp32 rung is held to this bound, not to accuracy.
+        max_metric_drop: most the user metric may fall below the reference's value (its own units).
     """
 
     max_drop: float = 1.0
     min_cosine: float | None = None
+    max_slice_error: float = DEFAULT_MAX_SLICE_ERROR
+    fp32_bound: float = FP32_BOUND
+    max_metric_drop: float = 0.01
 
     def __post_init__(self) -> None:
         if not 0 <= self.max_drop <= 100:
@@ -87,24 +159,47 @@ class Guard:
         if self.min_cosine is not None and not -1 <= self.min_cosine <= 1:
             msg = f"min_cosine {self.min_cosine!r} must be in [-1, 1]"
             raise ConfigError(msg)
+        if self.max_slice_error <= 0 or self.fp32_bound <= 0 or self.max_metric_drop < 0:
+            msg = (f"max_slice_error {self.max_slice_error!r} and fp32_bound {self.fp32_bound!r} must be > 0, "
+                   f"max_metric_drop {self.max_metric_drop!r} >= 0")
+            raise ConfigError(msg)
 
-    def required(self, task: str) -> dict[str, float]:
+    def required(self, task: str, *, numeric: bool = False) -> dict[str, float]:
+        """The limits for `task`; `numeric` for an fp32 rung of the reference graph (held to `fp32_bound`)."""
+        if numeric:
+            return {"max_rel_error": self.fp32_bound}
+        req: dict[str, float]
         if task == Task.CLASSIFICATION:
             req = {"max_drop_points": self.max_drop}
             if self.min_cosine is not None:
                 req["min_cosine_mean"] = self.min_cosine
-            return req
-        return {"min_cosine_mean": self.min_cosine if self.min_cosine is not None else DEFAULT_MIN_COSINE}
+        else:
+            req = {"min_cosine_mean": self.min_cosine if self.min_cosine is not None else DEFAULT_MIN_COSINE}
+        req["max_slice_error"] = self.max_slice_error
+        return req
 
-    def check(self, fid: dict[str, float], task: str) -> Verdict:
-        """Compare measured figures with the limits for `task`."""
-        req = self.required(task)
+    def check(self, fid: dict[str, float], task: str, *, numeric: bool = False, where: str = "") -> Verdict:
+        """Compare measured figures with the limits for `task` (`where`: the worst slice, for the reason)."""
+        req = self.required(task, numeric=numeric)
         problems = []
+        if "max_rel_error" in req and fid.get("max_rel_error", 0.0) > req["max_rel_error"]:
+            problems.append(f"fp32 rung differs from the reference by {fid['max_rel_error']:.2e} of the output's "
+                            f"scale > {req['max_rel_error']:g} allowed (computing in a lower precision?)")
         if "max_drop_points" in req and "drop_points" in fid and fid["drop_points"] > req["max_drop_points"] + 1e-9:
             kind = "accuracy drop" if "accuracy" in fid else "top-1 disagreement with fp32"
             problems.append(f"{kind} {fid['drop_points']:.2f} points > {req['max_drop_points']:g} allowed")
         if "min_cosine_mean" in req and fid["cosine_mean"] < req["min_cosine_mean"]:
             problems.append(f"mean cosine {fid['cosine_mean']:.4f} < {req['min_cosine_mean']:g} required")
+        if "max_slice_error" in req and fid.get("slice_error_max", 0.0) > req["max_slice_error"]:
+            at = f" at {where}" if where else ""
+            problems.append(f"slice error {fid['slice_error_max']:.3f}{at} > {req['max_slice_error']:g} allowed "
+                            "(part of an output lost its values)")
+        if not numeric and "metric" in fid:
+            req["max_metric_drop"] = self.max_metric_drop
+            drop = fid["reference_metric"] - fid["metric"]
+            if drop > self.max_metric_drop + 1e-12:
+                problems.append(f"metric {fid['metric']:.4f} is {drop:.4f} below the reference's "
+                                f"{fid['reference_metric']:.4f} > {self.max_metric_drop:g} allowed")
         if not problems:
             return Verdict(True, "within limits", req)
         return Verdict(False, "; ".join(problems), req)

@@ -23,11 +23,12 @@ from tqdm import tqdm
 
 from compilers import report
 from compilers.calibration import CalibrationData
-from compilers.fidelity import Guard, Verdict, classifier_calibration, measure
+from compilers.fidelity import Guard, Verdict, classifier_calibration, measure, measure_outputs
+from compilers.golden import GOLDEN_SAMPLES
 from compilers.measure import latency_record, modeled_energy, time_runners
 from compilers.passes import PassContext, PassSkipped, run_pass
 from compilers.passes.execute import Runner, open_runner, run_all
-from compilers.recipes import PruneConfig, Rung, Target
+from compilers.recipes import PruneConfig, Rung, Target, native_precisions, probe_host
 from compilers.variants import VariantSet
 from runtimes.errors import BackendUnavailable, CompileError, FidelityError, InferenceError
 from runtimes.registry import available_backends
@@ -66,6 +67,8 @@ class Candidate:
     latency: dict[str, Any] = field(default_factory=dict)
     calibration: dict[str, Any] = field(default_factory=dict)
     calib_outputs: np.ndarray | None = None
+    executed_precision: str = ""
+    golden_outputs: dict[str, np.ndarray] = field(default_factory=dict)
 
 
 @dataclass
@@ -85,14 +88,25 @@ class Ladder:
     strict: bool
     progress: bool
     prune: PruneConfig | None
+    metric: Any = None  # user metric: (outputs by name, labels or None) -> float, higher is better
+    generated_data: bool = False  # no data was given: inputs were generated, fp32 rungs only
+    probe: dict[str, Any] | None = None  # `tierkit doctor`'s probe, read when a rung depends on it
     rejected: list[dict[str, Any]] = field(default_factory=list)
     # Filled in by run(): reference outputs on the validation data and on the OOD calibration subset,
     # the fp32 baseline's latency, and each evaluated artifact's validation outputs.
     ref_val: np.ndarray = field(init=False)
+    ref_outputs: dict[str, np.ndarray] = field(init=False)
     ref_cal: np.ndarray = field(init=False)
     baseline_latency: dict[str, Any] = field(init=False)
     _ood_data: CalibrationData = field(init=False)
     _outputs: dict[str, np.ndarray] = field(default_factory=dict)
+    _reference_metric: float | None = None
+    _executed: dict[str, str] = field(default_factory=dict)
+    golden_inputs: dict[str, np.ndarray] = field(init=False)
+    golden_reference: dict[str, np.ndarray] = field(init=False)
+    # the rung being built: its precision is pinned in every session that evaluates it, and an
+    # unpruned fp32 rung is held to the numeric bound
+    _building: tuple[str, bool] = ("fp32", True)
 
     def run(self, out: Path, *, name: str, version: str, sign_key: Ed25519PrivateKey | None,
             arguments: dict[str, Any]) -> VariantSet:
@@ -132,16 +146,20 @@ class Ladder:
         names = [s.name for s in self.source.inputs]
         batch = self._eval_batch()
         self._ood_data = self.calibration.subset(_OOD_SAMPLES)
+        output_names = [s.name for s in self.source.outputs]
         if self.source.torch_model is not None:
             from compilers.passes import export
 
-            self.ref_val = export.predict(self.source.torch_model, self.validation.batches(batch), names)[0]
+            values = export.predict(self.source.torch_model, self.validation.batches(batch), names)
+            self.ref_outputs = dict(zip(output_names, values, strict=False))
+            self.ref_val = values[0]
             self.ref_cal = export.predict(self.source.torch_model, self._ood_data.batches(batch), names)[0]
         else:
             runner = open_runner(self.source.onnx, "onnxruntime", threads=self.threads)
             try:
                 first = self.source.outputs[0].name
-                self.ref_val = run_all(runner, self.validation.batches(batch))[first]
+                self.ref_outputs = run_all(runner, self.validation.batches(batch))
+                self.ref_val = self.ref_outputs[first]
                 self.ref_cal = run_all(runner, self._ood_data.batches(batch))[first]
             except InferenceError as exc:
                 msg = f"the fp32 reference does not run on the given data: {exc}"
@@ -150,10 +168,20 @@ class Ladder:
                 runner.close()
         if self.task is None:
             self.task = self._infer_task()
+        if self.metric is not None:
+            self._reference_metric = self._user_metric(self.ref_outputs)
+        self._golden()
         labels = self.validation.labels
         if self.task == Task.CLASSIFICATION and labels is not None and self.ref_val.ndim == 2:
             accuracy = float((self.ref_val.argmax(axis=1) == labels).mean())
             logger.info("fp32 reference accuracy on validation: %.4f", accuracy)
+
+    def _golden(self) -> None:
+        """The golden inputs every package carries: the first validation rows and their reference outputs."""
+        first = self.source.inputs[0].shape[0] if self.source.inputs[0].shape else None
+        rows = first if isinstance(first, int) and first > 0 else min(GOLDEN_SAMPLES, len(self.validation))
+        self.golden_inputs = self.validation.batch(rows)
+        self.golden_reference = {k: v[:rows] for k, v in self.ref_outputs.items()}
 
     def _infer_task(self) -> str:
         """Labels, or a 2-D output of at most 1,000 columns that is not L2-normalised, mean a classifier."""
@@ -188,12 +216,21 @@ class Ladder:
         have = available_backends()
         rungs = []
         for rung in self.rungs:
-            if have.get(rung.runtime):
+            reason = None
+            if not have.get(rung.runtime):
+                reason = f"{rung.runtime} is not installed: pip install 'tierkit[{_EXTRA[rung.runtime]}]'"
+            elif not self._native(rung):
+                where = "this GPU" if rung.runtime == "tensorrt" else "this CPU (needs avx512_bf16 or AMX)"
+                reason = f"no native {rung.precision} on {where}: it would be emulated or run as fp32"
+            elif self.generated_data and rung.precision == "int8":
+                reason = "int8 needs calibration data (--calibration); none was given"
+            if reason is None:
                 rungs.append(rung)
                 continue
-            reason = f"{rung.runtime} is not installed: pip install 'tierkit[{_EXTRA[rung.runtime]}]'"
             self.rejected.append({"id": rung.id, "precision": rung.precision, "runtime": rung.runtime,
                                   "stage": "unavailable", "reason": reason})
+        if not rungs and all(r["reason"].startswith(("no native", "int8 needs")) for r in self.rejected):
+            raise self._nothing_kept()
         if not rungs:
             runtimes = ", ".join(sorted({r.runtime for r in self.rungs}))
             msg = (f"target {self.target.name!r} runs on {runtimes}, and none is installed here: pip install "
@@ -201,18 +238,53 @@ class Ladder:
             raise BackendUnavailable(msg)
         return rungs
 
+    def _native(self, rung: Rung) -> bool:
+        """bf16 (and TensorRT's fp16) rungs are built only where the hardware computes them natively."""
+        if rung.precision == "fp32" or (rung.precision == "int8" and rung.runtime != "tensorrt"):
+            return True
+        if rung.precision == "fp16" and rung.runtime != "tensorrt":
+            return True  # kept for size, with its note; the guard and timing judge it
+        if self.probe is None:
+            self.probe = probe_host()
+        return rung.precision in native_precisions(rung.runtime, self.probe)
+
     def evaluate(self, artifact: Path, runtime: str) -> tuple[dict[str, float], Verdict]:
-        """Run `artifact` on the validation data; its fidelity against the reference and the guard's verdict."""
-        runner = open_runner(artifact, runtime, threads=self.threads, device=self._device(runtime))
+        """Run `artifact` on the validation data; its fidelity against the reference and the guard's verdict.
+
+        The session pins the precision of the rung being built; every output is compared, and an
+        unpruned fp32 rung is held to the numeric bound instead of accuracy.
+        """
+        precision, numeric = self._building
+        runner = open_runner(artifact, runtime, threads=self.threads, device=self._device(runtime),
+                             precision=precision)
         try:
+            executed = str(getattr(runner, "precision", precision))
             outputs = run_all(runner, self.validation.batches(self._eval_batch()))
         finally:
             runner.close()
+        if executed != precision:
+            msg = (f"{runtime} runs this {precision} variant in {executed} on this host "
+                   f"({'no native ' + precision if precision in ('bf16', 'fp16') else 'precision not pinned'})")
+            raise CompileError(msg)
         first = self.source.outputs[0].name
         values = outputs.get(first, next(iter(outputs.values())))
         self._outputs[str(artifact)] = values
+        self._executed[str(artifact)] = executed
         fid = measure(self.ref_val, values, self.validation.labels, task=str(self.task))
-        return fid, self.guard.check(fid, str(self.task))
+        classified = first if self.task == Task.CLASSIFICATION and self.ref_val.ndim == 2 else None
+        numeric_fid, where = measure_outputs(self.ref_outputs, outputs, judged_by_task=classified)
+        fid.update(numeric_fid)
+        if self._reference_metric is not None:
+            fid["metric"] = self._user_metric(outputs)
+            fid["reference_metric"] = self._reference_metric
+        return fid, self.guard.check(fid, str(self.task), numeric=numeric, where=where)
+
+    def _user_metric(self, outputs: dict[str, np.ndarray]) -> float:
+        try:
+            return float(self.metric(outputs, self.validation.labels))
+        except Exception as exc:  # the user's code: any failure is reported with its message
+            msg = f"the metric {getattr(self.metric, '__name__', self.metric)!r} failed: {type(exc).__name__}: {exc}"
+            raise CompileError(msg) from exc
 
     def _device(self, runtime: str) -> str:
         return "cuda" if runtime == "tensorrt" else "cpu"
@@ -226,6 +298,7 @@ class Ladder:
         artifact, records = base.onnx, list(base.records)
         entry = {"id": vid, "precision": rung.precision, "runtime": rung.runtime,
                  "passes": [p.name for p in rung.passes]}
+        self._building = (rung.precision, rung.precision == "fp32" and not base.label)
         try:
             for i, spec in enumerate(rung.passes):
                 workdir = self.work / vid / f"{i}-{spec.name}"
@@ -238,9 +311,10 @@ class Ladder:
             self.rejected.append({**entry, "stage": "skipped", "reason": str(exc)})
             return None
         except (BackendUnavailable, CompileError, InferenceError) as exc:
-            logger.warning("%s: %s", vid, exc)
-            logger.debug("%s failed", vid, exc_info=True)
-            self.rejected.append({**entry, "stage": "build", "reason": str(exc)})
+            self._reject(entry, "build", exc)
+            return None
+        except Exception as exc:  # a rung's library failing in any way rejects that rung, not the compile
+            self._reject(entry, "build", exc, unexpected=True)
             return None
         void = next((r["sensitivity"]["note"] for r in records
                      if isinstance(r.get("sensitivity"), dict) and r["sensitivity"].get("note")), None)
@@ -259,7 +333,18 @@ class Ladder:
             return None
         if rung.note:
             records.append({"name": "note", "text": rung.note})
-        return Candidate(vid, base, rung, artifact, records, fid, self._outputs[str(artifact)])
+        return Candidate(vid, base, rung, artifact, records, fid, self._outputs[str(artifact)],
+                         executed_precision=self._executed[str(artifact)])
+
+    def _reject(self, entry: dict[str, Any], stage: str, exc: BaseException, *, unexpected: bool = False) -> None:
+        """Record a rung that failed at `stage` with a one-line reason; the other rungs go on."""
+        text = " ".join(str(exc).split()) or type(exc).__name__
+        if unexpected:
+            text = f"{type(exc).__name__}: {text}"
+        reason = text if len(text) <= 300 else text[:297] + "..."
+        logger.warning("%s rejected at %s: %s", entry["id"], stage, reason)
+        logger.debug("%s failed", entry["id"], exc_info=exc)
+        self.rejected.append({**entry, "stage": stage, "reason": reason})
 
     def _nothing_kept(self) -> CompileError:
         lines = "; ".join(f"{r['id']}: {r['reason']}" for r in self.rejected)
@@ -276,14 +361,31 @@ class Ladder:
         baseline = next((c.id for c in candidates if c.rung.precision == "fp32" and not c.base.label), None)
         sizes = tuple(dict.fromkeys((1, *self.batch_sizes)))
         runners: dict[str, Runner] = {}
+        inputs = {b: self.validation.batch(b) for b in sizes}
         try:
-            for c in candidates:
-                runners[c.id] = open_runner(c.artifact, c.rung.runtime, threads=self.threads,
-                                            device=self._device(c.rung.runtime))
+            for c in list(candidates):
+                try:
+                    runner = open_runner(c.artifact, c.rung.runtime, threads=self.threads,
+                                         device=self._device(c.rung.runtime), precision=c.rung.precision)
+                    runners[c.id] = runner
+                    for batch in inputs.values():
+                        runner.run(batch)
+                except Exception as exc:  # a rung that cannot run every timed batch size is rejected alone
+                    runners.pop(c.id, None)
+                    candidates.remove(c)
+                    self._reject({"id": c.id, "precision": c.rung.precision, "runtime": c.rung.runtime,
+                                  "passes": [p.name for p in c.rung.passes]}, "timing", exc,
+                                  unexpected=not isinstance(exc, InferenceError))
+            if not candidates:
+                raise self._nothing_kept()
+            if baseline not in runners:
+                baseline = None
             if baseline is None:
                 baseline = report.REFERENCE_ID
                 runners[baseline] = open_runner(self.source.onnx, "onnxruntime", threads=self.threads)
-            timing = time_runners(runners, {b: self.validation.batch(b) for b in sizes})
+            timing = time_runners(runners, inputs)
+            for c in candidates:
+                c.golden_outputs = runners[c.id].run(self.golden_inputs)
             for c in candidates:
                 c.latency = latency_record(timing[c.id], self.threads)
                 if self.task == Task.CLASSIFICATION and c.outputs.ndim == 2:

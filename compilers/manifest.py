@@ -36,7 +36,10 @@ class Manifest:
         energy: modeled or measured energy per inference, e.g. {"mj": .., "label": "modeled:cpu-tdp"}.
         calibration: confidence calibration for the edge policy: temperature, escalation_curve,
             ood statistics, validation file name.
-        build: what reproduces the build: tool versions, recipe, arguments, data digests.
+        build: what reproduces the build: tool versions, recipe, arguments, data digests, and the
+            precision the runtime reported it executed (`executed_precision`).
+        golden: the golden inputs' file, sample count and tolerance (`compilers.golden`); whoever opens
+            the variant re-runs them.
     """
 
     name: str
@@ -57,6 +60,7 @@ class Manifest:
     energy: dict[str, Any] = field(default_factory=dict)
     calibration: dict[str, Any] = field(default_factory=dict)
     build: dict[str, Any] = field(default_factory=dict)
+    golden: dict[str, Any] = field(default_factory=dict)
     created_at: str = ""
     schema_version: int = SCHEMA_VERSION
 

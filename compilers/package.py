@@ -12,6 +12,7 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import io
 import shutil
@@ -93,6 +94,8 @@ class ModelPackage:
         return self.directory / self.manifest.artifact
 
     def open_session(self, options: SessionOptions | None = None) -> Session:
+        """A session on the artifact, with the manifest's precision pinned (whatever `options` says)."""
+        options = dataclasses.replace(options or SessionOptions(), precision=self.manifest.precision)
         return open_session(self.artifact_path, backend=self.manifest.runtime, options=options)
 
     @classmethod

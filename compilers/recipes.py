@@ -101,8 +101,10 @@ class Target:
             msg = f"target {self.name!r} lists duplicate rungs {ids}: give them distinct labels"
             raise ConfigError(msg)
 
-    def rungs_for(self, precisions: Iterable[str]) -> list[Rung]:
-        """The rungs whose precision is in `precisions`, fp32 first."""
+    def rungs_for(self, precisions: Iterable[str] | None) -> list[Rung]:
+        """The rungs whose precision is in `precisions` (None: the defaults this target has), fp32 first."""
+        if precisions is None:
+            precisions = [p for p in DEFAULT_PRECISIONS if any(r.precision == p for r in self.rungs)]
         wanted = [Precision.parse(p).value for p in precisions]
         missing = sorted(set(wanted) - {r.precision for r in self.rungs})
         if missing:
@@ -197,6 +199,9 @@ _OV_INT8 = Rung("int8", "openvino", (PassSpec("export_openvino"), PassSpec("quan
 _ORT_DYNAMIC = Rung("int8", "onnxruntime", (PassSpec("quantize_ort", {"mode": "dynamic"}),), "dynamic",
                     "pays on MatMul-heavy models (transformers); skipped when there is no MatMul")
 _EMULATED_FP16 = "no fp16 arithmetic on this CPU: onnxruntime runs it slower than fp32; kept for size only"
+# OpenVINO computes this rung in bf16 (INFERENCE_PRECISION_HINT=bf16); built only where the CPU has it natively.
+_OV_BF16 = Rung("bf16", "openvino", (PassSpec("export_openvino"),),
+                note="OpenVINO bf16 arithmetic (avx512_bf16 / AMX); never built where it would be emulated")
 
 TARGETS: dict[str, Target] = {t.name: t for t in (
     Target("x86-avx512", ("onnxruntime", "openvino"), ("fp32", "int8"), (
@@ -205,14 +210,15 @@ TARGETS: dict[str, Target] = {t.name: t for t in (
         Rung("fp16", "openvino", (PassSpec("export_openvino", {"compress_to_fp16": True}),),
              note="OpenVINO CPU runs f16 weights as f32: smaller, not faster"),
         # u8s8 is what onnxruntime's VNNI kernels take: s8s8 QDQ ran the ResNet-like CNN at 0.6x fp32.
-        Rung("int8", "onnxruntime", (_static(activation_type="uint8"),), "static"), _ORT_DYNAMIC, _OV_INT8),
-        description="x86-64 CPU with AVX-512 (VNNI int8): onnxruntime and OpenVINO CPU"),
+        Rung("int8", "onnxruntime", (_static(activation_type="uint8"),), "static"), _ORT_DYNAMIC, _OV_INT8,
+        _OV_BF16),
+        description="x86-64 CPU with AVX-512 (VNNI int8; bf16 where avx512_bf16/AMX): onnxruntime and OpenVINO CPU"),
     Target("x86-avx2", ("onnxruntime", "openvino"), ("fp32", "int8"), (
         _ORT_FP32, _OV_FP32,
         Rung("fp16", "onnxruntime", (PassSpec("fp16"),), note=_EMULATED_FP16),
         # Without VNNI, u8s8 int8 products can saturate: reduce_range keeps weights to 7 bits.
         Rung("int8", "onnxruntime", (_static(activation_type="uint8", reduce_range=True),), "static"),
-        _ORT_DYNAMIC, _OV_INT8),
+        _ORT_DYNAMIC, _OV_INT8, _OV_BF16),
         description="x86-64 CPU with AVX2 (no VNNI): onnxruntime and OpenVINO CPU"),
     Target("arm64", ("onnxruntime",), ("fp32", "fp16", "int8"), (
         _ORT_FP32, Rung("fp16", "onnxruntime", (PassSpec("fp16"),)),
@@ -220,15 +226,40 @@ TARGETS: dict[str, Target] = {t.name: t for t in (
         description="64-bit Arm CPU (Neon; fp16 on ARMv8.2+): onnxruntime"),
     Target("intel-openvino", ("openvino",), ("fp32", "fp16", "int8"), (
         _OV_FP32, Rung("fp16", "openvino", (PassSpec("export_openvino", {"compress_to_fp16": True}),)),
-        _OV_INT8),
+        _OV_INT8, _OV_BF16),
         devices=("CPU", "GPU", "NPU"),
         description="Intel CPU, GPU or NPU through OpenVINO (f16 pays on GPU/NPU)"),
     Target("nvidia-tensorrt", ("tensorrt",), ("fp32", "fp16", "int8"), tuple(
-        Rung(p, "tensorrt", (PassSpec("tensorrt_engine", {"precision": p}),)) for p in ("fp32", "fp16", "int8")),
+        Rung(p, "tensorrt", (PassSpec("tensorrt_engine", {"precision": p}),))
+        for p in ("fp32", "fp16", "bf16", "int8")),
         devices=("cuda",), description="NVIDIA GPU through TensorRT 10 engines with dynamic-shape profiles"),
     Target("torch", ("torch",), ("fp32",), (Rung("fp32", "torch", (PassSpec("export_torch"),)),),
            description="torch.export programs (.pt2) run by torch"),
 )}
+
+
+DEFAULT_PRECISIONS = ("fp32", "bf16", "int8")
+# GPU compute capability from which TensorRT has fast kernels: fp16 tensor cores (Volta), bf16 (Ampere).
+_GPU_NATIVE = {"fp16": (7, 0), "bf16": (8, 0), "int8": (6, 1)}
+
+
+def native_precisions(runtime: str, probe: Mapping[str, Any]) -> set[str]:
+    """The precisions `runtime` computes natively on the probed host (`tierkit doctor`'s probe).
+
+    CPU runtimes: fp32 and int8 everywhere, bf16 with avx512_bf16 or AMX-BF16 (elsewhere OpenVINO
+    would run it as f32, or emulate it 3x to 42x slower). TensorRT: by the GPU's compute capability.
+    """
+    if runtime == "tensorrt":
+        out = {"fp32"}
+        for gpu in probe.get("gpus") or ():
+            cc = tuple(int(x) for x in str(gpu.get("compute_capability", "0.0")).split(".")[:2] if x.isdigit())
+            out |= {p for p, need in _GPU_NATIVE.items() if cc >= need}
+        return out
+    isa = {str(f).lower() for f in probe.get("isa") or ()}
+    out = {"fp32", "int8"}
+    if isa & {"avx512_bf16", "amx_bf16"}:
+        out.add("bf16")
+    return out
 
 
 def target_names() -> list[str]:

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
+from compilers.golden import write_golden
 from compilers.manifest import Manifest
 from compilers.measure import host_cpu
 from compilers.package import write_package
@@ -121,13 +122,16 @@ def write(out: Path, ladder: Ladder, candidates: list[Candidate], baseline: str,
                 arrays["labels"] = ladder.validation.labels
             np.savez(directory / VALIDATION_FILE, **arrays)  # type: ignore[arg-type]
             calibration["validation_file"] = VALIDATION_FILE
+        golden = write_golden(directory, ladder.golden_inputs, ladder.golden_reference, c.golden_outputs,
+                              c.rung.precision)
         energy = ladder.energy(c.latency)
         manifest = Manifest(name=name, version=version, target=ladder.target.name, precision=c.rung.precision,
                             runtime=c.rung.runtime, artifact=artifact, inputs=ladder.source.inputs,
                             outputs=ladder.source.outputs, task=str(ladder.task), passes=tuple(c.records),
                             reference_sha256=ladder.source.sha256, fidelity=c.fidelity, latency_ms=c.latency,
-                            energy=energy, calibration=calibration,
-                            build={**build, "variant": c.id, "rung": c.rung.id, "base": c.base.label or "reference"})
+                            energy=energy, calibration=calibration, golden=golden,
+                            build={**build, "variant": c.id, "rung": c.rung.id, "base": c.base.label or "reference",
+                                   "executed_precision": c.executed_precision})
         pkg = write_package(directory, manifest, sign_key=sign_key)
         entries.append(VariantEntry(id=c.id, path=c.id, precision=c.rung.precision, runtime=c.rung.runtime,
                                     passes=pass_labels(c.records), fidelity=c.fidelity,

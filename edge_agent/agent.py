@@ -204,8 +204,10 @@ class EdgeAgent:
         ctl = None if isinstance(controller, bool) else controller
         packages, recommended = load_packages(model, trusted_keys=trusted_keys)
         ids = list(packages) if controller is True or ctl is not None else [recommended]
-        self.variants = open_variants(packages, self.policy, ids, opts.session, opts.inline_max_ms)
-        self._variant = self.variants[recommended]
+        # variants whose golden inputs do not reproduce here, with why (the agent runs the next rung)
+        self.refused: dict[str, str] = {}
+        self.variants = open_variants(packages, self.policy, ids, opts.session, opts.inline_max_ms, self.refused)
+        self._variant = self.variants.get(recommended) or next(iter(self.variants.values()))
         self.inputs = self._variant.session.inputs
         self.outputs = self._variant.session.outputs
         self.model_name = self._variant.name
@@ -591,7 +593,8 @@ class EdgeAgent:
                 "budget_ms": self.budget.latency_ms, "breaker": self.breaker.state,
                 "journal_pending": self._journal_pending(),
                 "journal_recovered_from": str(self.journal.recovered_from or "") if self.journal else "",
-                "decision": to_json() if to_json is not None else None, **self.stats.snapshot()}
+                "decision": to_json() if to_json is not None else None, "refused_variants": dict(self.refused),
+                **self.stats.snapshot()}
 
     async def _housekeeping(self) -> None:
         next_telemetry = time.monotonic() + self.options.telemetry_interval_s

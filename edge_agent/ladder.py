@@ -11,9 +11,11 @@ from typing import Any
 
 import numpy as np
 
+from compilers.golden import check_golden
 from compilers.package import ModelPackage
 from compilers.variants import VariantSet, is_variant_set
 from edge_agent.policy import BoundPolicy, Policy
+from runtimes.errors import PackageError
 from runtimes.session import Session, SessionOptions
 
 logger = logging.getLogger(__name__)
@@ -81,15 +83,38 @@ def _warm(session: Session, runs: int = 5) -> float:
 
 
 def open_variants(packages: Mapping[str, ModelPackage], policy: Policy, ids: Iterable[str],
-                  options: SessionOptions | None, inline_max_ms: float) -> dict[str, Variant]:
+                  options: SessionOptions | None, inline_max_ms: float,
+                  refused: dict[str, str] | None = None) -> dict[str, Variant]:
+    """Open, golden-check and warm the variants `ids`.
+
+    A variant whose golden inputs do not reproduce on this machine is closed and left out, its reason
+    put in `refused` (and logged); when every one of `ids` is refused, the other packages are tried in
+    ladder order, so the agent falls to the next rung. Raises `PackageError` when none reproduces.
+    """
     out: dict[str, Variant] = {}
-    for vid in ids:
+    refused = {} if refused is None else refused
+    wanted = list(ids)
+    for vid in [*wanted, *(v for v in packages if v not in wanted)]:
+        if vid not in wanted and out:
+            break
         pkg = packages[vid]
         validation = read_validation(pkg) if policy.needs_validation else None
         bound = policy.bind(pkg.manifest.calibration, validation, pkg.manifest.outputs[0].name)
         session = pkg.open_session(options)
+        check = check_golden(pkg, session)
+        if check is not None and not check.passed:
+            session.close()
+            refused[vid] = check.reason
+            logger.warning("variant %s refused on this machine: %s", vid, check.reason)
+            continue
         p50 = _warm(session)
         out[vid] = Variant(vid, pkg, session, bound, p50, p50 <= inline_max_ms)
         logger.info("variant %s: p50 %.3f ms, threshold %.4g, %s", vid, p50, bound.threshold,
                     "inline" if p50 <= inline_max_ms else "worker thread")
+    if not out:
+        for variant in out.values():
+            variant.session.close()
+        reasons = "; ".join(f"{k}: {v}" for k, v in refused.items())
+        msg = f"no variant reproduces its golden outputs on this machine: {reasons}"
+        raise PackageError(msg)
     return out

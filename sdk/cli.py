@@ -51,7 +51,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except TierkitError as exc:
         if args.debug:
             raise
-        print(f"tierkit: error: {exc}", file=sys.stderr)
+        print(f"tierkit: error: {' '.join(str(exc).split())}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         return 130

@@ -22,11 +22,16 @@ class Runner(Protocol):
     def close(self) -> None: ...
 
 
-def open_runner(artifact: Path, runtime: str, *, threads: int = 0, device: str = "cpu") -> Runner:
-    """A session on `artifact` with `runtime`, `threads` intra-op threads (0 = the backend's default)."""
+def open_runner(artifact: Path, runtime: str, *, threads: int = 0, device: str = "cpu",
+                precision: str = "fp32") -> Runner:
+    """A session on `artifact` with `runtime`, `threads` intra-op threads (0 = the backend's default).
+
+    `precision` is the variant's declared precision, pinned in the session exactly as a device pins it
+    (`SessionOptions.precision`), so that validation and timing measure what will run there.
+    """
     from runtimes.registry import open_session
 
-    options = SessionOptions(intra_op_threads=threads, device=device)
+    options = SessionOptions(intra_op_threads=threads, device=device, precision=precision)
     return open_session(artifact, backend=runtime, options=options)
 
 

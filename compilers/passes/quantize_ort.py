@@ -123,9 +123,33 @@ def quantize(artifact: Path, ctx: PassContext, *, mode: str = "static", per_chan
     per_channel = (mode == "static") if per_channel is None else per_channel
     record: dict[str, Any] = {"name": "quantize_ort", "mode": mode, "per_channel": per_channel,
                               "reduce_range": reduce_range, "weight_type": weight_type}
+    artifact = artifact.resolve()
+    with contextlib.chdir(ctx.workdir):  # onnxruntime's shape inference writes temp files into the cwd
+        return _quantize(artifact, ctx, record, mode=mode, per_channel=per_channel, method=method,
+                         percentile=percentile, reduce_range=reduce_range, activation_type=activation_type,
+                         weight_type=weight_type, op_types=op_types, calibration_samples=calibration_samples,
+                         calibration_batch=calibration_batch, exclude=exclude, repair=repair,
+                         max_attempts=max_attempts, preprocess=preprocess)
+
+
+def _quantize(artifact: Path, ctx: PassContext, record: dict[str, Any], *, mode: str, per_channel: bool,
+              method: str, percentile: float, reduce_range: bool, activation_type: str, weight_type: str,
+              op_types: Sequence[str] | None, calibration_samples: int, calibration_batch: int,
+              exclude: Sequence[str], repair: bool, max_attempts: int, preprocess: bool) -> PassResult:
+    artifact, record["opset"] = upgrade_opset(artifact, ctx.workdir / "opset13.onnx")
     if mode == "static" and preprocess:
         artifact, record["preprocess"] = _preprocess(artifact, ctx.workdir / "preprocessed.onnx")
+    artifact, named = _name_nodes(artifact, ctx.workdir / "named.onnx")
     model = onnx.load(str(artifact))
+    kept = output_concats(model) if mode == "static" else []
+    if kept:
+        # A Concat that forms a graph output joins unlike tensors (box coordinates in pixels, class scores in
+        # [0, 1]); QDQ gives its inputs one shared scale, which rounds the small-valued part to zero.
+        record["kept_fp32"] = {"nodes": kept, "why": "Concat forming a graph output (a shared scale across unlike "
+                                                     "inputs)"}
+        exclude = [*exclude, *kept]
+    if named:
+        record["named_nodes"] = named
     # CalibStridedMinMax (despite its name, any method) makes the calibrator reduce every batch as it
     # goes: by default it keeps every intermediate tensor of every batch, gigabytes on a transformer.
     common = {"per_channel": per_channel, "reduce_range": reduce_range, "weight_type": _TYPES[weight_type],
@@ -206,6 +230,65 @@ def quantize(artifact: Path, ctx: PassContext, *, mode: str = "static", per_chan
         record["sensitivity"]["repaired"] = False
         record["sensitivity"]["note"] = "every Conv/MatMul/Gemm is excluded: nothing is int8 any more"
     return PassResult(result.artifact, record)
+
+
+QDQ_OPSET = 13
+_SHAPE_OPS = {"Reshape", "Transpose", "Squeeze", "Unsqueeze", "Flatten", "Identity"}
+
+
+def _opset(model: onnx.ModelProto) -> int:
+    return next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 0)
+
+
+def upgrade_opset(artifact: Path, out: Path) -> tuple[Path, str]:
+    """Graphs below opset 13 upgraded with onnx's version converter before QDQ (per-channel
+    DequantizeLinear needs 13); the original is kept where the conversion fails. Returns the model
+    to quantize and what was done."""
+    model = onnx.load(str(artifact))
+    opset = _opset(model)
+    if opset >= QDQ_OPSET:
+        return artifact, str(opset)
+    try:
+        from onnx import version_converter
+
+        converted = version_converter.convert_version(model, QDQ_OPSET)
+        onnx.checker.check_model(converted)
+        onnx.save(converted, str(out))
+    except Exception as exc:  # the converter raises many types for ops it cannot adapt
+        why = f"{type(exc).__name__}: {exc}".splitlines()[0][:200]
+        logger.info("opset %d -> %d conversion failed (%s); quantizing the original", opset, QDQ_OPSET, why)
+        return artifact, f"{opset} (upgrade to {QDQ_OPSET} failed: {why})"
+    return out, f"{opset} -> {QDQ_OPSET}"
+
+
+def _name_nodes(artifact: Path, out: Path) -> tuple[Path, int]:
+    """Exclusion and sensitivity ranking go by node name: give unnamed nodes one (`<op>_<index>`)."""
+    model = onnx.load(str(artifact))
+    unnamed = [(i, n) for i, n in enumerate(model.graph.node) if not n.name]
+    if not unnamed:
+        return artifact, 0
+    taken = {n.name for n in model.graph.node}
+    for i, node in unnamed:
+        name = f"{node.op_type}_{i}"
+        while name in taken:
+            name += "_"
+        node.name = name
+        taken.add(name)
+    onnx.save(model, str(out))
+    return out, len(unnamed)
+
+
+def output_concats(model: onnx.ModelProto) -> list[str]:
+    """Names of the Concat nodes whose result is a graph output (directly or through reshapes/transposes)."""
+    producer = {o: n for n in model.graph.node for o in n.output}
+    found = []
+    for out in model.graph.output:
+        node = producer.get(out.name)
+        while node is not None and node.op_type in _SHAPE_OPS and node.input:
+            node = producer.get(node.input[0])
+        if node is not None and node.op_type == "Concat" and node.name not in found:
+            found.append(node.name)
+    return found
 
 
 def _preprocess(artifact: Path, out: Path) -> tuple[Path, str]:

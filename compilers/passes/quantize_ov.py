@@ -128,11 +128,16 @@ def quantize(artifact: Path, ctx: PassContext, *, preset: str | None = None, mod
         kwargs["model_type"] = nncf.ModelType.TRANSFORMER
     if preset is not None:
         kwargs["preset"] = nncf.QuantizationPreset(preset)
+    kept = output_concats(model)
+    ignored = (*ignored, *(k for k in kept if k not in ignored))
     if ignored:
         kwargs["ignored_scope"] = nncf.IgnoredScope(names=list(ignored), validate=False)
     record: dict[str, Any] = {"name": "quantize_nncf", "nncf": nncf.__version__, "preset": preset,
                               "model_type": model_type, "subset_size": len(calib),
                               "fast_bias_correction": fast_bias_correction, "ignored": list(ignored)}
+    if kept:
+        record["kept_fp32"] = {"nodes": kept, "why": "Concat forming a graph output (a shared scale across unlike "
+                                                     "inputs)"}
     out = ctx.workdir / "model.xml"
     try:
         with _quiet_nncf():
@@ -185,6 +190,21 @@ def _accuracy_controlled(model: ov.Model, calibration: Any, ctx: PassContext, kw
     if fq == 0:
         record["sensitivity"] = {"note": "the accuracy-controlled mode reverted every layer: nothing is int8 any more"}
     return out
+
+
+_SHAPE_OPS = {"Reshape", "Transpose", "Squeeze", "Unsqueeze", "Convert"}
+
+
+def output_concats(model: ov.Model) -> list[str]:
+    """Friendly names of the Concat ops whose result is a model output (directly or through reshapes)."""
+    found: list[str] = []
+    for result in model.get_results():
+        node = result.input_value(0).get_node()
+        while node.get_type_name() in _SHAPE_OPS and node.get_input_size():
+            node = node.input_value(0).get_node()
+        if node.get_type_name() == "Concat" and node.get_friendly_name() not in found:
+            found.append(node.get_friendly_name())
+    return found
 
 
 def _count_fq(model: ov.Model) -> int:

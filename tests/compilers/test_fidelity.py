@@ -12,6 +12,7 @@ from compilers.fidelity import (
     fit_temperature,
     free_energy,
     measure,
+    measure_outputs,
     nll,
 )
 from runtimes.errors import ConfigError
@@ -39,6 +40,74 @@ def test_measure_without_labels_counts_disagreement() -> None:
     assert "accuracy" not in fid
 
 
+def _detections(rng: np.random.Generator, n: int = 16) -> np.ndarray:
+    """A YOLOv8-style output: 4 box coordinates in pixels (0-320) then 80 class scores (0-1), over 300 anchors."""
+    boxes = rng.uniform(0, 320, (n, 4, 300))
+    scores = rng.beta(0.3, 8.0, (n, 80, 300))
+    return np.concatenate([boxes, scores], axis=1)
+
+
+def test_dead_class_scores_are_seen_where_the_mean_cosine_is_blind() -> None:
+    rng = np.random.default_rng(0)
+    ref = _detections(rng)
+    out = ref.copy()
+    out[:, :4] += rng.normal(0, 2.0, out[:, :4].shape)  # boxes a couple of pixels off
+    out[:, 4:] = 0.0                                     # every class score dead (a shared concat scale)
+    fid = measure(ref, out, None, task="regression")
+    assert fid["cosine_mean"] > 0.999                    # what the old guard looked at: it passed this
+    numeric, where = measure_outputs({"output0": ref}, {"output0": out})
+    assert numeric["slice_error_max"] == pytest.approx(1.0, abs=1e-6)
+    assert where.startswith("output0[axis 1 = ")
+    assert int(where.split("= ")[1].rstrip("]")) >= 4
+    verdict = Guard().check({**fid, **numeric}, "regression", where=where)
+    assert not verdict.passed
+    assert "slice error 1.000 at output0[axis 1" in verdict.reason
+
+
+def test_healthy_quantization_noise_passes_the_slice_check() -> None:
+    rng = np.random.default_rng(1)
+    ref = _detections(rng)
+    out = ref + rng.normal(0, 1.0, ref.shape) * np.where(np.arange(84) < 4, 1.0, 0.004)[None, :, None]
+    numeric, _ = measure_outputs({"output0": ref}, {"output0": out})
+    fid = {**measure(ref, out, None, task="regression"), **numeric}
+    assert numeric["slice_error_max"] < 0.2
+    assert Guard().check(fid, "regression").passed
+
+
+def test_every_output_is_compared_not_only_the_first() -> None:
+    ref = {"prob": np.full((4, 1), 0.5), "state": np.ones((2, 4, 8))}
+    out = {"prob": ref["prob"].copy(), "state": np.zeros((2, 4, 8))}
+    numeric, where = measure_outputs(ref, out)
+    assert numeric["slice_error_max"] == pytest.approx(1.0)
+    assert where.startswith("state")
+    with pytest.raises(ConfigError, match="no output 'state'"):
+        measure_outputs(ref, {"prob": out["prob"]})
+
+
+def test_fp32_rungs_are_held_to_a_numeric_bound_not_to_accuracy() -> None:
+    rng = np.random.default_rng(2)
+    ref = rng.normal(0, 5, (64, 10))
+    bf16_like = ref * (1 + rng.normal(0, 4e-3, ref.shape))  # bf16 rounding: top-1 unchanged
+    fid = {**measure(ref, bf16_like, None, task="classification"), **measure_outputs({"y": ref}, {"y": bf16_like})[0]}
+    assert fid["drop_points"] < 1.0
+    guard = Guard()
+    assert guard.check(fid, "classification").passed        # fine for a lower-precision rung
+    verdict = guard.check(fid, "classification", numeric=True)
+    assert not verdict.passed
+    assert "lower precision" in verdict.reason
+    rounding = ref + rng.normal(0, 1e-6, ref.shape)
+    exact = measure_outputs({"y": ref}, {"y": rounding})[0]
+    assert guard.check(exact, "classification", numeric=True).passed
+
+
+def test_user_metric_below_the_reference_fails_the_guard() -> None:
+    fid = {"drop_points": 0.0, "cosine_mean": 1.0, "metric": 0.60, "reference_metric": 0.70}
+    verdict = Guard(max_metric_drop=0.05).check(fid, "classification")
+    assert not verdict.passed
+    assert "metric 0.6000 is 0.1000 below" in verdict.reason
+    assert Guard(max_metric_drop=0.2).check(fid, "classification").passed
+
+
 def test_guard_verdicts() -> None:
     guard = Guard(max_drop=1.0)
     ok = guard.check({"drop_points": 0.5, "cosine_mean": 0.9}, "classification")
@@ -48,7 +117,7 @@ def test_guard_verdicts() -> None:
     assert bad.reason == "accuracy drop 1.50 points > 1 allowed"
     emb = guard.check({"cosine_mean": 0.98}, "embedding")
     assert not emb.passed
-    assert emb.required == {"min_cosine_mean": 0.99}
+    assert emb.required == {"min_cosine_mean": 0.99, "max_slice_error": 0.35}
     assert Guard(min_cosine=0.95).check({"cosine_mean": 0.98}, "embedding").passed
     with pytest.raises(ConfigError, match="min_cosine 2"):
         Guard(min_cosine=2)
