@@ -74,8 +74,8 @@ def bench_model(name: str, package: Path, x: np.ndarray, *, threads: int, blocks
     from cloud_service.protocol import encode_response
     from edge_agent.agent import AgentOptions
     from edge_agent.policy import Policy
-    from edge_agent.transports.fake import FakeTransport
     from runtimes.session import SessionOptions
+    from tests.doubles.fake_transport import FakeTransport
 
     options = AgentOptions(session=SessionOptions(intra_op_threads=threads, inter_op_threads=1))
     rows = []

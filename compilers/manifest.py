@@ -8,6 +8,7 @@ from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 from runtimes.errors import ConfigError, PackageError
+from runtimes.registry import backend_names
 from runtimes.spec import Precision, Task, TensorSpec
 
 SCHEMA_VERSION = 1
@@ -70,6 +71,10 @@ class Manifest:
                 msg = f"manifest field {attr!r} is empty"
                 raise ConfigError(msg)
         Precision.parse(self.precision)
+        if self.runtime not in backend_names():
+            msg = (f"manifest names runtime {self.runtime!r}, which this tierkit does not have; it runs "
+                   f"{', '.join(backend_names())}")
+            raise ConfigError(msg)
         if self.task not in {t.value for t in Task}:
             msg = f"manifest task {self.task!r} is not one of {[t.value for t in Task]}"
             raise ConfigError(msg)

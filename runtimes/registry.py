@@ -22,8 +22,8 @@ _BACKENDS: dict[str, tuple[str, str | None, str]] = {
     "openvino": ("runtimes.ov_backend:OpenVinoBackend", "openvino", "openvino"),
     "tensorrt": ("runtimes.trt_backend:TensorRTBackend", "tensorrt", "tensorrt"),
     "torch": ("runtimes.torch_backend:TorchBackend", "torch", "torch"),
-    "fake": ("runtimes.fake_backend:FakeBackend", None, "numpy"),
 }
+_BUILT_IN = frozenset(_BACKENDS)
 
 # artifact suffix -> backend name; the manifest's "runtime" field overrides this.
 _SUFFIXES = {
@@ -41,6 +41,24 @@ class Backend(Protocol):
     name: str
 
     def load(self, artifact: Path, options: SessionOptions) -> Session: ...
+
+
+def register_backend(name: str, target: str, *, extra: str | None = None, distribution: str = "numpy") -> None:
+    """Add a backend from outside the product (a plugin; the test suite registers its fake one this way).
+
+    Args:
+        name: the name manifests and `open_session(backend=...)` use.
+        target: "package.module:Class" of a class whose instances have `load(artifact, options)`.
+        extra: the tierkit extra that installs its library, for the error message when it is missing.
+        distribution: the distribution whose presence makes it usable.
+    """
+    if name in _BUILT_IN:
+        msg = f"backend {name!r} is built in and cannot be replaced"
+        raise ConfigError(msg)
+    if ":" not in target:
+        msg = f"backend target {target!r} must be 'package.module:Class'"
+        raise ConfigError(msg)
+    _BACKENDS[name] = (target, extra, distribution)
 
 
 def backend_names() -> list[str]:
@@ -96,7 +114,7 @@ def available_backends() -> dict[str, str | None]:
     """
     out: dict[str, str | None] = {}
     for name, (_, _, dist) in _BACKENDS.items():
-        if name == "fake":
+        if name not in _BUILT_IN:
             continue
         module = "openvino" if dist == "openvino" else dist
         if importlib.util.find_spec(module) is None:

@@ -8,7 +8,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from runtimes.registry import register_backend
 from sdk import zoo
+
+# The fake backend is a test double: the product does not ship it, the suite plugs it in.
+register_backend("fake", "tests.doubles.fake_backend:FakeBackend")
 
 
 def free_port() -> int:

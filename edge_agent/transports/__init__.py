@@ -1,4 +1,4 @@
-"""Escalation transports: gRPC and MQTT v5 speaking the Open Inference Protocol, and a fake for tests.
+"""Escalation transports: gRPC and MQTT v5 speaking the Open Inference Protocol.
 
 `GrpcTransport` and `MqttTransport` are imported lazily by `open_transport`, from
 `edge_agent.transports.grpc` / `edge_agent.transports.mqtt`.
@@ -11,6 +11,5 @@ from edge_agent.transports.base import (
     open_transport,
     parse_cloud_url,
 )
-from edge_agent.transports.fake import FakeTransport
 
-__all__ = ["CloudURL", "FakeTransport", "Transport", "TransportOptions", "open_transport", "parse_cloud_url"]
+__all__ = ["CloudURL", "Transport", "TransportOptions", "open_transport", "parse_cloud_url"]

@@ -22,9 +22,9 @@ from edge_agent.budget import Budget
 from edge_agent.policy import Policy
 from edge_agent.prediction import Prediction
 from edge_agent.stats import RttEstimator
-from edge_agent.transports.fake import FakeTransport
 from runtimes.errors import CloudUnavailable, InputError
 from sdk import zoo
+from tests.doubles.fake_transport import FakeTransport
 from tests.sdk.packages import make_package
 
 ALWAYS, NEVER = 2.0, -1.0  # thresholds: every score is in [0, 1]

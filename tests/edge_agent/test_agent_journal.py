@@ -16,9 +16,9 @@ from edge_agent.agent import AgentOptions, EdgeAgent
 from edge_agent.breaker import BreakerConfig
 from edge_agent.journal import Journal
 from edge_agent.policy import Policy
-from edge_agent.transports.fake import FakeTransport
 from runtimes.errors import CloudUnavailable
 from sdk import zoo
+from tests.doubles.fake_transport import FakeTransport
 from tests.sdk.packages import make_package
 
 

@@ -9,8 +9,9 @@ import pytest
 
 from cloud_service.protocol import decode_inputs, encode_request, encode_response, get_parameters, topics
 from cloud_service.protocol import inference_pb2 as pb
-from edge_agent.transports import FakeTransport, TransportOptions, open_transport, parse_cloud_url
+from edge_agent.transports import TransportOptions, open_transport, parse_cloud_url
 from runtimes.errors import CloudTimeout, CloudUnavailable, ConfigError, EscalationError
+from tests.doubles.fake_transport import FakeTransport
 
 
 def test_parse_grpc_url_with_several_targets() -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import subprocess
 import sys
 from pathlib import Path
 
@@ -59,3 +60,30 @@ def test_available_backends_reports_versions_without_importing() -> None:
     assert set(found) == {"onnxruntime", "openvino", "tensorrt", "torch"}
     assert found["onnxruntime"]  # a core dependency
     assert "fake" not in found
+
+
+def test_the_product_ships_no_test_double() -> None:
+    assert importlib.util.find_spec("runtimes.fake_backend") is None
+    assert importlib.util.find_spec("edge_agent.transports.fake") is None
+    code = "import runtimes.registry as r; print(r.backend_names())"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert "fake" not in out  # only the test suite plugs it in
+
+
+def test_a_manifest_naming_a_runtime_the_product_lacks_is_refused() -> None:
+    from compilers.manifest import Manifest
+    from runtimes.errors import PackageError
+
+    doc = {"schema_version": 1, "name": "m", "version": "1", "target": "x86", "precision": "fp32",
+           "runtime": "tflite", "artifact": "model.tflite",
+           "inputs": [{"name": "x", "dtype": "float32", "shape": ["batch", 4]}],
+           "outputs": [{"name": "y", "dtype": "float32", "shape": ["batch", 2]}]}
+    with pytest.raises(PackageError, match="runtime 'tflite', which this tierkit does not have"):
+        Manifest.from_json(doc)
+
+
+def test_built_in_backends_cannot_be_replaced() -> None:
+    from runtimes.registry import register_backend
+
+    with pytest.raises(ConfigError, match="built in"):
+        register_backend("onnxruntime", "evil.module:Backend")

@@ -18,9 +18,9 @@ from edge_agent.adaptive import AdaptiveOptions
 from edge_agent.agent import AgentOptions
 from edge_agent.controller import Controller, Decision
 from edge_agent.policy import Policy
-from edge_agent.transports.fake import FakeTransport
 from runtimes.errors import CloudUnavailable, ConfigError, InputError
 from sdk import zoo
+from tests.doubles.fake_transport import FakeTransport
 from tests.sdk.packages import make_package, make_variant_set
 
 
