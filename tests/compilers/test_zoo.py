@@ -172,6 +172,22 @@ def test_recommended_rung_passes_its_guard(name: str, compiled: Callable[[str], 
 
 
 @pytest.mark.parametrize("name", _params())
+def test_kept_rungs_keep_every_float_output(name: str, compiled: Callable[[str], Compiled]) -> None:
+    """The guard must see every output, not only the first (the encoder's first output is an int64 copy of its
+    ids, identical in every rung): no rung it keeps may drift on any float output."""
+    c = compiled(name)
+    fresh = _fresh(c.graph)
+    ref = _reference(c.graph, fresh)
+    drifted = {}
+    for entry in c.vs:
+        out = _run(c.vs, entry.id, fresh)
+        for key, expected in ref.items():
+            if np.issubdtype(expected.dtype, np.floating) and (cos := _cosine(expected, out[key])) < MIN_COSINE:
+                drifted[(entry.id, key)] = round(cos, 4)
+    assert not drifted, f"kept rungs whose outputs drifted (cosine on fresh inputs): {drifted}"
+
+
+@pytest.mark.parametrize("name", _params())
 def test_compile_leaves_the_working_directory_empty(name: str, compiled: Callable[[str], Compiled]) -> None:
     assert compiled(name).left_in_cwd == []
 
