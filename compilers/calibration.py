@@ -200,17 +200,24 @@ class CalibrationData:
 
 
 def sample_axes(specs: Sequence[TensorSpec]) -> dict[str, int | None]:
-    """The sample axis of each input: where the first input's batch axis name appears, else 0; None for scalars."""
+    """The sample axis of each input; None for scalars, which every sample shares.
+
+    Axis 0 unless the first input has a dynamic batch axis and this input's axis 0 is fixed: then the
+    axis named like that batch axis, else this input's first dynamic axis (a recurrent state
+    `[layers, ?, hidden]`, whose dimensions exporters often leave unnamed).
+    """
     first = specs[0].shape[0] if specs and specs[0].shape else None
     batch = first if isinstance(first, str) else None
     axes: dict[str, int | None] = {}
     for spec in specs:
         if not spec.shape:
             axes[spec.name] = None
-        elif batch is not None and spec.shape[0] != batch and batch in spec.shape[1:]:
+        elif batch is None or isinstance(spec.shape[0], str):
+            axes[spec.name] = 0
+        elif batch in spec.shape[1:]:
             axes[spec.name] = spec.shape.index(batch)
         else:
-            axes[spec.name] = 0
+            axes[spec.name] = next((i for i, d in enumerate(spec.shape) if isinstance(d, str)), 0)
     return axes
 
 

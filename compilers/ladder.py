@@ -152,12 +152,13 @@ class Ladder:
 
             values = export.predict(self.source.torch_model, self.validation.batches(batch), names)
             self.ref_outputs = dict(zip(output_names, values, strict=False))
-            self.ref_val = values[0]
-            self.ref_cal = export.predict(self.source.torch_model, self._ood_data.batches(batch), names)[0]
+            self.ref_val = self.ref_outputs[self.primary]
+            cal = export.predict(self.source.torch_model, self._ood_data.batches(batch), names)
+            self.ref_cal = dict(zip(output_names, cal, strict=False))[self.primary]
         else:
             runner = open_runner(self.source.onnx, "onnxruntime", threads=self.threads)
             try:
-                first = self.source.outputs[0].name
+                first = self.primary
                 self.ref_outputs = run_all(runner, self.validation.batches(batch))
                 self.ref_val = self.ref_outputs[first]
                 self.ref_cal = run_all(runner, self._ood_data.batches(batch))[first]
@@ -175,6 +176,12 @@ class Ladder:
         if self.task == Task.CLASSIFICATION and labels is not None and self.ref_val.ndim == 2:
             accuracy = float((self.ref_val.argmax(axis=1) == labels).mean())
             logger.info("fp32 reference accuracy on validation: %.4f", accuracy)
+
+    @property
+    def primary(self) -> str:
+        """The output the task is judged on: the first floating-point one (graphs may echo int64 ids first)."""
+        specs = self.source.outputs
+        return next((s.name for s in specs if s.dtype.startswith(("float", "bfloat"))), specs[0].name)
 
     def _golden(self) -> None:
         """The golden inputs every package carries: the first validation rows and their reference outputs."""
@@ -266,7 +273,7 @@ class Ladder:
             msg = (f"{runtime} runs this {precision} variant in {executed} on this host "
                    f"({'no native ' + precision if precision in ('bf16', 'fp16') else 'precision not pinned'})")
             raise CompileError(msg)
-        first = self.source.outputs[0].name
+        first = self.primary
         values = outputs.get(first, next(iter(outputs.values())))
         self._outputs[str(artifact)] = values
         self._executed[str(artifact)] = executed
@@ -390,7 +397,7 @@ class Ladder:
                 c.latency = latency_record(timing[c.id], self.threads)
                 if self.task == Task.CLASSIFICATION and c.outputs.ndim == 2:
                     outs = run_all(runners[c.id], self._ood_data.batches(self._eval_batch()))
-                    c.calib_outputs = outs.get(self.source.outputs[0].name, next(iter(outs.values())))
+                    c.calib_outputs = outs.get(self.primary, next(iter(outs.values())))
                     c.calibration = classifier_calibration(c.outputs, self.ref_val, self.validation.labels,
                                                            c.calib_outputs)
             self.baseline_latency = latency_record(timing[baseline], self.threads)

@@ -7,7 +7,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from compilers.calibration import CalibrationData
+from compilers.calibration import CalibrationData, sample_axes
 from runtimes.errors import ConfigError
 from runtimes.spec import TensorSpec
 
@@ -63,3 +63,26 @@ def test_errors_name_the_problem(tmp_path: Path) -> None:
         data.check(SPECS)
     with pytest.raises(ConfigError, match=r"holds arrays \['y'\] the model does not take"):
         CalibrationData({"x": np.zeros((3, 1, 8, 8)), "y": np.zeros((3, 1))}).check(SPECS)
+
+
+def test_state_and_scalar_inputs_batch_along_their_own_axes() -> None:
+    specs = [TensorSpec("input", "float32", (-1, 512)), TensorSpec("state", "float32", (2, "?", 128)),
+             TensorSpec("sr", "int64", ())]
+    axes = sample_axes(specs)
+    assert axes == {"input": 0, "state": 1, "sr": None}
+    rng = np.random.default_rng(0)
+    x = rng.random((10, 512), np.float32)
+    state = np.stack([np.full((2, 128), i, np.float32) for i in range(10)], axis=1)
+    data = CalibrationData({"input": x, "state": state, "sr": np.array(16000)}, input_names=["input", "state", "sr"],
+                           sample_axes=axes)
+    data.check(specs)
+    assert len(data) == 10
+    batches = list(data.batches(4))
+    assert [b["state"].shape for b in batches] == [(2, 4, 128), (2, 4, 128), (2, 2, 128)]
+    assert all(b["sr"].shape == () and int(b["sr"]) == 16000 for b in batches)
+    np.testing.assert_array_equal(batches[1]["state"][0, :, 0], [4, 5, 6, 7])  # samples stay aligned
+    np.testing.assert_array_equal(batches[1]["input"], x[4:8])
+    cal, val = data.split(0.3)
+    assert len(cal) + len(val) == 10
+    assert val.inputs["sr"].shape == ()
+    assert data.batch(12)["state"].shape == (2, 12, 128)
