@@ -75,6 +75,9 @@ class ControllerConfig:
             and on the edge/cloud agreement rate.
         probe_escalation_rate: while a cloud is configured, prefer points that escalate at least
             this share, so the link stays measured (a recovered cloud or a faster link is noticed).
+        down_probe_escalation_rate: the same while the cloud is marked down: escalations then cost
+            nothing while the breaker is open and little when refused, and asking for more of them
+            brings the breaker's probe, and the answers in a row that mark the link up, sooner.
         history: decisions kept in `Controller.decisions`.
     """
 
@@ -97,6 +100,7 @@ class ControllerConfig:
     window_s: float = 1.0
     escalation_z: float = 3.0
     probe_escalation_rate: float = 0.03
+    down_probe_escalation_rate: float = 0.1
     history: int = 256
 
     def __post_init__(self) -> None:
@@ -236,7 +240,9 @@ def choose(profiles: Sequence[VariantProfile], link: LinkState | None, budget: B
     feasible = short == 0
     pool = feasible
     if link is not None and config.probe_escalation_rate > 0:
-        probing = feasible & (esc >= config.probe_escalation_rate - 1e-9)
+        probe = config.probe_escalation_rate if link.up else max(config.probe_escalation_rate,
+                                                                 config.down_probe_escalation_rate)
+        probing = feasible & (esc >= probe - 1e-9)
         pool = probing if probing.any() else feasible
     if pool.any():
         near = pool & (acc >= acc[pool].max() - config.tie_tolerance)

@@ -147,8 +147,10 @@ class VariantProfile:
         self._bin_share = np.bincount(self._bin, minlength=self._edges.size + 1) / s.size
         counts = np.bincount(self._bin, minlength=self._edges.size + 1)
         right = np.bincount(self._bin, weights=self._correct, minlength=self._edges.size + 1)
-        # per score bin, with one pseudo-observation at the overall accuracy so an empty bin reads sensibly
-        self._bin_accuracy = (right + self._cum_correct[-1] / s.size) / (counts + 1)
+        # per score bin, shrunk towards the overall accuracy by 10 pseudo-observations: a bin of 50 inputs
+        # all right does not show the edge is never wrong there, and reading it so would blame the cloud
+        # for every disagreement on such inputs
+        self._bin_accuracy = (right + 10 * self._cum_correct[-1] / s.size) / (counts + 10)
         self.latency = LatencyWindow(np.asarray(latency_prior_ms, dtype=float), maxlen=window)
         self.baseline_p50_ms = self.latency.quantile(0.5)
         self.energy_mj = float(energy_mj)
@@ -374,7 +376,7 @@ class LinkProfile:
                  bytes_per_escalation: float = 1024.0, energy_per_byte_mj: float = 1e-4,
                  wait_power_w: float = 0.3, energy_label: str = "modeled:default-radio",
                  cloud_accuracy: float = DEFAULT_CLOUD_ACCURACY, cloud_prior_strength: float = 30.0,
-                 edge_prior_strength: float = 200.0, high_quantile: float = 0.95, window: int = 256,
+                 edge_prior_strength: float = 50.0, high_quantile: float = 0.95, window: int = 256,
                  alpha: float = 0.2, down_after: int = 3, up_after: int = 3, down_after_timeouts: int = 10,
                  agreement_window: int = 256) -> None:
         if not (rtt_ms > 0 and 0 < cloud_accuracy <= 1 and 0 < high_quantile < 1 and down_after >= 1

@@ -116,10 +116,25 @@ def test_agreement_overrides_the_cloud_prior_within_a_few_hundred_escalations() 
                           score=float(rng.uniform(0.2, 0.99)))
     learned = link.state().cloud_accuracy
     assert learned > 0.99  # the 0.95 prior is gone
+    # ...and a cloud that is wrong on a tenth of the inputs the edge is right on (2,000 validation inputs say so)
+    many = np.linspace(0, 1, 2000, endpoint=False)
+    profile = VariantProfile("v", many, many >= 0.1, np.full(16, 1.0), 1.0, "modeled:test")
     c2 = Controller([profile], Budget(latency_ms=50), link=LinkProfile(rtt_ms=2.0, cloud_accuracy=0.999),
                     config=ControllerConfig(escalation_grid=GRID, probe_escalation_rate=0.0), clock=clock)
-    for _ in range(300):  # ...and a cloud that is wrong on a tenth of the inputs the edge gets right
+    for _ in range(300):
         c2.observe_request(escalated=True, agreed=bool(rng.random() > 0.1), total_latency_ms=4.0,
                            score=float(rng.uniform(0.2, 0.99)))
     assert c2.link is not None
     assert 0.85 < c2.link.state().cloud_accuracy < 0.96
+
+
+def test_while_the_cloud_is_down_the_controller_asks_for_more_probes() -> None:
+    profile = VariantProfile("v", SCORES, SCORES >= 0.1, np.full(16, 1.0), 1.0, "modeled:test")
+    link = LinkProfile(rtt_ms=2.0)
+    cfg = ControllerConfig(escalation_grid=(0.0, 0.05, 0.1, 0.3), probe_escalation_rate=0.03)
+    c = Controller([profile], Budget(latency_ms=50), link=link, config=cfg, clock=Clock())
+    for _ in range(3):  # refused at once: the cloud is down
+        c.observe_escalation(None, ok=False, elapsed_ms=0.3)
+    c.maybe_redecide()
+    assert not link.up
+    assert c.current.predicted_escalation_rate == pytest.approx(0.1)  # nothing gained, so the least that probes
