@@ -385,8 +385,8 @@ class EdgeAgent:
     async def escalate(self, p: Pending) -> Prediction:
         """The asynchronous part: send the unsure rows within the deadline, merge or degrade."""
         rows = np.flatnonzero(p.mask)
-        # capped at half the budget: a burst of load must not make every escalation look out of time
-        guard_ms = self.options.margin_ms + min(self.lateness.margin_ms(), self.budget.latency_ms / 2)
+        # capped at a quarter of the budget: a burst of load must not make every escalation look out of time
+        guard_ms = self.options.margin_ms + min(self.lateness.margin_ms(), self.budget.latency_ms / 4)
         left_ms = self.budget.latency_ms - (perf_counter() - p.t0) * 1e3 - guard_ms
         needed_ms = self._rtt_needed()
         reason = self._skip_reason(left_ms, needed_ms)

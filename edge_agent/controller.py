@@ -69,7 +69,8 @@ class ControllerConfig:
         energy_headroom: plan mean energy at most this share of the energy budget.
         energy_z: a variant switch for energy alone needs the measured difference to exceed this
             many standard errors (modeled energy never switches a variant on its own).
-        accuracy_margin_rel: ...or better by this share of the current error rate, if less.
+        accuracy_margin_rel: ...or better by this share of the current error rate, if less...
+        accuracy_margin_min: ...but never by less than this (predicted accuracies carry noise).
         window_s: observed p95 latency and mean energy are held per window of this many seconds.
         escalation_z: binomial tolerance (in standard deviations) on the observed escalation rate
             and on the edge/cloud agreement rate.
@@ -97,6 +98,7 @@ class ControllerConfig:
     energy_headroom: float = 0.92
     energy_z: float = 3.0
     accuracy_margin_rel: float = 0.1
+    accuracy_margin_min: float = 5e-4
     window_s: float = 1.0
     escalation_z: float = 3.0
     probe_escalation_rate: float = 0.03
@@ -504,8 +506,9 @@ class Controller:
             return ""
         if not cur.feasible and cand.predicted_accuracy >= cur.predicted_accuracy - cfg.accuracy_margin:
             return f"current point is over the {' and '.join(cur.violated)} budget (within tolerance)"
-        margin = min(cfg.accuracy_margin, cfg.accuracy_margin_rel * (1 - cur.predicted_accuracy))
-        if cand.predicted_accuracy > cur.predicted_accuracy + max(margin, cfg.tie_tolerance):
+        margin = max(min(cfg.accuracy_margin, cfg.accuracy_margin_rel * (1 - cur.predicted_accuracy)),
+                     min(cfg.accuracy_margin_min, cfg.accuracy_margin), cfg.tie_tolerance)
+        if cand.predicted_accuracy > cur.predicted_accuracy + margin:
             return f"accuracy {cur.predicted_accuracy:.4f} -> {cand.predicted_accuracy:.4f}"
         if cand.predicted_accuracy < cur.predicted_accuracy - cfg.tie_tolerance:
             return ""

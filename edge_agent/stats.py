@@ -81,8 +81,9 @@ class TimerLateness:
     abandonment reports that lateness; the timer of the next escalation is set that much earlier
     (a high quantile of the recent ones), so the answer still comes within the budget.
 
-    Samples older than `max_age_s` are forgotten: a margin learned in a burst of load must not stay
-    so large that escalations are skipped for want of time, which would teach nothing new.
+    Samples older than `max_age_s` are forgotten, and the agent caps the margin at a quarter of the
+    latency budget: a margin learned in a burst of load must not stay so large that escalations are
+    skipped for want of time, which would teach nothing new.
 
     Args:
         prior_ms: the lateness assumed until `min_samples` were observed (a floor before that).
