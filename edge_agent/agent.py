@@ -52,7 +52,7 @@ from edge_agent.journal import Journal, JournalEntry, drain
 from edge_agent.ladder import Variant, load_packages, open_variants
 from edge_agent.policy import Policy
 from edge_agent.prediction import Prediction, make_prediction
-from edge_agent.stats import RttEstimator, Stats, feed_controller
+from edge_agent.stats import RttEstimator, Stats, TimerLateness, feed_controller
 from edge_agent.transports.base import Transport, TransportOptions, open_transport
 from runtimes.energy import PowerProfile
 from runtimes.errors import CloudTimeout, CloudUnavailable, ConfigError, EscalationError, InputError, JournalFull
@@ -77,7 +77,9 @@ class AgentOptions:
         breaker: when the circuit breaker opens and probes.
         transport: connection settings passed to `open_transport`.
         session: thread counts and device for the edge sessions.
-        margin_ms: kept free of the budget when an escalation deadline is set.
+        margin_ms: kept free of the budget when an escalation deadline is set, on top of the agent
+            timer's lateness it learns (`stats.TimerLateness`, prior `timer_lateness_ms`).
+        timer_lateness_ms: the lateness of an abandoned escalation assumed until some are observed.
         min_deadline_ms: below this much time left, escalation is skipped.
         inline_max_ms: a variant this fast runs on the event loop; slower ones in a worker thread.
         rtt_quantile: the round-trip quantile an escalation must fit in (without a controller).
@@ -101,6 +103,7 @@ class AgentOptions:
     transport: TransportOptions | None = None
     session: SessionOptions | None = None
     margin_ms: float = 1.0
+    timer_lateness_ms: float = 1.0
     min_deadline_ms: float = 0.5
     inline_max_ms: float = 1.0
     rtt_quantile: float = 0.9
@@ -121,9 +124,9 @@ class AgentOptions:
             topics.check_device_id(self.device_id)
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
-        if (self.margin_ms < 0 or self.min_deadline_ms < 0 or not 0 < self.rtt_quantile <= 1
-                or not 0 <= self.rtt_skip_share <= 1 or not self.rtt_max_age_s > 0):
-            msg = ("AgentOptions: margin_ms, min_deadline_ms must be >= 0, rtt_quantile in (0, 1], "
+        if (self.margin_ms < 0 or self.min_deadline_ms < 0 or self.timer_lateness_ms < 0
+                or not 0 < self.rtt_quantile <= 1 or not 0 <= self.rtt_skip_share <= 1 or not self.rtt_max_age_s > 0):
+            msg = ("AgentOptions: margin_ms, min_deadline_ms, timer_lateness_ms must be >= 0, rtt_quantile in (0, 1], "
                    "rtt_skip_share in [0, 1] and rtt_max_age_s > 0")
             raise ConfigError(msg)
 
@@ -234,6 +237,7 @@ class EdgeAgent:
         self.cache: ResultCache[Prediction] | None = (ResultCache(self.policy.cache_size)
                                                       if self.policy.cache_size else None)
         self.rtt = RttEstimator(opts.rtt_quantile, max_age_s=opts.rtt_max_age_s)
+        self.lateness = TimerLateness(opts.timer_lateness_ms)
         self.stats = Stats()
         self.meter = meter
         self.telemetry = telemetry
@@ -383,7 +387,9 @@ class EdgeAgent:
     async def escalate(self, p: Pending) -> Prediction:
         """The asynchronous part: send the unsure rows within the deadline, merge or degrade."""
         rows = np.flatnonzero(p.mask)
-        left_ms = self.budget.latency_ms - (perf_counter() - p.t0) * 1e3 - self.options.margin_ms
+        # capped at a quarter of the budget: a burst of load must not make every escalation look out of time
+        guard_ms = self.options.margin_ms + min(self.lateness.margin_ms(), self.budget.latency_ms / 4)
+        left_ms = self.budget.latency_ms - (perf_counter() - p.t0) * 1e3 - guard_ms
         needed_ms = self._rtt_needed()
         reason = self._skip_reason(left_ms, needed_ms)
         if reason:
@@ -395,10 +401,14 @@ class EdgeAgent:
         timeout_s = left_ms / 1e3
         self.rtt.last_attempt = time.monotonic()
         sent = perf_counter()
+        due = sent + timeout_s
         error: EscalationError | None = None
         try:
-            # our own guard, a hair past the transport's deadline: a hung cloud costs at most the deadline
-            async with asyncio.timeout(timeout_s + 0.002):
+            # The agent's own timer ends the call, whatever the transport's deadline does (gRPC's fires
+            # 2-3 ms late on a loaded host): cancelling the call abandons it, and no reply can come
+            # after the answer. It is set `guard_ms` before the budget ends, what abandoning has been
+            # observed to take, so the degraded answer is still ready inside the budget.
+            async with asyncio.timeout_at(asyncio.get_running_loop().time() + timeout_s):
                 response = await self.transport.escalate(request, timeout_s=timeout_s)  # type: ignore[union-attr]
         except TimeoutError:
             error = CloudTimeout(f"the cloud did not answer within {left_ms:.1f} ms")
@@ -407,14 +417,19 @@ class EdgeAgent:
         rtt_ms = (perf_counter() - sent) * 1e3
         if error is not None:
             self.breaker.record_failure()
-            if isinstance(error, CloudTimeout):
+            timed_out = isinstance(error, CloudTimeout)
+            if timed_out:
                 self.rtt.add(rtt_ms)  # censored, but it teaches the estimator the link is slow
             if self.options.strict:
+                if timed_out:
+                    self.lateness.add((perf_counter() - due) * 1e3)
                 raise error
-            kind = ("timeout" if isinstance(error, CloudTimeout) else
-                    "unavailable" if isinstance(error, CloudUnavailable) else "error")
+            kind = "timeout" if timed_out else "unavailable" if isinstance(error, CloudUnavailable) else "error"
             logger.debug("escalation %d failed (%s): %s", p.seq, kind, error)
-            return await self._degrade(p, rows, kind, request, rtt_ms=rtt_ms)
+            pred = await self._degrade(p, rows, kind, request, rtt_ms=rtt_ms)
+            if timed_out:  # how late the answer is past the timer's due time: the next timer ends that much earlier
+                self.lateness.add((perf_counter() - due) * 1e3)
+            return pred
         cloud = _check_reply(response, self.cloud_model, expected)
         if isinstance(cloud, str):
             self.breaker.record_failure()

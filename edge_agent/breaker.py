@@ -32,7 +32,9 @@ class BreakerConfig:
 
     Args:
         failure_threshold: consecutive failures that open the breaker.
-        reset_timeout_s: how long it stays open before letting a probe through.
+        reset_timeout_s: how long it stays open before letting a probe through. A failed probe
+            opens it again for as long, so a link that comes back is found within about this long
+            (plus the wait for the next request that escalates): half a second by default.
         half_open_max_calls: probes allowed at once while half-open.
 
     Example:
@@ -40,7 +42,7 @@ class BreakerConfig:
     """
 
     failure_threshold: int = 5
-    reset_timeout_s: float = 2.0
+    reset_timeout_s: float = 0.5
     half_open_max_calls: int = 1
 
     def __post_init__(self) -> None:

@@ -36,3 +36,77 @@ class Budget:
         if self.max_escalations_per_s is not None and not self.max_escalations_per_s >= 0:
             msg = f"Budget max_escalations_per_s must be >= 0 or None, got {self.max_escalations_per_s!r}"
             raise ConfigError(msg)
+
+
+class BudgetWindows:
+    """Holds one budget per window of time: tightens the planning target when a window goes over it.
+
+    The controller plans against a model; this checks the model against what happened. Each
+    `window_s` window's figure (p95 latency, or mean energy) is compared with the budget: over it,
+    the planning target shrinks by `tighten` at once; after `calm` windows in a row under
+    `comfort` x the budget, it grows back by `loosen` (up to 1). The asymmetry is the hysteresis:
+    one bad window moves the target more than one good one, so it does not oscillate around the edge.
+
+    Args:
+        statistic: "p95" or "mean" of the window's values.
+        window_s: the window length in seconds.
+        min_values: windows with fewer values are not judged.
+        tighten, loosen: the factors applied to `scale`.
+        floor: the smallest `scale`.
+        calm, comfort: loosen after `calm` windows in a row at or under `comfort` x the budget.
+
+    Example:
+        >>> held = BudgetWindows("p95")
+        >>> if held.add(now, total_ms, budget.latency_ms):
+        ...     redecide(latency_target=budget.latency_ms * held.scale)
+    """
+
+    def __init__(self, statistic: str, *, window_s: float = 1.0, min_values: int = 5, tighten: float = 0.85,
+                 loosen: float = 1.05, floor: float = 0.3, calm: int = 10, comfort: float = 0.9) -> None:
+        if statistic not in ("p95", "mean"):
+            msg = f"BudgetWindows statistic must be 'p95' or 'mean', got {statistic!r}"
+            raise ConfigError(msg)
+        self.statistic, self.window_s, self.min_values = statistic, window_s, min_values
+        self.tighten, self.loosen, self.floor, self.calm, self.comfort = tighten, loosen, floor, calm, comfort
+        self.scale = 1.0
+        self.windows = self.over = 0
+        self._start: float | None = None
+        self._values: list[float] = []
+        self._good = 0
+
+    def add(self, now: float, value: float, limit: float) -> bool:
+        """One request's figure at time `now` (seconds); True when `scale` changed."""
+        if self._start is None:
+            self._start = now
+        changed = False
+        if now - self._start >= self.window_s:
+            changed = self._close(limit)
+            self._start, self._values = now, []
+        self._values.append(float(value))
+        return changed
+
+    def reset(self) -> None:
+        """Forget the open window (after the budget changed, its figures judge another budget)."""
+        self._start, self._values, self._good = None, [], 0
+
+    def _close(self, limit: float) -> bool:
+        values = self._values
+        if len(values) < self.min_values:
+            return False
+        ordered = sorted(values)
+        stat = (ordered[min(len(ordered) - 1, math.ceil(0.95 * len(ordered)) - 1)] if self.statistic == "p95"
+                else sum(values) / len(values))
+        self.windows += 1
+        old = self.scale
+        if stat > limit:
+            self.over += 1
+            self._good = 0
+            self.scale = max(self.floor, self.scale * self.tighten)
+        elif stat <= self.comfort * limit:
+            self._good += 1
+            if self._good >= self.calm:
+                self._good = 0
+                self.scale = min(1.0, self.scale * self.loosen)
+        else:
+            self._good = 0
+        return self.scale != old

@@ -33,7 +33,7 @@ from typing import Any
 
 import numpy as np
 
-from edge_agent.budget import Budget
+from edge_agent.budget import Budget, BudgetWindows
 from edge_agent.plan import Conditions, Predictions, predict
 from edge_agent.profiles import LinkProfile, LinkState, VariantProfile
 from runtimes.errors import ConfigError
@@ -64,11 +64,21 @@ class ControllerConfig:
         rtt_drift_abs_ms: ...when it is also at least this many milliseconds.
         latency_drift: relative move of the device speed (edge latency vs its baseline)...
         latency_drift_abs_ms: ...when the edge latency also moved by this many milliseconds.
-        energy_drift: relative move of the inference energy.
+        energy_drift: relative move of a measured inference energy (modeled figures are a function
+            of the measured latency, whose own drift check covers them: they are not evidence).
+        energy_headroom: plan mean energy at most this share of the energy budget.
+        energy_z: a variant switch for energy alone needs the measured difference to exceed this
+            many standard errors (modeled energy never switches a variant on its own).
+        accuracy_margin_rel: ...or better by this share of the current error rate, if less...
+        accuracy_margin_min: ...but never by less than this (predicted accuracies carry noise).
+        window_s: observed p95 latency and mean energy are held per window of this many seconds.
         escalation_z: binomial tolerance (in standard deviations) on the observed escalation rate
             and on the edge/cloud agreement rate.
         probe_escalation_rate: while a cloud is configured, prefer points that escalate at least
             this share, so the link stays measured (a recovered cloud or a faster link is noticed).
+        down_probe_escalation_rate: the same while the cloud is marked down: escalations then cost
+            nothing while the breaker is open and little when refused, and asking for more of them
+            brings the breaker's probe, and the answers in a row that mark the link up, sooner.
         history: decisions kept in `Controller.decisions`.
     """
 
@@ -85,8 +95,14 @@ class ControllerConfig:
     latency_drift: float = 0.3
     latency_drift_abs_ms: float = 1.0
     energy_drift: float = 0.25
+    energy_headroom: float = 0.92
+    energy_z: float = 3.0
+    accuracy_margin_rel: float = 0.1
+    accuracy_margin_min: float = 5e-4
+    window_s: float = 1.0
     escalation_z: float = 3.0
     probe_escalation_rate: float = 0.03
+    down_probe_escalation_rate: float = 0.1
     history: int = 256
 
     def __post_init__(self) -> None:
@@ -95,8 +111,12 @@ class ControllerConfig:
             msg = f"ControllerConfig escalation_grid must hold rates in [0, 1], got {self.escalation_grid!r}"
             raise ConfigError(msg)
         object.__setattr__(self, "escalation_grid", grid)
-        if not 0 < self.latency_headroom <= 1:
-            msg = f"ControllerConfig latency_headroom must be in (0, 1], got {self.latency_headroom!r}"
+        if not (0 < self.latency_headroom <= 1 and 0 < self.energy_headroom <= 1):
+            msg = (f"ControllerConfig latency_headroom and energy_headroom must be in (0, 1], got "
+                   f"{self.latency_headroom!r}, {self.energy_headroom!r}")
+            raise ConfigError(msg)
+        if not (self.window_s > 0 and self.energy_z >= 0 and self.accuracy_margin_rel >= 0):
+            msg = "ControllerConfig window_s must be > 0, energy_z and accuracy_margin_rel >= 0"
             raise ConfigError(msg)
         if self.min_observations < 1 or self.history < 1 or self.redecide_interval_s <= 0:
             msg = "ControllerConfig min_observations and history must be >= 1 and redecide_interval_s > 0"
@@ -150,12 +170,21 @@ def candidate_thresholds(profile: VariantProfile, link: LinkState | None, config
     return profile.thresholds(config.escalation_grid if link is not None else (0.0,))
 
 
-def _assess(p: Predictions, budget: Budget, config: ControllerConfig) -> tuple[np.ndarray, list[list[str]]]:
+def _targets(budget: Budget, config: ControllerConfig, conditions: Conditions) -> tuple[float, float | None]:
+    """The p95 latency and mean energy planned for: the budgets less headroom and what windows taught."""
+    latency = budget.latency_ms * config.latency_headroom * conditions.latency_scale
+    energy = (None if budget.energy_mj is None
+              else budget.energy_mj * config.energy_headroom * conditions.energy_scale)
+    return latency, energy
+
+
+def _assess(p: Predictions, budget: Budget, config: ControllerConfig,
+            conditions: Conditions) -> tuple[np.ndarray, list[list[str]]]:
     """Shortfall (0 = feasible; else summed relative excess) and violated budget names per threshold."""
-    target = budget.latency_ms * config.latency_headroom
+    target, energy_target = _targets(budget, config, conditions)
     checks = [("latency", p.p95_ms, target)]
-    if budget.energy_mj is not None:
-        checks.append(("energy", p.energy_mj, budget.energy_mj))
+    if energy_target is not None:
+        checks.append(("energy", p.energy_mj, energy_target))
     if budget.max_escalations_per_s is not None:
         checks.append(("escalations", p.escalations_per_s, budget.max_escalations_per_s))
     shortfall = np.zeros_like(p.accuracy)
@@ -171,7 +200,8 @@ def _assess(p: Predictions, budget: Budget, config: ControllerConfig) -> tuple[n
 def _decision(p: Predictions, i: int, shortfall: float, violated: list[str], reason: str,
               profile: VariantProfile, link: LinkState | None, budget: Budget, config: ControllerConfig,
               conditions: Conditions, **extra: Any) -> Decision:
-    inputs = {"budget": asdict(budget), "latency_target_ms": budget.latency_ms * config.latency_headroom,
+    latency_target, energy_target = _targets(budget, config, conditions)
+    inputs = {"budget": asdict(budget), "latency_target_ms": latency_target, "energy_target_mj": energy_target,
               "link": link.to_json() if link is not None else None, "conditions": asdict(conditions),
               "variant": {"id": profile.id, "p50_ms": profile.latency.quantile(0.5),
                           "p95_ms": profile.latency.quantile(0.95), "energy_mj": profile.energy_mj,
@@ -202,7 +232,7 @@ def choose(profiles: Sequence[VariantProfile], link: LinkState | None, budget: B
         raise ConfigError(msg)
     config, conditions = config or ControllerConfig(), conditions or Conditions()
     preds = [predict(p, candidate_thresholds(p, link, config), link, budget, conditions) for p in profiles]
-    assessed = [_assess(p, budget, config) for p in preds]
+    assessed = [_assess(p, budget, config, conditions) for p in preds]
     index = [(v, i) for v, p in enumerate(preds) for i in range(p.thresholds.size)]
     acc = np.concatenate([p.accuracy for p in preds])
     energy = np.concatenate([p.energy_mj for p in preds])
@@ -212,7 +242,9 @@ def choose(profiles: Sequence[VariantProfile], link: LinkState | None, budget: B
     feasible = short == 0
     pool = feasible
     if link is not None and config.probe_escalation_rate > 0:
-        probing = feasible & (esc >= config.probe_escalation_rate - 1e-9)
+        probe = config.probe_escalation_rate if link.up else max(config.probe_escalation_rate,
+                                                                 config.down_probe_escalation_rate)
+        probing = feasible & (esc >= probe - 1e-9)
         pool = probing if probing.any() else feasible
     if pool.any():
         near = pool & (acc >= acc[pool].max() - config.tie_tolerance)
@@ -228,9 +260,10 @@ def choose(profiles: Sequence[VariantProfile], link: LinkState | None, budget: B
         reason = (f"no point meets the {' and '.join(violated)} budget; closest of {len(index)} "
                   f"(shortfall {short[best]:.3g})")
     else:
+        latency_target, energy_target = _targets(budget, config, conditions)
         reason = (f"most accurate of {int(feasible.sum())} feasible points out of {len(index)} "
-                  f"(p95 <= {budget.latency_ms * config.latency_headroom:.3g} ms"
-                  + (f", energy <= {budget.energy_mj:g} mJ" if budget.energy_mj is not None else "")
+                  f"(p95 <= {latency_target:.3g} ms"
+                  + (f", energy <= {energy_target:.3g} mJ" if energy_target is not None else "")
                   + (f", <= {budget.max_escalations_per_s:g} escalations/s"
                      if budget.max_escalations_per_s is not None else "") + ")")
     return _decision(preds[v], i, float(short[best]), violated, reason, profiles[v], link, budget, config,
@@ -242,7 +275,7 @@ def evaluate(profile: VariantProfile, threshold: float, link: LinkState | None, 
     """The predictions for one given (variant, threshold), as a `Decision` record."""
     config, conditions = config or ControllerConfig(), conditions or Conditions()
     p = predict(profile, np.array([threshold]), link, budget, conditions)
-    short, names = _assess(p, budget, config)
+    short, names = _assess(p, budget, config, conditions)
     reason = "current point" + (f" violates the {' and '.join(names[0])} budget" if names[0] else " meets the budgets")
     return _decision(p, 0, float(short[0]), names[0], reason, profile, link, budget, config, conditions)
 
@@ -281,8 +314,10 @@ class Controller:
         self._ratios: deque[float] = deque(maxlen=32)
         self._overheads: deque[float] = deque(maxlen=64)
         self._arrivals: deque[float] = deque(maxlen=256)
-        self._totals: deque[float] = deque(maxlen=512)
         self._last_inference_ms: float | None = None
+        # observed p95 latency and mean energy per window, against the budgets (`budget.BudgetWindows`)
+        self.latency_windows = BudgetWindows("p95", window_s=self.config.window_s, calm=20)
+        self.energy_windows = BudgetWindows("mean", window_s=self.config.window_s, calm=20)
         self.current = self._commit(self._choose(), "initial")
 
     # -- measurements ----------------------------------------------------------------------------
@@ -309,11 +344,15 @@ class Controller:
               and abs(speed - self._ref["slowdown"]) * p.baseline_p50_ms > self.config.latency_drift_abs_ms):
             self._flag("device speed")
             p.latency.rebase(len(self._ratios))
-        if abs(p.energy_mj / max(self._ref["energy"], 1e-12) - 1) > self.config.energy_drift:
+        # a modeled figure is the measured latency times a fixed power: the latency checks cover it,
+        # and its noise is no evidence that the energy moved
+        if (_measured(p.energy_label)
+                and abs(p.energy_mj / max(self._ref["energy"], 1e-12) - 1) > self.config.energy_drift):
             self._flag("inference energy")
 
     def observe_escalation(self, rtt_ms: float | None, ok: bool, bytes_sent: int = 0, *,
-                           elapsed_ms: float | None = None, attempted: bool | None = None) -> None:
+                           elapsed_ms: float | None = None, attempted: bool | None = None,
+                           timeout: bool = False) -> None:
         """One escalation: its round trip (None when it failed or timed out) and request size.
 
         Args:
@@ -325,6 +364,7 @@ class Controller:
             attempted: False when the agent did not send it (breaker open, no time left, rate cap):
                 that says nothing new about the link and is ignored. By default a failure with no
                 round trip, no wait and no bytes counts as not sent.
+            timeout: the failure was the deadline passing (a slow link), not the cloud refusing.
         """
         if self.link is None:
             return
@@ -332,7 +372,7 @@ class Controller:
             attempted = ok or rtt_ms is not None or elapsed_ms is not None or bytes_sent > 0
         if not attempted:
             return
-        for event in self.link.observe(rtt_ms, ok, bytes_sent, elapsed_ms):
+        for event in self.link.observe(rtt_ms, ok, bytes_sent, elapsed_ms, timeout=timeout):
             self._flag(f"cloud {event}")
         if not ok or rtt_ms is None:
             return
@@ -345,7 +385,8 @@ class Controller:
             self._flag("round-trip high quantile")
 
     def observe_request(self, escalated: bool, agreed: bool | None, total_latency_ms: float, *,
-                        score: float | None = None, variant: str | None = None) -> None:
+                        score: float | None = None, variant: str | None = None,
+                        energy_mj: float | None = None) -> None:
         """One finished request.
 
         Args:
@@ -356,8 +397,18 @@ class Controller:
             variant: the variant that answered (default: the current one). A request of another known
                 variant (run before a switch, reported after it) credits its score to that variant
                 and is left out of the checks of the current operating point.
+            energy_mj: the request's energy (inference, radio, waiting), for the per-window budget.
         """
-        self._arrivals.append(self._clock())
+        now = self._clock()
+        self._arrivals.append(now)
+        # every request counts for the windows, whichever variant answered: that is what the device spent
+        if self.latency_windows.add(now, total_latency_ms, self.budget.latency_ms):
+            self._flag("observed p95 over budget" if self.latency_windows.scale < self._scales[0]
+                       else "observed p95 back under budget")
+        if (energy_mj is not None and self.budget.energy_mj is not None
+                and self.energy_windows.add(now, energy_mj, self.budget.energy_mj)):
+            self._flag("observed energy over budget" if self.energy_windows.scale < self._scales[1]
+                       else "observed energy back under budget")
         if not escalated and self._last_inference_ms is not None:
             self._overheads.append(max(0.0, total_latency_ms - self._last_inference_ms))
         owner = variant if variant is not None and variant in self._by_id else self.current.variant
@@ -365,11 +416,13 @@ class Controller:
             self._by_id[owner].observe_score(score)
         if owner != self.current.variant:
             return
-        self._totals.append(total_latency_ms)
         self._n += 1
         self._n_esc += bool(escalated)
         if escalated and agreed is not None and self.link is not None:
-            self.link.observe_agreement(agreed, self.current.edge_accuracy_escalated)
+            # the edge's validation accuracy at this input's score, where known: what agreement is compared with
+            edge = (self._by_id[owner].accuracy_at(score) if score is not None
+                    else self.current.edge_accuracy_escalated)
+            self.link.observe_agreement(agreed, edge)
             self._n_agree += 1
             self._k_agree += bool(agreed)
         m, z = self._min_obs, self.config.escalation_z
@@ -377,13 +430,14 @@ class Controller:
             self._flag("escalation rate")
         if self._n_agree >= m and _outside(self._k_agree, self._n_agree, self._ref["agreement"], z):
             self._flag("agreement")
-        if self._n >= 2 * m and self._n % m == 0 and _p95(self._totals) > self.budget.latency_ms:
-            self._flag("observed p95 over budget")
 
     # -- decisions -------------------------------------------------------------------------------
     def set_budget(self, budget: Budget) -> Decision | None:
         """Change the budgets now; returns the new decision when the operating point changed."""
         self.budget = budget
+        for held in (self.latency_windows, self.energy_windows):  # what windows taught was about the old budget
+            held.reset()
+            held.scale = 1.0
         self._flag("budget")
         return self._redecide()
 
@@ -407,7 +461,8 @@ class Controller:
             shift = min(max((1 - live) / max(1 - p.accuracy, 1e-6), 0.25), 4.0)
         return Conditions(request_rate=rate, edge_overhead_ms=overhead, slowdown=slowdown,
                           current_variant=current.variant if current is not None else None,
-                          shift_error_scale=shift)
+                          shift_error_scale=shift, latency_scale=self.latency_windows.scale,
+                          energy_scale=self.energy_windows.scale)
 
     @property
     def _min_obs(self) -> int:
@@ -451,15 +506,30 @@ class Controller:
             return ""
         if not cur.feasible and cand.predicted_accuracy >= cur.predicted_accuracy - cfg.accuracy_margin:
             return f"current point is over the {' and '.join(cur.violated)} budget (within tolerance)"
-        if cand.predicted_accuracy > cur.predicted_accuracy + cfg.accuracy_margin:
+        margin = max(min(cfg.accuracy_margin, cfg.accuracy_margin_rel * (1 - cur.predicted_accuracy)),
+                     min(cfg.accuracy_margin_min, cfg.accuracy_margin), cfg.tie_tolerance)
+        if cand.predicted_accuracy > cur.predicted_accuracy + margin:
             return f"accuracy {cur.predicted_accuracy:.4f} -> {cand.predicted_accuracy:.4f}"
         if cand.predicted_accuracy < cur.predicted_accuracy - cfg.tie_tolerance:
             return ""
-        if cand.predicted_energy_mj < cur.predicted_energy_mj * (1 - cfg.energy_margin):
+        if (cand.predicted_energy_mj < cur.predicted_energy_mj * (1 - cfg.energy_margin)
+                and self._energy_evidence(cur.variant, cand.variant)):
             return f"same accuracy, energy {cur.predicted_energy_mj:.3g} -> {cand.predicted_energy_mj:.3g} mJ"
         if cand.predicted_p95_ms < cur.predicted_p95_ms * (1 - cfg.energy_margin):
             return f"same accuracy, p95 {cur.predicted_p95_ms:.3g} -> {cand.predicted_p95_ms:.3g} ms"
         return ""
+
+    def _energy_evidence(self, current: str, other: str) -> bool:
+        """Whether an energy difference between two variants may switch between them: on the same
+        variant (a threshold move) always; across variants only on measured figures whose difference
+        beats `energy_z` standard errors."""
+        if current == other:
+            return True
+        a, b = self._by_id[current], self._by_id[other]
+        if not (_measured(a.energy_label) and _measured(b.energy_label)):
+            return False
+        se = math.hypot(a.energy_stderr(), b.energy_stderr())
+        return math.isfinite(se) and abs(a.energy_mj - b.energy_mj) > self.config.energy_z * se
 
     def _commit(self, decision: Decision, trigger: str, *, record: bool = True) -> Decision:
         decision = replace(decision, trigger=trigger, at=self._clock())
@@ -467,10 +537,10 @@ class Controller:
             self._ratios.clear()  # ratios of another variant are not comparable (fixed per-request costs)
             self._by_id[self.current.variant].live_scores.clear()  # they will be stale when it runs again
         self.current = decision
+        self._scales = (self.latency_windows.scale, self.energy_windows.scale)
         if record:
             self.decisions.append(decision)
         self._n = self._n_esc = self._n_agree = self._k_agree = 0
-        self._totals.clear()
         link = decision.inputs.get("link") or {}
         p = self._by_id[decision.variant]
         self._ref = {"rtt": self.link.rtt.ewma if self.link else 0.0,
@@ -490,5 +560,5 @@ def _outside(k: int, n: int, p: float, z: float) -> bool:
     return abs(k / n - p) > z * math.sqrt(max(p * (1 - p), 0.25 / n) / n) + 0.5 / n
 
 
-def _p95(values: deque[float]) -> float:
-    return float(np.quantile(np.fromiter(values, dtype=float), 0.95))
+def _measured(label: str) -> bool:
+    return str(label).startswith("measured")

@@ -51,6 +51,8 @@ class Conditions:
         shift_error_scale: how much more (> 1) or less the current variant errs on the live
             inputs than on validation; applied to the other variants, which see no live scores,
             so that all are compared on the same inputs.
+        latency_scale, energy_scale: the share of the latency and energy budgets to plan for, below
+            1 after observed windows went over them (`budget.BudgetWindows`).
     """
 
     request_rate: float | None = None
@@ -58,6 +60,8 @@ class Conditions:
     slowdown: float = 1.0
     current_variant: str | None = None
     shift_error_scale: float = 1.0
+    latency_scale: float = 1.0
+    energy_scale: float = 1.0
 
 
 @dataclass(frozen=True)

@@ -145,6 +145,12 @@ class VariantProfile:
         self._edges = np.unique(np.quantile(self.scores, np.arange(1, 20) / 20))
         self._bin = np.searchsorted(self._edges, self.scores, side="right")
         self._bin_share = np.bincount(self._bin, minlength=self._edges.size + 1) / s.size
+        counts = np.bincount(self._bin, minlength=self._edges.size + 1)
+        right = np.bincount(self._bin, weights=self._correct, minlength=self._edges.size + 1)
+        # per score bin, shrunk towards the overall accuracy by 10 pseudo-observations: a bin of 50 inputs
+        # all right does not show the edge is never wrong there, and reading it so would blame the cloud
+        # for every disagreement on such inputs
+        self._bin_accuracy = (right + 10 * self._cum_correct[-1] / s.size) / (counts + 10)
         self.latency = LatencyWindow(np.asarray(latency_prior_ms, dtype=float), maxlen=window)
         self.baseline_p50_ms = self.latency.quantile(0.5)
         self.energy_mj = float(energy_mj)
@@ -164,6 +170,17 @@ class VariantProfile:
 
     def observe_latency(self, ms: float) -> None:
         self.latency.add(ms)
+
+    def accuracy_at(self, score: float) -> float:
+        """The validation accuracy of inputs scored like `score` (its score bin: a twentieth of validation)."""
+        return float(self._bin_accuracy[int(np.searchsorted(self._edges, score, side="right"))])
+
+    def energy_stderr(self) -> float:
+        """The standard error of the energy estimate from its recent figures (inf with fewer than 8)."""
+        n = len(self._energies)
+        if n < 8:
+            return math.inf
+        return float(np.std(np.fromiter(self._energies, dtype=float), ddof=1)) * 1.25 / math.sqrt(n)
 
     def observe_energy(self, mj: float, label: str | None = None) -> None:
         """One measured (or modeled) inference energy; the estimate is the median of the last 64.
@@ -329,6 +346,11 @@ class LinkState:
                     (None if isinstance(v, float) else v)) for k, v in doc.items()}
 
 
+# the grids the agreement fit searches: cloud accuracies (dense near 1) and edge error scales
+_CLOUD = np.unique(np.concatenate([np.linspace(0.5, 0.9, 9), 1 - np.logspace(-1, -3.7, 80)]))
+_SCALES = np.exp(np.linspace(math.log(0.25), math.log(4.0), 25))
+
+
 class LinkProfile:
     """The link to the cloud as the edge sees it, updated from every escalation.
 
@@ -339,7 +361,11 @@ class LinkProfile:
             (from a device power profile); `energy_label` says whether they are measured.
         cloud_accuracy: prior accuracy of the cloud on escalated inputs, with `cloud_prior_strength`
             pseudo-observations; edge/cloud agreement refines it (see `observe_agreement`).
-        down_after, up_after: consecutive failures that mark the cloud down, successes that bring it back.
+        down_after, up_after: consecutive failures that mark the cloud down, successes that bring it
+            back (several, so that one lucky answer on a flapping link does not).
+        down_after_timeouts: consecutive failures that mark it down when they include timeouts: a
+            timeout says the link is slow (the RTT window learns it), not that the cloud is gone,
+            unless it keeps happening (a partition).
 
     Example:
         >>> link = LinkProfile(rtt_ms=5.0)
@@ -349,12 +375,15 @@ class LinkProfile:
     def __init__(self, *, rtt_ms: float = DEFAULT_RTT_MS, rtt_high_ms: float | None = None,
                  bytes_per_escalation: float = 1024.0, energy_per_byte_mj: float = 1e-4,
                  wait_power_w: float = 0.3, energy_label: str = "modeled:default-radio",
-                 cloud_accuracy: float = DEFAULT_CLOUD_ACCURACY, cloud_prior_strength: float = 50.0,
-                 edge_prior_strength: float = 200.0, high_quantile: float = 0.95, window: int = 256,
-                 alpha: float = 0.2, down_after: int = 3, up_after: int = 1, agreement_window: int = 256) -> None:
-        if not (rtt_ms > 0 and 0 < cloud_accuracy <= 1 and 0 < high_quantile < 1 and down_after >= 1):
+                 cloud_accuracy: float = DEFAULT_CLOUD_ACCURACY, cloud_prior_strength: float = 30.0,
+                 edge_prior_strength: float = 50.0, high_quantile: float = 0.95, window: int = 256,
+                 alpha: float = 0.2, down_after: int = 3, up_after: int = 3, down_after_timeouts: int = 10,
+                 agreement_window: int = 256) -> None:
+        if not (rtt_ms > 0 and 0 < cloud_accuracy <= 1 and 0 < high_quantile < 1 and down_after >= 1
+                and up_after >= 1 and down_after_timeouts >= down_after):
             msg = (f"LinkProfile: need rtt_ms > 0, 0 < cloud_accuracy <= 1, 0 < high_quantile < 1, "
-                   f"down_after >= 1; got {rtt_ms!r}, {cloud_accuracy!r}, {high_quantile!r}, {down_after!r}")
+                   f"down_after >= 1, up_after >= 1, down_after_timeouts >= down_after; got {rtt_ms!r}, "
+                   f"{cloud_accuracy!r}, {high_quantile!r}, {down_after!r}, {up_after!r}, {down_after_timeouts!r}")
             raise ConfigError(msg)
         self.rtt = LatencyWindow(lognormal_points(rtt_ms, rtt_high_ms or rtt_ms * 1.3, 32), maxlen=window,
                                  min_samples=4, alpha=alpha)
@@ -364,21 +393,27 @@ class LinkProfile:
         self.cloud_prior, self.cloud_prior_strength = cloud_accuracy, cloud_prior_strength
         self.edge_prior_strength = edge_prior_strength
         self.up, self.down_after, self.up_after = True, down_after, up_after
+        self.down_after_timeouts = down_after_timeouts
         self._alpha, self._avail, self._fails, self._oks = alpha, 1.0, 0, 0
+        self._fast_fails = 0
         self.failure_latency_ms = 0.0
         self._agree: deque[tuple[bool, float]] = deque(maxlen=agreement_window)
+        self._agree_seen = 0
+        self._fit: tuple[int, tuple[float, float, float | None]] | None = None
 
     def observe(self, rtt_ms: float | None, ok: bool, bytes_sent: int = 0,
-                elapsed_ms: float | None = None) -> tuple[str, ...]:
+                elapsed_ms: float | None = None, *, timeout: bool = False) -> tuple[str, ...]:
         """Record one escalation; returns the availability events it caused ("down", "up").
 
         A failure's `elapsed_ms` (or an `rtt_ms` given with ok=False) is how long the edge waited:
         it enters the RTT window as "not answered in time" (+inf) and the waiting-energy estimate.
+        `timeout` says the failure was the deadline passing rather than the cloud refusing: such
+        failures mark the cloud down only after `down_after_timeouts` in a row.
         """
         if bytes_sent > 0:
             self.bytes_per_escalation += self._alpha * (bytes_sent - self.bytes_per_escalation)
         if ok and rtt_ms is not None:
-            self._fails, self._oks = 0, self._oks + 1
+            self._fails, self._fast_fails, self._oks = 0, 0, self._oks + 1
             if not self.up and self._oks >= self.up_after:
                 self.up, self._avail = True, 1.0
                 self.rtt.rebase(0)
@@ -388,12 +423,13 @@ class LinkProfile:
             self._avail += self._alpha * (1.0 - self._avail)
             return ()
         self._fails, self._oks = self._fails + 1, 0
+        self._fast_fails = 0 if timeout else self._fast_fails + 1
         self._avail -= self._alpha * self._avail
         waited = elapsed_ms if elapsed_ms is not None else rtt_ms
         if waited is not None:
             self.rtt.add(math.inf)
             self.failure_latency_ms += self._alpha * (float(waited) - self.failure_latency_ms)
-        if self.up and self._fails >= self.down_after:
+        if self.up and (self._fast_fails >= self.down_after or self._fails >= self.down_after_timeouts):
             self.up = False
             return ("down",)
         return ()
@@ -407,31 +443,39 @@ class LinkProfile:
                 operating point in force (the prior for the edge side).
         """
         self._agree.append((bool(agreed), float(edge_accuracy)))
+        self._agree_seen += 1
 
     def _refit(self) -> tuple[float, float, float | None]:
-        """Cloud accuracy and edge error scale that best explain the observed agreement.
+        """Cloud accuracy and edge error scale that best explain the observed agreements (MAP on a grid).
 
-        Agreement ≈ a_edge · a_cloud (two right answers; coinciding wrong answers are rare). The
-        log-deficit between predicted and observed agreement is split between the two accuracies in
-        proportion to their prior variances (a Gaussian approximation of the MAP estimate), shrunk
-        towards the prior with 20 pseudo-observations.
+        Each escalation i agrees with probability about a_e,i(s) * a_c: both right (coinciding wrong
+        answers are rare), where a_e,i(s) is the edge's validation accuracy e_i at that input's score
+        with its odds of being right divided by s (so it stays in (0, 1)); the error scale reported
+        is the edge's mean error at s over its validation error. Inputs the edge is nearly always right on
+        measure a_c almost directly; the others constrain the product. Priors: a_c ~ Beta with
+        `cloud_prior_strength` pseudo-observations at the prior accuracy (a few hundred escalations
+        override it), log s ~ Normal(0, 20 / `edge_prior_strength`).
         """
         n = len(self._agree)
         if n == 0:
             return self.cloud_prior, 1.0, None
-        rate = sum(a for a, _ in self._agree) / n
-        a_e = min(max(sum(e for _, e in self._agree) / n, 1e-3), 1 - 1e-3)
-        a_c = min(self.cloud_prior, 1 - 1e-6)
-        predicted = a_e * a_c
-        smoothed = max((n * rate + 20 * predicted) / (n + 20), 1e-3)
-        deficit = math.log(predicted) - math.log(smoothed)
-        var_e = (1 - a_e) / (a_e * self.edge_prior_strength)
-        var_c = (1 - a_c) / (a_c * self.cloud_prior_strength)
-        share_c = var_c / (var_e + var_c)
-        cloud = min(1.0, a_c * math.exp(-deficit * share_c))
-        edge = min(1.0, a_e * math.exp(-deficit * (1 - share_c)))
-        scale = min(max((1 - edge) / (1 - a_e), 0.25), 4.0)
-        return cloud, scale, rate
+        if self._fit is not None and self._fit[0] == self._agree_seen:
+            return self._fit[1]
+        agree = np.fromiter((a for a, _ in self._agree), dtype=float, count=n)
+        edge = np.clip(np.fromiter((e for _, e in self._agree), dtype=float, count=n), 1e-3, 1 - 1e-4)
+        odds = (edge / (1 - edge))[None, :] / _SCALES[:, None]
+        a_e = odds / (1 + odds)                                                              # (S, n)
+        p = np.clip(_CLOUD[:, None, None] * a_e[None, :, :], 1e-6, 1 - 1e-6)                   # (C, S, n)
+        loglik = (agree * np.log(p) + (1 - agree) * np.log1p(-p)).sum(axis=2)
+        prior_c = min(max(self.cloud_prior, 1e-3), 1 - 1e-4)
+        k = self.cloud_prior_strength
+        loglik += (k * prior_c * np.log(_CLOUD) + k * (1 - prior_c) * np.log1p(-_CLOUD))[:, None]
+        loglik -= (0.5 * self.edge_prior_strength / 20 * np.log(_SCALES) ** 2)[None, :]
+        c, sc = np.unravel_index(int(np.argmax(loglik)), loglik.shape)
+        scale = float((1 - a_e[sc]).mean() / max(float((1 - edge).mean()), 1e-6))
+        fit = float(_CLOUD[c]), min(max(scale, 0.25), 4.0), float(agree.mean())
+        self._fit = (self._agree_seen, fit)
+        return fit
 
     def rebase(self, keep: int = 4) -> None:
         """Forget all but the last `keep` RTT samples (after a detected change)."""

@@ -71,6 +71,70 @@ class RttEstimator:
         return len(self._samples)
 
 
+class TimerLateness:
+    """How late an abandoned escalation comes back, learned from each one: the agent's deadline margin.
+
+    The agent abandons an escalation with its own timer, whatever the transport's deadline does
+    (gRPC's fires 2-3 ms late on a loaded host). Between the moment the timer is due and the moment
+    the degraded answer is ready, time still passes: the event loop wakes late (epoll rounds its
+    timeout up to a millisecond, other tasks run first) and the local answer is built. Each
+    abandonment reports that lateness; the timer of the next escalation is set that much earlier
+    (a high quantile of the recent ones), so the answer still comes within the budget.
+
+    Samples older than `max_age_s` are forgotten, and the agent caps the margin at a quarter of the
+    latency budget: a margin learned in a burst of load must not stay so large that escalations are
+    skipped for want of time, which would teach nothing new.
+
+    Args:
+        prior_ms: the lateness assumed until `min_samples` were observed (a floor before that).
+        quantile: the quantile of the recent samples `margin_ms` returns.
+        window: the most samples kept.
+        min_samples: samples before the prior stops being a floor.
+        max_age_s: samples older than this many seconds are forgotten.
+        clock: monotonic seconds (injectable for tests).
+
+    Example:
+        >>> late = TimerLateness()
+        >>> late.add(2.4)
+        >>> deadline_ms = left_ms - late.margin_ms()
+    """
+
+    def __init__(self, prior_ms: float = 1.0, *, quantile: float = 0.95, window: int = 64, min_samples: int = 8,
+                 max_age_s: float = 10.0, clock: Callable[[], float] = time.monotonic) -> None:
+        self.prior_ms, self.quantile, self.min_samples = float(prior_ms), quantile, min_samples
+        self.max_age_s, self.clock = max_age_s, clock
+        self._samples: deque[tuple[float, float]] = deque(maxlen=window)
+        self._margin, self._until = self.prior_ms, math.inf
+
+    def add(self, late_ms: float) -> None:
+        """How many milliseconds after its due time an abandoned escalation's answer was ready."""
+        value = max(0.0, float(late_ms)) if math.isfinite(late_ms) else self.prior_ms
+        self._samples.append((self.clock(), value))
+        self._refit()
+
+    def _refit(self) -> None:
+        samples = self._samples
+        now = self.clock()
+        while samples and samples[0][0] < now - self.max_age_s:
+            samples.popleft()
+        if not samples:
+            self._margin, self._until = self.prior_ms, math.inf
+            return
+        s = sorted(v for _, v in samples)
+        q = s[min(len(s) - 1, int(self.quantile * len(s)))]
+        self._margin = q if len(s) >= self.min_samples else max(q, self.prior_ms)
+        self._until = samples[0][0] + self.max_age_s
+
+    def margin_ms(self) -> float:
+        """Milliseconds to end the agent's timer before the budget does."""
+        if self.clock() >= self._until:
+            self._refit()
+        return self._margin
+
+    def __len__(self) -> int:
+        return len(self._samples)
+
+
 # An observation, one per request, in this order (a plain tuple: the hot path appends it):
 # variant, edge_ms, edge_mj, energy_mj, energy_label, rows, wanted_rows, tier, degraded, reason, rtt_ms,
 # bytes_sent, agreed, total_ms, cached, score
@@ -80,8 +144,8 @@ class RttEstimator:
 
 def feed_controller(ctl: Any, rec: tuple[Any, ...]) -> None:
     """Report one observation to the controller: the inference, the escalation if one was wanted, the request."""
-    (variant, edge_ms, edge_mj, _mj, label, _n, wanted, tier, degraded, _reason, rtt_ms, nbytes, agreed, total_ms,
-     cached, score) = rec
+    (variant, edge_ms, edge_mj, energy_mj, label, _n, wanted, tier, degraded, reason, rtt_ms, nbytes, agreed,
+     total_ms, cached, score) = rec
     if cached:
         return
     try:
@@ -89,8 +153,8 @@ def feed_controller(ctl: Any, rec: tuple[Any, ...]) -> None:
         if wanted and (rtt_ms is not None or degraded):
             ok = tier == "cloud"
             ctl.observe_escalation(rtt_ms if ok else None, ok, nbytes, elapsed_ms=rtt_ms,
-                                   attempted=rtt_ms is not None)
-        ctl.observe_request(bool(wanted), agreed, total_ms, score=score, variant=variant)
+                                   attempted=rtt_ms is not None, timeout=reason == "timeout")
+        ctl.observe_request(bool(wanted), agreed, total_ms, score=score, variant=variant, energy_mj=energy_mj)
     except Exception:
         logger.exception("the controller rejected an observation; it is dropped")
 

@@ -2,7 +2,8 @@
 
 Every chunk read from one side is written to the other `delay` milliseconds later, in order (a
 per-direction queue with due times), so a request/response pair gains `up + down` ms of round
-trip whatever the protocol. Modes:
+trip whatever the protocol. With `jitter_ms`, each chunk waits a further uniform 0..jitter ms
+per direction (seeded; still delivered in order). Modes:
 
 - "up": forward;
 - "refuse": close every connection and reset new ones at once (a host that is down: fast failure);
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import random
 import socket
 import struct
 import threading
@@ -33,6 +35,7 @@ MODES = ("up", "refuse", "blackhole")
 class _State:
     up_ms: float = 0.0
     down_ms: float = 0.0
+    jitter_ms: float = 0.0
     mode: str = "up"
 
 
@@ -50,6 +53,7 @@ class DelayProxy:
         self._server: asyncio.base_events.Server | None = None
         self._writers: set[asyncio.StreamWriter] = set()
         self.connections = 0
+        self._random = random.Random(0)
 
     def start(self) -> DelayProxy:
         self._thread.start()
@@ -60,8 +64,9 @@ class DelayProxy:
         self._server = await asyncio.start_server(self._handle, self.host, self.port)
         self.port = self._server.sockets[0].getsockname()[1]
 
-    def set(self, *, up_ms: float | None = None, down_ms: float | None = None, mode: str | None = None) -> None:
-        """Change the delay of each direction (ms) and/or the mode; applies to chunks read from now on."""
+    def set(self, *, up_ms: float | None = None, down_ms: float | None = None, mode: str | None = None,
+            jitter_ms: float | None = None) -> None:
+        """Change the delay of each direction (ms), its jitter and/or the mode; applies to chunks read from now on."""
         if mode is not None and mode not in MODES:
             msg = f"mode {mode!r} is not one of {MODES}"
             raise ValueError(msg)
@@ -71,6 +76,8 @@ class DelayProxy:
                 self.state.up_ms = float(up_ms)
             if down_ms is not None:
                 self.state.down_ms = float(down_ms)
+            if jitter_ms is not None:
+                self.state.jitter_ms = float(jitter_ms)
             if mode is not None:
                 self.state.mode = mode
                 if mode != "up":
@@ -96,6 +103,8 @@ class DelayProxy:
             asyncio.run_coroutine_threadsafe(close(), self._loop).result(timeout=5)
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(timeout=5)
+        if not self._thread.is_alive():
+            self._loop.close()
 
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         _nodelay(writer)
@@ -141,7 +150,8 @@ class DelayProxy:
                     break
                 if self.state.mode == "blackhole":
                     continue
-                await queue.put((time.monotonic() + getattr(self.state, direction) / 1e3, data))
+                delay = getattr(self.state, direction) + self._random.uniform(0.0, self.state.jitter_ms)
+                await queue.put((time.monotonic() + delay / 1e3, data))
             queue.put_nowait((0.0, b""))
             await sender
         except (OSError, asyncio.IncompleteReadError):

@@ -36,6 +36,7 @@ class Phase:
     rtt_ms: float | None
     latency_ms: float
     energy_mj: float | None = None
+    jitter_ms: float = 0.0  # added to the round trip: uniform 0..jitter/2 ms in each direction
 
     @property
     def budget(self) -> Budget:
@@ -45,13 +46,13 @@ class Phase:
         if self.rtt_ms is None:
             proxy.set(mode="refuse")
         else:
-            proxy.set(up_ms=self.rtt_ms / 2, down_ms=self.rtt_ms / 2, mode="up")
+            proxy.set(up_ms=self.rtt_ms / 2, down_ms=self.rtt_ms / 2, jitter_ms=self.jitter_ms / 2, mode="up")
 
 
 def agent_options(adaptive: AdaptiveOptions | None = None) -> AgentOptions:
     # rtt_probe_s: while its round-trip estimate says escalations do not fit, the agent still tries one
     # every 10 ms (default 1 s), so that a link that got fast again is noticed within a few requests at this rate.
-    return AgentOptions(device_id="bench-controller", breaker=BreakerConfig(failure_threshold=3, reset_timeout_s=1.0),
+    return AgentOptions(device_id="bench-controller", breaker=BreakerConfig(failure_threshold=3),
                         transport=TransportOptions(reconnect_min_s=0.05, reconnect_max_s=0.25, retry_max_attempts=1),
                         rtt_probe_s=0.01, telemetry_interval_s=3600.0, adaptive=adaptive or AdaptiveOptions())
 

@@ -1,15 +1,22 @@
 """Evaluate the controller on a real stream, a real agent and a real cloud service on loopback.
 
-    python bench/controller/run.py [--quick] [--work DIR] [--rate R] [--png PATH]
+    python bench/controller/run.py [--phases adapt|binding] [--quick] [--work DIR] [--rate R] [--png PATH]
 
-A delay-injecting TCP proxy sits between the agent and `tierkit serve`. The round trip steps
-2 ms -> 60 ms -> cloud down -> 2 ms and the latency budget 20 ms -> 8 ms, while the held-out MNIST
-stream is replayed (the same trace for every strategy). Compared, per phase: the controller; the
-best static (variant, threshold) of each phase chosen with hindsight (oracle); a fixed 0.5
-confidence threshold (Sedna's default); edge-only; cloud-only. Reported: accuracy, p95 latency,
+A delay-injecting TCP proxy sits between the agent and `tierkit serve`, while the held-out MNIST
+stream is replayed (the same trace for every strategy).
+
+- `--phases adapt` (default): the round trip steps 2 ms -> 60 ms -> cloud down -> 2 ms and the
+  latency budget 20 ms -> 8 ms; budgets rarely bind.
+- `--phases binding`: phases where the budgets bind: +2 ms with 0-12 ms jitter under a 12 ms p95
+  budget; free escalation (60 ms); an energy budget half way between edge-only and cloud-only
+  (measured in the same run); the cloud down, then back, under 10 ms. 100 requests/s by default.
+
+Compared, per phase: the controller; the best static (variant, threshold) of each phase chosen with
+hindsight that meets the same budgets (oracle); fixed 0.5 (Sedna's default) and, for binding
+phases, fixed 0.99 confidence thresholds; edge-only; cloud-only. Reported: accuracy, p95 latency,
 energy per request, share of 1-second windows violating a budget, and the requests (and seconds)
-the controller needed to settle after each change. Prints a table and a markdown block, and
-writes a PNG of latency, accuracy and the chosen threshold over the trace.
+the controller needed to settle after each change. Prints a table, the checks and a markdown
+block, and writes a PNG of latency, accuracy and the chosen threshold over the trace.
 """
 
 from __future__ import annotations
@@ -40,6 +47,15 @@ def phases(per_phase: int) -> list[Phase]:
     return [Phase("2 ms RTT", per_phase, 2.0, 20.0), Phase("60 ms RTT", per_phase, 60.0, 20.0),
             Phase("cloud down", per_phase, None, 20.0), Phase("2 ms RTT again", per_phase, 2.0, 20.0),
             Phase("budget 8 ms", per_phase, 2.0, 8.0)]
+
+
+def binding_phases(per_phase: int, energy_mj: float) -> list[Phase]:
+    """Phases where a budget binds; `energy_mj` lies between edge-only and cloud-only energy."""
+    return [Phase("jitter 2+0-12 ms", per_phase, 2.0, 12.0, jitter_ms=12.0),
+            Phase("free escalation", per_phase, 2.0, 60.0),
+            Phase(f"energy {energy_mj:.2f} mJ", per_phase, 2.0, 60.0, energy_mj=energy_mj),
+            Phase("cloud down", per_phase, None, 10.0),
+            Phase("link back", per_phase, 2.0, 10.0)]
 
 
 def free_port() -> int:
@@ -81,15 +97,20 @@ def adaptive_options(models: Models) -> AdaptiveOptions:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--quick", action="store_true", help="400 requests per phase instead of 1,200")
+    ap.add_argument("--phases", choices=("adapt", "binding"), default="adapt",
+                    help="adapt: link and budget steps (default); binding: phases where the budgets bind")
+    ap.add_argument("--quick", action="store_true",
+                    help="400 requests per phase instead of 1,200 (binding: 300 instead of 1,000)")
     ap.add_argument("--work", type=Path, default=Path(tempfile.gettempdir()) / "tierkit-bench-controller",
                     help="cache of the trained and compiled models")
-    ap.add_argument("--rate", type=float, default=200.0, help="at most this many requests per second")
+    ap.add_argument("--rate", type=float, help="at most this many requests per second (adapt 200, binding 100)")
     ap.add_argument("--png", type=Path, default=Path(__file__).with_name("controller.png"))
     ap.add_argument("--dump", type=Path, help="also write every record and the controller's decisions here (.npz)")
     args = ap.parse_args(argv)
-    per_phase = 400 if args.quick else 1200
-    plan = phases(per_phase)
+    binding = args.phases == "binding"
+    args.rate = args.rate or (100.0 if binding else 200.0)
+    per_phase = (300 if args.quick else 1000) if binding else (400 if args.quick else 1200)
+    plan = binding_phases(per_phase, 0.0) if binding else phases(per_phase)
     total = sum(p.requests for p in plan)
     models = build(args.work)
     vs = models.variants
@@ -106,13 +127,22 @@ def main(argv: list[str] | None = None) -> int:
         proxy = DelayProxy(("127.0.0.1", port)).start()
         try:
             calib = Phase("edge only", 300 if args.quick else 600, 0.0, 1000.0)
-            edge_ms = {}
+            edge_ms, edge_mj = {}, {}
             for e in vs.entries:
                 rec = replay(Scripted([Point(e.id, NEVER)]), models, [calib], trace, proxy, rate=args.rate)
-                edge_ms[e.id] = rec["latency_ms"]
+                edge_ms[e.id], edge_mj[e.id] = rec["latency_ms"], float(rec["energy_mj"].mean())
+            if binding:  # the energy budget: half way between edge-only and cloud-only, as measured here
+                free = Phase("free", calib.requests, 2.0, 60.0)
+                rec = replay(Scripted([Point(recommended, ALWAYS)]), models, [free], trace, proxy, rate=args.rate)
+                low, high = edge_mj[best_edge], float(rec["energy_mj"].mean())
+                plan = binding_phases(per_phase, low + 0.5 * (high - low))
+                print(f"energy per request: edge-only {low:.3f} mJ, cloud-only {high:.3f} mJ "
+                      f"-> budget {plan[2].energy_mj:.3f} mJ")
             records: dict[str, dict[str, Any]] = {}
+            fixed = [("fixed-0.5", Point(recommended, 0.5))] + ([("fixed-0.99", Point(recommended, 0.99))]
+                                                                if binding else [])
             for name, point in (("edge-only", Point(best_edge, NEVER)), ("cloud-only", Point(recommended, ALWAYS)),
-                                ("fixed-0.5", Point(recommended, 0.5))):
+                                *fixed):
                 print(f"replaying {name} ...", flush=True)
                 records[name] = replay(Scripted([point]), models, plan, trace, proxy, rate=args.rate)
             cloud = records["cloud-only"]
@@ -121,9 +151,10 @@ def main(argv: list[str] | None = None) -> int:
             for pi, phase in enumerate(plan):
                 m = cloud["phase"] == pi
                 link = PhaseLatency(cloud["latency_ms"][m & cloud["cloud"]] - med,
-                                    cloud["latency_ms"][m & ~cloud["cloud"]] - med, float(cloud["cloud"][m].mean()))
+                                    cloud["latency_ms"][m & ~cloud["cloud"]] - med, float(cloud["cloud"][m].mean()),
+                                    float(cloud["energy_mj"][m].mean()) - edge_mj[recommended])
                 point, pred = hindsight(trace[m], off.scores, off.correct, off.cloud_correct, edge_ms, link,
-                                        phase.latency_ms)
+                                        phase.latency_ms, energy_budget_mj=phase.energy_mj, edge_mj=edge_mj)
                 points.append(point)
                 predicted.append(pred)
             print("oracle points: " + "; ".join(f"{p.name}: {q.variant}@{q.threshold:.4g} (esc {r['escalation']:.1%})"
@@ -135,11 +166,45 @@ def main(argv: list[str] | None = None) -> int:
                                            adaptive=adaptive_options(models))
         finally:
             proxy.stop()
-    order = ["controller", "oracle", "fixed-0.5", "edge-only", "cloud-only"]
+    order = ["controller", "oracle", *(name for name, _ in fixed), "edge-only", "cloud-only"]
     results = {k: metrics(records[k], plan, adaptive=k == "controller") for k in order}
     labels = {k: records[k]["energy_label"] for k in order}
     print(table(results, plan, labels))
     ctl, oracle = results["controller"], results["oracle"]
+    if binding:
+        check_binding(ctl, oracle, plan)
+    else:
+        check_adapt(ctl, oracle, plan)
+    png = plot({k: records[k] for k in order}, plan, args.png)
+    with contextlib.suppress(ValueError):
+        png = png.resolve().relative_to(Path.cwd())
+    if args.dump:
+        arrays = {f"{k}.{f}": v for k in order for f, v in records[k].items() if isinstance(v, np.ndarray)}
+        np.savez(args.dump, decisions=json.dumps(records["controller"]["decisions"]), **arrays)
+    flags = (" --phases binding" if binding else "") + (" --quick" if args.quick else "")
+    header = (f"### Controller evaluation (`bench/controller/run.py{flags}`)\n\n"
+              f"MNIST held-out stream, {per_phase} requests per phase at <= {args.rate:g}/s, edge ladder "
+              f"{', '.join(e.id for e in vs.entries)}, cloud `{CLOUD_NAME}` via `tierkit serve` behind a TCP delay "
+              f"proxy on loopback. Plot: `{png}`.")
+    print("\n" + markdown(results, plan, header=header, labels=labels["controller"]))
+    return 0
+
+
+def check_binding(ctl: list[dict[str, Any]], oracle: list[dict[str, Any]], plan: list[Phase]) -> None:
+    """The checks of phases where budgets bind, over each whole phase."""
+    print("\ntargets, every phase: <= 5% of 1-second windows over the latency budget; mean energy within the "
+          "budget; accuracy within 1 point of the oracle's (same budgets); settled within 300 requests:")
+    for pi, phase in enumerate(plan):
+        c, o = ctl[pi], oracle[pi]
+        gap = 100 * (c["accuracy"] - o["accuracy"])
+        energy_ok = phase.energy_mj is None or c["energy_mj"] <= phase.energy_mj
+        ok = (c["violating"] <= 0.05, energy_ok, gap >= -1.0, c["converge_requests"] <= 300)
+        print(f"  {phase.name:<18} windows violating {100 * c['violating']:.1f}%  energy {c['energy_mj']:.3f} mJ"
+              f"{'' if phase.energy_mj is None else f' (budget {phase.energy_mj:.3f})'}  accuracy vs oracle "
+              f"{gap:+.2f} points  settled after {c['converge_requests']} requests  {'ok' if all(ok) else 'MISSED'}")
+
+
+def check_adapt(ctl: list[dict[str, Any]], oracle: list[dict[str, Any]], plan: list[Phase]) -> None:
     print("\ntargets, after convergence: <= 1% of windows over the latency budget; accuracy within 0.5 points of "
           "the oracle's; settled within 200 requests or 5 s:")
     for pi, phase in enumerate(plan):
@@ -149,18 +214,6 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  {phase.name:<16} windows violating {100 * c['violating_after']:.1f}%  accuracy vs oracle {gap:+.2f} "
               f"points  settled after {c['converge_requests']} requests / {c['converge_s']:.2f} s  "
               f"{'ok' if all(ok) else 'MISSED'}")
-    png = plot({k: records[k] for k in order}, plan, args.png)
-    with contextlib.suppress(ValueError):
-        png = png.resolve().relative_to(Path.cwd())
-    if args.dump:
-        arrays = {f"{k}.{f}": v for k in order for f, v in records[k].items() if isinstance(v, np.ndarray)}
-        np.savez(args.dump, decisions=json.dumps(records["controller"]["decisions"]), **arrays)
-    header = (f"### Controller evaluation (`bench/controller/run.py{' --quick' if args.quick else ''}`)\n\n"
-              f"MNIST held-out stream, {per_phase} requests per phase at <= {args.rate:g}/s, edge ladder "
-              f"{', '.join(e.id for e in vs.entries)}, cloud `{CLOUD_NAME}` via `tierkit serve` behind a TCP delay "
-              f"proxy on loopback. Plot: `{png}`.")
-    print("\n" + markdown(results, plan, header=header, labels=labels["controller"]))
-    return 0
 
 
 if __name__ == "__main__":

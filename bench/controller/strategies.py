@@ -57,11 +57,13 @@ class Scripted:
 @dataclass(frozen=True)
 class PhaseLatency:
     """What one phase's link did, measured live with cloud-only: extra latency of answered and of
-    failed escalations over the edge, and the share of escalations the cloud answered."""
+    failed escalations over the edge, the share of escalations the cloud answered, and the mean
+    energy an escalation added to a request."""
 
     answered_extra_ms: np.ndarray
     failed_extra_ms: np.ndarray
     success: float
+    extra_mj: float = 0.0
 
 
 def _p95_of_mixture(parts: Sequence[tuple[np.ndarray, float]]) -> float:
@@ -74,8 +76,12 @@ def _p95_of_mixture(parts: Sequence[tuple[np.ndarray, float]]) -> float:
 
 def hindsight(idx: np.ndarray, scores: dict[str, np.ndarray], correct: dict[str, np.ndarray],
               cloud_correct: np.ndarray, edge_ms: dict[str, np.ndarray], link: PhaseLatency,
-              latency_budget_ms: float) -> tuple[Point, dict[str, float]]:
-    """The most accurate static point on this phase's inputs whose p95 fits the budget.
+              latency_budget_ms: float, *, energy_budget_mj: float | None = None,
+              edge_mj: dict[str, float] | None = None) -> tuple[Point, dict[str, float]]:
+    """The most accurate static point on this phase's inputs whose p95 (and mean energy) fits the budget.
+
+    Energy, when budgeted, is the variant's measured mean edge energy plus the escalated share times
+    the energy an escalation added in this phase (both as the agent reported them).
 
     Accuracy is exact on the phase's inputs (escalations answered with the measured success
     share); p95 is that of the mixture of the measured edge latency of the variant and the
@@ -99,9 +105,13 @@ def hindsight(idx: np.ndarray, scores: dict[str, np.ndarray], correct: dict[str,
             p95 = _p95_of_mixture([(a, w) for a, w in parts if w > 0])
             if p95 > latency_budget_ms:
                 continue
+            energy = (edge_mj or {}).get(v, 0.0) + rate * link.extra_mj
+            if energy_budget_mj is not None and energy > energy_budget_mj:
+                continue
             key = (acc, -rate)
             if best is None or key > (best[0], best[1]):
-                best = (acc, -rate, Point(v, t), {"accuracy": acc, "p95_ms": p95, "escalation": rate})
+                best = (acc, -rate, Point(v, t), {"accuracy": acc, "p95_ms": p95, "escalation": rate,
+                                                  "energy_mj": energy})
     if best is None:  # nothing fits: the fastest variant, never escalating
         v = min(edge_ms, key=lambda k: float(np.quantile(edge_ms[k], 0.95)))
         return Point(v, NEVER), {"accuracy": float(correct[v][idx].mean()),

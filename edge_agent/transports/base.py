@@ -221,6 +221,12 @@ class Transport:
                        timeout_s: float) -> inference_pb2.ModelInferResponse:
         """Send `request`, return the cloud's response within `timeout_s` seconds.
 
+        `timeout_s` is the deadline the transport passes on (gRPC deadline, MQTT message expiry); the
+        caller does not rely on it firing on time. The agent ends each call with its own timer by
+        cancelling it, so an implementation must accept cancellation at any await: clean up what the
+        call left pending (a reply future, a correlation entry) and raise nothing else. A reply that
+        arrives after that is dropped; the agent journals the request when asked to keep it.
+
         Raises:
             CloudTimeout: no response before the deadline.
             CloudUnavailable: the cloud cannot be reached, or it refused.

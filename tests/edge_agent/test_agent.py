@@ -251,12 +251,14 @@ class FakeController:
         self.seen.append(("inference", variant))
 
     def observe_escalation(self, rtt_ms: float | None, ok: bool, bytes_sent: int = 0, *,
-                           elapsed_ms: float | None = None, attempted: bool | None = None) -> None:
+                           elapsed_ms: float | None = None, attempted: bool | None = None,
+                           timeout: bool = False) -> None:
         self.seen.append(("escalation", ok))
         self.attempted.append(attempted)
 
     def observe_request(self, escalated: bool, agreed: bool | None, total_latency_ms: float, *,
-                        score: float | None = None, variant: str | None = None) -> None:
+                        score: float | None = None, variant: str | None = None,
+                        energy_mj: float | None = None) -> None:
         self.seen.append(("request", escalated))
 
     def set_budget(self, budget: Budget) -> None:

@@ -132,6 +132,10 @@ def test_link_rtt_availability_and_bytes() -> None:
     assert link.observe(None, ok=False) == ()
     assert link.observe(None, ok=False) == ("down",)
     assert link.state().availability == 0.0
+    assert link.observe(3.0, ok=True) == ()  # up again after several answers in a row, not one
+    assert link.observe(None, ok=False) == ()
+    assert link.observe(3.0, ok=True) == ()
+    assert link.observe(3.0, ok=True) == ()
     assert link.observe(3.0, ok=True) == ("up",)
     assert link.state().availability == 1.0
     assert link.state().rtt_samples.tolist() == [3.0]
