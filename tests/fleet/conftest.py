@@ -1,0 +1,57 @@
+"""Fleet fixtures: the same store suite runs on SQLite and on a real PostgreSQL started here."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("sqlalchemy")
+pytest.importorskip("alembic")
+
+from cloud_service.fleet.store import FleetStore
+from tests.fleet.postgres import Postgres
+
+_counter = iter(range(1_000_000))
+
+
+@pytest.fixture(scope="session")
+def postgres(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Postgres]:
+    pg = Postgres(tmp_path_factory.mktemp("pg")).start()
+    try:
+        yield pg
+    finally:
+        pg.stop()
+
+
+def _pg_store(pg: Postgres) -> FleetStore:
+    import sqlalchemy as sa
+
+    name = f"fleet_{next(_counter)}"
+    admin = sa.create_engine(pg.url, isolation_level="AUTOCOMMIT")
+    with admin.connect() as conn:
+        conn.execute(sa.text(f"CREATE DATABASE {name}"))
+    admin.dispose()
+    return FleetStore.open(pg.url.rsplit("/", 1)[0] + f"/{name}")
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def db_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    """A fresh, migrated database URL: SQLite in tmp_path, or a new database on the session's PostgreSQL."""
+    if request.param == "sqlite":
+        return f"sqlite:///{tmp_path / 'fleet.db'}"
+    pg: Postgres = request.getfixturevalue("postgres")
+    store = _pg_store(pg)
+    url = store.engine.url.render_as_string(hide_password=False)
+    store.close()
+    return str(url)
+
+
+@pytest.fixture
+def store(db_url: str) -> Iterator[FleetStore]:
+    s = FleetStore.open(db_url)
+    try:
+        yield s
+    finally:
+        s.close()
