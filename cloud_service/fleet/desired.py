@@ -140,15 +140,20 @@ class DesiredState:
                 "layers": [la["selector"] for la in hits]}
 
     def refresh(self, devices: list[dict[str, Any]]) -> list[tuple[str, int, dict[str, Any]]]:
-        """Recompute every device's effective document; returns those whose version changed (to publish)."""
+        """Recompute every device's effective document; returns those not yet published at their version."""
         layers = self.layers()
         changed: list[tuple[str, int, dict[str, Any]]] = []
         now = time.time()
         with self.store.begin() as conn:
-            known = {r.device_id: r.version for r in conn.execute(sa.select(t.desired_effective)).all()}
+            rows = {r.device_id: r for r in conn.execute(sa.select(t.desired_effective)).all()}
+            known = {d: r.version for d, r in rows.items()}
             for dev in devices:
                 eff = self.effective(dev, layers)
-                if eff is None or dev.get("revoked_at") is not None or known.get(dev["device_id"]) == eff["version"]:
+                if eff is None or dev.get("revoked_at") is not None:
+                    continue
+                if known.get(dev["device_id"]) == eff["version"]:
+                    if rows[dev["device_id"]].published_version != eff["version"]:
+                        changed.append((dev["device_id"], eff["version"], eff["document"]))
                     continue
                 row = {"version": eff["version"], "document": json.dumps(eff["document"], sort_keys=True),
                        "since": now}
@@ -159,6 +164,11 @@ class DesiredState:
                     conn.execute(t.desired_effective.insert().values(device_id=dev["device_id"], **row))
                 changed.append((dev["device_id"], eff["version"], eff["document"]))
         return changed
+
+    def mark_published(self, device_id: str, version: int) -> None:
+        with self.store.begin() as conn:
+            conn.execute(t.desired_effective.update().where(t.desired_effective.c.device_id == device_id)
+                         .values(published_version=version))
 
     def record_reported(self, device_id: str, document: dict[str, Any], *, now: float | None = None) -> None:
         """Store what the device says it runs, and copy digest/variant/threshold into the registry."""

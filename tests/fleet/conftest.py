@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -17,8 +18,8 @@ _counter = iter(range(1_000_000))
 
 
 @pytest.fixture(scope="session")
-def postgres(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Postgres]:
-    pg = Postgres(tmp_path_factory.mktemp("pg")).start()
+def postgres() -> Iterator[Postgres]:
+    pg = Postgres(Path(tempfile.mkdtemp(prefix="tierkit-pg-"))).start()
     try:
         yield pg
     finally:

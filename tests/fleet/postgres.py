@@ -36,7 +36,11 @@ def _free_port() -> int:
 
 
 class Postgres:
-    """initdb into `workdir`, pg_ctl start on 127.0.0.1:PORT; `url` for SQLAlchemy (psycopg 3)."""
+    """initdb into `workdir`, pg_ctl start on 127.0.0.1:PORT; `url` for SQLAlchemy (psycopg 3).
+
+    `workdir` must be reachable by the `postgres` user: not under pytest's private (0700) tmp tree,
+    whose permissions any concurrent pytest run resets; the fixture uses a `tempfile.mkdtemp` directory.
+    """
 
     def __init__(self, workdir: Path) -> None:
         self.workdir, self.port = workdir, _free_port()
@@ -48,7 +52,10 @@ class Postgres:
         return f"postgresql+psycopg://postgres@127.0.0.1:{self.port}/postgres"
 
     def _run(self, *cmd: str) -> None:
-        subprocess.run([*self._as, *cmd], check=True, capture_output=True, timeout=60)
+        done = subprocess.run([*self._as, *cmd], capture_output=True, text=True, timeout=60, check=False)
+        if done.returncode:
+            msg = f"{cmd[0]} failed ({done.returncode}): {done.stderr.strip()} {done.stdout.strip()[-500:]}"
+            raise RuntimeError(msg)
 
     def start(self) -> Postgres:
         if not available():
@@ -59,10 +66,6 @@ class Postgres:
             pw = pwd.getpwnam("postgres")
             for p in (self.workdir, self.sock):
                 os.chown(p, pw.pw_uid, pw.pw_gid)
-            # pytest's tmp dirs are private to root: let the postgres user through to its own directory
-            for parent in self.workdir.parents:
-                if str(parent).startswith(("/tmp/pytest-", "/tmp/")) and parent != Path("/tmp"):
-                    os.chmod(parent, os.stat(parent).st_mode | 0o711)
             self._as = ["runuser", "-u", "postgres", "--"]
         self._run(str(_binary("initdb")), "-D", str(self.data), "-A", "trust", "-U", "postgres", "--no-sync")
         with (self.data / "postgresql.conf").open("a") as conf:
@@ -83,3 +86,4 @@ class Postgres:
         if self.data.exists():
             subprocess.run([*self._as, str(_binary("pg_ctl")), "-D", str(self.data), "-m", "immediate", "-w",
                             "stop"], capture_output=True, timeout=60, check=False)
+        shutil.rmtree(self.workdir, ignore_errors=True)

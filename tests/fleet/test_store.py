@@ -117,11 +117,14 @@ def test_desired_layers_merge_by_priority(registry: Registry, store: FleetStore)
     assert ep is not None
     assert ep["document"] == {"budget": {"latency_ms": 50}, "threshold": 0.9, "telemetry_interval_s": 60}
     assert ep["version"] == v1
-    changed = {d for d, _v, _doc in state.refresh(registry.devices())}
-    assert changed == {berlin, paris}
+    changed = state.refresh(registry.devices())
+    assert {d for d, _v, _doc in changed} == {berlin, paris}
+    assert len(state.refresh(registry.devices())) == 2  # not published yet: offered again
+    for d, v, _doc in changed:
+        state.mark_published(d, v)
     assert state.refresh(registry.devices()) == []  # nothing new: nothing to republish
     v4 = state.set_layer("kind=cam,site=berlin", {"threshold": 0.6})  # more specific label layer, same priority
-    assert [d for d, v, _ in state.refresh(registry.devices())] == [berlin]
+    assert [(d, v) for d, v, _ in state.refresh(registry.devices())] == [(berlin, v4)]
     eb2 = state.effective(registry.device(berlin))
     assert eb2 is not None
     assert eb2["version"] == v4
