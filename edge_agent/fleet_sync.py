@@ -18,6 +18,9 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
+import importlib.metadata
 import json
 import os
 import time
@@ -25,7 +28,7 @@ import urllib.error
 import urllib.request
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
@@ -33,6 +36,9 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
 from runtimes.errors import ConfigError, TierkitError
+
+if TYPE_CHECKING:
+    from edge_agent.config import AgentConfig
 
 
 class EnrollmentError(TierkitError):
@@ -110,6 +116,50 @@ def enroll(fleet_url: str, token: str, state_dir: Path, *, hardware: dict[str, A
     os.chmod(tmp, 0o600)
     tmp.replace(state_dir / "fleet.json")
     return identity
+
+
+def model_digest(model: Path) -> str:
+    """`sha256:` over the model's manifest(s): each lists the sha256 of every file, so this names what runs."""
+    h = hashlib.sha256()
+    paths = [model] if model.is_file() else sorted(model.rglob("manifest.json"))
+    for p in paths:
+        h.update(p.relative_to(model).as_posix().encode() if p != model else b"")
+        h.update(p.read_bytes())
+    return "sha256:" + h.hexdigest()
+
+
+def _hardware() -> dict[str, Any]:
+    try:
+        from runtimes.hardware import probe
+
+        return probe(openvino=False).to_json()  # openvino's device query takes seconds; the rest is enough
+    except Exception as exc:  # the hardware profile is informative; enrollment does not depend on it
+        return {"error": f"hardware probe failed: {exc}"}
+
+
+def enrolled_config(config: AgentConfig) -> AgentConfig:
+    """Enroll (or reuse the kept identity) and return the config running as that device.
+
+    The device id becomes the enrolled one; MQTT connections log in with the issued user and
+    password (for mutual TLS instead, point `cert_file`/`key_file` at the identity's files).
+    """
+    fleet = config.fleet
+    if fleet is None:
+        return config
+    if load_identity(fleet.state_dir) is None and not fleet.token:
+        msg = f"no fleet identity in {fleet.state_dir} and no enrollment token; pass --token T (or fleet.token)"
+        raise ConfigError(msg)
+    try:
+        version = importlib.metadata.version("tierkit")
+    except importlib.metadata.PackageNotFoundError:
+        version = "unknown"
+    ident = enroll(fleet.url, fleet.token, fleet.state_dir, hardware=_hardware(), agent_version=version)
+    from edge_agent.transports.base import TransportOptions
+
+    transport = dataclasses.replace(config.options.transport or TransportOptions(),
+                                    username=ident.mqtt_username, password=ident.mqtt_password)
+    options = dataclasses.replace(config.options, device_id=ident.device_id, transport=transport)
+    return dataclasses.replace(config, options=options)
 
 
 class TelemetryWindows:

@@ -57,6 +57,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[
     s.add_argument("--mqtt", metavar="URL", help="broker to ingest from and publish desired state to")
     s.add_argument("--mqtt-user", help="the fleet's broker user (password: $TIERKIT_FLEET_MQTT_PASSWORD)")
     s.add_argument("--group", default="tierkit-fleet", help="shared-subscription group of all fleet processes")
+    s.add_argument("--client-id", default="", help="MQTT client id, stable across restarts (default: host-pid)")
     s.add_argument("--broker-passwd", type=Path, help="Mosquitto password file to keep in sync with the registry")
     s.add_argument("--broker-reload", metavar="CMD", help="command that makes the broker reread that file")
     s.add_argument("--drift-after", default="5m", help="reported != desired for longer than this is drift")
@@ -118,10 +119,11 @@ def _serve(args: argparse.Namespace) -> int:
         if not m:
             msg = f"--mqtt {args.mqtt!r} must be mqtt://HOST[:PORT]"
             raise ConfigError(msg)
-        mqtt = IngestOptions(host=m.group(1), port=int(m.group(2) or 1883), group=args.group,
+        mqtt = IngestOptions(host=m.group(1), port=int(m.group(2) or 1883), group=args.group, client_id=args.client_id,
                              username=args.mqtt_user, password=os.environ.get("TIERKIT_FLEET_MQTT_PASSWORD"))
     limits = TelemetryLimits(daily_bytes=args.daily_bytes, retention_s=parse_duration(args.retention))
-    fleet = _fleet(args, broker_passwd=args.broker_passwd, broker_reload=args.broker_reload,
+    users = {args.mqtt_user: mqtt.password} if mqtt is not None and args.mqtt_user and mqtt.password else {}
+    fleet = _fleet(args, broker_passwd=args.broker_passwd, broker_reload=args.broker_reload, broker_users=users,
                    drift_after_s=parse_duration(args.drift_after), limits=limits)
     fleet.sync_broker()
 

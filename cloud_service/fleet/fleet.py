@@ -138,4 +138,5 @@ class Fleet:
         return {"devices": len(devs), "online": sum(d["online"] for d in devs),
                 "revoked": sum(d["revoked_at"] is not None for d in devs),
                 "drift": sum(d["drift"] for d in devs), "dropped": self.telemetry.drops(),
-                "ingest": dict(self.ingest.stats) if self.ingest is not None else {}}
+                "ingest": dict(self.ingest.stats) if self.ingest is not None else {},
+                "mqtt_connected": bool(self.ingest is not None and self.ingest.connected.is_set())}

@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import queue
+import socket
 import threading
 import time
 from collections import Counter
@@ -25,6 +27,8 @@ from typing import Any
 
 import paho.mqtt.client as paho
 from paho.mqtt.enums import CallbackAPIVersion
+from paho.mqtt.packettypes import PacketTypes
+from paho.mqtt.properties import Properties
 
 from cloud_service.fleet.desired import DesiredState
 from cloud_service.fleet.errors import FleetError, StoreUnavailable
@@ -38,7 +42,8 @@ logger = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class IngestOptions:
     """Args: host/port: the broker; group: the shared-subscription group all fleet processes use;
-    username/password: the fleet's own broker account; batch_max: windows per transaction;
+    username/password: the fleet's own broker account; session_expiry_s: how long the broker queues
+    for this client id while it is away; batch_max: windows per transaction;
     batch_wait_s: how long a batch waits to fill; queue_max: messages held while the store is slow."""
 
     host: str = "127.0.0.1"
@@ -47,6 +52,7 @@ class IngestOptions:
     client_id: str = ""
     username: str | None = None
     password: str | None = None
+    session_expiry_s: int = 3600
     batch_max: int = 1000
     batch_wait_s: float = 0.05
     queue_max: int = 200_000
@@ -62,7 +68,7 @@ class MqttIngest:
         self.stats: Counter[str] = Counter()
         self.connected = threading.Event()
         self._stop = threading.Event()
-        client_id = options.client_id or f"tierkit-fleet-{threading.get_native_id()}-{time.monotonic_ns() % 10**6}"
+        client_id = options.client_id or f"tierkit-fleet-{socket.gethostname()}-{os.getpid()}"
         c = paho.Client(CallbackAPIVersion.VERSION2, client_id=client_id, protocol=paho.MQTTv5)
         if options.username is not None:
             c.username_pw_set(options.username, options.password)
@@ -72,7 +78,11 @@ class MqttIngest:
         self._writer = threading.Thread(target=self._write_loop, name="fleet-ingest", daemon=True)
 
     def start(self) -> MqttIngest:
-        self.client.connect_async(self.options.host, self.options.port, keepalive=30)
+        # a persistent session: QoS 1 windows queue at the broker while this process restarts (same client id)
+        props = Properties(PacketTypes.CONNECT)  # type: ignore[no-untyped-call]
+        props.SessionExpiryInterval = self.options.session_expiry_s
+        self.client.connect_async(self.options.host, self.options.port, keepalive=30, clean_start=False,
+                                  properties=props)
         self.client.loop_start()
         self._writer.start()
         return self

@@ -171,7 +171,10 @@ class Registry:
     def write_broker_passwords(self, path: Path, *, extra: dict[str, str] | None = None) -> int:
         """Write a Mosquitto password file of every active device (plus `extra` user -> password). Atomic."""
         lines = [f"{user}:{mosquitto_hash(pw)}" for user, pw in sorted((extra or {}).items())]
-        lines += [f"{d['device_id']}:{d['mqtt_password_hash']}" for d in self.devices(include_revoked=False)]
+        with self.store.begin() as conn:
+            rows = conn.execute(sa.select(t.devices.c.device_id, t.devices.c.mqtt_password_hash)
+                                .where(t.devices.c.revoked_at.is_(None)).order_by(t.devices.c.device_id)).all()
+        lines += [f"{r.device_id}:{r.mqtt_password_hash}" for r in rows]
         tmp = path.with_name(path.name + ".tmp")
         tmp.write_text("\n".join(lines) + "\n")
         tmp.chmod(0o600)
