@@ -195,7 +195,7 @@ class TelemetryWindows:
                 "escalation_rate": min(1.0, d["escalations_sent"] / n) if n else 0.0,
                 "agreement": snap.get("agreement"),
                 "energy_mj_per_request": max(0.0, energy_total - prev_energy) / n if n else 0.0,
-                "energy_label": str(snap.get("energy_label", "modeled")),
+                "energy_label": str(snap.get("energy_label") or "unknown"),
                 "degraded": d["degraded"], "degraded_reasons": {k: v for k, v in reasons.items() if v > 0},
                 "variant": str(snap.get("variant", "")), "threshold": snap.get("threshold"),
                 "model_digest": self.model_digest}

@@ -5,51 +5,18 @@ from __future__ import annotations
 import json
 import os
 import time
-from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from edge_agent.fleet_sync import FleetIdentity, enroll
-from tests.broker import Broker, _free_port
-from tests.fleet.fleet_process import ROOT, FleetProcess, cli
+from tests.broker import Broker
+from tests.fleet.conftest import wait_for
+from tests.fleet.fleet_process import FleetProcess, cli
 from tests.fleet.mqtt_device import Device
 
 pytestmark = pytest.mark.mqtt
-FLEET_PASSWORD = "fleet-secret-for-tests"
-
-
-def wait_for(what: str, check: Callable[[], Any], timeout: float = 20.0) -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        got = check()
-        if got:
-            return got
-        time.sleep(0.1)
-    msg = f"timed out waiting for {what}"
-    raise AssertionError(msg)
-
-
-@pytest.fixture
-def stack(tmp_path: Path, db_url: str) -> Iterator[tuple[FleetProcess, Broker, Path, str]]:
-    """A fleet process and a Mosquitto that authenticates from the password file the fleet writes."""
-    data, passwd, pid = tmp_path / "fleet-data", tmp_path / "passwd", tmp_path / "mosquitto.pid"
-    port = _free_port()
-    fleet = FleetProcess(data, db_url, "--mqtt", f"mqtt://127.0.0.1:{port}", "--mqtt-user", "tierkit-fleet",
-                         "--broker-passwd", str(passwd), "--broker-reload", f"kill -HUP $(cat {pid})",
-                         "--drift-after", "2s", env={"TIERKIT_FLEET_MQTT_PASSWORD": FLEET_PASSWORD}).start()
-    broker = Broker(tmp_path / "broker", port=port, extra_conf=(
-        f"allow_anonymous false\npassword_file {passwd}\nacl_file {ROOT / 'deploy/fleet/acl'}\n"
-        f"pid_file {pid}\nuse_username_as_clientid true\n"))
-    try:
-        broker.start()
-        yield fleet, broker, data, db_url
-    finally:
-        broker.stop()
-        fleet.stop()
-
-
 def _window(dev: str, seq: int, **kw: Any) -> dict[str, Any]:
     return {"device": dev, "boot_id": "boot1", "seq": seq, "ts": time.time(), "window_s": 10, "requests": 50,
             "p95_ms": 5.0 + seq, "escalation_rate": 0.1, "energy_mj_per_request": 1.0, "energy_label": "modeled",
