@@ -165,6 +165,12 @@ class DesiredState:
                 changed.append((dev["device_id"], eff["version"], eff["document"]))
         return changed
 
+    def effective_versions(self) -> dict[str, int]:
+        """Device id -> the version of its effective document, as last computed."""
+        with self.store.begin() as conn:
+            return {r.device_id: int(r.version) for r in conn.execute(
+                sa.select(t.desired_effective.c.device_id, t.desired_effective.c.version))}
+
     def mark_published(self, device_id: str, version: int) -> None:
         with self.store.begin() as conn:
             conn.execute(t.desired_effective.update().where(t.desired_effective.c.device_id == device_id)

@@ -191,10 +191,11 @@ class MqttIngest:
 
     def publish_desired(self) -> int:
         """Recompute effective documents; publish (retained) those whose version changed. Returns how many."""
+        changed = self.desired.refresh(self.registry.devices(include_revoked=False))
         if not self.client.is_connected():
-            return 0
+            return 0  # recorded but unpublished: offered again by the next refresh
         n = 0
-        for device, version, doc in self.desired.refresh(self.registry.devices(include_revoked=False)):
+        for device, version, doc in changed:
             info = self.client.publish(topics.desired_topic(device), json.dumps({"version": version, **doc}),
                                        qos=1, retain=True)
             info.wait_for_publish(5.0)

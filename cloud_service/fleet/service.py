@@ -70,6 +70,8 @@ async def _periodic(fleet: Fleet, ingest: MqttIngest | None, *, roll_up: bool) -
     def work() -> Any:
         if ingest is not None:
             ingest.publish_desired()
+        else:  # no broker: still compute effective documents, so drift is listed
+            fleet.desired.refresh(fleet.registry.devices(include_revoked=False))
         if roll_up:
             fleet.telemetry.roll_up()
 
