@@ -104,15 +104,15 @@ class TelemetryStore:
         with self.store.begin() as conn:
             names = sorted({w.device for w, *_ in parsed})
             status = {r.device_id: r.revoked_at for r in conn.execute(
-                sa.select(t.devices.c.device_id, t.devices.c.revoked_at).where(t.devices.c.device_id.in_(names)))}
-            days = {int(ts // 86400) for _w, _n, ts, _d in parsed}
+                sa.select(t.devices.c.device_id, t.devices.c.revoked_at).where(self._in(t.devices.c.device_id, names)))}
+            days = sorted({int(ts // 86400) for _w, _n, ts, _d in parsed})
             usage = {(r.device_id, r.day): r.bytes for r in conn.execute(sa.select(t.telemetry_usage).where(
-                t.telemetry_usage.c.device_id.in_(names), t.telemetry_usage.c.day.in_(days)))}
+                self._in(t.telemetry_usage.c.device_id, names), self._in(t.telemetry_usage.c.day, days)))}
             # replays first, so that a redelivered window is never counted against the byte cap
             c = t.telemetry.c
             seen = {(r.device_id, r.boot_id, r.seq) for r in conn.execute(
                 sa.select(c.device_id, c.boot_id, c.seq).where(
-                    c.device_id.in_(names), c.seq.in_(sorted({w.seq for w, *_ in parsed}))))}
+                    self._in(c.device_id, names), self._in(c.seq, sorted({w.seq for w, *_ in parsed}))))}
             rows, sizes, cut = [], {}, Counter[tuple[str, int]]()
             cut_bytes = Counter[tuple[str, int]]()
             for win, size, server_ts, text in parsed:
@@ -136,28 +136,36 @@ class TelemetryStore:
                 usage[key] = usage.get(key, 0) + size
                 rows.append(self._row(win, size, server_ts, text))
                 sizes[wkey] = (key, size)
-            inserted: list[Any] = []
             if rows:
+                # replays were filtered above; ON CONFLICT only guards a race with another fleet process
+                # inserting the same window at the same moment (then the counters may overstate by that window)
                 stmt = _upsert(self.store, t.telemetry).on_conflict_do_nothing(
-                    index_elements=["device_id", "boot_id", "seq"]).returning(
-                    t.telemetry.c.device_id, t.telemetry.c.boot_id, t.telemetry.c.seq)
-                inserted = list(conn.execute(stmt, rows))
-            res.stored = len(inserted)
-            res.dropped["replayed"] += len(rows) - len(inserted)
+                    index_elements=["device_id", "boot_id", "seq"])
+                conn.execute(stmt, rows)
+            res.stored = len(rows)
             accepted = Counter[tuple[str, int]]()
-            for r in inserted:
-                k, size = sizes[(r.device_id, r.boot_id, r.seq)]
+            for k, size in sizes.values():
                 accepted[k] += size
             self._add_usage(conn, accepted, cut, cut_bytes)
             last_seen: dict[str, float] = {}
             for r in rows:
                 last_seen[r["device_id"]] = max(last_seen.get(r["device_id"], 0.0), r["server_ts"])
             if last_seen:
+                # executemany of one cached statement: psycopg pipelines it; a multi-row VALUES statement
+                # would be recompiled for every batch (measured slower, bench/bench_fleet.py)
                 conn.execute(t.devices.update().where(t.devices.c.device_id == sa.bindparam("d"))
                              .values(last_seen=sa.bindparam("ls")),
                              [{"d": d, "ls": ts} for d, ts in last_seen.items()])
             self.count_drops(conn, res.dropped)
         return res
+
+    def _in(self, col: Any, values: list[Any]) -> Any:
+        """`col IN values`; on PostgreSQL `col = ANY(array)`: one parameter instead of one per value."""
+        if self.store.dialect == "postgresql":
+            from sqlalchemy.dialects.postgresql import ARRAY
+
+            return col == sa.any_(sa.bindparam(None, values, type_=ARRAY(col.type)))
+        return col.in_(values)
 
     def _row(self, w: _Window, size: int, server_ts: float, text: str) -> dict[str, Any]:
         return {"device_id": w.device, "boot_id": w.boot_id, "seq": w.seq, "device_ts": w.ts, "server_ts": server_ts,

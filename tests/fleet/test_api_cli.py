@@ -22,6 +22,8 @@ def fleet(tmp_path: Path, db_url: str) -> Iterator[tuple[FleetProcess, Path, str
         proc.stop()
 
 
+# PostgreSQL runs the whole store suite by default (test_store.py); this end-to-end path on it is slow-marked
+@pytest.mark.parametrize("db_url", ["sqlite", pytest.param("postgresql", marks=pytest.mark.slow)], indirect=True)
 def test_enroll_operate_and_revoke(fleet: tuple[FleetProcess, Path, str], tmp_path: Path) -> None:
     proc, data, db = fleet
     admin = cli("operator", "create", "ops", "--role", "admin", data_dir=data, db=db).stdout.strip()

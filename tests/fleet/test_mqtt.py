@@ -29,6 +29,8 @@ def _device(broker: Broker, ident: FleetIdentity) -> Device:
     return d
 
 
+# PostgreSQL runs the whole store suite by default (test_store.py); this end-to-end path on it is slow-marked
+@pytest.mark.parametrize("db_url", ["sqlite", pytest.param("postgresql", marks=pytest.mark.slow)], indirect=True)
 def test_ingest_desired_and_revocation(stack: tuple[FleetProcess, Broker, Path, str], tmp_path: Path) -> None:
     fleet, broker, data, db = stack
     admin = cli("operator", "create", "ops", "--role", "admin", data_dir=data, db=db).stdout.strip()
