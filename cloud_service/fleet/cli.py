@@ -110,9 +110,11 @@ def _serve(args: argparse.Namespace) -> int:
     from cloud_service.fleet.ingest import IngestOptions
     from cloud_service.fleet.service import serve_fleet
     from cloud_service.fleet.telemetry import TelemetryLimits
-    from edge_agent.config import parse_listen
-
-    http = parse_listen(args.http, "--http")
+    host, _, port = str(args.http).rpartition(":")
+    if not host or not port.isdigit() or int(port) > 65535:
+        msg = f"--http {args.http!r} must be HOST:PORT, e.g. 127.0.0.1:8080"
+        raise ConfigError(msg)
+    http = (host.strip("[]"), int(port))
     mqtt = None
     if args.mqtt:
         m = re.fullmatch(r"mqtt://([^:/]+)(?::(\d+))?/?", args.mqtt)
