@@ -25,6 +25,7 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_DATA_DIR = Path("fleet-data")
 _MIGRATIONS = Path(__file__).with_name("migrations")
+_SQLITE_TRANSIENT = ("locked", "busy", "unable to open", "disk I/O")
 
 
 def default_url(data_dir: Path = DEFAULT_DATA_DIR) -> str:
@@ -45,8 +46,11 @@ class FleetStore:
         self.dialect: str = engine.dialect.name
 
     @classmethod
-    def open(cls, url: str, *, migrate: bool = True) -> FleetStore:
-        """Connect to `url` (sqlite:///PATH or postgresql+psycopg://...) and migrate to head."""
+    def open(cls, url: str, *, migrate: bool = True, busy_timeout_s: float = 5.0) -> FleetStore:
+        """Connect to `url` (sqlite:///PATH or postgresql+psycopg://...) and migrate to head.
+
+        `busy_timeout_s`: how long SQLite waits for another writer's lock before `StoreUnavailable`.
+        """
         try:
             import sqlalchemy as sa
             from sqlalchemy import event
@@ -57,7 +61,7 @@ class FleetStore:
             url = "postgresql+psycopg://" + url.removeprefix("postgresql://")
         try:
             if url.startswith("sqlite"):
-                engine = sa.create_engine(url, connect_args={"timeout": 5.0, "check_same_thread": False},
+                engine = sa.create_engine(url, connect_args={"timeout": busy_timeout_s, "check_same_thread": False},
                                           pool_size=8, max_overflow=8)
 
                 @event.listens_for(engine, "connect")
@@ -65,7 +69,7 @@ class FleetStore:
                     cur = dbapi_conn.cursor()
                     cur.execute("PRAGMA journal_mode=WAL")
                     cur.execute("PRAGMA synchronous=NORMAL")
-                    cur.execute("PRAGMA busy_timeout=5000")
+                    cur.execute(f"PRAGMA busy_timeout={int(busy_timeout_s * 1000)}")
                     cur.close()
             else:
                 engine = sa.create_engine(url, pool_size=8, max_overflow=8, pool_pre_ping=True)
@@ -101,8 +105,12 @@ class FleetStore:
         try:
             with self.engine.begin() as conn:
                 yield conn
-        except sa.exc.OperationalError as exc:
-            msg = f"the fleet database is unavailable ({str(exc.orig).strip() or exc}); try again shortly"
+        except (sa.exc.OperationalError, sa.exc.InterfaceError) as exc:
+            text = str(exc.orig).strip() or str(exc)
+            # SQLite reports its own SQL errors as OperationalError too: only locks and I/O are "unavailable"
+            if self.dialect == "sqlite" and not any(w in text for w in _SQLITE_TRANSIENT):
+                raise
+            msg = f"the fleet database is unavailable ({text}); try again shortly"
             raise StoreUnavailable(msg) from exc
 
     def close(self) -> None:
