@@ -100,13 +100,26 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[
     rv.set_defaults(func=_revoke)
 
 
+def _need_extra() -> None:
+    try:
+        import alembic  # noqa: F401
+        import fastapi  # noqa: F401
+        import sqlalchemy  # noqa: F401
+        import uvicorn  # noqa: F401
+    except ImportError as exc:
+        msg = f"tierkit fleet needs {exc.name}: pip install 'tierkit[fleet]'"
+        raise ConfigError(msg) from None
+
+
 def _fleet(args: argparse.Namespace, **overrides: Any) -> Any:
+    _need_extra()
     from cloud_service.fleet.fleet import Fleet, FleetConfig
 
     return Fleet.open(FleetConfig(data_dir=args.data_dir, db_url=args.db, **overrides))
 
 
 def _serve(args: argparse.Namespace) -> int:
+    _need_extra()
     from cloud_service.fleet.ingest import IngestOptions
     from cloud_service.fleet.service import serve_fleet
     from cloud_service.fleet.telemetry import TelemetryLimits
