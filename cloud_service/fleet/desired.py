@@ -171,6 +171,12 @@ class DesiredState:
             return {r.device_id: int(r.version) for r in conn.execute(
                 sa.select(t.desired_effective.c.device_id, t.desired_effective.c.version))}
 
+    def reported_versions(self) -> dict[str, int | None]:
+        """Device id -> the desired version it last reported applied (one query for the whole fleet)."""
+        with self.store.begin() as conn:
+            return {r.device_id: r.version for r in conn.execute(
+                sa.select(t.reported.c.device_id, t.reported.c.version))}
+
     def mark_published(self, device_id: str, version: int) -> None:
         with self.store.begin() as conn:
             conn.execute(t.desired_effective.update().where(t.desired_effective.c.device_id == device_id)

@@ -96,14 +96,13 @@ class Fleet:
     def devices(self, labels: dict[str, str] | None = None) -> list[dict[str, Any]]:
         now = time.time()
         out = self.registry.devices(labels)
-        reported = {d["device_id"]: self.desired.reported(d["device_id"]) for d in out}
+        reported = self.desired.reported_versions()
         drift = {d["device_id"] for d in self.desired.drift(now=now)}
         desired = self.desired.effective_versions()
         for d in out:
             seen = d["last_seen"]
             d["online"] = d["revoked_at"] is None and seen is not None and now - seen <= self.config.online_after_s
-            rep = reported[d["device_id"]]
-            d["reported_version"] = rep["version"] if rep else None
+            d["reported_version"] = reported.get(d["device_id"])
             d["desired_version"] = desired.get(d["device_id"])
             d["drift"] = d["device_id"] in drift
         return out
