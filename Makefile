@@ -6,7 +6,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.tierkit-installed
 PYTEST_ARGS ?=
 
-.PHONY: demo test test-all bench lint typecheck install mosquitto clean
+.PHONY: demo test test-all bench lint typecheck install mosquitto postgresql chromium clean
 
 $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -27,16 +27,28 @@ mosquitto:
 	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
 	  $$SUDO apt-get update -qq && $$SUDO apt-get install -y -qq mosquitto mosquitto-clients; }
 
+# The fleet tests start their own PostgreSQL (initdb in a temp dir, loopback port) and drive Debian's
+# chromium headless through Playwright (its own browser download is never used).
+postgresql:
+	@ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1 || { \
+	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+	  $$SUDO apt-get update -qq && $$SUDO apt-get install -y -qq postgresql; }
+
+chromium:
+	@command -v chromium >/dev/null 2>&1 || { \
+	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+	  $$SUDO apt-get update -qq && $$SUDO apt-get install -y -qq chromium; }
+
 demo: install
 	$(BIN)/tierkit demo
 
-test: install mosquitto
+test: install mosquitto postgresql chromium
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
-test-all: install mosquitto
+test-all: install mosquitto postgresql chromium
 	$(BIN)/python -m pytest -m "" $(PYTEST_ARGS)
 
-bench: install mosquitto
+bench: install mosquitto postgresql
 	@for b in bench/bench_*.py; do echo "== $$b"; $(BIN)/python $$b || exit 1; done
 
 lint: install

@@ -11,6 +11,7 @@ import contextlib
 import dataclasses
 import signal
 import sys
+from pathlib import Path
 from typing import Any
 
 from edge_agent.config import load_config, parse_listen
@@ -25,6 +26,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[
     p.add_argument("--config", required=True, metavar="agent.yaml", help="the agent configuration file")
     p.add_argument("--listen", metavar="HOST:PORT", help="override the config's listen address (port 0: any free)")
     p.add_argument("--device-id", help="override the config's device id")
+    p.add_argument("--enroll", metavar="URL", help="enroll in the fleet at URL (once; the identity is kept)")
+    p.add_argument("--token", help="the one-time enrollment token for --enroll")
+    p.add_argument("--fleet-state", metavar="DIR", help="where the fleet identity is kept (default ./fleet-state)")
     p.set_defaults(func=run)
 
 
@@ -36,6 +40,17 @@ def run(args: argparse.Namespace) -> int:
         config = dataclasses.replace(config, listen=parse_listen(args.listen, "--listen"))
     if args.device_id:
         config = dataclasses.replace(config, options=dataclasses.replace(config.options, device_id=args.device_id))
+
+    if args.enroll:
+        from edge_agent.config import FleetEnrollment
+
+        state = Path(args.fleet_state) if args.fleet_state else (
+            config.fleet.state_dir if config.fleet else Path("fleet-state"))
+        config = dataclasses.replace(config, fleet=FleetEnrollment(args.enroll, args.token or "", state))
+    if config.fleet is not None:
+        from edge_agent.fleet_sync import enrolled_config
+
+        config = enrolled_config(config)
 
     def ready(daemon: Any) -> None:
         host = config.listen[0]

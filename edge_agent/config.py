@@ -14,6 +14,7 @@ controller: true                    # adapt (variant, threshold) to the budget a
 # controller: {cloud_accuracy: 0.995, rtt_ms: 20, benchmark_repeats: 20}   # the same, with priors
 telemetry_interval_s: 10
 threads: 0
+fleet: {url: http://fleet:8080, token: tke_..., state_dir: ./fleet-state}   # optional: enroll in a fleet
 ```
 
 Example:
@@ -41,7 +42,22 @@ from runtimes.errors import ConfigError
 from runtimes.session import SessionOptions
 
 _KEYS = {"model", "device_id", "cloud", "listen", "broker", "budget", "policy", "breaker", "journal",
-         "telemetry_interval_s", "threads", "margin_ms", "controller"}
+         "telemetry_interval_s", "threads", "margin_ms", "controller", "fleet"}
+
+
+@dataclass(frozen=True)
+class FleetEnrollment:
+    """`fleet:` in agent.yaml (or `tierkit agent --enroll URL --token T`): enroll once, keep the identity.
+
+    Args:
+        url: the fleet service's HTTP address.
+        token: a one-time enrollment token (`tierkit fleet token create`); unused once enrolled.
+        state_dir: where the device key, certificate and identity are kept across restarts.
+    """
+
+    url: str
+    token: str = ""
+    state_dir: Path = Path("fleet-state")
 
 
 @dataclass(frozen=True)
@@ -56,6 +72,7 @@ class AgentConfig:
     policy: Policy = field(default_factory=Policy)
     options: AgentOptions = field(default_factory=AgentOptions)
     controller: bool = False
+    fleet: FleetEnrollment | None = None
 
 
 def _section(doc: Mapping[str, Any], key: str, cls: type, where: str) -> Any:
@@ -139,13 +156,21 @@ def parse_config(doc: Mapping[str, Any], *, base: Path = Path(), where: str = "a
     for key in ("telemetry_interval_s", "margin_ms"):
         if doc.get(key) is not None:
             opts[key] = float(doc[key])
+    fleet = None
+    if doc.get("fleet"):
+        f = doc["fleet"]
+        if not isinstance(f, Mapping) or not f.get("url") or set(f) - {"url", "token", "state_dir"}:
+            msg = f"{where}: 'fleet' takes 'url' (required), 'token' and 'state_dir', got {f!r}"
+            raise ConfigError(msg)
+        fleet = FleetEnrollment(url=str(f["url"]), token=str(f.get("token") or ""),
+                                state_dir=base / str(f.get("state_dir") or "fleet-state"))
     controller, adaptive = _controller(doc.get("controller"), where)
     if adaptive is not None:
         opts["adaptive"] = adaptive
     return AgentConfig(model=base / str(doc["model"]), cloud=str(cloud) if cloud else None,
                        listen=parse_listen(doc.get("listen", "127.0.0.1:8500")), broker=broker,
                        budget=_section(doc, "budget", Budget, where), policy=_section(doc, "policy", Policy, where),
-                       options=AgentOptions(**opts), controller=controller)
+                       options=AgentOptions(**opts), controller=controller, fleet=fleet)
 
 
 def load_config(path: str | Path) -> AgentConfig:

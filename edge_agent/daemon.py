@@ -47,6 +47,7 @@ from cloud_service.protocol.codec import NP_TO_OIP
 from edge_agent.agent import EdgeAgent
 from edge_agent.budget import Budget
 from edge_agent.config import AgentConfig
+from edge_agent.fleet_sync import TelemetryWindows, model_digest
 from edge_agent.journal import Journal, JournalEntry, drain
 from edge_agent.transports.base import TransportOptions
 from edge_agent.transports.mqtt import MqttTransport
@@ -144,6 +145,12 @@ class AgentDaemon:
         self._telemetry_journal: Journal | None = None
         self._telemetry_seq = itertools.count(1)
         self.desired_applied = 0
+        # enrolled in a fleet: telemetry goes out as per-window aggregates, reports name version and digest
+        self._windows: TelemetryWindows | None = None
+        self.model_digest = ""
+        if config.fleet is not None:
+            self.model_digest = model_digest(Path(config.model))
+            self._windows = TelemetryWindows(opts.boot_id, model_digest=self.model_digest)
 
     async def start(self) -> AgentDaemon:
         """Start the agent, bind the local endpoint, connect the control channel."""
@@ -219,6 +226,8 @@ class AgentDaemon:
         await control.acknowledged(info, 5.0)
 
     async def _publish_telemetry(self, doc: dict[str, Any]) -> None:
+        if self._windows is not None:
+            doc = self._windows.window(doc)
         payload = json.dumps(doc, default=str).encode()
         topic = topics.telemetry_topic(self.device)
         journal = self._telemetry_journal
@@ -247,8 +256,10 @@ class AgentDaemon:
         report: dict[str, Any] = {"device": self.device, "boot_id": self.agent.options.boot_id}
         try:
             desired = json.loads(payload)
-            if not isinstance(desired, dict) or set(desired) - {"budget", "threshold"}:
-                msg = 'desired state must be a JSON object with "budget" and/or "threshold"'
+            if not isinstance(desired, dict) or set(desired) - {"budget", "threshold", "version",
+                                                                 "telemetry_interval_s"}:
+                msg = ('desired state must be a JSON object with "budget", "threshold" and/or '
+                       '"telemetry_interval_s" (and the fleet\'s "version")')
                 raise ConfigError(msg)
             if "budget" in desired:
                 budget = dataclasses.replace(self.agent.budget, **desired["budget"])
@@ -256,12 +267,22 @@ class AgentDaemon:
             if "threshold" in desired:
                 value = desired["threshold"]
                 self.agent.set_threshold(None if value is None else float(value))
+            if "telemetry_interval_s" in desired:
+                interval = float(desired["telemetry_interval_s"])
+                if not interval >= 1:
+                    msg = f"telemetry_interval_s must be at least 1 s, got {interval}"
+                    raise ConfigError(msg)
+                self.agent.options = dataclasses.replace(self.agent.options, telemetry_interval_s=interval)
+            if isinstance(desired.get("version"), int):
+                report["desired_version"] = desired["version"]  # only once it has taken effect
             self.desired_applied += 1
         except (ValueError, TypeError, ConfigError) as exc:
             report["error"] = f"desired state not applied: {exc}"
             logger.warning("%s", report["error"])
         report.update(budget=dataclasses.asdict(self.agent.budget), threshold=self.agent.threshold,
                       variant=self.agent.variant)
+        if self.model_digest:
+            report["model_digest"] = self.model_digest
         task = asyncio.get_running_loop().create_task(self._report(report))
         task.add_done_callback(lambda t: t.cancelled() or t.exception())
 

@@ -1,0 +1,122 @@
+"""The fleet's HTTP API (FastAPI; OpenAPI at /openapi.json, docs at /docs) and the dashboard page.
+
+Operators send `Authorization: Bearer TOKEN` (a read-only or an admin operator token). Devices
+call one endpoint, `POST /v1/enroll`, with their one-time enrollment token in the body; they never
+hold an operator token. Every `FleetError` becomes its `http_status` with `{"error": message}`.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+from fastapi import Depends, FastAPI, Header, Request
+from fastapi.responses import HTMLResponse, JSONResponse
+from pydantic import BaseModel, Field
+
+from cloud_service.fleet.errors import FleetError
+from cloud_service.fleet.fleet import Fleet
+from cloud_service.fleet.registry import parse_labels
+
+_DASHBOARD = Path(__file__).with_name("dashboard.html")
+
+
+class EnrollRequest(BaseModel):
+    token: str = Field(min_length=1, max_length=256)
+    csr: str = Field(min_length=1, max_length=16384)
+    hardware: dict[str, Any] = Field(default_factory=dict)
+    agent_version: str = Field(default="", max_length=64)
+
+
+class EnrollResponse(BaseModel):
+    device_id: str
+    certificate: str
+    ca_certificate: str
+    mqtt_username: str
+    mqtt_password: str
+    labels: dict[str, str]
+
+
+class LayerRequest(BaseModel):
+    selector: str = Field(min_length=1, max_length=512, examples=["*", "site=berlin", "device=dev-1a2b"])
+    document: dict[str, Any]
+    priority: int | None = None
+
+
+class TokenRequest(BaseModel):
+    labels: dict[str, str] = Field(default_factory=dict)
+    expires_s: float = Field(default=86400.0, gt=0)
+
+
+def create_app(fleet: Fleet) -> FastAPI:
+    """The API over one `Fleet`."""
+    app = FastAPI(title="tierkit fleet", version="1",
+                  description="Devices, desired and reported state, telemetry and drift of a tierkit fleet.")
+
+    @app.exception_handler(FleetError)
+    async def _fleet_error(_request: Request, exc: FleetError) -> JSONResponse:
+        return JSONResponse({"error": str(exc)}, status_code=exc.http_status)
+
+    def _token(authorization: str | None) -> str | None:
+        if authorization and authorization.lower().startswith("bearer "):
+            return authorization[7:].strip()
+        return None
+
+    def reader(authorization: str | None = Header(default=None)) -> str:
+        return fleet.registry.authorize(_token(authorization), write=False)
+
+    def admin(authorization: str | None = Header(default=None)) -> str:
+        return fleet.registry.authorize(_token(authorization), write=True)
+
+    @app.get("/", response_class=HTMLResponse, include_in_schema=False)
+    def dashboard() -> str:
+        return _DASHBOARD.read_text()
+
+    @app.post("/v1/enroll", response_model=EnrollResponse, tags=["devices"])
+    def enroll(req: EnrollRequest) -> EnrollResponse:
+        got = fleet.enroll(req.token, req.csr, hardware=req.hardware, agent_version=req.agent_version)
+        return EnrollResponse(device_id=got.device_id, certificate=got.cert_pem, ca_certificate=got.ca_pem,
+                              mqtt_username=got.mqtt_username, mqtt_password=got.mqtt_password, labels=got.labels)
+
+    @app.get("/v1/devices", tags=["devices"])
+    def devices(label: str | None = None, _op: str = Depends(reader)) -> list[dict[str, Any]]:
+        return fleet.devices(parse_labels(label, where="label"))
+
+    @app.get("/v1/devices/{device_id}", tags=["devices"])
+    def device(device_id: str, _op: str = Depends(reader)) -> dict[str, Any]:
+        return fleet.show(device_id)
+
+    @app.post("/v1/devices/{device_id}/revoke", tags=["devices"])
+    def revoke(device_id: str, _op: str = Depends(admin)) -> dict[str, Any]:
+        fleet.revoke(device_id)
+        return {"revoked": device_id}
+
+    @app.post("/v1/tokens", tags=["devices"])
+    def token(req: TokenRequest, _op: str = Depends(admin)) -> dict[str, Any]:
+        return {"token": fleet.registry.create_token(req.labels, expires_s=req.expires_s),
+                "expires_at": time.time() + req.expires_s}
+
+    @app.get("/v1/desired", tags=["desired"])
+    def layers(_op: str = Depends(reader)) -> list[dict[str, Any]]:
+        return fleet.desired.layers()
+
+    @app.put("/v1/desired", tags=["desired"])
+    def set_layer(req: LayerRequest, _op: str = Depends(admin)) -> dict[str, Any]:
+        return {"version": fleet.set_layer(req.selector, req.document, priority=req.priority)}
+
+    @app.get("/v1/drift", tags=["desired"])
+    def drift(_op: str = Depends(reader)) -> list[dict[str, Any]]:
+        return fleet.desired.drift()
+
+    @app.get("/v1/telemetry", tags=["telemetry"])
+    def telemetry(device: str | None = None, label: str | None = None, since: float = 0.0,
+                  until: float | None = None, limit: int = 5000, _op: str = Depends(reader)) -> dict[str, Any]:
+        return fleet.telemetry_query(device=device, labels=parse_labels(label, where="label"), since=since,
+                                     until=until, limit=max(1, min(limit, 100_000)))
+
+    @app.get("/v1/stats", tags=["telemetry"])
+    def stats(_op: str = Depends(reader)) -> dict[str, Any]:
+        return fleet.stats()
+
+    return app

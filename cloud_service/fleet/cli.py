@@ -1,0 +1,231 @@
+"""`tierkit fleet ...`: run the fleet service and manage it from the shell.
+
+    tierkit fleet serve [--db URL] [--http HOST:PORT] [--mqtt mqtt://BROKER]
+    tierkit fleet token create --labels site=berlin,kind=cam [--expires 24h]
+    tierkit fleet operator create NAME [--role read|admin]
+    tierkit fleet devices [--label k=v] [--json]
+    tierkit fleet show DEVICE
+    tierkit fleet set (--label k=v | --device ID | --all) FILE.yaml [--priority N]
+    tierkit fleet drift
+    tierkit fleet revoke DEVICE
+
+The management commands work on the fleet database directly (`--data-dir`, or `--db URL` for
+PostgreSQL), as an administrator on the fleet's host does; remote operators use the HTTP API with
+an operator token. A running `fleet serve` publishes a changed desired layer within a second.
+Secrets come from the environment: `TIERKIT_FLEET_MQTT_PASSWORD` (the fleet's broker account).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import re
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+from runtimes.documents import read_document
+from runtimes.errors import ConfigError
+
+_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+
+
+def parse_duration(text: str) -> float:
+    """`90s`, `15m`, `24h`, `7d` or plain seconds."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([smhd]?)\s*", str(text))
+    if not m or float(m.group(1)) <= 0:
+        msg = f"duration {text!r} must be a positive number with an optional unit s, m, h or d (e.g. 24h)"
+        raise ConfigError(msg)
+    return float(m.group(1)) * _UNITS[m.group(2) or "s"]
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    """Register `tierkit fleet`."""
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--data-dir", type=Path, default=Path("fleet-data"), help="CA and SQLite DB (./fleet-data)")
+    common.add_argument("--db", metavar="URL", help="database URL: sqlite:///PATH or postgresql://USER@HOST/DB")
+    p = subparsers.add_parser("fleet", help="the fleet service: enroll devices, desired state, telemetry",
+                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="fleet_command", metavar="COMMAND", required=True)
+
+    s = sub.add_parser("serve", parents=[common], help="run the HTTP API and MQTT ingestion")
+    s.add_argument("--http", default="127.0.0.1:8080", metavar="HOST:PORT", help="API address (port 0: any free)")
+    s.add_argument("--mqtt", metavar="URL", help="broker to ingest from and publish desired state to")
+    s.add_argument("--mqtt-user", help="the fleet's broker user (password: $TIERKIT_FLEET_MQTT_PASSWORD)")
+    s.add_argument("--group", default="tierkit-fleet", help="shared-subscription group of all fleet processes")
+    s.add_argument("--client-id", default="", help="MQTT client id, stable across restarts (default: host-pid)")
+    s.add_argument("--broker-passwd", type=Path, help="Mosquitto password file to keep in sync with the registry")
+    s.add_argument("--broker-reload", metavar="CMD", help="command that makes the broker reread that file")
+    s.add_argument("--drift-after", default="5m", help="reported != desired for longer than this is drift")
+    s.add_argument("--daily-bytes", type=int, default=2 * 1024 * 1024, help="telemetry byte cap per device and day")
+    s.add_argument("--retention", default="7d", help="raw telemetry kept this long, then rolled up hourly")
+    s.set_defaults(func=_serve)
+
+    tok = sub.add_parser("token", help="enrollment tokens").add_subparsers(dest="token_command", required=True)
+    tc = tok.add_parser("create", parents=[common], help="a one-time enrollment token")
+    tc.add_argument("--labels", default="", help="labels the device gets, e.g. site=berlin,kind=cam")
+    tc.add_argument("--expires", default="24h", help="lifetime (e.g. 90m, 24h, 7d)")
+    tc.set_defaults(func=_token_create)
+
+    op = sub.add_parser("operator", help="operator API tokens").add_subparsers(dest="op_command", required=True)
+    oc = op.add_parser("create", parents=[common], help="an API token for a person or a script")
+    oc.add_argument("name")
+    oc.add_argument("--role", choices=("read", "admin"), default="read")
+    oc.set_defaults(func=_operator_create)
+
+    d = sub.add_parser("devices", parents=[common], help="list devices")
+    d.add_argument("--label", help="only devices with these labels, e.g. site=berlin")
+    d.add_argument("--json", action="store_true")
+    d.set_defaults(func=_devices)
+    sh = sub.add_parser("show", parents=[common], help="one device: registry, desired, reported, usage")
+    sh.add_argument("device")
+    sh.set_defaults(func=_show)
+    st = sub.add_parser("set", parents=[common], help="set a desired layer from a YAML/JSON file")
+    who = st.add_mutually_exclusive_group(required=True)
+    who.add_argument("--label", help="devices with these labels (k=v[,k=v])")
+    who.add_argument("--device", help="one device")
+    who.add_argument("--all", action="store_true", help="the fleet default")
+    st.add_argument("file", type=Path)
+    st.add_argument("--priority", type=int, help="higher wins (defaults: fleet 0, labels 100, device 1000)")
+    st.set_defaults(func=_set)
+    dr = sub.add_parser("drift", parents=[common], help="devices whose reported state lags the desired one")
+    dr.add_argument("--json", action="store_true")
+    dr.set_defaults(func=_drift)
+    rv = sub.add_parser("revoke", parents=[common], help="cut a device off the API and the broker")
+    rv.add_argument("device")
+    rv.set_defaults(func=_revoke)
+
+
+def _need_extra() -> None:
+    try:
+        import alembic  # noqa: F401
+        import fastapi  # noqa: F401
+        import sqlalchemy  # noqa: F401
+        import uvicorn  # noqa: F401
+    except ImportError as exc:
+        msg = f"tierkit fleet needs {exc.name}: pip install 'tierkit[fleet]'"
+        raise ConfigError(msg) from None
+
+
+def _fleet(args: argparse.Namespace, **overrides: Any) -> Any:
+    _need_extra()
+    from cloud_service.fleet.fleet import Fleet, FleetConfig
+
+    return Fleet.open(FleetConfig(data_dir=args.data_dir, db_url=args.db, **overrides))
+
+
+def _serve(args: argparse.Namespace) -> int:
+    _need_extra()
+    from cloud_service.fleet.ingest import IngestOptions
+    from cloud_service.fleet.service import serve_fleet
+    from cloud_service.fleet.telemetry import TelemetryLimits
+    host, _, port = str(args.http).rpartition(":")
+    if not host or not port.isdigit() or int(port) > 65535:
+        msg = f"--http {args.http!r} must be HOST:PORT, e.g. 127.0.0.1:8080"
+        raise ConfigError(msg)
+    http = (host.strip("[]"), int(port))
+    mqtt = None
+    if args.mqtt:
+        m = re.fullmatch(r"mqtt://([^:/]+)(?::(\d+))?/?", args.mqtt)
+        if not m:
+            msg = f"--mqtt {args.mqtt!r} must be mqtt://HOST[:PORT]"
+            raise ConfigError(msg)
+        mqtt = IngestOptions(host=m.group(1), port=int(m.group(2) or 1883), group=args.group, client_id=args.client_id,
+                             username=args.mqtt_user, password=os.environ.get("TIERKIT_FLEET_MQTT_PASSWORD"))
+    limits = TelemetryLimits(daily_bytes=args.daily_bytes, retention_s=parse_duration(args.retention))
+    users = {args.mqtt_user: mqtt.password} if mqtt is not None and args.mqtt_user and mqtt.password else {}
+    fleet = _fleet(args, broker_passwd=args.broker_passwd, broker_reload=args.broker_reload, broker_users=users,
+                   drift_after_s=parse_duration(args.drift_after), limits=limits)
+    fleet.sync_broker()
+
+    async def main() -> None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            with contextlib.suppress(NotImplementedError):
+                loop.add_signal_handler(sig, stop.set)
+        await serve_fleet(fleet, http=http, mqtt=mqtt, stop=stop,
+                          ready=lambda port: print(f"tierkit fleet: API on http://{http[0]}:{port}, "
+                                                   f"database {fleet.store.dialect}, mqtt {args.mqtt or 'off'}",
+                                                   flush=True))
+
+    try:
+        asyncio.run(main())
+    finally:
+        fleet.close()
+    return 0
+
+
+def _token_create(args: argparse.Namespace) -> int:
+    from cloud_service.fleet.registry import parse_labels
+
+    with _fleet(args) as fleet:
+        print(fleet.registry.create_token(parse_labels(args.labels), expires_s=parse_duration(args.expires)))
+    return 0
+
+
+def _operator_create(args: argparse.Namespace) -> int:
+    with _fleet(args) as fleet:
+        print(fleet.registry.create_operator_token(args.name, args.role))
+    return 0
+
+
+def _devices(args: argparse.Namespace) -> int:
+    from cloud_service.fleet.registry import parse_labels
+
+    with _fleet(args) as fleet:
+        devs = fleet.devices(parse_labels(args.label, where="--label"))
+    if args.json:
+        print(json.dumps(devs, indent=2, default=str))
+        return 0
+    print(f"{'DEVICE':<18} {'STATE':<8} {'LAST SEEN':>10} {'VARIANT':<10} {'THRESH':>6} {'REPORTED':>8} LABELS")
+    now = time.time()
+    for d in devs:
+        state = "revoked" if d["revoked_at"] else ("online" if d["online"] else "offline")
+        seen = f"{now - d['last_seen']:.0f}s ago" if d["last_seen"] else "never"
+        labels = ",".join(f"{k}={v}" for k, v in sorted(d["labels"].items()))
+        thr = "" if d["threshold"] is None else f"{d['threshold']:.2f}"
+        print(f"{d['device_id']:<18} {state:<8} {seen:>10} {d['variant'] or '-':<10} {thr:>6} "
+              f"{d['reported_version'] or '-'!s:>8} {labels}{'  DRIFT' if d['drift'] else ''}")
+    return 0
+
+
+def _show(args: argparse.Namespace) -> int:
+    with _fleet(args) as fleet:
+        print(json.dumps(fleet.show(args.device), indent=2, default=str))
+    return 0
+
+
+def _set(args: argparse.Namespace) -> int:
+    selector = "*" if args.all else (f"device={args.device}" if args.device else args.label)
+    doc = read_document(args.file, "desired document")
+    with _fleet(args) as fleet:
+        version = fleet.set_layer(selector, doc, priority=args.priority)
+    print(f"desired layer {selector!r} is version {version}")
+    return 0
+
+
+def _drift(args: argparse.Namespace) -> int:
+    with _fleet(args) as fleet:
+        rows = fleet.desired.drift()
+    if args.json:
+        print(json.dumps(rows, indent=2))
+        return 0
+    for r in rows:
+        print(f"{r['device_id']:<18} desired v{r['desired_version']} reported "
+              f"{'v' + str(r['reported_version']) if r['reported_version'] is not None else 'nothing'} "
+              f"for {r['behind_s']:.0f}s")
+    if not rows:
+        print("no drift")
+    return 0
+
+
+def _revoke(args: argparse.Namespace) -> int:
+    with _fleet(args) as fleet:
+        fleet.revoke(args.device)
+    print(f"revoked {args.device}")
+    return 0

@@ -1,0 +1,143 @@
+"""`Fleet`: the registry, desired state and telemetry store over one database, as the API and CLI use them.
+
+Example:
+    >>> fleet = Fleet.open(FleetConfig(data_dir=Path("fleet-data")))
+    >>> fleet.set_layer("site=berlin", {"threshold": 0.7})
+    >>> fleet.devices({"site": "berlin"})
+"""
+
+from __future__ import annotations
+
+import logging
+import subprocess
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from cloud_service.fleet.ca import FleetCA
+from cloud_service.fleet.desired import DesiredState
+from cloud_service.fleet.registry import Enrolled, Registry
+from cloud_service.fleet.store import DEFAULT_DATA_DIR, FleetStore, default_url
+from cloud_service.fleet.telemetry import TelemetryLimits, TelemetryStore
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class FleetConfig:
+    """Args:
+    data_dir: the CA, the SQLite database (unless `db_url`) and the broker password file live here.
+    db_url: sqlite:///PATH or postgresql://USER@HOST/DB; default: SQLite (WAL) in `data_dir`.
+    broker_passwd: a Mosquitto password file the fleet rewrites on every enrollment and revocation.
+    broker_reload: a command run after rewriting it (e.g. `systemctl reload mosquitto`, or `kill -HUP PID`).
+    broker_users: extra broker accounts written into that file (the fleet's own, bridges).
+    drift_after_s: how long reported may differ from desired before the device is listed as drift.
+    online_after_s: a device not heard from for longer is offline.
+    limits: telemetry size, daily byte cap, clock skew and raw retention.
+    """
+
+    data_dir: Path = DEFAULT_DATA_DIR
+    db_url: str | None = None
+    broker_passwd: Path | None = None
+    broker_reload: str | None = None
+    broker_users: dict[str, str] = field(default_factory=dict)
+    drift_after_s: float = 300.0
+    online_after_s: float = 120.0
+    limits: TelemetryLimits = field(default_factory=TelemetryLimits)
+
+
+class Fleet:
+    """Everything the operator-facing surfaces need, over one `FleetStore`."""
+
+    def __init__(self, config: FleetConfig, store: FleetStore) -> None:
+        self.config, self.store = config, store
+        self.ca = FleetCA.load_or_create(config.data_dir)
+        self.registry = Registry(store, self.ca)
+        self.desired = DesiredState(store, drift_after_s=config.drift_after_s)
+        self.telemetry = TelemetryStore(store, config.limits)
+        self.ingest: Any = None  # an MqttIngest once `tierkit fleet serve` connects one
+
+    @classmethod
+    def open(cls, config: FleetConfig) -> Fleet:
+        return cls(config, FleetStore.open(config.db_url or default_url(config.data_dir)))
+
+    def close(self) -> None:
+        self.store.close()
+
+    def __enter__(self) -> Fleet:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- registry ------------------------------------------------------------------------------
+
+    def enroll(self, token: str, csr_pem: str, *, hardware: dict[str, Any], agent_version: str) -> Enrolled:
+        got = self.registry.enroll(token, csr_pem, hardware=hardware, agent_version=agent_version)
+        self.sync_broker()
+        return got
+
+    def revoke(self, device_id: str) -> None:
+        self.registry.revoke(device_id)
+        self.sync_broker()
+
+    def sync_broker(self) -> None:
+        """Rewrite the broker password file (active devices only) and run the reload command."""
+        if self.config.broker_passwd is None:
+            return
+        self.registry.write_broker_passwords(self.config.broker_passwd, extra=self.config.broker_users)
+        if self.config.broker_reload:
+            done = subprocess.run(self.config.broker_reload, shell=True, capture_output=True, timeout=30, check=False)
+            if done.returncode:
+                logger.warning("broker reload %r failed (%d): %s", self.config.broker_reload, done.returncode,
+                               done.stderr.decode(errors="replace")[:300])
+
+    def devices(self, labels: dict[str, str] | None = None) -> list[dict[str, Any]]:
+        now = time.time()
+        out = self.registry.devices(labels)
+        reported = self.desired.reported_versions()
+        drift = {d["device_id"] for d in self.desired.drift(now=now)}
+        desired = self.desired.effective_versions()
+        for d in out:
+            seen = d["last_seen"]
+            d["online"] = d["revoked_at"] is None and seen is not None and now - seen <= self.config.online_after_s
+            d["reported_version"] = reported.get(d["device_id"])
+            d["desired_version"] = desired.get(d["device_id"])
+            d["drift"] = d["device_id"] in drift
+        return out
+
+    def show(self, device_id: str) -> dict[str, Any]:
+        dev = self.registry.device(device_id)
+        return {"device": dev, "desired": self.desired.effective(dev), "reported": self.desired.reported(device_id),
+                "usage": self.telemetry.usage(device_id),
+                "recent": self.telemetry.windows([device_id], since=time.time() - 3600)[-20:]}
+
+    # -- desired -------------------------------------------------------------------------------
+
+    def set_layer(self, selector: str, document: Any, *, priority: int | None = None) -> int:
+        version = self.desired.set_layer(selector, document, priority=priority)
+        if self.ingest is not None:
+            self.ingest.publish_desired()
+        return version
+
+    # -- telemetry -----------------------------------------------------------------------------
+
+    def telemetry_query(self, *, device: str | None = None, labels: dict[str, str] | None = None,
+                        since: float = 0.0, until: float | None = None, limit: int = 5000) -> dict[str, Any]:
+        """Raw windows and hourly roll-ups for one device, or the devices carrying `labels` (None: all)."""
+        devices: list[str] | None = None
+        if device is not None:
+            devices = [device]
+        elif labels:
+            devices = [d["device_id"] for d in self.registry.devices(labels)]
+        return {"windows": self.telemetry.windows(devices, since=since, until=until or float("inf"), limit=limit),
+                "rollups": self.telemetry.rollups(devices, since=since)}
+
+    def stats(self) -> dict[str, Any]:
+        devs = self.devices()
+        return {"devices": len(devs), "online": sum(d["online"] for d in devs),
+                "revoked": sum(d["revoked_at"] is not None for d in devs),
+                "drift": sum(d["drift"] for d in devs), "dropped": self.telemetry.drops(),
+                "ingest": dict(self.ingest.stats) if self.ingest is not None else {},
+                "mqtt_connected": bool(self.ingest is not None and self.ingest.connected.is_set())}

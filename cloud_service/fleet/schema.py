@@ -1,0 +1,159 @@
+"""The fleet store's tables (SQLAlchemy 2 Core). Alembic migrations in `migrations/` create them.
+
+Times are Unix seconds as floats (the same on SQLite and PostgreSQL, no time-zone traps); JSON
+documents are stored as text so that both databases round-trip them byte for byte.
+`releases` and `leases` are there for rollouts (database-backed state with row leases).
+"""
+
+from __future__ import annotations
+
+from sqlalchemy import (
+    BigInteger,
+    Boolean,
+    Column,
+    Float,
+    Index,
+    Integer,
+    MetaData,
+    String,
+    Table,
+    Text,
+    UniqueConstraint,
+)
+
+metadata = MetaData()
+
+devices = Table(
+    "devices", metadata,
+    Column("device_id", String(128), primary_key=True),
+    Column("labels", Text, nullable=False, default="{}"),
+    Column("hardware", Text, nullable=False, default="{}"),
+    Column("agent_version", String(64), nullable=False, default=""),
+    Column("cert_serial", String(64), nullable=False, default=""),
+    Column("mqtt_password_hash", String(256), nullable=False, default=""),
+    Column("enrolled_at", Float, nullable=False),
+    Column("revoked_at", Float, nullable=True),
+    Column("last_seen", Float, nullable=True),
+    Column("model_digest", String(128), nullable=False, default=""),
+    Column("variant", String(128), nullable=False, default=""),
+    Column("threshold", Float, nullable=True),
+)
+
+enrollment_tokens = Table(
+    "enrollment_tokens", metadata,
+    Column("token_hash", String(64), primary_key=True),
+    Column("labels", Text, nullable=False),
+    Column("created_at", Float, nullable=False),
+    Column("expires_at", Float, nullable=False),
+    Column("used_at", Float, nullable=True),
+    Column("device_id", String(128), nullable=True),
+)
+
+operator_tokens = Table(
+    "operator_tokens", metadata,
+    Column("token_hash", String(64), primary_key=True),
+    Column("name", String(128), nullable=False),
+    Column("role", String(16), nullable=False),  # "read" or "admin"
+    Column("created_at", Float, nullable=False),
+)
+
+# One layer of desired state: a selector ("*", "k=v,k2=v2" or "device=ID") at a priority.
+desired_layers = Table(
+    "desired_layers", metadata,
+    Column("selector", String(512), primary_key=True),
+    Column("priority", Integer, nullable=False),
+    Column("document", Text, nullable=False),
+    Column("version", BigInteger, nullable=False),
+    Column("updated_at", Float, nullable=False),
+)
+
+# The effective document last computed (and retained on MQTT) for each device.
+desired_effective = Table(
+    "desired_effective", metadata,
+    Column("device_id", String(128), primary_key=True),
+    Column("version", BigInteger, nullable=False),
+    Column("document", Text, nullable=False),
+    Column("since", Float, nullable=False),
+    Column("published_version", BigInteger, nullable=True),
+)
+
+reported = Table(
+    "reported", metadata,
+    Column("device_id", String(128), primary_key=True),
+    Column("version", BigInteger, nullable=True),
+    Column("document", Text, nullable=False),
+    Column("received_at", Float, nullable=False),
+)
+
+telemetry = Table(
+    "telemetry", metadata,
+    Column("id", BigInteger().with_variant(Integer, "sqlite"), primary_key=True, autoincrement=True),
+    Column("device_id", String(128), nullable=False),
+    Column("boot_id", String(64), nullable=False),
+    Column("seq", BigInteger, nullable=False),
+    Column("device_ts", Float, nullable=False),
+    Column("server_ts", Float, nullable=False),
+    Column("skewed", Boolean, nullable=False),
+    Column("window_s", Float, nullable=False),
+    Column("requests", Integer, nullable=False),
+    Column("p50_ms", Float, nullable=False),
+    Column("p95_ms", Float, nullable=False),
+    Column("escalation_rate", Float, nullable=False),
+    Column("agreement", Float, nullable=True),
+    Column("energy_mj_per_request", Float, nullable=False),
+    Column("energy_label", String(64), nullable=False),
+    Column("degraded", Integer, nullable=False),
+    Column("variant", String(128), nullable=False),
+    Column("threshold", Float, nullable=True),
+    Column("bytes", Integer, nullable=False),
+    Column("document", Text, nullable=False),
+    UniqueConstraint("device_id", "boot_id", "seq", name="uq_telemetry_window"),
+)
+Index("ix_telemetry_device_ts", telemetry.c.device_id, telemetry.c.server_ts)
+
+# Hourly roll-up of windows older than the raw retention.
+telemetry_rollup = Table(
+    "telemetry_rollup", metadata,
+    Column("device_id", String(128), primary_key=True),
+    Column("hour", BigInteger, primary_key=True),  # Unix seconds at the start of the hour
+    Column("windows", Integer, nullable=False),
+    Column("requests", BigInteger, nullable=False),
+    Column("p95_ms_max", Float, nullable=False),
+    Column("p95_ms_mean", Float, nullable=False),
+    Column("escalation_rate", Float, nullable=False),
+    Column("energy_mj_per_request", Float, nullable=False),
+    Column("degraded", BigInteger, nullable=False),
+)
+
+# Bytes accepted and cut per device and UTC day (the cellular-bill cap).
+telemetry_usage = Table(
+    "telemetry_usage", metadata,
+    Column("device_id", String(128), primary_key=True),
+    Column("day", Integer, primary_key=True),  # days since the epoch
+    Column("bytes", BigInteger, nullable=False),
+    Column("cut_windows", Integer, nullable=False),
+    Column("cut_bytes", BigInteger, nullable=False),
+)
+
+# Messages counted and dropped, by reason (malformed, oversized, unknown, revoked, impersonating, replayed, capped).
+ingest_drops = Table(
+    "ingest_drops", metadata,
+    Column("reason", String(32), primary_key=True),
+    Column("count", BigInteger, nullable=False),
+)
+
+# For rollouts: a signed release named by its digest, and row leases shared by several fleet processes.
+releases = Table(
+    "releases", metadata,
+    Column("digest", String(128), primary_key=True),
+    Column("name", String(128), nullable=False),
+    Column("manifest", Text, nullable=False),
+    Column("created_at", Float, nullable=False),
+)
+
+leases = Table(
+    "leases", metadata,
+    Column("name", String(128), primary_key=True),
+    Column("holder", String(128), nullable=True),
+    Column("expires_at", Float, nullable=True),
+)

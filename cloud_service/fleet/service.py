@@ -1,0 +1,81 @@
+"""`tierkit fleet serve` as a coroutine: the HTTP API (uvicorn), MQTT ingestion, and the periodic work.
+
+Periodic work: publish effective desired documents whose version changed (every second, so a
+layer set through the CLI or by another fleet process reaches the devices), and roll raw telemetry
+past its retention up into hourly rows (every minute). Several processes may run this on one
+PostgreSQL: the work is idempotent and the broker's shared subscription splits ingestion.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from cloud_service.fleet.api import create_app
+from cloud_service.fleet.errors import FleetError
+from cloud_service.fleet.fleet import Fleet
+from cloud_service.fleet.ingest import IngestOptions, MqttIngest
+
+logger = logging.getLogger(__name__)
+
+
+async def serve_fleet(fleet: Fleet, *, http: tuple[str, int], mqtt: IngestOptions | None, stop: asyncio.Event,
+                      ready: Callable[[int], None] | None = None, rollup_every_s: float = 60.0) -> None:
+    """Serve until `stop` is set; `ready(http_port)` once the API listens."""
+    import uvicorn
+
+    class _Server(uvicorn.Server):
+        @contextlib.contextmanager
+        def capture_signals(self) -> Iterator[None]:  # the caller owns SIGINT/SIGTERM (stop event)
+            yield
+
+    server = _Server(uvicorn.Config(create_app(fleet), host=http[0], port=http[1], log_level="warning",
+                                    lifespan="off", access_log=False))
+    api = asyncio.create_task(server.serve())
+    ingest = None
+    if mqtt is not None:
+        ingest = MqttIngest(mqtt, fleet.registry, fleet.desired, fleet.telemetry).start()
+        fleet.ingest = ingest
+    try:
+        while not server.started:
+            if api.done():
+                api.result()
+                msg = f"the fleet API could not listen on {http[0]}:{http[1]}"
+                raise FleetError(msg)
+            await asyncio.sleep(0.02)
+        port = int(server.servers[0].sockets[0].getsockname()[1])
+        if ready is not None:
+            ready(port)
+        loop = asyncio.get_running_loop()
+        next_rollup = loop.time() + rollup_every_s
+        while not stop.is_set():
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), 1.0)
+            await _periodic(fleet, ingest, roll_up=loop.time() >= next_rollup)
+            if loop.time() >= next_rollup:
+                next_rollup = loop.time() + rollup_every_s
+    finally:
+        server.should_exit = True
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(api, 5.0)
+        if ingest is not None:
+            await asyncio.to_thread(ingest.stop)
+            fleet.ingest = None
+
+
+async def _periodic(fleet: Fleet, ingest: MqttIngest | None, *, roll_up: bool) -> None:
+    def work() -> Any:
+        if ingest is not None:
+            ingest.publish_desired()
+        else:  # no broker: still compute effective documents, so drift is listed
+            fleet.desired.refresh(fleet.registry.devices(include_revoked=False))
+        if roll_up:
+            fleet.telemetry.roll_up()
+
+    try:
+        await asyncio.to_thread(work)  # blocking database work off the event loop that serves the API
+    except FleetError as exc:
+        logger.warning("periodic fleet work skipped: %s", exc)

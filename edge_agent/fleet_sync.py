@@ -1,0 +1,201 @@
+"""Fleet sync, the agent's side of the fleet service: enrollment, reported state, telemetry windows.
+
+Enrollment: the agent generates its own EC key, sends a CSR with the one-time token to
+`POST {fleet}/v1/enroll`, and keeps what comes back (device id, certificate signed by the fleet CA,
+the CA certificate, MQTT user and password) in a state directory with the key, so a restart reuses
+the identity instead of enrolling again. The private key never leaves the device.
+
+Telemetry windows: the agent's counters are cumulative since it started; `TelemetryWindows` turns
+successive snapshots into per-window aggregates (requests, tier mix, latency quantiles, escalation
+rate, energy per request with its label, degraded count and reasons, variant and threshold), each
+with the boot id and a sequence number the fleet deduplicates by.
+
+Example:
+    >>> identity = enroll("http://fleet:8080", "tke_...", Path("/var/lib/tierkit"))
+    >>> identity.device_id
+    'dev-1a2b3c4d5e6f'
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import importlib.metadata
+import json
+import os
+import time
+import urllib.error
+import urllib.request
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import NameOID
+
+from runtimes.errors import ConfigError, TierkitError
+
+if TYPE_CHECKING:
+    from edge_agent.config import AgentConfig
+
+
+class EnrollmentError(TierkitError):
+    """The fleet refused the enrollment, or could not be reached."""
+
+
+@dataclass(frozen=True)
+class FleetIdentity:
+    """What enrollment gave this device; paths point into the state directory."""
+
+    device_id: str
+    fleet_url: str
+    labels: dict[str, str]
+    key_file: str
+    cert_file: str
+    ca_file: str
+    mqtt_username: str
+    mqtt_password: str
+
+
+def generate_key_and_csr(name: str = "tierkit-device") -> tuple[bytes, str]:
+    """A fresh P-256 key (PEM, PKCS8) and a CSR over it (PEM). The fleet names the device, not the CSR."""
+    key = ec.generate_private_key(ec.SECP256R1())
+    csr = (x509.CertificateSigningRequestBuilder()
+           .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)]))
+           .sign(key, hashes.SHA256()))
+    key_pem = key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                serialization.NoEncryption())
+    return key_pem, csr.public_bytes(serialization.Encoding.PEM).decode()
+
+
+def load_identity(state_dir: Path) -> FleetIdentity | None:
+    path = state_dir / "fleet.json"
+    if not path.exists():
+        return None
+    try:
+        return FleetIdentity(**json.loads(path.read_text()))
+    except (ValueError, TypeError) as exc:
+        msg = f"{path} is not a fleet identity ({exc}); remove it to enroll again"
+        raise ConfigError(msg) from None
+
+
+def enroll(fleet_url: str, token: str, state_dir: Path, *, hardware: dict[str, Any] | None = None,
+           agent_version: str = "", timeout_s: float = 10.0) -> FleetIdentity:
+    """Enroll once: reuse the identity in `state_dir` when there is one, else exchange `token` for one."""
+    existing = load_identity(state_dir)
+    if existing is not None:
+        return existing
+    state_dir.mkdir(parents=True, exist_ok=True)
+    key_pem, csr_pem = generate_key_and_csr()
+    body = json.dumps({"token": token, "csr": csr_pem, "hardware": hardware or {},
+                       "agent_version": agent_version}).encode()
+    req = urllib.request.Request(fleet_url.rstrip("/") + "/v1/enroll", data=body, method="POST",
+                                 headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout_s) as resp:
+            got = json.loads(resp.read())
+    except urllib.error.HTTPError as exc:
+        detail = exc.read().decode(errors="replace")[:500]
+        msg = f"the fleet at {fleet_url} refused enrollment ({exc.code}): {detail}"
+        raise EnrollmentError(msg) from None
+    except (urllib.error.URLError, OSError, ValueError) as exc:
+        msg = f"cannot reach the fleet at {fleet_url} to enroll: {exc}"
+        raise EnrollmentError(msg) from None
+    key_file, cert_file, ca_file = state_dir / "device.key", state_dir / "device.pem", state_dir / "fleet-ca.pem"
+    key_file.touch(mode=0o600)
+    key_file.write_bytes(key_pem)
+    cert_file.write_text(got["certificate"])
+    ca_file.write_text(got["ca_certificate"])
+    identity = FleetIdentity(device_id=got["device_id"], fleet_url=fleet_url, labels=got.get("labels", {}),
+                             key_file=str(key_file), cert_file=str(cert_file), ca_file=str(ca_file),
+                             mqtt_username=got["mqtt_username"], mqtt_password=got["mqtt_password"])
+    tmp = state_dir / "fleet.json.tmp"
+    tmp.write_text(json.dumps(asdict(identity)))
+    os.chmod(tmp, 0o600)
+    tmp.replace(state_dir / "fleet.json")
+    return identity
+
+
+def model_digest(model: Path) -> str:
+    """`sha256:` over the model's manifest(s): each lists the sha256 of every file, so this names what runs."""
+    h = hashlib.sha256()
+    paths = [model] if model.is_file() else sorted(model.rglob("manifest.json"))
+    for p in paths:
+        h.update(p.relative_to(model).as_posix().encode() if p != model else b"")
+        h.update(p.read_bytes())
+    return "sha256:" + h.hexdigest()
+
+
+def _hardware() -> dict[str, Any]:
+    try:
+        from runtimes.hardware import probe
+
+        return probe(openvino=False).to_json()  # openvino's device query takes seconds; the rest is enough
+    except Exception as exc:  # the hardware profile is informative; enrollment does not depend on it
+        return {"error": f"hardware probe failed: {exc}"}
+
+
+def enrolled_config(config: AgentConfig) -> AgentConfig:
+    """Enroll (or reuse the kept identity) and return the config running as that device.
+
+    The device id becomes the enrolled one; MQTT connections log in with the issued user and
+    password (for mutual TLS instead, point `cert_file`/`key_file` at the identity's files).
+    """
+    fleet = config.fleet
+    if fleet is None:
+        return config
+    if load_identity(fleet.state_dir) is None and not fleet.token:
+        msg = f"no fleet identity in {fleet.state_dir} and no enrollment token; pass --token T (or fleet.token)"
+        raise ConfigError(msg)
+    try:
+        version = importlib.metadata.version("tierkit")
+    except importlib.metadata.PackageNotFoundError:
+        version = "unknown"
+    ident = enroll(fleet.url, fleet.token, fleet.state_dir, hardware=_hardware(), agent_version=version)
+    from edge_agent.transports.base import TransportOptions
+
+    transport = dataclasses.replace(config.options.transport or TransportOptions(),
+                                    username=ident.mqtt_username, password=ident.mqtt_password)
+    options = dataclasses.replace(config.options, device_id=ident.device_id, transport=transport)
+    return dataclasses.replace(config, options=options)
+
+
+class TelemetryWindows:
+    """Turns cumulative agent snapshots into per-window telemetry documents with (boot id, seq).
+
+    Args:
+        boot_id: this run's id; with `seq` it makes every window unique, so redeliveries dedupe.
+        model_digest: the digest of the model the agent actually runs.
+    """
+
+    _COUNTERS = ("requests", "escalations_sent", "cloud_answers", "degraded", "cache_hits")
+
+    def __init__(self, boot_id: str, *, model_digest: str = "") -> None:
+        self.boot_id, self.model_digest = boot_id, model_digest
+        self.seq = 0
+        self._last: dict[str, Any] = {}
+        self._last_ts = time.time()
+
+    def window(self, snap: dict[str, Any]) -> dict[str, Any]:
+        prev = self._last
+        d = {k: int(snap.get(k, 0)) - int(prev.get(k, 0)) for k in self._COUNTERS}
+        reasons = {k: v - prev.get("reasons", {}).get(k, 0) for k, v in snap.get("reasons", {}).items()}
+        energy_total = float(snap.get("energy_mj_per_request", 0.0)) * int(snap.get("requests", 0))
+        prev_energy = float(prev.get("energy_mj_per_request", 0.0)) * int(prev.get("requests", 0))
+        now = float(snap.get("ts", time.time()))
+        self.seq += 1
+        self._last, self._last_ts, window_s = snap, now, max(0.0, now - self._last_ts)
+        n = d["requests"]
+        return {"device": snap.get("device"), "boot_id": self.boot_id, "seq": self.seq, "ts": now,
+                "window_s": window_s, "requests": n,
+                "tiers": {"edge": n - d["cloud_answers"], "cloud": d["cloud_answers"]},
+                "p50_ms": float(snap.get("p50_ms", 0.0)), "p95_ms": float(snap.get("p95_ms", 0.0)),
+                "escalation_rate": min(1.0, d["escalations_sent"] / n) if n else 0.0,
+                "agreement": snap.get("agreement"),
+                "energy_mj_per_request": max(0.0, energy_total - prev_energy) / n if n else 0.0,
+                "energy_label": str(snap.get("energy_label") or "unknown"),
+                "degraded": d["degraded"], "degraded_reasons": {k: v for k, v in reasons.items() if v > 0},
+                "variant": str(snap.get("variant", "")), "threshold": snap.get("threshold"),
+                "model_digest": self.model_digest}

@@ -1,0 +1,116 @@
+"""A fleet of real `tierkit agent` processes: enroll with tokens, report, take a label-scoped desired change.
+
+The default suite runs 4 agents; the slow marker runs 20 (make test-all).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from compilers.package import ModelPackage
+from edge_agent.fleet_sync import model_digest
+from sdk import zoo
+from tests.broker import Broker
+from tests.fleet.conftest import wait_for
+from tests.fleet.fleet_process import ROOT, FleetProcess, cli
+from tests.sdk.packages import make_package
+
+pytestmark = pytest.mark.mqtt
+
+
+@pytest.fixture(scope="module")
+def package(digits_linear_onnx: Path, digits: zoo.Split, tmp_path_factory: pytest.TempPathFactory) -> ModelPackage:
+    return make_package(digits_linear_onnx, tmp_path_factory.mktemp("pkg") / "digits", name="digits",
+                        x_val=digits.x_val, y_val=digits.y_val)
+
+
+def _agents(n: int, stack: tuple[FleetProcess, Broker, Path, str], package: ModelPackage, tmp_path: Path) -> None:
+    fleet, broker, data, db = stack
+    admin = cli("operator", "create", "ops", "--role", "admin", data_dir=data, db=db).stdout.strip()
+    wait_for("the fleet's broker connection", lambda: fleet.call("GET", "/v1/stats", token=admin)[1]["mqtt_connected"])
+    env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    procs: list[subprocess.Popen[bytes]] = []
+    logs = []
+    try:
+        for i in range(n):
+            site = "berlin" if i % 2 == 0 else "paris"
+            token = cli("token", "create", "--labels", f"site={site},kind=cam", "--expires", "10m",
+                        data_dir=data, db=db).stdout.strip()
+            d = tmp_path / f"agent{i}"
+            d.mkdir()
+            (d / "agent.yaml").write_text(
+                f"model: {package.directory}\nlisten: 127.0.0.1:0\nbroker: mqtt://{broker.host}:{broker.port}\n"
+                "telemetry_interval_s: 1\nthreads: 1\n")
+            log = (d / "agent.log").open("wb")
+            logs.append(log)
+            procs.append(subprocess.Popen(
+                [sys.executable, "-m", "sdk.cli", "agent", "--config", str(d / "agent.yaml"), "--enroll", fleet.url,
+                 "--token", token, "--fleet-state", str(d / "state")], stdout=log, stderr=subprocess.STDOUT, env=env))
+
+        def devices() -> list[dict[str, Any]]:
+            return list(fleet.call("GET", "/v1/devices", token=admin)[1])
+
+        def all_online() -> bool:
+            ds = devices()
+            dead = [p.args for p in procs if p.poll() is not None]
+            assert not dead, f"agents exited: {dead}; see {tmp_path}/agent*/agent.log"
+            return len(ds) == n and all(d["online"] for d in ds)
+
+        wait_for(f"{n} agents enrolled and reporting telemetry", all_online, timeout=60 + 4 * n)
+        devs = devices()
+        assert {d["labels"]["site"] for d in devs} == {"berlin", "paris"}
+        assert all(d["hardware"].get("logical_cores") for d in devs)  # the `tierkit doctor` profile
+        windows = fleet.call("GET", "/v1/telemetry?label=kind=cam", token=admin)[1]["windows"]
+        assert {w["device_id"] for w in windows} == {d["device_id"] for d in devs}
+
+        status, body = fleet.call("PUT", "/v1/desired", {"selector": "site=berlin",
+                                                         "document": {"threshold": 0.61, "budget": {"latency_ms": 80}}},
+                                  token=admin)
+        assert status == 200
+        berlin = {d["device_id"] for d in devs if d["labels"]["site"] == "berlin"}
+
+        def applied() -> bool:
+            ds = {d["device_id"]: d for d in devices()}
+            return all(ds[b]["reported_version"] == body["version"] and ds[b]["threshold"] == 0.61 for b in berlin)
+
+        wait_for("berlin agents to report the change applied", applied, timeout=30 + n)
+        digest = model_digest(Path(package.directory))
+        for d in devices():
+            if d["device_id"] in berlin:
+                assert d["model_digest"] == digest
+            else:
+                assert d["reported_version"] is None  # no layer selects paris: nothing sent, nothing reported
+        assert fleet.call("GET", "/v1/drift", token=admin)[1] == []
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + 30
+        for p in procs:
+            try:
+                p.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait(5)
+        for log in logs:
+            log.close()
+
+
+@pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)
+def test_small_fleet_of_agents(stack: tuple[FleetProcess, Broker, Path, str], package: ModelPackage,
+                               tmp_path: Path) -> None:
+    _agents(4, stack, package, tmp_path)
+
+
+@pytest.mark.slow
+def test_fleet_of_twenty_agents(stack: tuple[FleetProcess, Broker, Path, str], package: ModelPackage,
+                                tmp_path: Path) -> None:
+    _agents(20, stack, package, tmp_path)

@@ -1,0 +1,91 @@
+"""The fleet HTTP API and `tierkit fleet` CLI, as processes, on SQLite and PostgreSQL."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from edge_agent.fleet_sync import EnrollmentError, enroll, load_identity
+from tests.fleet.fleet_process import FleetProcess, cli
+
+
+@pytest.fixture
+def fleet(tmp_path: Path, db_url: str) -> Iterator[tuple[FleetProcess, Path, str]]:
+    data = tmp_path / "fleet-data"
+    proc = FleetProcess(data, db_url).start()
+    try:
+        yield proc, data, db_url
+    finally:
+        proc.stop()
+
+
+# PostgreSQL runs the whole store suite by default (test_store.py); this end-to-end path on it is slow-marked
+@pytest.mark.parametrize("db_url", ["sqlite", pytest.param("postgresql", marks=pytest.mark.slow)], indirect=True)
+def test_enroll_operate_and_revoke(fleet: tuple[FleetProcess, Path, str], tmp_path: Path) -> None:
+    proc, data, db = fleet
+    admin = cli("operator", "create", "ops", "--role", "admin", data_dir=data, db=db).stdout.strip()
+    viewer = cli("operator", "create", "viewer", data_dir=data, db=db).stdout.strip()
+    token = cli("token", "create", "--labels", "site=berlin,kind=cam", "--expires", "1h",
+                data_dir=data, db=db).stdout.strip()
+
+    ident = enroll(proc.url, token, tmp_path / "dev1", hardware={"cpu": "test"}, agent_version="0.1.0")
+    assert ident.device_id.startswith("dev-")
+    assert ident.labels == {"site": "berlin", "kind": "cam"}
+    assert load_identity(tmp_path / "dev1") == ident
+    assert enroll(proc.url, token, tmp_path / "dev1") == ident  # a restart reuses the identity
+    with pytest.raises(EnrollmentError, match="already used"):
+        enroll(proc.url, token, tmp_path / "dev2")
+    assert not (tmp_path / "dev2" / "fleet.json").exists()
+
+    assert proc.call("GET", "/v1/devices")[0] == 401
+    assert proc.call("GET", "/v1/devices", token="tko_admin_forged")[0] == 401
+    status, devs = proc.call("GET", "/v1/devices?label=site=berlin", token=viewer)
+    assert status == 200
+    assert [d["device_id"] for d in devs] == [ident.device_id]
+    assert devs[0]["hardware"] == {"cpu": "test"}
+    assert proc.call("GET", "/v1/devices?label=site=paris", token=viewer) == (200, [])
+
+    layer = {"selector": "site=berlin", "document": {"threshold": 0.7}}
+    status, body = proc.call("PUT", "/v1/desired", layer, token=viewer)
+    assert status == 403
+    assert "read-only" in body["error"]
+    status, body = proc.call("PUT", "/v1/desired", {"selector": "*", "document": {"threshold": 7}}, token=admin)
+    assert status == 422
+    assert "threshold" in body["error"]
+    status, body = proc.call("PUT", "/v1/desired", layer, token=admin)
+    assert status == 200
+    status, shown = proc.call("GET", f"/v1/devices/{ident.device_id}", token=viewer)
+    assert shown["desired"]["document"] == {"threshold": 0.7}
+    assert shown["desired"]["version"] == body["version"]
+    assert proc.call("GET", "/v1/devices/dev-nope", token=viewer)[0] == 404
+
+    status, spec = proc.call("GET", "/openapi.json")
+    assert status == 200
+    assert {"/v1/enroll", "/v1/devices", "/v1/desired", "/v1/drift", "/v1/telemetry"} <= set(spec["paths"])
+
+    # the CLI sees the same database
+    listed = json.loads(cli("devices", "--label", "kind=cam", "--json", data_dir=data, db=db).stdout)
+    assert [d["device_id"] for d in listed] == [ident.device_id]
+    doc = tmp_path / "desired.yaml"
+    doc.write_text("budget: {latency_ms: 40}\nthreshold: 0.6\n")
+    out = cli("set", "--device", ident.device_id, str(doc), data_dir=data, db=db).stdout
+    assert "version" in out
+    shown = json.loads(cli("show", ident.device_id, data_dir=data, db=db).stdout)
+    assert shown["desired"]["document"] == {"budget": {"latency_ms": 40}, "threshold": 0.6}
+    doc.write_text("treshold: 0.6\n")
+    bad = cli("set", "--all", str(doc), data_dir=data, db=db, check=False)
+    assert bad.returncode == 1
+    assert "treshold" in bad.stderr
+    assert "no drift" in cli("drift", data_dir=data, db=db).stdout  # changed just now: not drift yet
+
+    assert proc.call("POST", f"/v1/devices/{ident.device_id}/revoke", token=viewer)[0] == 403
+    assert proc.call("POST", f"/v1/devices/{ident.device_id}/revoke", token=admin)[0] == 200
+    status, shown = proc.call("GET", f"/v1/devices/{ident.device_id}", token=viewer)
+    assert shown["device"]["revoked_at"] is not None
+    assert "revoked" in cli("devices", data_dir=data, db=db).stdout
+    bad = cli("revoke", "dev-nope", data_dir=data, db=db, check=False)
+    assert bad.returncode == 1
+    assert "no device 'dev-nope'" in bad.stderr

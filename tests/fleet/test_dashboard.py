@@ -1,0 +1,127 @@
+"""The dashboard in Debian's headless Chromium (driven by Playwright), over a fleet with telemetry and drift.
+
+Set TIERKIT_DASHBOARD_SCREENSHOT=PATH to keep the screenshot (docs/fleet-dashboard.png was made so).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from cloud_service.fleet.ca import FleetCA
+from cloud_service.fleet.desired import DesiredState
+from cloud_service.fleet.registry import Registry
+from cloud_service.fleet.store import FleetStore
+from cloud_service.fleet.telemetry import TelemetryLimits, TelemetryStore
+from edge_agent.fleet_sync import generate_key_and_csr
+from tests.fleet.conftest import wait_for
+from tests.fleet.fleet_process import FleetProcess
+
+CHROMIUM = "/usr/bin/chromium"
+FLAGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--no-first-run"]
+
+
+def _populate(data: Path, now: float) -> tuple[str, list[str], str]:
+    """Six devices on two sites, half an hour of windows each, one berlin device behind on desired state."""
+    store = FleetStore.open(f"sqlite:///{data / 'fleet.db'}")
+    try:
+        reg = Registry(store, FleetCA.load_or_create(data))
+        devices = []
+        for i in range(6):
+            site = "berlin" if i < 3 else "paris"
+            tok = reg.create_token({"site": site, "kind": "cam"})
+            devices.append(reg.enroll(tok, generate_key_and_csr()[1], hardware={"cpu": "x86"},
+                                      agent_version="0.1.0").device_id)
+        tel = TelemetryStore(store, TelemetryLimits(daily_bytes=10**9))
+        batch = []
+        for i, dev in enumerate(devices):
+            for k in range(60):
+                ts = now - 1800 + 30 * k
+                doc = {"device": dev, "boot_id": "b", "seq": k, "ts": ts, "window_s": 30, "requests": 300,
+                       "p95_ms": 8 + 3 * i + 2 * ((k + i) % 7), "escalation_rate": 0.1 + 0.02 * i,
+                       "agreement": 0.97 - 0.015 * i - 0.01 * ((k + 2 * i) % 5), "energy_mj_per_request": 1.5 + 0.3 * i,
+                       "energy_label": "modeled", "degraded": (k + i) % 4, "variant": "int8", "threshold": 0.8}
+                batch.append((dev, json.dumps(doc).encode(), ts))
+        assert tel.ingest(batch).stored == 360
+        desired = DesiredState(store)
+        version = desired.set_layer("site=berlin", {"threshold": 0.7})
+        desired.refresh(reg.devices())
+        for dev in devices[:2]:
+            desired.record_reported(dev, {"desired_version": version, "model_digest": "sha256:0123456789abcdef",
+                                          "variant": "int8", "threshold": 0.7}, now=now)
+        for dev in devices[3:]:
+            desired.record_reported(dev, {"model_digest": "sha256:0123456789abcdef", "variant": "int8",
+                                          "threshold": 0.8}, now=now)
+        admin = reg.create_operator_token("viewer", "read")
+        return admin, devices, devices[2]
+    finally:
+        store.close()
+
+
+@pytest.fixture
+def dashboard(tmp_path: Path) -> Iterator[tuple[FleetProcess, str, list[str], str]]:
+    if not Path(CHROMIUM).exists():
+        pytest.skip("chromium is not installed (make test installs it: apt-get install chromium)")
+    pytest.importorskip("playwright.sync_api")
+    data = tmp_path / "fleet-data"
+    data.mkdir()
+    token, devices, behind = _populate(data, time.time())
+    proc = FleetProcess(data, None, "--drift-after", "1s").start()
+    try:
+        yield proc, token, devices, behind
+    finally:
+        proc.stop()
+
+
+def test_dashboard_shows_devices_plots_and_drift(dashboard: tuple[FleetProcess, str, list[str], str],
+                                                 tmp_path: Path) -> None:
+    from playwright.sync_api import sync_playwright
+
+    proc, token, devices, behind = dashboard
+    wait_for("drift to be listed", lambda: proc.call("GET", "/v1/drift", token=token)[1], timeout=20)
+    profile = tmp_path / "chromium-profile"
+    with sync_playwright() as pw:
+        ctx = pw.chromium.launch_persistent_context(str(profile), executable_path=CHROMIUM, headless=True,
+                                                    args=FLAGS, viewport={"width": 1400, "height": 1300})
+        try:
+            page = ctx.new_page()
+            page.goto(f"{proc.url}/#token={token}")
+            page.wait_for_selector("body[data-loaded='1']", timeout=30_000)
+            rows = page.locator("#devices tbody tr")
+            assert rows.count() == 6
+            assert sorted(rows.evaluate_all("rs => rs.map(r => r.dataset.device)")) == sorted(devices)
+            assert page.locator("#n-devices").inner_text() == "6"
+            assert page.locator("#n-drift").inner_text() == "1"
+            row = page.locator(f"#devices tr[data-device='{behind}']")
+            assert "drift" in row.inner_text()
+            assert "site=berlin" in row.inner_text()
+            assert page.locator("#drift tbody tr").count() == 1
+            assert behind in page.locator("#drift tbody").inner_text()
+            for metric in ("p95_ms", "escalation_rate", "agreement", "energy_mj_per_request", "degraded_share"):
+                lines = page.locator(f".plot[data-metric='{metric}'] polyline.series")
+                assert lines.count() == 6, metric
+                points = lines.first.get_attribute("points") or ""
+                assert len(points.split()) >= 50  # half an hour of 30 s windows in 10 s buckets
+            page.select_option("#group", "site")
+            page.wait_for_function("document.querySelectorAll(\".plot[data-metric='p95_ms'] polyline\").length == 2")
+            assert "site=berlin" in page.locator("#legend").inner_text()
+            page.select_option("#group", "device")
+            page.wait_for_function("document.querySelectorAll(\".plot[data-metric='p95_ms'] polyline\").length == 6")
+            shot = tmp_path / "dashboard.png"
+            page.screenshot(path=str(shot), full_page=True)
+            assert shot.stat().st_size > 20_000
+            keep = os.environ.get("TIERKIT_DASHBOARD_SCREENSHOT")
+            if keep:
+                shutil.copy(shot, keep)
+            page.goto("about:blank")  # a hash-only change would not reload the page
+            page.goto(f"{proc.url}/#token=wrong")
+            page.wait_for_function("document.getElementById('error').textContent.length > 0", timeout=15_000)
+            assert "not known" in page.locator("#error").inner_text()
+        finally:
+            ctx.close()
