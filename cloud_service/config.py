@@ -171,6 +171,8 @@ class ServerConfig:
         drain_timeout_s: how long shutdown and hot swap wait for in-flight requests.
         grpc_workers: threads answering gRPC calls: the calls in flight (more are refused with
             RESOURCE_EXHAUSTED).
+        kept_memory_bytes: freed memory malloc keeps for the next large message instead of
+            unmapping it (`protocol.memory.keep_freed_memory`); 0 leaves the allocator alone.
     """
 
     models_dir: Path
@@ -185,6 +187,7 @@ class ServerConfig:
     poll_interval_s: float = 0.0
     drain_timeout_s: float = 30.0
     grpc_workers: int = 128
+    kept_memory_bytes: int = 64 << 20
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "models_dir", Path(self.models_dir))

@@ -19,6 +19,7 @@ from grpc_health.v1 import health, health_pb2
 
 from cloud_service.config import ServerConfig, split_address
 from cloud_service.metrics import Metrics
+from cloud_service.protocol.memory import keep_freed_memory
 from cloud_service.repository import ModelRepository, ReloadReport
 from cloud_service.server import SERVICE, InferenceServicer, start_grpc_server
 
@@ -72,6 +73,7 @@ class CloudService:
 
     async def start(self) -> None:
         config = self.config
+        keep_freed_memory(config.kept_memory_bytes)  # large payloads without page faults on every copy
         try:
             if config.metrics_address:
                 host, port = self.metrics.serve(*split_address(config.metrics_address))

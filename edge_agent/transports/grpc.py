@@ -33,6 +33,7 @@ import grpc
 import grpc.aio
 
 from cloud_service.protocol import inference_pb2
+from cloud_service.protocol.memory import keep_freed_memory
 from edge_agent.transports.base import (
     CloudURL,
     Transport,
@@ -133,6 +134,7 @@ class GrpcTransport(Transport):
         self.cloud = cloud
         self.options = options or TransportOptions()
         self.target = channel_target(cloud)
+        keep_freed_memory(self.options.kept_memory_bytes)  # large payloads: no page faults per copy
         self._channel_options = channel_options(self.options)
         # read certificate files now: a wrong path fails at construction, not on the first escalation
         self._credentials = grpc_credentials(self.options) if cloud.tls else None

@@ -28,6 +28,7 @@ from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties
 
 from cloud_service.protocol import inference_pb2, topics
+from cloud_service.protocol.memory import keep_freed_memory
 from edge_agent.transports.base import CloudURL, Transport, TransportOptions, escalation_error
 from edge_agent.transports.mqtt_session import MessageHandler, MqttSession, backoff_delay
 from runtimes.errors import CloudTimeout, CloudUnavailable, ConfigError, EscalationError
@@ -68,6 +69,7 @@ class MqttTransport(Transport):
         self.cloud = cloud
         self.options = options or TransportOptions()
         self.where = f"{cloud.scheme}://{cloud.describe()}"
+        keep_freed_memory(self.options.kept_memory_bytes)  # large payloads: no page faults per copy
         self.request_topic = topics.escalate_topic(device_id)
         self.reply_topic = topics.reply_topic(device_id)
         self._prefix = os.urandom(8)  # correlation data: unique across restarts of the same device
