@@ -37,6 +37,8 @@ class Manifest:
         calibration: confidence calibration for the edge policy: temperature, escalation_curve,
             ood statistics, validation file name.
         build: what reproduces the build: tool versions, recipe, arguments, data digests.
+        preprocess: optional; how the input is made from a raw uint8 frame (resize, scale, mean/std,
+            layout), so a cloud can take the frame itself (`cloud_service.protocol.preprocess`).
     """
 
     name: str
@@ -57,6 +59,7 @@ class Manifest:
     energy: dict[str, Any] = field(default_factory=dict)
     calibration: dict[str, Any] = field(default_factory=dict)
     build: dict[str, Any] = field(default_factory=dict)
+    preprocess: dict[str, Any] = field(default_factory=dict)
     created_at: str = ""
     schema_version: int = SCHEMA_VERSION
 
