@@ -140,6 +140,9 @@ class TransportOptions:
         max_pending: MQTT requests awaiting a reply at once; more fail fast with RESOURCE_EXHAUSTED.
         kept_memory_bytes: freed memory malloc keeps for the next large payload instead of unmapping it
             (`cloud_service.protocol.memory.keep_freed_memory`, process-wide); 0 leaves the allocator alone.
+        wire_encoding: "fp32" sends requests as built; "fp16", "zstd", "fp16+zstd" re-encode fp32 inputs;
+            "auto" picks per escalation from the measured link and the deadline (`edge_agent.encoding`).
+            Anything but "fp32" needs a cloud that lists the `tierkit.encodings` extension (tierkit's own).
 
     Example:
         >>> TransportOptions(ca_file="ca.pem", cert_file="dev.pem", key_file="dev.key", keepalive_s=60)
@@ -164,6 +167,7 @@ class TransportOptions:
     session_expiry_s: int = 3600
     max_pending: int = 256
     kept_memory_bytes: int = 64 << 20
+    wire_encoding: str = "fp32"
 
     def __post_init__(self) -> None:
         positive = {
