@@ -101,7 +101,7 @@ class LinkMeter:
     intercept of elapsed time against bytes over messages of different sizes (0 until there are
     two sizes: optimistic, and corrected once a smaller encoding has been timed). The bandwidth is
     the median of bytes / (elapsed - RTT) over the last `recent` large messages, so a step in the
-    link's rate shows after about half of them.
+    link's rate shows after two of them; a timeout counts as a slow sample (`observe_timeout`).
 
     Args:
         window: samples remembered.
@@ -109,7 +109,7 @@ class LinkMeter:
         small_bytes: messages at most this big time the RTT only.
     """
 
-    def __init__(self, *, window: int = 16, recent: int = 5, small_bytes: int = 2048) -> None:
+    def __init__(self, *, window: int = 16, recent: int = 3, small_bytes: int = 2048) -> None:
         self._small: deque[float] = deque(maxlen=window)
         self._large: deque[tuple[int, float]] = deque(maxlen=window)
         self.recent = recent
@@ -121,6 +121,16 @@ class LinkMeter:
             self._small.append(elapsed_s)
         else:
             self._large.append((nbytes, elapsed_s))
+
+    def observe_timeout(self, nbytes: int, waited_s: float) -> None:
+        """An escalation that got no answer within `waited_s`: the link is slower than that shows.
+
+        Recorded as a round trip at half the bandwidth the wait bounds it by, so that a rate step
+        down is seen even while every escalation times out (and nothing would be timed otherwise).
+        """
+        if nbytes > self.small_bytes:
+            rtt = self.rtt_s()
+            self._large.append((nbytes, rtt + 2 * max(waited_s - rtt, 1e-6)))
 
     def rtt_s(self) -> float:
         if self._small:
@@ -176,6 +186,10 @@ class WireEncoder:
     def observe(self, nbytes: int, elapsed_s: float) -> None:
         """A completed escalation: bytes both ways and round-trip seconds."""
         self.meter.observe(nbytes, elapsed_s)
+
+    def observe_timeout(self, nbytes: int, waited_s: float) -> None:
+        """An escalation of `nbytes` that got no answer within `waited_s`."""
+        self.meter.observe_timeout(nbytes, waited_s)
 
     def _choose(self, request: inference_pb2.ModelInferRequest, timeout_s: float) -> str:
         link = self.meter.estimate()

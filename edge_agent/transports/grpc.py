@@ -173,6 +173,8 @@ class GrpcTransport(Transport):
                 self.encoder.observe(request.ByteSize() + response.ByteSize(), time.perf_counter() - started)
             return response
         except grpc.aio.AioRpcError as exc:
+            if self.encoder is not None and exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+                self.encoder.observe_timeout(request.ByteSize(), time.perf_counter() - started)
             raise self._map_error(exc, where, timeout_s) from exc
 
     def _map_error(self, exc: grpc.aio.AioRpcError, where: str, timeout_s: float) -> EscalationError:

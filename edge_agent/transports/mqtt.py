@@ -151,6 +151,8 @@ class MqttTransport(Transport):
                 self.encoder.observe(len(payload) + response.ByteSize(), time.perf_counter() - started)
             return response
         except TimeoutError:
+            if self.encoder is not None:
+                self.encoder.observe_timeout(len(payload), timeout_s)
             msg = (f"MQTT escalation to {self.where} on {self.request_topic} got no reply within {timeout_s:.3f} s; "
                    "check that a cloud replica subscribes to it, or raise the deadline")
             raise escalation_error(CloudTimeout, msg, code="DEADLINE_EXCEEDED") from None

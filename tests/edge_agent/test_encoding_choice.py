@@ -100,3 +100,19 @@ def test_wire_encoder_refuses_unknown_encodings() -> None:
         WireEncoder("frame")
     with pytest.raises(Exception, match="encoding"):
         WireEncoder("gzip")
+
+
+def test_timeouts_alone_move_the_estimate_down() -> None:
+    meter = LinkMeter()
+    meter.observe(100, 0.030)
+    for _ in range(4):
+        meter.observe(IMAGE, _trip(LinkEstimate(50e6, 0.03), IMAGE))
+    before = meter.estimate()
+    assert before is not None
+    meter.observe_timeout(SIZES["zstd"], 0.150)
+    meter.observe_timeout(SIZES["zstd"], 0.150)
+    after = meter.estimate()
+    assert after is not None
+    # no reply came within 150 ms, so the link moves zstd's 361 KB at under 24 Mbit/s; the estimate is half that
+    assert after.bandwidth_bps <= SIZES["zstd"] * 8 / 0.120 / 2 * 1.01
+    assert choose_encoding(SIZES, after, 0.150).encoding == "fp16+zstd"
