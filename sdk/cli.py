@@ -16,6 +16,7 @@ _COMMAND_MODULES = (
     "compilers.cli",       # compile
     "compilers.package_cli",  # keygen, inspect, verify, run
     "cloud_service.cli",   # serve
+    "cloud_service.export",  # export
     "edge_agent.cli",      # agent
     "edge_agent.plan_cli", # plan
     "sdk.demo",            # demo
