@@ -1,6 +1,7 @@
 """`tierkit serve`: the cloud tier as one process.
 
     tierkit serve --models DIR [--grpc HOST:PORT] [--mqtt mqtt://HOST:PORT] [--metrics HOST:PORT]
+    tierkit serve --mqtt mqtt://HOST:PORT --forward grpc://HOST:PORT    (MQTT devices served by Triton/KServe)
 
 Everything binds to loopback unless told otherwise. The bound addresses are printed once the
 server is ready; SIGTERM or SIGINT drains and exits 0; SIGHUP rescans the models directory.
@@ -15,6 +16,7 @@ import os
 import signal
 import socket
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -31,10 +33,14 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[
     """Register `tierkit serve`."""
     p = subparsers.add_parser("serve", help="serve model packages over gRPC (Open Inference Protocol) and MQTT",
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--models", required=True, type=Path, metavar="DIR", help="packages and variant sets to serve")
-    p.add_argument("--grpc", default="127.0.0.1:8001", metavar="HOST:PORT", help="gRPC address (port 0: any free)")
+    p.add_argument("--models", type=Path, metavar="DIR", help="packages and variant sets to serve (required "
+                   "unless --forward)")
+    p.add_argument("--grpc", metavar="HOST:PORT",
+                   help="gRPC address (port 0: any free); default 127.0.0.1:8001, none with --forward")
     p.add_argument("--no-grpc", action="store_true", help="serve MQTT only")
     p.add_argument("--mqtt", metavar="URL", help="MQTT broker, mqtt://HOST:PORT or mqtts://HOST:PORT")
+    p.add_argument("--forward", metavar="URL", help="answer MQTT escalations with this Open Inference Protocol "
+                   "server, grpc://HOST:PORT (Triton, KServe) instead of local models")
     p.add_argument("--metrics", metavar="HOST:PORT", help="Prometheus endpoint address")
     p.add_argument("--trusted-key", action="append", type=Path, default=[], metavar="PUB",
                    help="Ed25519 public key; packages must be signed by one (repeatable)")
@@ -96,6 +102,13 @@ def _load_model_config(path: Path, defaults: ModelOptions) -> tuple[ModelOptions
 
 def build_config(args: argparse.Namespace, env: dict[str, str]) -> ServerConfig:
     """Turn the parsed arguments and environment into a `ServerConfig`."""
+    if args.forward and not args.mqtt:
+        msg = "--forward bridges MQTT escalations: give --mqtt mqtt://BROKER too"
+        raise ConfigError(msg)
+    if args.models is None and not args.forward:
+        msg = "tierkit serve needs --models DIR (or --mqtt with --forward grpc://HOST:PORT)"
+        raise ConfigError(msg)
+    grpc_address = args.grpc or (None if args.forward else "127.0.0.1:8001")
     preferred = tuple(int(v) for v in args.preferred_batch_sizes.split(",") if v.strip())
     batching = BatchingConfig(max_batch_size=1 if args.no_batching else args.max_batch_size,
                               preferred_batch_sizes=() if args.no_batching else preferred,
@@ -118,17 +131,19 @@ def build_config(args: argparse.Namespace, env: dict[str, str]) -> ServerConfig:
     if args.mqtt:
         tls = MqttTls(args.mqtt_ca, args.mqtt_cert, args.mqtt_key) if (
             args.mqtt_ca or args.mqtt_cert or args.mqtt_key) else None
-        port = args.grpc.rpartition(":")[2] if not args.no_grpc else ""
+        port = grpc_address.rpartition(":")[2] if grpc_address and not args.no_grpc else ""
         suffix = port if port not in ("", "0") else str(os.getpid())
         client_id = args.mqtt_client_id or f"tierkit-{socket.gethostname()}-{suffix}"
         mqtt = MqttConfig(url=args.mqtt, group=args.mqtt_group, client_id=client_id,
                           session_expiry_s=args.mqtt_session_expiry, username=args.mqtt_username,
                           password=env.get("TIERKIT_MQTT_PASSWORD"), tls=tls)
-    return ServerConfig(models_dir=args.models, grpc_address=None if args.no_grpc else args.grpc, grpc_tls=grpc_tls,
+    # forwarding only: an empty models directory (nothing is served locally)
+    models_dir = args.models if args.models is not None else Path(tempfile.mkdtemp(prefix="tierkit-forward-"))
+    return ServerConfig(models_dir=models_dir, grpc_address=None if args.no_grpc else grpc_address, grpc_tls=grpc_tls,
                         mqtt=mqtt, metrics_address=args.metrics, trusted_keys=tuple(args.trusted_key),
                         defaults=defaults, models=models, max_message_bytes=int(args.max_message_mb * 1024 * 1024),
                         poll_interval_s=args.poll_s, drain_timeout_s=args.drain_s,
-                        grpc_workers=args.grpc_workers)
+                        grpc_workers=args.grpc_workers, forward=args.forward)
 
 
 async def serve(config: ServerConfig) -> None:

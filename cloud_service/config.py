@@ -171,6 +171,10 @@ class ServerConfig:
         drain_timeout_s: how long shutdown and hot swap wait for in-flight requests.
         grpc_workers: threads answering gRPC calls: the calls in flight (more are refused with
             RESOURCE_EXHAUSTED).
+        kept_memory_bytes: freed memory malloc keeps for the next large message instead of
+            unmapping it (`protocol.memory.keep_freed_memory`); 0 leaves the allocator alone.
+        forward: `grpc://HOST:PORT` of an Open Inference Protocol server (Triton, KServe) that answers
+            the MQTT bridge's escalations instead of the local models (`cloud_service.forward`).
     """
 
     models_dir: Path
@@ -185,9 +189,13 @@ class ServerConfig:
     poll_interval_s: float = 0.0
     drain_timeout_s: float = 30.0
     grpc_workers: int = 128
+    kept_memory_bytes: int = 64 << 20
+    forward: str | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "models_dir", Path(self.models_dir))
+        if self.forward is not None:
+            split_forward_url(self.forward)
         object.__setattr__(self, "trusted_keys", tuple(Path(k) for k in self.trusted_keys))
         object.__setattr__(self, "models", MappingProxyType(dict(self.models)))
         for address in (self.grpc_address, self.metrics_address):
@@ -215,3 +223,17 @@ def split_address(address: str) -> tuple[str, int]:
         msg = f"address {address!r} must look like HOST:PORT (e.g. 127.0.0.1:8001)"
         raise ConfigError(msg)
     return host, int(port)
+
+
+def split_forward_url(url: str) -> tuple[str, bool]:
+    """`grpc://HOST:PORT` or `grpcs://HOST:PORT` -> (gRPC target, tls)."""
+    parts = urlsplit(url)
+    try:
+        port = parts.port
+    except ValueError:
+        port = None
+    if parts.scheme not in ("grpc", "grpcs") or not parts.hostname or port is None or parts.path not in ("", "/"):
+        msg = f"forward URL {url!r} must look like grpc://HOST:PORT or grpcs://HOST:PORT (e.g. grpc://triton:8001)"
+        raise ConfigError(msg)
+    host = f"[{parts.hostname}]" if ":" in parts.hostname else parts.hostname
+    return f"{host}:{port}", parts.scheme == "grpcs"

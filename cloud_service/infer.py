@@ -18,8 +18,10 @@ import numpy as np
 from cloud_service.batcher import BatcherClosed, DynamicBatcher
 from cloud_service.metrics import UNKNOWN_MODEL
 from cloud_service.models import ServedModel
-from cloud_service.protocol import decode_inputs, encode_response, get_parameters, topics
+from cloud_service.protocol import CodecError, decode_inputs, encode_response, get_parameters, topics
 from cloud_service.protocol import inference_pb2 as pb
+from cloud_service.protocol.encoding import frame_inputs
+from cloud_service.protocol.preprocess import Preprocess
 from cloud_service.repository import ModelRepository
 from runtimes.errors import BackendUnavailable
 
@@ -99,8 +101,20 @@ def infer_blocking(repository: ModelRepository, request: pb.ModelInferRequest, *
 def _check(model: ServedModel, request: pb.ModelInferRequest) -> tuple[dict[str, np.ndarray], list[str]]:
     """The request's inputs, checked against `model`, and the outputs it asks for."""
     arrays = decode_inputs(request)
+    for name in frame_inputs(request):
+        arrays[name] = _preprocess(model).apply(arrays[name])
     model.validate(arrays)
     return arrays, model.output_names(o.name for o in request.outputs)
+
+
+def _preprocess(model: ServedModel) -> Preprocess:
+    """The model's declared frame preprocessing; a model without one refuses frames."""
+    declared = model.manifest.preprocess
+    if not declared:
+        msg = (f"model {model.name!r} declares no preprocess in its manifest, so it cannot take a raw frame; "
+               "send the model input instead")
+        raise CodecError(msg)
+    return Preprocess.from_json(declared)
 
 
 def _batcher(model: ServedModel) -> DynamicBatcher:

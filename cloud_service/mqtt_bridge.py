@@ -27,7 +27,7 @@ import collections
 import logging
 import socket
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import paho.mqtt.client as paho
 from google.protobuf.message import DecodeError
@@ -44,6 +44,9 @@ from cloud_service.protocol import CodecError, get_parameters, set_parameters, t
 from cloud_service.protocol import inference_pb2 as pb
 from cloud_service.repository import ModelRepository
 from runtimes.errors import BackendUnavailable
+
+if TYPE_CHECKING:
+    from cloud_service.forward import ForwardBackend
 
 log = logging.getLogger(__name__)
 _CONNECT_TIMEOUT_S = 10.0
@@ -82,11 +85,13 @@ class MqttBridge:
         repository: the served models.
         metrics: where requests are counted.
         max_message_bytes: largest payload accepted.
+        backend: answers requests instead of the local models (`cloud_service.forward`), if given.
     """
 
     def __init__(self, config: MqttConfig, repository: ModelRepository, metrics: Metrics, *,
-                 max_message_bytes: int) -> None:
+                 max_message_bytes: int, backend: ForwardBackend | None = None) -> None:
         self.config = config
+        self.backend = backend
         self.repository = repository
         self.metrics = metrics
         self.max_message_bytes = max_message_bytes
@@ -234,7 +239,8 @@ class MqttBridge:
                 reply_to = None
                 raise CodecError(msg)
             request = self._parse(message.payload)
-            label = model_label(self.repository, request.model_name)
+            label = (self.backend.label(request.model_name) if self.backend is not None
+                     else model_label(self.repository, request.model_name))
             response = await self._answer(device, request)
         except Exception as exc:
             code, text = status_of(exc)
@@ -277,7 +283,7 @@ class MqttBridge:
             deadline = loop.time() + int(params[topics.PARAM_DEADLINE_MS]) / 1000 - time.time()
         seq = params.get(topics.PARAM_SEQ)
         if not isinstance(seq, int) or isinstance(seq, bool):
-            return await infer(self.repository, request, deadline=deadline)
+            return await self._infer(request, deadline)
         key = (device or str(params.get(topics.PARAM_DEVICE, "")), str(params.get(topics.PARAM_BOOT, "")), seq)
         cached = self._cache.get(key)
         if cached is not None:
@@ -290,7 +296,7 @@ class MqttBridge:
         if running is not None:  # the same escalation, delivered twice while the first is computing
             self.metrics.mqtt_duplicates.inc()
             return await asyncio.shield(running)
-        task = asyncio.get_running_loop().create_task(infer(self.repository, request, deadline=deadline))
+        task = asyncio.get_running_loop().create_task(self._infer(request, deadline))
         self._running[key] = task
         try:
             response = await asyncio.shield(task)
@@ -298,3 +304,8 @@ class MqttBridge:
             self._running.pop(key, None)
         self._cache.put(key, response)
         return response
+
+    async def _infer(self, request: pb.ModelInferRequest, deadline: float | None) -> pb.ModelInferResponse:
+        if self.backend is not None:
+            return await self.backend.infer(request, deadline=deadline)
+        return await infer(self.repository, request, deadline=deadline)

@@ -19,10 +19,12 @@ from grpc_health.v1 import health, health_pb2
 
 from cloud_service.config import ServerConfig, split_address
 from cloud_service.metrics import Metrics
+from cloud_service.protocol.memory import keep_freed_memory
 from cloud_service.repository import ModelRepository, ReloadReport
 from cloud_service.server import SERVICE, InferenceServicer, start_grpc_server
 
 if TYPE_CHECKING:
+    from cloud_service.forward import ForwardBackend
     from cloud_service.mqtt_bridge import MqttBridge
 
 log = logging.getLogger(__name__)
@@ -58,6 +60,7 @@ class CloudService:
         self._grpc: grpc.Server | None = None
         self._health: health.HealthServicer | None = None
         self._bridge: MqttBridge | None = None
+        self._forward: ForwardBackend | None = None
         self._poller: asyncio.Task[None] | None = None
         self._stopped = asyncio.Event()
         self._stopping = False
@@ -72,6 +75,7 @@ class CloudService:
 
     async def start(self) -> None:
         config = self.config
+        keep_freed_memory(config.kept_memory_bytes)  # large payloads without page faults on every copy
         try:
             if config.metrics_address:
                 host, port = self.metrics.serve(*split_address(config.metrics_address))
@@ -86,8 +90,13 @@ class CloudService:
             if config.mqtt is not None:
                 from cloud_service.mqtt_bridge import MqttBridge
 
+                if config.forward is not None:
+                    from cloud_service.forward import ForwardBackend
+
+                    self._forward = ForwardBackend(config.forward, max_message_bytes=config.max_message_bytes)
+                    await self._forward.start()
                 self._bridge = MqttBridge(config.mqtt, self.repository, self.metrics,
-                                          max_message_bytes=config.max_message_bytes)
+                                          max_message_bytes=config.max_message_bytes, backend=self._forward)
                 await self._bridge.start()
                 self.addresses["mqtt"] = config.mqtt.url
             self.servicer.ready = True
@@ -134,6 +143,8 @@ class CloudService:
             drain = self.config.drain_timeout_s
             if self._bridge is not None:
                 await self._bridge.stop(drain)
+            if self._forward is not None:
+                await self._forward.aclose()
             if self._grpc is not None:
                 stopped = self._grpc.stop(grace=drain)
                 await asyncio.to_thread(stopped.wait)

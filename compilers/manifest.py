@@ -41,6 +41,8 @@ class Manifest:
             precision the runtime reported it executed (`executed_precision`).
         golden: the golden inputs' file, sample count and tolerance (`compilers.golden`); whoever opens
             the variant re-runs them.
+        preprocess: optional; how the input is made from a raw uint8 frame (resize, scale, mean/std,
+            layout), so a cloud can take the frame itself (`cloud_service.protocol.preprocess`).
     """
 
     name: str
@@ -62,6 +64,7 @@ class Manifest:
     calibration: dict[str, Any] = field(default_factory=dict)
     build: dict[str, Any] = field(default_factory=dict)
     golden: dict[str, Any] = field(default_factory=dict)
+    preprocess: dict[str, Any] = field(default_factory=dict)
     created_at: str = ""
     schema_version: int = SCHEMA_VERSION
 

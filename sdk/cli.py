@@ -17,6 +17,7 @@ _COMMAND_MODULES = (
     "compilers.package_cli",  # keygen, inspect, verify, run
     "cloud_service.cli",   # serve
     "cloud_service.fleet.cli",  # fleet
+    "cloud_service.export",  # export
     "edge_agent.cli",      # agent
     "edge_agent.plan_cli", # plan
     "sdk.demo",            # demo

@@ -92,8 +92,16 @@ def _from_typed(contents: pb.InferTensorContents, datatype: str, dtype: np.dtype
     return np.asarray(values, dtype=dtype).reshape(shape)
 
 
+def _declares_encoding(tensor: pb.ModelInferRequest.InferInputTensor) -> bool:
+    return "tierkit.encoding" in tensor.parameters  # protocol.encoding.PARAM_ENCODING (it imports this module)
+
+
 def decode_inputs(request: pb.ModelInferRequest) -> dict[str, np.ndarray]:
-    """The request's input tensors as numpy arrays (raw or typed contents)."""
+    """The request's input tensors as numpy arrays (raw or typed contents).
+
+    Inputs with a declared wire encoding (`protocol.encoding`) come back zstd-decompressed and fp16
+    widened to fp32; a raw frame stays the uint8 frame it is (the server preprocesses it).
+    """
     raw = request.raw_input_contents
     if raw and len(raw) != len(request.inputs):
         msg = f"{len(raw)} raw_input_contents for {len(request.inputs)} inputs: send one per input, or none"
@@ -106,7 +114,11 @@ def decode_inputs(request: pb.ModelInferRequest) -> dict[str, np.ndarray]:
             raise CodecError(msg)
         dtype = _np_dtype(tensor.datatype, name)
         shape = _shape(tensor.shape, name)
-        if raw:
+        if raw and tensor.parameters and _declares_encoding(tensor):
+            from cloud_service.protocol.encoding import decode_tensor, encoding_of
+
+            out[name] = decode_tensor(tensor, raw[i], encoding_of(tensor), dtype, shape)
+        elif raw:
             out[name] = _from_bytes(raw[i], dtype, shape, name)
         else:
             out[name] = _from_typed(tensor.contents, tensor.datatype, dtype, shape, name)

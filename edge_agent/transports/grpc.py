@@ -27,12 +27,15 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 from typing import Any
 
 import grpc
 import grpc.aio
 
 from cloud_service.protocol import inference_pb2
+from cloud_service.protocol.memory import keep_freed_memory
+from edge_agent.encoding import WireEncoder
 from edge_agent.transports.base import (
     CloudURL,
     Transport,
@@ -133,6 +136,8 @@ class GrpcTransport(Transport):
         self.cloud = cloud
         self.options = options or TransportOptions()
         self.target = channel_target(cloud)
+        keep_freed_memory(self.options.kept_memory_bytes)  # large payloads: no page faults per copy
+        self.encoder = WireEncoder(self.options.wire_encoding) if self.options.wire_encoding != "fp32" else None
         self._channel_options = channel_options(self.options)
         # read certificate files now: a wrong path fails at construction, not on the first escalation
         self._credentials = grpc_credentials(self.options) if cloud.tls else None
@@ -159,10 +164,17 @@ class GrpcTransport(Transport):
         if self._closed:
             msg = f"gRPC transport to {where} is closed; open a new one"
             raise escalation_error(CloudUnavailable, msg, code="CANCELLED")
+        if self.encoder is not None:
+            request = self.encoder.prepare(request, timeout_s)
+        started = time.perf_counter()
         try:
             response: inference_pb2.ModelInferResponse = await self._call()(request, timeout=timeout_s)
+            if self.encoder is not None:
+                self.encoder.observe(request.ByteSize() + response.ByteSize(), time.perf_counter() - started)
             return response
         except grpc.aio.AioRpcError as exc:
+            if self.encoder is not None and exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+                self.encoder.observe_timeout(request.ByteSize(), time.perf_counter() - started)
             raise self._map_error(exc, where, timeout_s) from exc
 
     def _map_error(self, exc: grpc.aio.AioRpcError, where: str, timeout_s: float) -> EscalationError:

@@ -28,6 +28,8 @@ from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties
 
 from cloud_service.protocol import inference_pb2, topics
+from cloud_service.protocol.memory import keep_freed_memory
+from edge_agent.encoding import WireEncoder
 from edge_agent.transports.base import CloudURL, Transport, TransportOptions, escalation_error
 from edge_agent.transports.mqtt_session import MessageHandler, MqttSession, backoff_delay
 from runtimes.errors import CloudTimeout, CloudUnavailable, ConfigError, EscalationError
@@ -68,6 +70,8 @@ class MqttTransport(Transport):
         self.cloud = cloud
         self.options = options or TransportOptions()
         self.where = f"{cloud.scheme}://{cloud.describe()}"
+        keep_freed_memory(self.options.kept_memory_bytes)  # large payloads: no page faults per copy
+        self.encoder = WireEncoder(self.options.wire_encoding) if self.options.wire_encoding != "fp32" else None
         self.request_topic = topics.escalate_topic(device_id)
         self.reply_topic = topics.reply_topic(device_id)
         self._prefix = os.urandom(8)  # correlation data: unique across restarts of the same device
@@ -123,6 +127,8 @@ class MqttTransport(Transport):
             msg = (f"{len(self._pending)} MQTT escalations to {self.where} already await replies "
                    f"(max_pending={self.options.max_pending}); the cloud is not keeping up")
             raise escalation_error(EscalationError, msg, code="RESOURCE_EXHAUSTED")
+        if self.encoder is not None:
+            request = self.encoder.prepare(request, timeout_s)
         payload = self.serialize(request, **{topics.PARAM_DEADLINE_MS: int((time.time() + timeout_s) * 1000)})
         if len(payload) > self.options.max_message_bytes:
             msg = (f"request of {len(payload)} bytes exceeds max_message_bytes={self.options.max_message_bytes} "
@@ -138,9 +144,15 @@ class MqttTransport(Transport):
             info = self.session.publish(self.request_topic, payload, qos=1, properties=props)
             if info.rc != MQTTErrorCode.MQTT_ERR_SUCCESS:
                 raise self._unavailable()
+            started = time.perf_counter()
             async with asyncio.timeout_at(deadline):
-                return await future
+                response = await future
+            if self.encoder is not None:
+                self.encoder.observe(len(payload) + response.ByteSize(), time.perf_counter() - started)
+            return response
         except TimeoutError:
+            if self.encoder is not None:
+                self.encoder.observe_timeout(len(payload), timeout_s)
             msg = (f"MQTT escalation to {self.where} on {self.request_topic} got no reply within {timeout_s:.3f} s; "
                    "check that a cloud replica subscribes to it, or raise the deadline")
             raise escalation_error(CloudTimeout, msg, code="DEADLINE_EXCEEDED") from None

@@ -108,3 +108,19 @@ def test_existing_model_name_and_parameters_are_kept() -> None:
     seen = asyncio.run(main())
     assert seen.model_name == "other"
     assert get_parameters(seen.parameters)[topics.PARAM_DEVICE] == "cam-1"
+
+
+def test_serialize_stamps_once_and_leaves_the_request_as_it_was() -> None:
+    cloud = FakeTransport(lambda r: pb.ModelInferResponse(), model="digits", device_id="cam-7", boot_id="b1")
+    request = encode_request("", {"x": np.arange(4, dtype=np.float32)},
+                             parameters={topics.PARAM_BOOT: "mine", topics.PARAM_DEADLINE_MS: 5})
+    before = request.SerializeToString(deterministic=True)
+    wire = pb.ModelInferRequest.FromString(cloud.serialize(request, **{topics.PARAM_DEADLINE_MS: 99}))
+    params = get_parameters(wire.parameters)
+    assert wire.model_name == "digits"
+    assert params == {topics.PARAM_DEVICE: "cam-7", topics.PARAM_BOOT: "mine", topics.PARAM_DEADLINE_MS: 99}
+    assert wire.raw_input_contents == request.raw_input_contents
+    assert request.SerializeToString(deterministic=True) == before  # stamped fields taken off again
+    # the same bytes the old `request + stamp` concatenation gave, as a message
+    assert wire == pb.ModelInferRequest.FromString(
+        request.SerializeToString() + cloud.stamp(request, **{topics.PARAM_DEADLINE_MS: 99}))

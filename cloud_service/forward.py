@@ -1,0 +1,144 @@
+"""Forwarding MQTT escalations to any Open Inference Protocol server (Triton, KServe, another tierkit).
+
+    tierkit serve --mqtt mqtt://broker:1883 --forward grpc://triton:8001
+
+The MQTT bridge keeps what it does for every escalation (the device's topic checks, the duplicate
+cache, per-request metrics, acknowledging after the reply) and, instead of running a local model,
+hands the request to a `ForwardBackend`: one grpc.aio channel, a unary `ModelInfer` per request
+with the request's remaining deadline as the gRPC deadline, the upstream's status passed back to
+the device as its status name. Requests in a tierkit wire encoding (fp16, zstd) are decoded to
+plain tensors first, since a stock server does not know them; a raw frame is refused, as only a
+package's manifest says how to preprocess it.
+
+Metrics label a request by its model name once the upstream has answered that name; other names
+share the unknown-model label, so a device cannot grow the label set without bound.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import ClassVar
+
+import grpc
+import grpc.aio
+
+from cloud_service.config import split_forward_url
+from cloud_service.metrics import UNKNOWN_MODEL
+from cloud_service.protocol import CodecError, decode_inputs
+from cloud_service.protocol import inference_pb2 as pb
+from cloud_service.protocol.encoding import encode_input, encoding_of
+from runtimes.errors import CloudTimeout, TierkitError
+
+log = logging.getLogger(__name__)
+
+__all__ = ["ForwardBackend", "UpstreamError"]
+
+MODEL_INFER = "/inference.GRPCInferenceService/ModelInfer"
+SERVER_LIVE = "/inference.GRPCInferenceService/ServerLive"
+DEFAULT_TIMEOUT_S = 30.0  # requests that carry no deadline
+MAX_LABELS = 64
+
+
+class UpstreamError(TierkitError):
+    """The server escalations are forwarded to answered with an error; `grpc_status` is its status."""
+
+    grpc_status: ClassVar[str] = "UNAVAILABLE"
+
+    def __init__(self, msg: str, *, status: str) -> None:
+        super().__init__(msg)
+        object.__setattr__(self, "grpc_status", status)  # per instance: the upstream's own status
+
+
+class ForwardBackend:
+    """Answers requests by forwarding them to an Open Inference Protocol server over gRPC.
+
+    Args:
+        url: `grpc://HOST:PORT` (or `grpcs://` with the system's roots).
+        max_message_bytes: largest message sent or received.
+
+    Example:
+        >>> backend = ForwardBackend("grpc://127.0.0.1:8001", max_message_bytes=16 << 20)
+        >>> await backend.start()
+        >>> response = await backend.infer(request, deadline=None)
+    """
+
+    def __init__(self, url: str, *, max_message_bytes: int) -> None:
+        self.url = url
+        self.target, self.tls = split_forward_url(url)
+        self.max_message_bytes = max_message_bytes
+        self._channel: grpc.aio.Channel | None = None
+        self._infer: grpc.aio.UnaryUnaryMultiCallable | None = None
+        self._labels: set[str] = set()
+
+    async def start(self) -> None:
+        """Open the channel and check the upstream is live; one that is down is logged, not fatal."""
+        options = [("grpc.max_send_message_length", self.max_message_bytes),
+                   ("grpc.max_receive_message_length", self.max_message_bytes)]
+        self._channel = (grpc.aio.secure_channel(self.target, grpc.ssl_channel_credentials(), options=options)
+                         if self.tls else grpc.aio.insecure_channel(self.target, options=options))
+        self._infer = self._channel.unary_unary(MODEL_INFER, request_serializer=pb.ModelInferRequest.SerializeToString,
+                                                response_deserializer=pb.ModelInferResponse.FromString)
+        live = self._channel.unary_unary(SERVER_LIVE, request_serializer=pb.ServerLiveRequest.SerializeToString,
+                                         response_deserializer=pb.ServerLiveResponse.FromString)
+        try:
+            await live(pb.ServerLiveRequest(), timeout=2.0, wait_for_ready=True)
+        except grpc.aio.AioRpcError as exc:
+            log.warning("forward target %s is not live yet (%s); escalations fail until it is",
+                        self.url, exc.code().name)
+
+    async def aclose(self) -> None:
+        channel, self._channel, self._infer = self._channel, None, None
+        if channel is not None:
+            await channel.close()
+
+    def label(self, model_name: str) -> str:
+        """The metrics label of a requested model name."""
+        return model_name if model_name in self._labels else UNKNOWN_MODEL
+
+    async def infer(self, request: pb.ModelInferRequest, *, deadline: float | None) -> pb.ModelInferResponse:
+        """The upstream's answer to `request`, by `deadline` (the loop's clock) or DEFAULT_TIMEOUT_S.
+
+        Raises:
+            CloudTimeout: the deadline passed before or while forwarding.
+            UpstreamError: the upstream answered an error status (carried as `grpc_status`).
+            CodecError: a raw frame, which only a local package can preprocess.
+        """
+        if self._infer is None:
+            msg = f"the forward backend to {self.url} is not started"
+            raise UpstreamError(msg, status="UNAVAILABLE")
+        timeout = DEFAULT_TIMEOUT_S
+        if deadline is not None:
+            timeout = deadline - asyncio.get_running_loop().time()
+            if timeout <= 0:
+                msg = "the request's deadline passed before it could be forwarded"
+                raise CloudTimeout(msg)
+        try:
+            response: pb.ModelInferResponse = await self._infer(plain_request(request), timeout=timeout)
+        except grpc.aio.AioRpcError as exc:
+            code = exc.code()
+            if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+                msg = f"{self.url} did not answer within the request's deadline ({timeout:.3f} s)"
+                raise CloudTimeout(msg) from None
+            msg = f"{self.url} answered {code.name}: {exc.details() or 'no details'}"
+            raise UpstreamError(msg, status=code.name) from None
+        if len(self._labels) < MAX_LABELS:
+            self._labels.add(request.model_name)
+        return response
+
+
+def plain_request(request: pb.ModelInferRequest) -> pb.ModelInferRequest:
+    """`request` with tierkit wire encodings undone (fp16 widened, zstd decompressed); as is when none."""
+    if not any(t.parameters and encoding_of(t) for t in request.inputs):
+        return request
+    if any("frame" in encoding_of(t) for t in request.inputs):
+        msg = ("a raw frame cannot be forwarded: the server it goes to does not know the package's preprocessing; "
+               "send the model input (fp32, fp16 or zstd)")
+        raise CodecError(msg)
+    out = pb.ModelInferRequest(model_name=request.model_name, model_version=request.model_version, id=request.id)
+    for key, value in request.parameters.items():
+        out.parameters[key].CopyFrom(value)
+    out.outputs.extend(request.outputs)
+    for name, array in decode_inputs(request).items():
+        encode_input(out, name, array)
+    return out

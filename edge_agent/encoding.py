@@ -1,0 +1,233 @@
+"""Choosing an escalation's wire encoding from the link: bytes x measured bandwidth + RTT vs the budget.
+
+`choose_encoding` is pure: given the bytes each encoding would put on the wire, the link's
+estimated bandwidth and round-trip time, and the time left, it picks the most faithful encoding
+predicted to arrive in time (fp32, then lossless zstd, then fp16, then fp16+zstd), or the fastest
+one when none fits. `LinkMeter` estimates the link from the escalations themselves (no probes):
+the RTT is the smallest recent round trip of a small message, the bandwidth an average of
+bytes / (elapsed - RTT) over recent large ones. `WireEncoder` puts both in front of a transport:
+it re-encodes a request's fp32 inputs (`cloud_service.protocol.encoding`) before sending.
+
+Only clouds that decode these encodings may receive them (tierkit's server lists the
+`tierkit.encodings` extension in ServerMetadata); a stock Triton or KServe gets plain fp32, so the
+default `wire_encoding="fp32"` never re-encodes. The raw-frame encoding needs the frame, which only
+the application has: it builds that request itself (`protocol.encoding.encode_input`).
+
+Example:
+    >>> link = LinkEstimate(bandwidth_bps=5e6, rtt_s=0.03)
+    >>> choose_encoding({"fp32": 602_112, "fp16": 301_056}, link, budget_s=0.15).encoding
+    'fp16'
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import numpy as np
+
+from cloud_service.protocol import decode_inputs, inference_pb2
+from cloud_service.protocol.encoding import check_encoding, encode_input
+from runtimes.errors import ConfigError
+
+__all__ = ["FIDELITY_ORDER", "Choice", "LinkEstimate", "LinkMeter", "WireEncoder", "choose_encoding"]
+
+FIDELITY_ORDER = ("fp32", "zstd", "fp16", "fp16+zstd")  # most faithful first; the first two are exact
+HEADROOM = 0.8  # plan to use at most this share of the budget: the estimate is noisy
+
+
+@dataclass(frozen=True, slots=True)
+class LinkEstimate:
+    """A link's bandwidth (bits per second) and round-trip time (seconds)."""
+
+    bandwidth_bps: float
+    rtt_s: float
+
+    def __post_init__(self) -> None:
+        if not self.bandwidth_bps > 0 or self.rtt_s < 0:
+            msg = f"LinkEstimate needs bandwidth_bps > 0 and rtt_s >= 0, got {self.bandwidth_bps}, {self.rtt_s}"
+            raise ConfigError(msg)
+
+    def seconds(self, nbytes: int) -> float:
+        return self.rtt_s + nbytes * 8 / self.bandwidth_bps
+
+
+@dataclass(frozen=True, slots=True)
+class Choice:
+    """The chosen encoding, its bytes, its predicted seconds, and whether that fits the budget."""
+
+    encoding: str
+    nbytes: int
+    predicted_s: float
+    fits: bool
+
+
+def choose_encoding(sizes: Mapping[str, int], link: LinkEstimate, budget_s: float, *,
+                    cpu_s: Mapping[str, float] | None = None, joules_per_byte: float = 0.0,
+                    energy_budget_j: float | None = None) -> Choice:
+    """The most faithful encoding in `sizes` predicted to arrive within `budget_s` (x HEADROOM).
+
+    Args:
+        sizes: wire bytes of the request in each candidate encoding.
+        link: the link's estimate.
+        budget_s: time left for the escalation.
+        cpu_s: seconds each encoding costs to encode and decode (compression), if known.
+        joules_per_byte: radio energy per byte sent (a device power profile's modeled figure).
+        energy_budget_j: at most this much radio energy per escalation, if given.
+
+    Returns:
+        The choice; when nothing fits, the fastest candidate with `fits=False`.
+    """
+    if not sizes:
+        msg = "choose_encoding needs at least one candidate encoding"
+        raise ConfigError(msg)
+    costs = cpu_s or {}
+    order = [e for e in FIDELITY_ORDER if e in sizes] + [e for e in sizes if e not in FIDELITY_ORDER]
+    options = [Choice(e, sizes[e], link.seconds(sizes[e]) + costs.get(e, 0.0), True) for e in order]
+    for option in options:
+        energy_ok = energy_budget_j is None or option.nbytes * joules_per_byte <= energy_budget_j
+        if option.predicted_s <= budget_s * HEADROOM and energy_ok:
+            return option
+    fastest = min(options, key=lambda o: o.predicted_s)
+    return Choice(fastest.encoding, fastest.nbytes, fastest.predicted_s, False)
+
+
+class LinkMeter:
+    """Estimates bandwidth and RTT from completed escalations.
+
+    The RTT is the smallest round trip of a small message, or, when only large ones were timed, the
+    intercept of elapsed time against bytes over messages of different sizes (0 until there are
+    two sizes: optimistic, and corrected once a smaller encoding has been timed). The bandwidth is
+    the median of bytes / (elapsed - RTT) over the last `recent` large messages, so a step in the
+    link's rate shows after two of them; a timeout counts as a slow sample (`observe_timeout`).
+
+    Args:
+        window: samples remembered.
+        recent: large messages the bandwidth is taken from.
+        small_bytes: messages at most this big time the RTT only.
+    """
+
+    def __init__(self, *, window: int = 16, recent: int = 3, small_bytes: int = 2048) -> None:
+        self._small: deque[float] = deque(maxlen=window)
+        self._large: deque[tuple[int, float]] = deque(maxlen=window)
+        self.recent = recent
+        self.small_bytes = small_bytes
+
+    def observe(self, nbytes: int, elapsed_s: float) -> None:
+        """One escalation: bytes on the wire (both ways) and its round-trip seconds."""
+        if nbytes <= self.small_bytes:
+            self._small.append(elapsed_s)
+        else:
+            self._large.append((nbytes, elapsed_s))
+
+    def observe_timeout(self, nbytes: int, waited_s: float) -> None:
+        """An escalation that got no answer within `waited_s`: the link is slower than that shows.
+
+        Recorded as a round trip at half the bandwidth the wait bounds it by, so that a rate step
+        down is seen even while every escalation times out (and nothing would be timed otherwise).
+        """
+        if nbytes > self.small_bytes:
+            rtt = self.rtt_s()
+            self._large.append((nbytes, rtt + 2 * max(waited_s - rtt, 1e-6)))
+
+    def rtt_s(self) -> float:
+        if self._small:
+            return min(self._small)
+        sizes = np.array([b for b, _ in self._large], dtype=np.float64)
+        if len(sizes) >= 2 and sizes.max() >= 1.3 * sizes.min():
+            times = np.array([e for _, e in self._large], dtype=np.float64)
+            _slope, intercept = np.polyfit(sizes, times, 1)
+            return float(np.clip(intercept, 0.0, times.min()))
+        return 0.0
+
+    def estimate(self) -> LinkEstimate | None:
+        """None until a large message was timed."""
+        if not self._large:
+            return None
+        rtt = self.rtt_s()
+        samples = [b * 8 / max(e - rtt, 1e-6) for b, e in list(self._large)[-self.recent:]]
+        return LinkEstimate(float(np.median(samples)), rtt)
+
+
+class WireEncoder:
+    """Re-encodes requests for the link (`wire_encoding` "auto"), or always to one encoding.
+
+    Args:
+        wire_encoding: "auto", or one of `FIDELITY_ORDER`.
+        meter: the link's meter (a fresh one by default).
+    """
+
+    def __init__(self, wire_encoding: str = "auto", *, meter: LinkMeter | None = None) -> None:
+        if wire_encoding != "auto":
+            check_encoding(wire_encoding)
+            if wire_encoding not in FIDELITY_ORDER:
+                msg = f"wire_encoding {wire_encoding!r} is not 'auto' or one of {list(FIDELITY_ORDER)}"
+                raise ConfigError(msg)
+        self.wire_encoding = wire_encoding
+        self.meter = meter or LinkMeter()
+        self.zstd_ratio: float | None = None  # compressed / raw bytes, learned from requests sent
+        self.zstd_s_per_byte: float = 0.0
+        self.last: Choice | None = None
+
+    def prepare(self, request: inference_pb2.ModelInferRequest,
+                timeout_s: float) -> inference_pb2.ModelInferRequest:
+        """`request` in the encoding chosen for `timeout_s`; plain requests pass through untouched."""
+        if not _plain_fp32(request):
+            return request
+        encoding = self.wire_encoding
+        if encoding == "auto":
+            encoding = self._choose(request, timeout_s)
+        if encoding == "fp32":
+            return request
+        return self._reencode(request, encoding)
+
+    def observe(self, nbytes: int, elapsed_s: float) -> None:
+        """A completed escalation: bytes both ways and round-trip seconds."""
+        self.meter.observe(nbytes, elapsed_s)
+
+    def observe_timeout(self, nbytes: int, waited_s: float) -> None:
+        """An escalation of `nbytes` that got no answer within `waited_s`."""
+        self.meter.observe_timeout(nbytes, waited_s)
+
+    def _choose(self, request: inference_pb2.ModelInferRequest, timeout_s: float) -> str:
+        link = self.meter.estimate()
+        raw = sum(len(c) for c in request.raw_input_contents)
+        if link is None:
+            return "fp32"  # first large escalations measure the link
+        rest = request.ByteSize() - raw
+        sizes = {"fp32": rest + raw, "fp16": rest + raw // 2}
+        cpu: dict[str, float] = {}
+        if self.zstd_ratio is not None:
+            sizes["zstd"] = rest + int(raw * self.zstd_ratio)
+            sizes["fp16+zstd"] = rest + int(raw // 2 * self.zstd_ratio)
+            cpu = {"zstd": raw * self.zstd_s_per_byte, "fp16+zstd": raw / 2 * self.zstd_s_per_byte}
+        else:
+            sizes["zstd"] = sizes["fp32"]  # unknown ratio: counted as no gain, tried below when it might help
+        self.last = choose_encoding(sizes, link, timeout_s, cpu_s=cpu)
+        if self.zstd_ratio is None and self.last.encoding != "fp32":
+            return "fp16+zstd" if self.last.encoding == "fp16" else "zstd"  # learn the ratio once
+        return self.last.encoding
+
+    def _reencode(self, request: inference_pb2.ModelInferRequest, encoding: str) -> inference_pb2.ModelInferRequest:
+        started = time.perf_counter()
+        out = inference_pb2.ModelInferRequest(model_name=request.model_name, model_version=request.model_version,
+                                              id=request.id)
+        for key, value in request.parameters.items():
+            out.parameters[key].CopyFrom(value)
+        out.outputs.extend(request.outputs)
+        raw = encoded = 0
+        for name, array in decode_inputs(request).items():
+            raw += array.nbytes // (2 if "fp16" in encoding else 1)
+            encoded += encode_input(out, name, array, encoding)
+        if "zstd" in encoding and raw:
+            self.zstd_ratio = encoded / raw
+            self.zstd_s_per_byte = (time.perf_counter() - started) / raw
+        return out
+
+
+def _plain_fp32(request: inference_pb2.ModelInferRequest) -> bool:
+    return bool(request.raw_input_contents) and all(
+        t.datatype == "FP32" and not t.parameters for t in request.inputs)
+
