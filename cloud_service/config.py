@@ -110,6 +110,10 @@ class MqttConfig:
         dedupe_max_entries: bound of that cache.
         username, password: broker credentials, if any.
         tls: TLS options (implied by `mqtts://`).
+        device_max_inflight: escalations of one device being answered at once; past it the device
+            gets RESOURCE_EXHAUSTED at once, so one device cannot fill `receive_maximum` for all.
+        device_rate_per_s: escalations per second one device may send (a token bucket holding
+            one second's worth); past it, RESOURCE_EXHAUSTED.
     """
 
     url: str = "mqtt://127.0.0.1:1883"
@@ -123,9 +127,15 @@ class MqttConfig:
     username: str | None = None
     password: str | None = field(default=None, repr=False)
     tls: MqttTls | None = None
+    device_max_inflight: int = 32
+    device_rate_per_s: float = 500.0
 
     def __post_init__(self) -> None:
         self.endpoint  # noqa: B018 - validates the URL
+        if self.device_max_inflight < 1 or not self.device_rate_per_s > 0:
+            msg = (f"MQTT device_max_inflight {self.device_max_inflight} must be >= 1 and device_rate_per_s "
+                   f"{self.device_rate_per_s} > 0")
+            raise ConfigError(msg)
         if not self.client_id:
             msg = "MQTT client_id must not be empty"
             raise ConfigError(msg)
