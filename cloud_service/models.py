@@ -19,7 +19,7 @@ from cloud_service.config import ModelOptions
 from cloud_service.statistics import ModelStats
 from compilers.manifest import Manifest
 from compilers.package import ModelPackage
-from runtimes.errors import InputError, PackageError, TierkitError
+from runtimes.errors import InputError, IntegrityError, PackageError, TierkitError
 from runtimes.session import Session, SessionOptions
 from runtimes.spec import TensorSpec, check_inputs
 
@@ -149,6 +149,10 @@ def open_model(path: Path, name: str, version: str, options: ModelOptions, *,
     sessions: list[Session] = []
     try:
         package = ModelPackage.open(path, trusted_keys=trusted_keys, extract_to=cleanup)
+        if package.manifest.name != name:
+            msg = (f"package {str(path)!r} holds model {package.manifest.name[:100]!r}, not {name[:100]!r}: a variant "
+                   "index may point only at its own model's packages")
+            raise IntegrityError(msg)
         session_options = SessionOptions(intra_op_threads=options.intra_op_threads)
         for _ in range(options.instances):
             try:
