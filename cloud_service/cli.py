@@ -38,6 +38,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[
     p.add_argument("--metrics", metavar="HOST:PORT", help="Prometheus endpoint address")
     p.add_argument("--trusted-key", action="append", type=Path, default=[], metavar="PUB",
                    help="Ed25519 public key; packages must be signed by one (repeatable)")
+    p.add_argument("--version-floor", type=Path, metavar="FILE",
+                   help="JSON file of the newest version loaded per model; older versions are refused "
+                        "unless signed as a rollback")
     b = p.add_argument_group("batching (defaults for every model)")
     b.add_argument("--max-batch-size", type=int, default=32)
     b.add_argument("--preferred-batch-sizes", default="", metavar="N,N", help="sizes worth waiting for")
@@ -126,6 +129,7 @@ def build_config(args: argparse.Namespace, env: dict[str, str]) -> ServerConfig:
                           password=env.get("TIERKIT_MQTT_PASSWORD"), tls=tls)
     return ServerConfig(models_dir=args.models, grpc_address=None if args.no_grpc else args.grpc, grpc_tls=grpc_tls,
                         mqtt=mqtt, metrics_address=args.metrics, trusted_keys=tuple(args.trusted_key),
+                        version_floor=args.version_floor,
                         defaults=defaults, models=models, max_message_bytes=int(args.max_message_mb * 1024 * 1024),
                         poll_interval_s=args.poll_s, drain_timeout_s=args.drain_s,
                         grpc_workers=args.grpc_workers)

@@ -174,6 +174,8 @@ class ServerConfig:
         mqtt: the MQTT bridge, or None.
         metrics_address: HOST:PORT for the Prometheus endpoint, or None.
         trusted_keys: Ed25519 public key files; when given, every package must be signed by one.
+        version_floor: a JSON file remembering the newest version of each model loaded here; an older
+            version is then refused unless it is a signed rollback (`compilers.version_floor`).
         defaults: options for every model; `models` overrides them per model name.
         max_message_bytes: largest request accepted (gRPC and MQTT).
         poll_interval_s: how often the models directory is rescanned for new versions (0 = never;
@@ -195,6 +197,7 @@ class ServerConfig:
     poll_interval_s: float = 0.0
     drain_timeout_s: float = 30.0
     grpc_workers: int = 128
+    version_floor: Path | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "models_dir", Path(self.models_dir))

@@ -19,6 +19,7 @@ from cloud_service.config import ModelOptions
 from cloud_service.statistics import ModelStats
 from compilers.manifest import Manifest
 from compilers.package import ModelPackage
+from compilers.version_floor import VersionFloor
 from runtimes.errors import InputError, IntegrityError, PackageError, TierkitError
 from runtimes.session import Session, SessionOptions
 from runtimes.spec import TensorSpec, check_inputs
@@ -139,7 +140,8 @@ class ServedModel:
 
 
 def open_model(path: Path, name: str, version: str, options: ModelOptions, *,
-               trusted_keys: list[Ed25519PublicKey] | None = None, variant: str | None = None) -> ServedModel:
+               trusted_keys: list[Ed25519PublicKey] | None = None, variant: str | None = None,
+               floor: VersionFloor | None = None) -> ServedModel:
     """Verify the package at `path`, open one session per instance and smoke-test it. Blocking.
 
     Raises:
@@ -163,6 +165,8 @@ def open_model(path: Path, name: str, version: str, options: ModelOptions, *,
                 msg = f"package {str(path)!r}: the backend cannot load {package.manifest.artifact!r}: {exc}"
                 raise PackageError(msg) from exc
         smoke_check(sessions[0], package.manifest, where=f"package {str(path)!r}")
+        if floor is not None:  # after the checks: a package that does not load raises no floor
+            floor.admit(package.manifest, f"package {str(path)!r}")
     except BaseException:
         for session in sessions:
             session.close()

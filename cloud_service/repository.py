@@ -32,6 +32,7 @@ from cloud_service.errors import ModelNotFound
 from cloud_service.models import ServedModel, open_model
 from compilers.signing import load_public_key
 from compilers.variants import INDEX_FILE, VariantSet, is_package, is_variant_set
+from compilers.version_floor import VersionFloor
 from runtimes.errors import TierkitError
 
 log = logging.getLogger(__name__)
@@ -136,6 +137,7 @@ class ModelRepository:
         self._retiring: set[asyncio.Task[None]] = set()
         self._lock = asyncio.Lock()
         self._keys = [load_public_key(p) for p in config.trusted_keys] if config.trusted_keys else None
+        self._floor = VersionFloor(config.version_floor) if config.version_floor else None
 
     def get(self, name: str, version: str = "") -> ServedModel:
         """The model to run, or `ModelNotFound`. Synchronous on purpose: no await between this and submit."""
@@ -199,7 +201,7 @@ class ModelRepository:
         observer: BatchObserver | None = self._observer_for(source.name)
         try:
             model = await asyncio.to_thread(open_model, source.path, source.name, source.version, options,
-                                            trusted_keys=self._keys, variant=source.variant)
+                                            trusted_keys=self._keys, variant=source.variant, floor=self._floor)
         except TierkitError as exc:
             old = "; the previous version keeps serving" if key in self._fingerprints else ""
             log.error("refused %s from %s: %s%s", label, source.path, exc, old)

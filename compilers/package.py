@@ -28,6 +28,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey,
 
 from compilers import signing
 from compilers.manifest import MANIFEST_FILE, Manifest
+from compilers.version_floor import VersionFloor
 from runtimes.errors import ConfigError, IntegrityError, PackageError, UnsafeArchiveError
 from runtimes.registry import open_session
 from runtimes.session import Session, SessionOptions
@@ -99,7 +100,7 @@ class ModelPackage:
 
     @classmethod
     def open(cls, path: str | Path, *, trusted_keys: Iterable[Ed25519PublicKey] | None = None,
-             extract_to: str | Path | None = None) -> ModelPackage:
+             extract_to: str | Path | None = None, floor: VersionFloor | None = None) -> ModelPackage:
         """Open and verify a package directory or `.tkpkg` archive.
 
         Args:
@@ -108,6 +109,8 @@ class ModelPackage:
             extract_to: where an archive is unpacked (default: a fresh temporary directory, removed
                 when the returned package is garbage collected or the process exits, or at once when
                 the archive is refused).
+            floor: when given, a version older than the newest accepted before is refused unless it is
+                a signed rollback (`compilers.version_floor`).
 
         Raises:
             PackageError, IntegrityError, SignatureError, UnsafeArchiveError.
@@ -120,6 +123,8 @@ class ModelPackage:
             try:
                 unpack(path, target)
                 package = cls._verify(target, keys)
+                if floor is not None:
+                    floor.admit(package.manifest, f"archive {str(path)!r}")
             except BaseException:
                 if own:
                     shutil.rmtree(target, ignore_errors=True)
@@ -130,7 +135,10 @@ class ModelPackage:
         if not path.is_dir():
             msg = f"{str(path)!r} is neither a package directory nor a {ARCHIVE_SUFFIX} archive"
             raise PackageError(msg)
-        return cls._verify(path, keys)
+        package = cls._verify(path, keys)
+        if floor is not None:
+            floor.admit(package.manifest, f"package {str(path)!r}")
+        return package
 
     @classmethod
     def _verify(cls, directory: Path, keys: list[Ed25519PublicKey] | None) -> ModelPackage:

@@ -20,6 +20,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
 from compilers.manifest import MANIFEST_FILE
 from compilers.package import ModelPackage
+from compilers.version_floor import VersionFloor
 from runtimes.errors import IntegrityError, PackageError, UnsafeArchiveError
 
 INDEX_FILE = "variants.json"
@@ -76,11 +77,13 @@ class VariantSet:
     def recommended(self) -> VariantEntry:
         return next((e for e in self.entries if e.recommended), self.entries[0])
 
-    def open(self, variant_id: str | None = None, *,
-             trusted_keys: Iterable[Ed25519PublicKey] | None = None) -> ModelPackage:
+    def open(self, variant_id: str | None = None, *, trusted_keys: Iterable[Ed25519PublicKey] | None = None,
+             floor: VersionFloor | None = None) -> ModelPackage:
         entry = self.entry(variant_id) if variant_id else self.recommended
         package = ModelPackage.open(variant_path(self.directory, entry.path), trusted_keys=trusted_keys)
         check_binding(package, self.name, self.target, entry)
+        if floor is not None:
+            floor.admit(package.manifest, f"variant {entry.id!r} of {str(self.directory)!r}")
         return package
 
     def write(self) -> Path:
