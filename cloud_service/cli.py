@@ -71,6 +71,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[
     m.add_argument("--mqtt-client-id", help="stable per replica (default: tierkit-HOSTNAME-PORT)")
     m.add_argument("--mqtt-session-expiry", type=int, default=0, metavar="S",
                    help="keep this replica's broker session S seconds after a crash (default 0)")
+    m.add_argument("--mqtt-device-inflight", type=int, default=32, metavar="N",
+                   help="escalations of one device answered at once; more get RESOURCE_EXHAUSTED (default 32)")
+    m.add_argument("--mqtt-device-rate", type=float, default=500.0, metavar="R",
+                   help="escalations per second one device may send; more get RESOURCE_EXHAUSTED (default 500)")
     p.set_defaults(func=run)
 
 
@@ -126,6 +130,7 @@ def build_config(args: argparse.Namespace, env: dict[str, str]) -> ServerConfig:
         client_id = args.mqtt_client_id or f"tierkit-{socket.gethostname()}-{suffix}"
         mqtt = MqttConfig(url=args.mqtt, group=args.mqtt_group, client_id=client_id,
                           session_expiry_s=args.mqtt_session_expiry, username=args.mqtt_username,
+                          device_max_inflight=args.mqtt_device_inflight, device_rate_per_s=args.mqtt_device_rate,
                           password=env.get("TIERKIT_MQTT_PASSWORD"), tls=tls)
     return ServerConfig(models_dir=args.models, grpc_address=None if args.no_grpc else args.grpc, grpc_tls=grpc_tls,
                         mqtt=mqtt, metrics_address=args.metrics, trusted_keys=tuple(args.trusted_key),

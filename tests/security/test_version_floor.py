@@ -93,3 +93,19 @@ def test_serve_refuses_and_counts_an_older_version(tmp_path: Path, digits_cnn_on
     server = serve(models, trusted_keys=(pub_path,), version_floor=floor)
     assert list(server.service.repository) == []
     assert metric_value(server.metrics_text, "tierkit_model_loads_total", outcome="refused") == 1
+
+
+def test_serve_flags_reach_the_config(tmp_path: Path) -> None:
+    import argparse
+
+    from cloud_service.cli import add_parser, build_config
+
+    parser = argparse.ArgumentParser()
+    add_parser(parser.add_subparsers())
+    args = parser.parse_args(["serve", "--models", str(tmp_path), "--mqtt", "mqtt://127.0.0.1:1883",
+                              "--mqtt-device-inflight", "4", "--mqtt-device-rate", "5",
+                              "--version-floor", str(tmp_path / "floor.json")])
+    config = build_config(args, {})
+    assert config.mqtt is not None
+    assert (config.mqtt.device_max_inflight, config.mqtt.device_rate_per_s) == (4, 5.0)
+    assert config.version_floor == tmp_path / "floor.json"
