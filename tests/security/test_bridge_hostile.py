@@ -6,6 +6,7 @@ second device's valid escalation is still answered within its deadline afterward
 
 from __future__ import annotations
 
+import queue
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -136,3 +137,40 @@ def test_per_device_in_flight_limit(broker, serve: Callable[..., ServerThread], 
         assert any(code == "RESOURCE_EXHAUSTED" and "being answered" in text for code, text in statuses)
     finally:
         hostile.close()
+
+
+def test_fuzzed_payloads_over_mqtt_each_get_one_bounded_answer(
+        server: ServerThread, devices: tuple[Device, Device], digits_x: np.ndarray) -> None:
+    from hypothesis import HealthCheck, given, settings
+
+    from tests.security.test_grpc_fuzz import ANSWERABLE, MAX_DETAILS, requests
+
+    hostile, honest = devices
+    payloads: list[bytes] = []
+
+    @settings(max_examples=80, deadline=None, suppress_health_check=list(HealthCheck), database=None)
+    @given(requests())
+    def collect(p: bytes) -> None:
+        payloads.append(p)
+
+    collect()
+    valid = encode_request("digits", {"x": digits_x[:1]}).SerializeToString()
+    for i, payload in enumerate(payloads):
+        mutated = bytearray(valid)
+        mutated[(i * 7919) % len(mutated)] ^= 0xFF  # and one byte flipped in a valid request
+        hostile.send(payload, b"s%d" % i)
+        hostile.send(bytes(mutated), b"m%d" % i)
+    deadline, replies = time.monotonic() + 30, {}
+    while len(replies) < 2 * len(payloads) and time.monotonic() < deadline:
+        try:
+            message = hostile.replies.get(timeout=max(0.01, deadline - time.monotonic()))
+        except queue.Empty:
+            break
+        replies[bytes(message.properties.CorrelationData)] = message
+    assert len(replies) == 2 * len(payloads)  # every message answered once, none lost
+    allowed = {c.name for c in ANSWERABLE} | {""}
+    for message in replies.values():
+        code, text = _status(message)
+        assert code in allowed, (code, text[:200])
+        assert len(text) <= MAX_DETAILS
+    _honest_answered(honest, digits_x[:1], b"after")
