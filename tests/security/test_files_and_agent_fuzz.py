@@ -160,3 +160,24 @@ def test_agent_local_endpoint_fuzz(agent_port: int, digits: zoo.Split) -> None:
             encode_request("digits", {"x": np.ascontiguousarray(digits.x_test[:1])}), timeout=5.0)
         assert decode_outputs(reply)["logits"].shape == (1, 10)
     assert os.getpid()  # the endpoint ran in this process and the process is still here
+
+
+def test_a_journal_with_invalid_text_in_its_schema_is_moved_aside(tmp_path: Path) -> None:
+    # Found by the journal fuzz: a byte that makes the schema's text invalid UTF-8 raised
+    # UnicodeDecodeError out of Journal() instead of moving the file aside.
+    path = tmp_path / "escalations.db"
+    with Journal(path) as journal:
+        for seq in range(20):
+            journal.append("escalate", b"payload-%d" % seq, device="cam-1", boot_id="b", seq=seq)
+    original = path.read_bytes()
+    moved = 0
+    for at in range(3900, 4096, 3):  # the end of page 1, where SQLite keeps the table's CREATE text
+        for side in tmp_path.iterdir():
+            side.unlink()
+        data = bytearray(original)
+        data[at] = 0x80
+        path.write_bytes(bytes(data))
+        with Journal(path) as journal:
+            journal.pending(100)
+            moved += journal.recovered_from is not None
+    assert moved > 0
