@@ -44,6 +44,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[
     p.add_argument("--metrics", metavar="HOST:PORT", help="Prometheus endpoint address")
     p.add_argument("--trusted-key", action="append", type=Path, default=[], metavar="PUB",
                    help="Ed25519 public key; packages must be signed by one (repeatable)")
+    p.add_argument("--version-floor", type=Path, metavar="FILE",
+                   help="JSON file of the newest version loaded per model; older versions are refused "
+                        "unless signed as a rollback")
     b = p.add_argument_group("batching (defaults for every model)")
     b.add_argument("--max-batch-size", type=int, default=32)
     b.add_argument("--preferred-batch-sizes", default="", metavar="N,N", help="sizes worth waiting for")
@@ -74,6 +77,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[
     m.add_argument("--mqtt-client-id", help="stable per replica (default: tierkit-HOSTNAME-PORT)")
     m.add_argument("--mqtt-session-expiry", type=int, default=0, metavar="S",
                    help="keep this replica's broker session S seconds after a crash (default 0)")
+    m.add_argument("--mqtt-device-inflight", type=int, default=32, metavar="N",
+                   help="escalations of one device answered at once; more get RESOURCE_EXHAUSTED (default 32)")
+    m.add_argument("--mqtt-device-rate", type=float, default=500.0, metavar="R",
+                   help="escalations per second one device may send; more get RESOURCE_EXHAUSTED (default 500)")
     p.set_defaults(func=run)
 
 
@@ -136,11 +143,13 @@ def build_config(args: argparse.Namespace, env: dict[str, str]) -> ServerConfig:
         client_id = args.mqtt_client_id or f"tierkit-{socket.gethostname()}-{suffix}"
         mqtt = MqttConfig(url=args.mqtt, group=args.mqtt_group, client_id=client_id,
                           session_expiry_s=args.mqtt_session_expiry, username=args.mqtt_username,
+                          device_max_inflight=args.mqtt_device_inflight, device_rate_per_s=args.mqtt_device_rate,
                           password=env.get("TIERKIT_MQTT_PASSWORD"), tls=tls)
     # forwarding only: an empty models directory (nothing is served locally)
     models_dir = args.models if args.models is not None else Path(tempfile.mkdtemp(prefix="tierkit-forward-"))
     return ServerConfig(models_dir=models_dir, grpc_address=None if args.no_grpc else grpc_address, grpc_tls=grpc_tls,
                         mqtt=mqtt, metrics_address=args.metrics, trusted_keys=tuple(args.trusted_key),
+                        version_floor=args.version_floor,
                         defaults=defaults, models=models, max_message_bytes=int(args.max_message_mb * 1024 * 1024),
                         poll_interval_s=args.poll_s, drain_timeout_s=args.drain_s,
                         grpc_workers=args.grpc_workers, forward=args.forward)

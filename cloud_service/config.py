@@ -110,6 +110,10 @@ class MqttConfig:
         dedupe_max_entries: bound of that cache.
         username, password: broker credentials, if any.
         tls: TLS options (implied by `mqtts://`).
+        device_max_inflight: escalations of one device being answered at once; past it the device
+            gets RESOURCE_EXHAUSTED at once, so one device cannot fill `receive_maximum` for all.
+        device_rate_per_s: escalations per second one device may send (a token bucket holding
+            one second's worth); past it, RESOURCE_EXHAUSTED.
     """
 
     url: str = "mqtt://127.0.0.1:1883"
@@ -123,9 +127,15 @@ class MqttConfig:
     username: str | None = None
     password: str | None = field(default=None, repr=False)
     tls: MqttTls | None = None
+    device_max_inflight: int = 32
+    device_rate_per_s: float = 500.0
 
     def __post_init__(self) -> None:
         self.endpoint  # noqa: B018 - validates the URL
+        if self.device_max_inflight < 1 or not self.device_rate_per_s > 0:
+            msg = (f"MQTT device_max_inflight {self.device_max_inflight} must be >= 1 and device_rate_per_s "
+                   f"{self.device_rate_per_s} > 0")
+            raise ConfigError(msg)
         if not self.client_id:
             msg = "MQTT client_id must not be empty"
             raise ConfigError(msg)
@@ -164,6 +174,8 @@ class ServerConfig:
         mqtt: the MQTT bridge, or None.
         metrics_address: HOST:PORT for the Prometheus endpoint, or None.
         trusted_keys: Ed25519 public key files; when given, every package must be signed by one.
+        version_floor: a JSON file remembering the newest version of each model loaded here; an older
+            version is then refused unless it is a signed rollback (`compilers.version_floor`).
         defaults: options for every model; `models` overrides them per model name.
         max_message_bytes: largest request accepted (gRPC and MQTT).
         poll_interval_s: how often the models directory is rescanned for new versions (0 = never;
@@ -191,6 +203,7 @@ class ServerConfig:
     grpc_workers: int = 128
     kept_memory_bytes: int = 64 << 20
     forward: str | None = None
+    version_floor: Path | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "models_dir", Path(self.models_dir))

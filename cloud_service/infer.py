@@ -26,13 +26,21 @@ from cloud_service.repository import ModelRepository
 from runtimes.errors import BackendUnavailable
 
 log = logging.getLogger(__name__)
+MAX_ERROR_CHARS = 1024  # an error message echoes request content (names, shapes): bounded, always
+
+
+def clip(text: str, limit: int = MAX_ERROR_CHARS) -> str:
+    """`text` cut to `limit` characters, saying how much was cut."""
+    if len(text) <= limit:
+        return text
+    return f"{text[:limit]}… ({len(text) - limit} more characters)"
 
 
 def status_of(exc: BaseException) -> tuple[str, str]:
     """(gRPC status name, message for the caller) of an exception raised while answering."""
     code = getattr(exc, "grpc_status", None)
     if isinstance(code, str):
-        return code, str(exc)
+        return code, clip(str(exc))
     if isinstance(exc, asyncio.CancelledError):
         return "CANCELLED", "the request was cancelled"
     log.error("internal error while answering a request", exc_info=exc)

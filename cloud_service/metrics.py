@@ -14,6 +14,7 @@ Exposed names (all prefixed `tierkit_`):
 | `mqtt_garbage_total` | | MQTT payloads that were not a valid request |
 | `mqtt_duplicates_total` | | MQTT requests answered from the duplicate cache |
 | `model_loads_total` | model, outcome | loads and hot swaps: `loaded` or `refused` |
+| `refusals_total` | surface, reason | hostile or malformed input refused, by where and why |
 | `models_ready` | | models being served |
 
 Requests for unknown models are labelled `model="_unknown"`, so a client cannot grow the label set.
@@ -65,6 +66,8 @@ class Metrics:
                                        registry=r)
         self.model_loads = Counter("tierkit_model_loads", "Model loads and hot swaps.", ["model", "outcome"],
                                    registry=r)
+        self.refusals = Counter("tierkit_refusals", "Hostile or malformed input refused, by where and why.",
+                                ["surface", "reason"], registry=r)
         self.models_ready = Gauge("tierkit_models_ready", "Models being served.", registry=r)
         self._http: WSGIServer | None = None
         self._children: dict[tuple[str, str], tuple[Any, Any]] = {}
@@ -79,6 +82,10 @@ class Metrics:
         children[1].observe(seconds)
         if code is not None:
             self.failures.labels(model, protocol, code).inc()
+
+    def refused(self, surface: str, reason: str) -> None:
+        """Count one refusal; `reason` is one of a fixed set per surface, never request content."""
+        self.refusals.labels(surface, reason).inc()
 
     def observer(self, model: str) -> ModelObserver:
         return ModelObserver(self, model)

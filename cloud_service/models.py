@@ -20,7 +20,8 @@ from cloud_service.statistics import ModelStats
 from compilers.golden import require_golden
 from compilers.manifest import Manifest
 from compilers.package import ModelPackage
-from runtimes.errors import InputError, PackageError, TierkitError
+from compilers.version_floor import VersionFloor
+from runtimes.errors import InputError, IntegrityError, PackageError, TierkitError
 from runtimes.session import Session, SessionOptions
 from runtimes.spec import TensorSpec, check_inputs
 
@@ -140,7 +141,8 @@ class ServedModel:
 
 
 def open_model(path: Path, name: str, version: str, options: ModelOptions, *,
-               trusted_keys: list[Ed25519PublicKey] | None = None, variant: str | None = None) -> ServedModel:
+               trusted_keys: list[Ed25519PublicKey] | None = None, variant: str | None = None,
+               floor: VersionFloor | None = None) -> ServedModel:
     """Verify the package at `path`, open one session per instance and smoke-test it. Blocking.
 
     Raises:
@@ -150,6 +152,10 @@ def open_model(path: Path, name: str, version: str, options: ModelOptions, *,
     sessions: list[Session] = []
     try:
         package = ModelPackage.open(path, trusted_keys=trusted_keys, extract_to=cleanup)
+        if package.manifest.name != name:
+            msg = (f"package {str(path)!r} holds model {package.manifest.name[:100]!r}, not {name[:100]!r}: a variant "
+                   "index may point only at its own model's packages")
+            raise IntegrityError(msg)
         session_options = SessionOptions(intra_op_threads=options.intra_op_threads)
         for _ in range(options.instances):
             try:
@@ -161,6 +167,8 @@ def open_model(path: Path, name: str, version: str, options: ModelOptions, *,
                 raise PackageError(msg) from exc
         smoke_check(sessions[0], package.manifest, where=f"package {str(path)!r}")
         require_golden(package, sessions[0], where=f"package {str(path)!r}")
+        if floor is not None:  # after the checks: a package that does not load raises no floor
+            floor.admit(package.manifest, f"package {str(path)!r}")
     except BaseException:
         for session in sessions:
             session.close()

@@ -8,7 +8,12 @@
   must lie in the sender's own `tierkit/v1/{device}/` subtree, so a device cannot make the service
   publish into another device's topics.
 - Escalations are acknowledged (PUBACK) only after their reply is published: a replica that dies
-  mid-request leaves the message unacknowledged in its broker session.
+  mid-request leaves the message unacknowledged in its broker session. Every message taken is
+  acknowledged, whatever it holds: a Response Topic that is invalid (wildcards, another device's
+  subtree, too long) gets no reply and is counted; a reply paho cannot send is counted.
+- One device cannot fill the replica's in-flight window (`receive_maximum`) for all: past
+  `device_max_inflight` escalations being answered, or `device_rate_per_s`, its escalations are
+  answered RESOURCE_EXHAUSTED at once (`tierkit_refusals_total{surface="mqtt"}` counts them).
 - Duplicates (same device, boot id and sequence number) are answered from a short-lived result
   cache, or join the computation already running, instead of being computed again.
 - paho's network thread hands every message to the event loop with `call_soon_threadsafe`.
@@ -37,8 +42,9 @@ from paho.mqtt.properties import Properties
 from paho.mqtt.subscribeoptions import SubscribeOptions
 
 from cloud_service.config import MqttConfig
+from cloud_service.device_limits import DeviceLimited, DeviceLimits
 from cloud_service.errors import MessageTooLarge
-from cloud_service.infer import infer, model_label, status_of
+from cloud_service.infer import clip, infer, model_label, status_of
 from cloud_service.metrics import UNKNOWN_MODEL, Metrics
 from cloud_service.protocol import CodecError, get_parameters, set_parameters, topics
 from cloud_service.protocol import inference_pb2 as pb
@@ -51,6 +57,9 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 _CONNECT_TIMEOUT_S = 10.0
 _QUIET_S = 0.1
+_MAX_TOPIC_BYTES = 1024
+_MAX_CORRELATION = 1024
+_TOPIC_FORBIDDEN = set("+#\x00")
 
 
 class _ResultCache:
@@ -97,6 +106,7 @@ class MqttBridge:
         self.max_message_bytes = max_message_bytes
         self.subscription = topics.shared_escalate_subscription(config.group)
         self._cache = _ResultCache(config.dedupe_ttl_s, config.dedupe_max_entries)
+        self._limits = DeviceLimits(config.device_max_inflight, config.device_rate_per_s)
         self._running: dict[tuple[str, str, int], asyncio.Task[pb.ModelInferResponse]] = {}
         self._tasks: set[asyncio.Task[None]] = set()
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -223,41 +233,89 @@ class MqttBridge:
         task.add_done_callback(self._tasks.discard)
 
     async def _handle(self, message: paho.MQTTMessage) -> None:
+        try:
+            await self._reply(message)
+        except Exception:  # a defect here must not cost the acknowledgement
+            log.exception("MQTT escalation on %s: the reply failed", clip(message.topic, 200))
+        finally:
+            # Acknowledge only now, and always: the broker redelivers an escalation whose replica died
+            # before replying, and stops delivering anything once `receive_maximum` messages are unacked.
+            self._ack(message)
+
+    def _ack(self, message: paho.MQTTMessage) -> None:
+        try:
+            self._client.ack(message.mid, message.qos)
+        except Exception:  # paho raises while a connection is torn down; the broker redelivers
+            log.warning("could not acknowledge MQTT message %s", message.mid)
+
+    async def _reply(self, message: paho.MQTTMessage) -> None:
         started = time.perf_counter()
         props = message.properties
-        reply_to = getattr(props, "ResponseTopic", None)
-        correlation = getattr(props, "CorrelationData", None)
+        asked = bool(getattr(props, "ResponseTopic", None))
+        reply_to, correlation = self._reply_topic(message), getattr(props, "CorrelationData", None)
         request: pb.ModelInferRequest | None = None
         label, code, text, response = UNKNOWN_MODEL, None, "", None
+        device = ""
         try:
             try:
                 device = topics.device_from_topic(message.topic)
             except ValueError:
                 device = ""
-            if reply_to and not reply_to.startswith(f"{topics.ROOT}/{device}/"):
-                msg = f"response topic {reply_to!r} is outside the sender's subtree {topics.ROOT}/{device}/"
-                reply_to = None
+            if asked and reply_to is None:
+                msg = "the request's response topic is invalid; no reply can be sent"
                 raise CodecError(msg)
-            request = self._parse(message.payload)
-            label = (self.backend.label(request.model_name) if self.backend is not None
-                     else model_label(self.repository, request.model_name))
-            response = await self._answer(device, request)
+            self._limits.admit(device)
+            try:
+                request = self._parse(message.payload)
+                label = (self.backend.label(request.model_name) if self.backend is not None
+                         else model_label(self.repository, request.model_name))
+                response = await self._answer(device, request)
+            finally:
+                self._limits.release(device)
         except Exception as exc:
             code, text = status_of(exc)
-            response = pb.ModelInferResponse(model_name=request.model_name if request else "",
-                                             id=request.id if request else "")
+            if isinstance(exc, DeviceLimited):
+                self.metrics.refused("mqtt", exc.reason)
+            response = pb.ModelInferResponse(model_name=clip(request.model_name, 256) if request else "",
+                                             id=clip(request.id, 256) if request else "")
             set_parameters(response.parameters, {topics.STATUS_PROPERTY: code, topics.ERROR_PROPERTY: text})
-            log.debug("MQTT escalation on %s failed: %s %s", message.topic, code, text)
+            log.debug("MQTT escalation on %s failed: %s %s", clip(message.topic, 200), code, text)
         self.metrics.request_done(label, "mqtt", time.perf_counter() - started, code=code)
-        if reply_to:
-            out = Properties(PacketTypes.PUBLISH)  # type: ignore[no-untyped-call]
-            if correlation is not None:
-                out.CorrelationData = correlation
-            if code is not None:
-                out.UserProperty = [(topics.STATUS_PROPERTY, code), (topics.ERROR_PROPERTY, text)]
+        if reply_to is None:
+            return
+        out = Properties(PacketTypes.PUBLISH)  # type: ignore[no-untyped-call]
+        if isinstance(correlation, bytes | bytearray) and len(correlation) <= _MAX_CORRELATION:
+            out.CorrelationData = correlation
+        if code is not None:
+            out.UserProperty = [(topics.STATUS_PROPERTY, code), (topics.ERROR_PROPERTY, text)]
+        try:
             self._client.publish(reply_to, response.SerializeToString(), qos=1, properties=out)
-        # Acknowledge only now: the broker redelivers an escalation whose replica died before replying.
-        self._client.ack(message.mid, message.qos)
+        except Exception as exc:  # paho refuses what the broker would: count it, answer the rest
+            self.metrics.refused("mqtt", "reply_unsendable")
+            log.warning("MQTT reply to %s could not be sent: %s", clip(reply_to, 200), clip(str(exc), 200))
+
+    def _reply_topic(self, message: paho.MQTTMessage) -> str | None:
+        """The request's Response Topic when it is one this service may publish to; else None (counted).
+
+        It must lie in the sender's own `tierkit/v1/{device}/` subtree (so a device cannot make the
+        service publish into another device's topics) and be a valid topic name: Mosquitto 2.0
+        forwards a Response Topic holding wildcards, which MQTT v5 forbids and paho refuses.
+        """
+        reply_to = getattr(message.properties, "ResponseTopic", None)
+        if not reply_to:
+            return None
+        try:
+            device = topics.device_from_topic(message.topic)
+        except ValueError:
+            self.metrics.refused("mqtt", "bad_request_topic")
+            return None
+        if (not isinstance(reply_to, str) or len(reply_to.encode()) > _MAX_TOPIC_BYTES
+                or not reply_to.startswith(f"{topics.ROOT}/{device}/") or _TOPIC_FORBIDDEN & set(reply_to)):
+            self.metrics.refused("mqtt", "bad_reply_topic")
+            log.debug("MQTT escalation on %s: response topic %s refused", clip(message.topic, 200),
+                      clip(repr(reply_to), 200))
+            return None
+        return reply_to
 
     def _parse(self, payload: bytes | bytearray) -> pb.ModelInferRequest:
         if len(payload) > self.max_message_bytes:

@@ -31,7 +31,8 @@ from cloud_service.config import ServerConfig
 from cloud_service.errors import ModelNotFound
 from cloud_service.models import ServedModel, open_model
 from compilers.signing import load_public_key
-from compilers.variants import VariantSet, is_package, is_variant_set
+from compilers.variants import INDEX_FILE, VariantSet, is_package, is_variant_set
+from compilers.version_floor import VersionFloor
 from runtimes.errors import TierkitError
 
 log = logging.getLogger(__name__)
@@ -132,9 +133,11 @@ class ModelRepository:
         self._entries: dict[str, _Entry] = {}
         self._fingerprints: dict[tuple[str, str], str] = {}
         self._refused: dict[tuple[str, str], str] = {}
+        self._scan_refused: dict[str, str] = {}  # directory entries refused while scanning, by fingerprint
         self._retiring: set[asyncio.Task[None]] = set()
         self._lock = asyncio.Lock()
         self._keys = [load_public_key(p) for p in config.trusted_keys] if config.trusted_keys else None
+        self._floor = VersionFloor(config.version_floor) if config.version_floor else None
 
     def get(self, name: str, version: str = "") -> ServedModel:
         """The model to run, or `ModelNotFound`. Synchronous on purpose: no await between this and submit."""
@@ -198,7 +201,7 @@ class ModelRepository:
         observer: BatchObserver | None = self._observer_for(source.name)
         try:
             model = await asyncio.to_thread(open_model, source.path, source.name, source.version, options,
-                                            trusted_keys=self._keys, variant=source.variant)
+                                            trusted_keys=self._keys, variant=source.variant, floor=self._floor)
         except TierkitError as exc:
             old = "; the previous version keeps serving" if key in self._fingerprints else ""
             log.error("refused %s from %s: %s%s", label, source.path, exc, old)
@@ -250,6 +253,11 @@ class ModelRepository:
             except (TierkitError, OSError) as exc:
                 report.refused[path.name] = str(exc)
                 log.error("cannot read %s: %s", path, exc)
+                # counted once per content, as load refusals are, not once per rescan
+                fingerprint = _digest(path, path / INDEX_FILE, path / "manifest.json")
+                if self._scan_refused.get(path.name) != fingerprint:
+                    self._scan_refused[path.name] = fingerprint
+                    self._on_load(path.name, "refused")
         return sources
 
     def _scan_variant_set(self, path: Path) -> list[_Source]:

@@ -15,9 +15,11 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import io
+import os
 import shutil
 import tarfile
 import tempfile
+import weakref
 from collections.abc import Iterable
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -27,6 +29,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey,
 
 from compilers import signing
 from compilers.manifest import MANIFEST_FILE, Manifest
+from compilers.version_floor import VersionFloor
 from runtimes.errors import ConfigError, IntegrityError, PackageError, UnsafeArchiveError
 from runtimes.registry import open_session
 from runtimes.session import Session, SessionOptions
@@ -100,30 +103,50 @@ class ModelPackage:
 
     @classmethod
     def open(cls, path: str | Path, *, trusted_keys: Iterable[Ed25519PublicKey] | None = None,
-             extract_to: str | Path | None = None) -> ModelPackage:
+             extract_to: str | Path | None = None, floor: VersionFloor | None = None) -> ModelPackage:
         """Open and verify a package directory or `.tkpkg` archive.
 
         Args:
             path: package directory, or archive file.
             trusted_keys: when given (even empty), the package must carry a signature by one of them.
-            extract_to: where an archive is unpacked (default: a fresh temporary directory).
+            extract_to: where an archive is unpacked (default: a fresh temporary directory, removed
+                when the returned package is garbage collected or the process exits, or at once when
+                the archive is refused).
+            floor: when given, a version older than the newest accepted before is refused unless it is
+                a signed rollback (`compilers.version_floor`).
 
         Raises:
             PackageError, IntegrityError, SignatureError, UnsafeArchiveError.
         """
         path = Path(path)
+        keys = None if trusted_keys is None else list(trusted_keys)
         if path.is_file():
-            target = Path(extract_to) if extract_to else Path(tempfile.mkdtemp(prefix="tierkit-pkg-"))
-            unpack(path, target)
-            path = target
+            own = extract_to is None  # a temporary copy this call made: removed with the package object
+            target = Path(tempfile.mkdtemp(prefix="tierkit-pkg-")) if own else Path(str(extract_to))
+            try:
+                unpack(path, target)
+                package = cls._verify(target, keys)
+                if floor is not None:
+                    floor.admit(package.manifest, f"archive {str(path)!r}")
+            except BaseException:
+                if own:
+                    shutil.rmtree(target, ignore_errors=True)
+                raise
+            if own:
+                weakref.finalize(package, shutil.rmtree, str(target), True)
+            return package
         if not path.is_dir():
             msg = f"{str(path)!r} is neither a package directory nor a {ARCHIVE_SUFFIX} archive"
             raise PackageError(msg)
-        return cls._verify(path, None if trusted_keys is None else list(trusted_keys))
+        package = cls._verify(path, keys)
+        if floor is not None:
+            floor.admit(package.manifest, f"package {str(path)!r}")
+        return package
 
     @classmethod
     def _verify(cls, directory: Path, keys: list[Ed25519PublicKey] | None) -> ModelPackage:
         where = f"package {str(directory)!r}"
+        _refuse_links(directory, where)
         manifest_path = directory / MANIFEST_FILE
         if not manifest_path.is_file():
             msg = f"{where} has no {MANIFEST_FILE}: not a tierkit package"
@@ -152,6 +175,19 @@ class ModelPackage:
             msg = f"{where}: files not listed in the manifest: {sorted(extra)[:5]}"
             raise IntegrityError(msg)
         return cls(directory, manifest, signed_by)
+
+
+def _refuse_links(directory: Path, where: str) -> None:
+    """Refuse a package holding a symlink anywhere (to a file or to a directory) or being one."""
+    if directory.is_symlink():
+        msg = f"{where} is a symlink; open the directory it points to, or copy it"
+        raise UnsafeArchiveError(msg)
+    for root, dirs, files in os.walk(directory, followlinks=False):
+        for entry in (*dirs, *files):
+            if (Path(root) / entry).is_symlink():
+                link = (Path(root) / entry).relative_to(directory).as_posix()
+                msg = f"{where} holds a symlink ({link!r}); packages hold plain files and directories only"
+                raise UnsafeArchiveError(msg)
 
 
 def _safe_join(root: Path, rel: str, where: str) -> Path:

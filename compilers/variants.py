@@ -1,6 +1,11 @@
 """A variant set: the packages compiled from one model for one target, ordered by cost.
 
 On disk: a directory with `variants.json` and one package directory per variant.
+
+The index is not signed; each package is. So the index may only point inside its own directory
+(no absolute path, no `..`, no symlink leading out), and each package it opens must be the rung the
+index says: the set's model name and target, the entry's precision and runtime. An index edited to
+point at an older signed package elsewhere (a rollback without the signing key) is refused.
 """
 
 from __future__ import annotations
@@ -8,14 +13,15 @@ from __future__ import annotations
 import json
 from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
 from compilers.manifest import MANIFEST_FILE
 from compilers.package import ModelPackage
-from runtimes.errors import PackageError
+from compilers.version_floor import VersionFloor
+from runtimes.errors import IntegrityError, PackageError, UnsafeArchiveError
 
 INDEX_FILE = "variants.json"
 INDEX_SCHEMA = 1
@@ -71,10 +77,14 @@ class VariantSet:
     def recommended(self) -> VariantEntry:
         return next((e for e in self.entries if e.recommended), self.entries[0])
 
-    def open(self, variant_id: str | None = None, *,
-             trusted_keys: Iterable[Ed25519PublicKey] | None = None) -> ModelPackage:
+    def open(self, variant_id: str | None = None, *, trusted_keys: Iterable[Ed25519PublicKey] | None = None,
+             floor: VersionFloor | None = None) -> ModelPackage:
         entry = self.entry(variant_id) if variant_id else self.recommended
-        return ModelPackage.open(self.directory / entry.path, trusted_keys=trusted_keys)
+        package = ModelPackage.open(variant_path(self.directory, entry.path), trusted_keys=trusted_keys)
+        check_binding(package, self.name, self.target, entry)
+        if floor is not None:
+            floor.admit(package.manifest, f"variant {entry.id!r} of {str(self.directory)!r}")
+        return package
 
     def write(self) -> Path:
         doc = {"schema_version": INDEX_SCHEMA, "name": self.name, "target": self.target,
@@ -93,6 +103,10 @@ class VariantSet:
             entries = tuple(VariantEntry(**e) for e in doc["variants"])
             if not entries:
                 raise ValueError("no variants")  # noqa: EM101 - caught below
+            if len({e.id for e in entries}) != len(entries):
+                raise ValueError("two variants share an id")  # noqa: EM101 - caught below
+            for e in entries:
+                variant_path(directory, e.path)
             return cls(directory, doc["name"], doc["target"], entries, tuple(doc.get("rejected", ())),
                        doc.get("build", {}))
         except OSError:
@@ -101,6 +115,35 @@ class VariantSet:
         except (ValueError, KeyError, TypeError) as exc:
             msg = f"{path} is not a valid variant index ({exc})"
             raise PackageError(msg) from None
+
+
+def variant_path(directory: Path, rel: str) -> Path:
+    """`directory / rel`, refused unless it stays inside `directory` (also through symlinks)."""
+    where = f"variant index {str(directory / INDEX_FILE)!r}"
+    pure = PurePosixPath(rel) if isinstance(rel, str) else None
+    if pure is None or pure.is_absolute() or not pure.parts or ".." in pure.parts or "\\" in rel:
+        msg = f"{where}: variant path {str(rel)[:200]!r} leaves the variant set; paths are relative, without '..'"
+        raise UnsafeArchiveError(msg)
+    path = directory.joinpath(*pure.parts)
+    try:
+        inside = path.resolve().is_relative_to(directory.resolve())
+    except OSError:
+        inside = False
+    if not inside or any(p.is_symlink() for p in (path, *path.parents) if p.is_relative_to(directory)):
+        msg = f"{where}: variant path {rel!r} is or passes through a symlink; variant sets hold plain directories"
+        raise UnsafeArchiveError(msg)
+    return path
+
+
+def check_binding(package: ModelPackage, name: str, target: str, entry: VariantEntry) -> None:
+    """Refuse a package that is not the rung the (unsigned) index describes."""
+    m = package.manifest
+    got, want = (m.name, m.target, m.precision, m.runtime), (name, target, entry.precision, entry.runtime)
+    if got != want:
+        msg = (f"variant {entry.id!r} at {str(package.directory)!r} is {got[0]}/{got[1]}/{got[2]}/{got[3]} "
+               f"(name/target/precision/runtime) but the index says {'/'.join(want)}: the index does not "
+               "describe this package; rebuild the variant set")
+        raise IntegrityError(msg)
 
 
 def is_variant_set(path: str | Path) -> bool:

@@ -43,6 +43,7 @@ from cloud_service.protocol import decode_outputs, encode_request, inference_pb2
 from cloud_service.protocol.codec import CodecError
 from compilers.package import ModelPackage
 from compilers.variants import VariantSet
+from compilers.version_floor import VersionFloor
 from edge_agent.adaptive import AdaptiveOptions, build_controller
 from edge_agent.breaker import BreakerConfig, CircuitBreaker
 from edge_agent.budget import Budget
@@ -189,6 +190,8 @@ class EdgeAgent:
         telemetry: an async callable publishing one telemetry document.
         on_late_reply: called with (seq, outputs or None) when a journaled escalation is answered.
         trusted_keys: Ed25519 public keys packages must be signed with.
+        version_floor: a JSON file of the newest version opened per model; an older one is refused
+            unless it is a signed rollback (`compilers.version_floor`).
 
     Example:
         >>> agent = EdgeAgent("variants/", cloud=None, policy=Policy("margin", threshold=0.3))
@@ -200,12 +203,14 @@ class EdgeAgent:
                  budget: Budget | None = None, policy: Policy | str | None = None,
                  controller: bool | Controller | None = None,
                  options: AgentOptions | None = None, meter: Any = None, telemetry: Telemetry | None = None,
-                 on_late_reply: LateReply | None = None, trusted_keys: Iterable[Any] | None = None) -> None:
+                 on_late_reply: LateReply | None = None, trusted_keys: Iterable[Any] | None = None,
+                 version_floor: str | Path | None = None) -> None:
         self.options = opts = options or AgentOptions()
         self.budget = budget or Budget()
         self.policy = policy if isinstance(policy, Policy) else Policy(policy or "calibrated")
         ctl = None if isinstance(controller, bool) else controller
-        packages, recommended = load_packages(model, trusted_keys=trusted_keys)
+        floor = VersionFloor(version_floor) if version_floor is not None else None
+        packages, recommended = load_packages(model, trusted_keys=trusted_keys, floor=floor)
         ids = list(packages) if controller is True or ctl is not None else [recommended]
         # variants whose golden inputs do not reproduce here, with why (the agent runs the next rung)
         self.refused: dict[str, str] = {}

@@ -58,6 +58,7 @@ logger = logging.getLogger(__name__)
 
 PARAM_KEEP = "tierkit.keep"
 _MAX_MESSAGE = 64 * 1024 * 1024
+_MAX_ERROR_CHARS = 1024  # an error message echoes request content: bounded
 
 
 def _version() -> str:
@@ -90,7 +91,7 @@ class _Servicer(inference_pb2_grpc.GRPCInferenceServiceServicer):
 
     async def ModelMetadata(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         if not self._known(request.name):
-            await context.abort(grpc.StatusCode.NOT_FOUND, f"model {request.name!r} is not served here; "
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"model {request.name[:200]!r} is not served here; "
                                                            f"this agent serves {self.agent.model_name!r}")
         meta = inference_pb2.ModelMetadataResponse(name=self.agent.model_name, versions=["1"], platform="tierkit")
         for specs, target in ((self.agent.inputs, meta.inputs), (self.agent.outputs, meta.outputs)):
@@ -102,20 +103,22 @@ class _Servicer(inference_pb2_grpc.GRPCInferenceServiceServicer):
                          context: grpc.aio.ServicerContext) -> inference_pb2.ModelInferResponse:
         agent = self.agent
         if not self._known(request.model_name):
-            await context.abort(grpc.StatusCode.NOT_FOUND, f"model {request.model_name!r} is not served here; "
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"model {request.model_name[:200]!r} is not served here; "
                                                            f"this agent serves {agent.model_name!r}")
         try:
             inputs = decode_inputs(request)
             keep = bool(get_parameters(request.parameters).get(PARAM_KEEP, False))
             pred = await agent.infer(inputs, keep=keep)
         except (CodecError, InputError) as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc)[:_MAX_ERROR_CHARS])
         except TierkitError as exc:
-            await context.abort(getattr(grpc.StatusCode, exc.grpc_status, grpc.StatusCode.INTERNAL), str(exc))
+            await context.abort(getattr(grpc.StatusCode, exc.grpc_status, grpc.StatusCode.INTERNAL),
+                                str(exc)[:_MAX_ERROR_CHARS])
         wanted = [o.name for o in request.outputs]
         unknown = set(wanted) - set(pred.outputs)
         if unknown:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"unknown output(s) {sorted(unknown)}; "
+            names = f"{sorted(unknown)[:5]}"[:_MAX_ERROR_CHARS]
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"unknown output(s) {names}; "
                                                                   f"the model has {sorted(pred.outputs)}")
         outputs = {k: pred.outputs[k] for k in wanted} if wanted else pred.outputs
         params: dict[str, bool | int | float | str] = {

@@ -87,7 +87,7 @@ class Journal:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         try:
             self._db = self._open()
-        except sqlite3.DatabaseError as exc:
+        except (sqlite3.DatabaseError, UnicodeDecodeError) as exc:  # a corrupt page can hold invalid text
             self.recovered_from = self._move_aside(exc)
             self._db = self._open()
         self._size = int(self._db.execute(f"SELECT COALESCE(SUM({_ROW_BYTES}), 0) FROM journal").fetchone()[0])

@@ -14,6 +14,7 @@ import numpy as np
 from compilers.golden import check_golden
 from compilers.package import ModelPackage
 from compilers.variants import VariantSet, is_variant_set
+from compilers.version_floor import VersionFloor
 from edge_agent.policy import BoundPolicy, Policy
 from runtimes.errors import PackageError
 from runtimes.session import Session, SessionOptions
@@ -39,17 +40,22 @@ class Variant:
 
 
 def load_packages(model: str | Path | VariantSet | ModelPackage, *, trusted_keys: Iterable[Any] | None = None,
-                  ) -> tuple[dict[str, ModelPackage], str]:
-    """The packages of `model` by variant id, and the recommended variant's id."""
+                  floor: VersionFloor | None = None) -> tuple[dict[str, ModelPackage], str]:
+    """The packages of `model` by variant id, and the recommended variant's id.
+
+    With a `floor`, a version older than the newest opened before is refused (`compilers.version_floor`).
+    """
     keys = None if trusted_keys is None else list(trusted_keys)
     if isinstance(model, ModelPackage):
+        if floor is not None:
+            floor.admit(model.manifest, f"package {str(model.directory)!r}")
         return {model.directory.name: model}, model.directory.name
     if not isinstance(model, VariantSet) and is_variant_set(model):
         model = VariantSet.load(model)
     if isinstance(model, VariantSet):
-        pkgs = {e.id: model.open(e.id, trusted_keys=keys) for e in model.entries}
+        pkgs = {e.id: model.open(e.id, trusted_keys=keys, floor=floor) for e in model.entries}
         return pkgs, model.recommended.id
-    pkg = ModelPackage.open(model, trusted_keys=keys)
+    pkg = ModelPackage.open(model, trusted_keys=keys, floor=floor)
     return {pkg.directory.name: pkg}, pkg.directory.name
 
 

@@ -175,7 +175,7 @@ def load(model: str | Path | VariantSet | ModelPackage, cloud: str | Transport |
          budget: Budget | None = None, policy: Policy | str | None = None,
          controller: bool | Controller | None = None,
          options: AgentOptions | None = None, meter: Any = None,
-         trusted_keys: Iterable[Any] | None = None) -> TieredModel:
+         trusted_keys: Iterable[Any] | None = None, version_floor: str | Path | None = None) -> TieredModel:
     """Load a package or variant set for tiered inference.
 
     Args:
@@ -190,6 +190,8 @@ def load(model: str | Path | VariantSet | ModelPackage, cloud: str | Transport |
         options: rarer knobs (`AgentOptions`: device id, breaker, journal, power profile, ...).
         meter: an energy meter for measured figures (otherwise energy is modeled).
         trusted_keys: refuse packages not signed by one of these Ed25519 public keys.
+        version_floor: a JSON file of the newest version opened per model; an older one is then
+            refused unless it is a signed rollback (`compilers.version_floor`).
 
     Raises:
         ConfigError, PackageError: bad arguments or an unreadable package.
@@ -203,7 +205,8 @@ def load(model: str | Path | VariantSet | ModelPackage, cloud: str | Transport |
         msg = "policy must be a Policy or a scorer name, not a dict; use Policy(**...)"
         raise ConfigError(msg)
     agent = EdgeAgent(model, cloud=cloud, budget=budget, policy=policy, controller=controller, options=options,
-                      meter=meter, trusted_keys=trusted_keys)
+                      meter=meter, trusted_keys=trusted_keys,
+                      version_floor=version_floor)
     return TieredModel(agent)
 
 

@@ -62,10 +62,20 @@ def _np_dtype(datatype: str, name: str) -> np.dtype[Any]:
         raise CodecError(msg) from None
 
 
+MAX_DIMS = 32  # numpy allows 64; no model here takes more than a handful
+MAX_ELEMENTS = 1 << 40  # of a shape with its zero dimensions counted as 1: numpy's sizes must fit an intp
+
+
 def _shape(shape: Iterable[int], name: str) -> tuple[int, ...]:
     dims = tuple(shape)  # protobuf int64 fields hold ints
+    if len(dims) > MAX_DIMS:
+        msg = f"tensor {name[:64]!r}: shape has {len(dims)} dimensions, at most {MAX_DIMS} are accepted"
+        raise CodecError(msg)
     if dims and min(dims) < 0:
-        msg = f"tensor {name!r}: shape {list(dims)} has a negative dimension"
+        msg = f"tensor {name[:64]!r}: shape {list(dims)} has a negative dimension"
+        raise CodecError(msg)
+    if math.prod(max(d, 1) for d in dims) > MAX_ELEMENTS:
+        msg = f"tensor {name[:64]!r}: shape {list(dims)} is too large (over {MAX_ELEMENTS} elements)"
         raise CodecError(msg)
     return dims
 

@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import os
-import shutil
 import ssl
-import subprocess
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -20,10 +18,9 @@ from cloud_service.protocol import inference_pb2 as pb
 from cloud_service.protocol import inference_pb2_grpc as pbg
 from cloud_service.security import GrpcTls, MqttTls
 from runtimes.errors import ConfigError
-from tests.broker import Broker, _free_port
+from tests.broker import Broker
 from tests.cloud_service.helpers import Device, Pki, ServerThread, metric_value
-
-DEPLOY = Path(__file__).resolve().parents[2] / "deploy" / "mosquitto"
+from tests.security.deploy_broker import DeployBroker, need_mosquitto
 
 
 def _channel(address: str, pki: Pki, *, client_cert: bool) -> grpc.Channel:
@@ -63,40 +60,10 @@ def test_grpc_mutual_tls(serve: Callable[..., ServerThread], models_dir: Path, p
     client.close()
 
 
-class DeployBroker(Broker):
-    """Mosquitto running deploy/mosquitto/mosquitto.conf and its ACL, with test ports, paths and certificates."""
-
-    def __init__(self, workdir: Path, pki: Pki, password: str) -> None:
-        super().__init__(workdir)
-        self.cloud_port = _free_port()
-        self.pki, self.password = pki, password
-
-    def write_conf(self) -> None:
-        self.workdir.mkdir(parents=True, exist_ok=True)
-        passwd = self.workdir / "passwd"
-        passwd.touch()
-        subprocess.run(["mosquitto_passwd", "-b", str(passwd), "tierkit-cloud", self.password], check=True)
-        text = (DEPLOY / "mosquitto.conf").read_text()
-        for old, new in {"/mosquitto/data/": f"{self.workdir}/", "/mosquitto/config/passwd": str(passwd),
-                         "/mosquitto/config/acl": str(DEPLOY / "acl"), "/mosquitto/certs/ca.pem": str(self.pki.ca),
-                         "/mosquitto/certs/server.pem": str(self.pki.server_cert),
-                         "/mosquitto/certs/server.key": str(self.pki.server_key),
-                         "listener 8883": f"listener {self.port} 127.0.0.1",
-                         "listener 8884": f"listener {self.cloud_port} 127.0.0.1",
-                         "log_dest stdout": f"log_dest file {self.log}"}.items():
-            assert old in text, old
-            text = text.replace(old, new)
-        if os.geteuid() == 0:
-            # As root, Mosquitto drops to user `mosquitto`, which cannot read pytest's private tmp dirs.
-            text = "user root\n" + text
-        self.conf.write_text(text)
-
-
 @pytest.fixture
 def deploy_broker(tmp_path: Path, pki: Pki) -> Iterator[DeployBroker]:
-    if shutil.which("mosquitto_passwd") is None:
-        pytest.skip("mosquitto_passwd is not installed")
-    broker = DeployBroker(tmp_path / "broker", pki, "s3cret").start()
+    need_mosquitto()
+    broker = DeployBroker(tmp_path / "broker", pki, "s3cret-broker-password").start()
     yield broker
     broker.stop()
 
@@ -112,7 +79,7 @@ def _device_tls(pki: Pki, *, client_cert: bool = True) -> ssl.SSLContext:
 def test_shipped_mosquitto_config_tls_certificates_passwords_and_acls(
         deploy_broker: DeployBroker, serve: Callable[..., ServerThread], models_dir: Path, pki: Pki) -> None:
     mqtt = MqttConfig(url=f"mqtts://127.0.0.1:{deploy_broker.cloud_port}", client_id="tierkit-cloud-a",
-                      username="tierkit-cloud", password="s3cret", tls=MqttTls(ca_file=pki.ca))
+                      username="tierkit-cloud", password="s3cret-broker-password", tls=MqttTls(ca_file=pki.ca))
     server = serve(models_dir, grpc_address=None, mqtt=mqtt)
     device = Device("127.0.0.1", deploy_broker.port, "cam-1", tls=_device_tls(pki))
     try:
