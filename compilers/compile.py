@@ -248,9 +248,14 @@ def generate_inputs(specs: Sequence[TensorSpec], samples: int, *, seed: int = 0)
 
 
 def _check_batch_axis(specs: Sequence[TensorSpec], sizes: Sequence[int]) -> None:
+    axes = sample_axes(specs)
     for spec in specs:
-        if spec.shape and isinstance(spec.shape[0], int) and any(b != spec.shape[0] for b in sizes):
-            msg = (f"input {spec.name!r} has a fixed batch of {spec.shape[0]}, but batch_sizes {list(sizes)} were "
+        axis = axes[spec.name]
+        if axis is None:
+            continue  # a scalar every sample shares
+        fixed = spec.shape[axis]
+        if isinstance(fixed, int) and any(b != fixed for b in sizes):
+            msg = (f"input {spec.name!r} has a fixed batch of {fixed}, but batch_sizes {list(sizes)} were "
                    "asked for: export the model with a dynamic batch axis, or ask for that batch size only")
             raise ConfigError(msg)
 

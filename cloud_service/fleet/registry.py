@@ -37,6 +37,7 @@ from cloud_service.fleet.errors import (
     UnknownDevice,
 )
 from cloud_service.fleet.store import FleetStore
+from cloud_service.identity import check_device_id as check_issuable
 from cloud_service.protocol import topics
 
 ROLES = ("read", "admin")
@@ -107,7 +108,7 @@ class Registry:
             msg = "this fleet process has no CA (start it with a data directory)"
             raise EnrollmentRefused(msg)
         now = time.time() if now is None else now
-        device_id = "dev-" + secrets.token_hex(6)
+        device_id = check_issuable("dev-" + secrets.token_hex(6))  # the CA signs only names fit to be topic levels
         cert_pem, serial = self.ca.sign(csr_pem, device_id=device_id)  # validates the CSR before any write
         password = secrets.token_urlsafe(24)
         with self.store.begin() as conn:
