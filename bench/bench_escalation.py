@@ -114,7 +114,9 @@ def serve(ports: Any, mqtt_port: int, kept_memory_bytes: int) -> None:
     asyncio.run(main())
 
 
-def start_mosquitto(workdir: Path) -> tuple[subprocess.Popen[bytes], int] | None:
+def start_mosquitto(workdir: Path, extra: str = "max_queued_messages 10000\n"
+                    ) -> tuple[subprocess.Popen[bytes], int] | None:
+    """A throwaway Mosquitto on a free loopback port (TCP_NODELAY, no persistence); None when not installed."""
     binary = shutil.which("mosquitto") or "/usr/sbin/mosquitto"
     if not Path(binary).exists():
         return None
@@ -123,7 +125,7 @@ def start_mosquitto(workdir: Path) -> tuple[subprocess.Popen[bytes], int] | None
         port = s.getsockname()[1]
     conf = workdir / "mosquitto.conf"
     conf.write_text(f"listener {port} 127.0.0.1\nset_tcp_nodelay true\nallow_anonymous true\n"
-                    f"persistence false\nmax_queued_messages 10000\nlog_dest file {workdir}/mosquitto.log\n")
+                    f"persistence false\n{extra}log_dest file {workdir}/mosquitto.log\n")
     proc = subprocess.Popen([binary, "-c", str(conf)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     for _ in range(100):
         try:

@@ -20,8 +20,6 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing as mp
-import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -35,6 +33,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench.bench_escalation import start_mosquitto as start_broker  # noqa: E402
 from cloud_service.fleet import schema as t  # noqa: E402
 from cloud_service.fleet.ca import FleetCA  # noqa: E402
 from cloud_service.fleet.desired import DesiredState  # noqa: E402
@@ -47,25 +46,7 @@ TARGET_RATE, TARGET_P99_S = 1000.0, 2.0
 
 
 def start_mosquitto(workdir: Path) -> tuple[subprocess.Popen[bytes], int] | None:
-    binary = shutil.which("mosquitto") or "/usr/sbin/mosquitto"
-    if not Path(binary).exists():
-        return None
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    conf = workdir / "mosquitto.conf"
-    conf.write_text(f"listener {port} 127.0.0.1\nset_tcp_nodelay true\nallow_anonymous true\n"
-                    f"persistence false\nmax_queued_messages 100000\nmax_inflight_messages 1000\n"
-                    f"log_dest file {workdir}/mosquitto.log\n")
-    proc = subprocess.Popen([binary, "-c", str(conf)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    for _ in range(100):
-        try:
-            with socket.create_connection(("127.0.0.1", port), timeout=0.2):
-                return proc, port
-        except OSError:
-            time.sleep(0.05)
-    proc.kill()
-    return None
+    return start_broker(workdir, "max_queued_messages 100000\nmax_inflight_messages 1000\n")
 
 
 def window(device: str, seq: int, ts: float) -> bytes:
