@@ -10,8 +10,10 @@
 - Full-jitter exponential backoff between connection attempts. paho's own reconnect delay doubles
   without jitter; paho calls `on_disconnect` / `on_connect_fail` right before it waits, and there we
   set the next wait with `reconnect_delay_set(d, d)` (which also resets paho's doubling), where
-  `d = uniform(0, min(reconnect_max_s, reconnect_min_s * 2**attempt))`. A fleet that loses its
-  broker therefore does not reconnect in one synchronized storm.
+  `d = uniform(0, min(cap, reconnect_min_s * 2**attempt))`. A fleet that loses its broker therefore
+  does not reconnect in one synchronized storm. The cap is `reconnect_max_s`, except within
+  `RECENT_S` of the session last being up, when it is `RECENT_CAP_S` (a broker restart or a dropped
+  connection: be back within about a second, not after a doubling wait).
 """
 
 from __future__ import annotations
@@ -19,8 +21,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import random
 import socket
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -37,6 +41,8 @@ from edge_agent.transports.tls import ssl_context
 logger = logging.getLogger(__name__)
 
 MessageHandler = Callable[[str, bytes, Properties | None], None]
+RECENT_S = 60.0
+RECENT_CAP_S = 1.0
 
 
 def backoff_delay(attempt: int, *, base_s: float, cap_s: float, rng: random.Random) -> float:
@@ -69,6 +75,7 @@ class MqttSession:
         self._on_message_cb, self._on_down_cb = on_message, on_down
         self._rng = rng or random.Random()
         self._attempt = 0
+        self._last_up = -math.inf  # monotonic time the session was last up (paho's thread)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._up = False  # written by the network thread, read by the loop (a bool: atomic under the GIL)
         # asyncio.Event binds to a loop only when first awaited, so creating them here is safe
@@ -216,14 +223,16 @@ class MqttSession:
             logger.error("MQTT %s; check the broker ACL (pattern readwrite tierkit/v1/%%c/#)", self.problem)
             self._call_soon(self._set_up, False)
             return
-        self._attempt = 0
+        self._attempt, self._last_up = 0, time.monotonic()
         self._up = True
         logger.info("MQTT connected to %s", self.where)
         self._call_soon(self._set_up, True)
 
     def _next_wait(self) -> float:
-        delay = backoff_delay(self._attempt, base_s=self.options.reconnect_min_s,
-                              cap_s=self.options.reconnect_max_s, rng=self._rng)
+        cap = self.options.reconnect_max_s
+        if time.monotonic() - self._last_up < RECENT_S:
+            cap = min(cap, RECENT_CAP_S)
+        delay = backoff_delay(self._attempt, base_s=self.options.reconnect_min_s, cap_s=cap, rng=self._rng)
         self._attempt += 1
         # paho's next wait is `min_delay` (reconnect_delay_set resets its doubling); max_delay must be > 0
         self.client.reconnect_delay_set(min_delay=delay, max_delay=max(delay, 1e-3))  # type: ignore[arg-type]
