@@ -10,7 +10,8 @@ import pytest
 from runtimes import ConfigError, SessionOptions, open_session
 from runtimes.errors import PackageError
 
-ort_backend = pytest.importorskip("runtimes.ort_backend")
+pytest.importorskip("onnxruntime")  # the extra may be missing; a broken runtimes.ort_backend must fail, not skip
+from runtimes import ort_backend
 
 CPU, CUDA, TRT, OV = ("CPUExecutionProvider", "CUDAExecutionProvider", "TensorrtExecutionProvider",
                       "OpenVINOExecutionProvider")
