@@ -4,6 +4,9 @@
   `loop.call_soon_threadsafe`, so everything the caller sees runs on the loop.
 - TCP_NODELAY on every new socket (`on_socket_open`): without it a QoS 1 round trip through Mosquitto
   takes ~88 ms instead of ~1.4 ms (Nagle's algorithm against delayed ACKs).
+- A connection that is not up (CONNACK and SUBACK in) within `connect_timeout_s` of its socket opening is
+  shut down, so that paho tries again: paho bounds only the TCP connect, and an attempt that met a
+  network cut (TCP accepted, packets dropped) would otherwise wait out the keepalive after the link is back.
 - Persistent session: `clean_start=False` and a Session Expiry Interval, so subscriptions survive
   reconnects. The session counts as up only once its subscription is acknowledged, so that no reply
   can arrive before it is listened for.
@@ -177,6 +180,20 @@ class MqttSession:
                 ack.set_exception(ConnectionError(why))
         self._on_down_cb(why)
 
+    def _watch_handshake(self, sock: Any) -> None:
+        assert self._loop is not None
+        self._loop.call_later(self.options.connect_timeout_s, self._handshake_overdue, sock)
+
+    def _handshake_overdue(self, sock: Any) -> None:
+        if self._up or self._closed or self.client.socket() is not sock:
+            return
+        logger.info("MQTT broker %s did not complete the handshake within %.1f s; retrying", self.where,
+                    self.options.connect_timeout_s)
+        shutdown = getattr(sock, "shutdown", None)  # a proxy or websocket wrapper may not have it
+        if shutdown is not None:
+            with contextlib.suppress(OSError):
+                shutdown(socket.SHUT_RDWR)  # paho's thread sees the error and reconnects
+
     def _acked(self, mid: int) -> None:
         ack = self._acks.get(mid)
         if ack is not None and not ack.done():
@@ -190,6 +207,7 @@ class MqttSession:
                 self._loop.call_soon_threadsafe(fn, *args)
 
     def _on_socket_open(self, client: paho.Client, userdata: Any, sock: Any) -> None:
+        self._call_soon(self._watch_handshake, sock)
         try:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         except (OSError, AttributeError) as exc:  # a proxy or websocket wrapper may not expose it
