@@ -1,9 +1,10 @@
 """The fault suite as figures: kept escalations through broker restarts, an agent `kill -9`, a network cut.
 
 Each scenario issues N kept escalations (`predict(keep=True)`, every one escalates) from a device to a
-real cloud (`CloudService` with its MQTT bridge) through a real Mosquitto with persistence on, and
-injects its fault halfway. Then the journal must drain, and the cloud's ledger must equal the set the
-device issued with nothing computed twice:
+real cloud (`CloudService` with its MQTT bridge) through a real Mosquitto with persistence on: 10
+answered live, then the fault, then the other N - 10 (journaled), then the broker or link is back.
+Then the journal must drain, and the cloud's ledger must equal the set the device issued with nothing
+computed twice:
 
 - ledger: the (device, boot, seq) keys the cloud computed (its duplicate cache holds one per computed
   escalation), and the count it computed (requests - failures - duplicates answered from the cache);
@@ -21,9 +22,9 @@ import os
 import random
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -123,36 +124,41 @@ def _options(tmp: Path) -> AgentOptions:
                                                    keepalive_s=10))
 
 
-def _through_fault(model: sdk.TieredModel, digits: zoo.Split, n: int, fault: Callable[[], float],
+def _through_fault(model: sdk.TieredModel, digits: zoo.Split, n: int, fault: Fault,
                    settle_s: float) -> tuple[set[tuple[str, str, int]], float, float]:
-    """Issue n kept escalations, running `fault` (which returns when the broker or link is back) at n/2;
-    then wait for the journal to empty. Returns (issued keys, s to the first replay answered, s to empty)."""
+    """Issue 10 escalations answered live, take the broker or link down, issue the other n - 10 (each one
+    journaled), bring it back after at least `fault.down_s`, then wait for the journal to empty.
+    Returns (issued keys, s from back to the first replay answered, s from back to the journal empty)."""
     agent = model.agent
     boot = agent.options.boot_id
     issued: set[tuple[str, str, int]] = set()
-    back: list[float] = []
-    faulted = threading.Thread(target=lambda: back.append(fault()))
-    for i in range(n):
-        if i == n // 2:
-            replies_before = agent.stats.late_replies
-            faulted.start()
+
+    def issue(i: int) -> sdk.Prediction:
         pred = model.predict(digits.x_test[i % len(digits.x_test)], keep=True)
         issued.add((DEVICE, boot, pred.seq))
-    faulted.join(120)
-    assert back, "the fault did not finish"
+        return pred
+
+    assert all(issue(i).tier == "cloud" for i in range(10))
+    fault.down()
+    went = time.monotonic()
+    assert all(issue(i).degraded for i in range(10, n))
+    time.sleep(max(0.0, went + fault.down_s - time.monotonic()))
     journal = agent.journal
     assert journal is not None
+    assert journal.count() == n - 10
+    replies_before = agent.stats.late_replies
+    fault.up()
+    back = time.monotonic()
     first: float | None = None
     empty = float("nan")
-    deadline = time.monotonic() + settle_s
-    while time.monotonic() < deadline:
+    while time.monotonic() < back + settle_s:
         now = time.monotonic()
         if first is None and agent.stats.late_replies > replies_before:
-            first = now - back[0]
+            first = now - back
         if not journal.count():
-            empty = now - back[0]
+            empty = now - back
             break
-        time.sleep(0.01)
+        time.sleep(0.005)
     assert not journal.count(), f"{journal.count()} escalations still journaled {settle_s} s after the fault"
     return issued, float("nan") if first is None else first, empty
 
@@ -166,7 +172,7 @@ def _check(rig: Rig, issued: set[tuple[str, str, int]], name: str, first: float,
     assert computed == len(issued), "an escalation was computed twice"
 
 
-def _run(rig: Rig, edge: ModelPackage, digits: zoo.Split, n: int, name: str, fault: Callable[[], float], *,
+def _run(rig: Rig, edge: ModelPackage, digits: zoo.Split, n: int, name: str, fault: Fault, *,
          via_proxy: bool = False, settle_s: float = 60.0) -> None:
     with sdk.load(edge.directory, cloud=rig.device_url(via_proxy=via_proxy), budget=BUDGET, policy=ALWAYS,
                   options=_options(rig.tmp)) as model:
@@ -174,35 +180,38 @@ def _run(rig: Rig, edge: ModelPackage, digits: zoo.Split, n: int, name: str, fau
     _check(rig, issued, name, first, empty)
 
 
-def _graceful(rig: Rig) -> Callable[[], float]:
-    def fault() -> float:
-        rig.broker.restart(down_s=0.5)
-        return time.monotonic()
-    return fault
+@dataclass(frozen=True)
+class Fault:
+    down: Callable[[], None]
+    up: Callable[[], None]
+    down_s: float = 0.5
 
 
-def _kill_9(rig: Rig) -> Callable[[], float]:
-    def fault() -> float:
-        assert rig.broker.proc is not None
-        rig.broker.proc.kill()
-        rig.broker.proc.wait(5)
-        if rig.broker.proc.stderr is not None:
-            rig.broker.proc.stderr.close()
+def _graceful(rig: Rig) -> Fault:
+    return Fault(rig.broker.stop, rig.broker.start)  # SIGTERM: Mosquitto saves its persistence file
+
+
+def _kill_9(rig: Rig) -> Fault:
+    def kill() -> None:
+        proc = rig.broker.proc
+        assert proc is not None
+        proc.kill()
+        proc.wait(5)
+        if proc.stderr is not None:
+            proc.stderr.close()
         rig.broker.proc = None
-        time.sleep(0.5)
-        rig.broker.start()
-        return time.monotonic()
-    return fault
+
+    return Fault(kill, rig.broker.start)
 
 
-def _cut(rig: Rig, seconds: float) -> Callable[[], float]:
-    def fault() -> float:
-        assert rig.proxy is not None
-        rig.proxy.set(mode="blackhole")  # connections reset, new ones accepted and never answered
-        time.sleep(seconds)
-        rig.proxy.set(mode="up")
-        return time.monotonic()
-    return fault
+def _cut(rig: Rig, seconds: float) -> Fault:
+    def mode(m: str) -> Callable[[], None]:
+        def apply() -> None:
+            assert rig.proxy is not None
+            rig.proxy.set(mode=m)  # blackhole: connections reset, new ones accepted and never answered
+        return apply
+
+    return Fault(mode("blackhole"), mode("up"), down_s=seconds)
 
 
 @pytest.mark.parametrize("n", [SMALL, pytest.param(LARGE, marks=pytest.mark.slow)])
