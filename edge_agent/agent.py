@@ -110,7 +110,8 @@ class AgentOptions:
         drain_interval_s: how often the journal is drained while the link is up.
         drain_timeout_s: the deadline of a journaled escalation when it is finally sent.
         drain_probe_s: the deadline of the first one of a drain, which probes whether the cloud answers;
-            a drain starts as soon as a live escalation is answered or the transport reconnects.
+            a drain starts as soon as a live escalation is answered, else every `drain_interval_s`
+            while the transport is connected (whatever the circuit breaker says).
         drain_window: journaled escalations in flight at once while draining.
         telemetry_interval_s: how often telemetry is published.
         strict: raise the escalation error instead of answering degraded.
