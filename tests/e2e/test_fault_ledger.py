@@ -49,6 +49,7 @@ pytestmark = pytest.mark.mqtt
 ALWAYS = Policy("max_prob", threshold=2.0, keep=True)  # every request escalates, and is kept
 BUDGET = sdk.Budget(latency_ms=200)
 SMALL, LARGE = 100, 1000
+RECOVERY_S = 4.0
 DEVICE = "ledger-dev"
 DRIVER = Path(__file__).with_name("fault_driver.py")
 
@@ -170,6 +171,10 @@ def _check(rig: Rig, issued: set[tuple[str, str, int]], name: str, first: float,
           f"first_replay_answered_s={first:.2f} journal_empty_s={empty:.2f}")
     assert keys == issued, (sorted(issued - keys)[:5], sorted(keys - issued)[:5])
     assert computed == len(issued), "an escalation was computed twice"
+    # about a second here (more on a loaded host); 6-9 s with paho's doubling backoff, no bridge session
+    # and a 5 s drain timeout behind an open breaker
+    assert first < RECOVERY_S, f"the first journaled escalation was answered {first:.1f} s after the fault ended"
+    assert empty < RECOVERY_S + len(issued) / 250, f"the journal emptied {empty:.1f} s after the fault ended"
 
 
 def _run(rig: Rig, edge: ModelPackage, digits: zoo.Split, n: int, name: str, fault: Fault, *,
