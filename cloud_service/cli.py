@@ -75,8 +75,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[
     m = p.add_argument_group("MQTT")
     m.add_argument("--mqtt-group", default="tierkit", help="shared-subscription group of the replicas")
     m.add_argument("--mqtt-client-id", help="stable per replica (default: tierkit-HOSTNAME-PORT)")
-    m.add_argument("--mqtt-session-expiry", type=int, default=0, metavar="S",
-                   help="keep this replica's broker session S seconds after a crash (default 0)")
+    m.add_argument("--mqtt-session-expiry", type=int, default=5, metavar="S",
+                   help="keep this replica's broker session S seconds after a disconnect, so escalations "
+                        "queue across a broker restart (default 5)")
     m.add_argument("--mqtt-device-inflight", type=int, default=32, metavar="N",
                    help="escalations of one device answered at once; more get RESOURCE_EXHAUSTED (default 32)")
     m.add_argument("--mqtt-device-rate", type=float, default=500.0, metavar="R",

@@ -97,13 +97,14 @@ class MqttConfig:
         client_id: stable per replica so a restarted replica resumes its session (default: derived
             from the host name and group by the CLI).
         session_expiry_s: how long the broker keeps this replica's session after an unplanned
-            disconnect. Default 0, measured with Mosquitto 2.0 and two replicas: while a dead
-            replica's session lives, the broker keeps routing its share of the shared
-            subscription into that session (and drops those messages when the session expires),
-            so with 30 s a SIGKILLed replica swallowed half of all escalations for 30 s; with 0 it
-            loses only the few it held, which devices re-send (same seq, answered once). Raise it
-            only for a single replica that should find escalations queued across a short
-            disconnect. A clean shutdown always ends the session.
+            disconnect. Default 5 s: long enough that the session (its subscription and the QoS 1
+            escalations queued for it) outlives a broker restart or a dropped connection, since the
+            bridge reconnects within about a second while the broker was healthy recently; short,
+            because while a dead replica's session lives the broker keeps routing its share of the
+            shared subscription into it (measured with Mosquitto 2.0 and two replicas: with 30 s a
+            SIGKILLed replica swallowed half of all escalations for 30 s; devices re-send the ones
+            they journaled, same seq, answered once). With 0, escalations sent while the bridge is
+            reconnecting are dropped by the broker. A clean shutdown always ends the session.
         keepalive_s: MQTT keepalive.
         receive_maximum: unacknowledged escalations the broker may have in flight to this replica.
         dedupe_ttl_s: how long a result stays in the duplicate-request cache.
@@ -119,7 +120,7 @@ class MqttConfig:
     url: str = "mqtt://127.0.0.1:1883"
     group: str = "tierkit"
     client_id: str = "tierkit-serve"
-    session_expiry_s: int = 0
+    session_expiry_s: int = 5
     keepalive_s: int = 30
     receive_maximum: int = 256
     dedupe_ttl_s: float = 60.0

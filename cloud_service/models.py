@@ -16,6 +16,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
 from cloud_service.batcher import BatchObserver, DynamicBatcher
 from cloud_service.config import ModelOptions
+from cloud_service.protocol.codec import NP_TO_OIP
 from cloud_service.statistics import ModelStats
 from compilers.golden import require_golden
 from compilers.manifest import Manifest
@@ -184,7 +185,14 @@ def smoke_input(spec: TensorSpec) -> np.ndarray:
 
 
 def smoke_check(session: Session, manifest: Manifest, *, where: str) -> None:
-    """Run zeros through the session; the outputs must be the manifest's names, dtypes and shapes."""
+    """Run zeros through the session; the outputs must be the manifest's names, dtypes and shapes, and every
+    tensor's dtype one the wire codec carries (else no request for it could be decoded)."""
+    unservable = [f"{s.name} ({s.dtype})" for s in (*manifest.inputs, *manifest.outputs)
+                  if s.dtype not in NP_TO_OIP]
+    if unservable:
+        msg = (f"{where}: cannot be served: tensors {', '.join(unservable)} have a dtype the wire codec cannot "
+               f"carry (it carries {sorted(NP_TO_OIP)}); export the model with one of those at its inputs and outputs")
+        raise PackageError(msg)
     declared = {s.name for s in manifest.inputs}
     actual = {s.name for s in session.inputs} if session.inputs else declared
     if actual != declared:

@@ -30,6 +30,8 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
+import math
+import random
 import socket
 import time
 from typing import TYPE_CHECKING, Any
@@ -56,6 +58,12 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 _CONNECT_TIMEOUT_S = 10.0
+# Reconnect waits: full jitter, uniform in [0, min(cap, base * 2**attempt)]; the cap is low while the
+# broker was up recently (a restart or a dropped connection: be back within about a second), high after.
+_RECONNECT_BASE_S = 0.1
+_RECONNECT_CAP_RECENT_S = 1.0
+_RECONNECT_CAP_S = 30.0
+_RECENT_S = 60.0
 _QUIET_S = 0.1
 _MAX_TOPIC_BYTES = 1024
 _MAX_CORRELATION = 1024
@@ -112,6 +120,9 @@ class MqttBridge:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._subscribed: asyncio.Future[None] | None = None
         self._unsubscribed: asyncio.Event | None = None
+        self._attempt = 0  # reconnect attempts since the last subscription granted (paho's thread)
+        self._last_up = -math.inf  # monotonic time the subscription was last granted
+        self._rng = random.Random()
         self._client = self._make_client()
 
     def _make_client(self) -> paho.Client:
@@ -123,8 +134,9 @@ class MqttBridge:
         client.on_subscribe = self._on_subscribe
         client.on_unsubscribe = self._on_unsubscribe
         client.on_disconnect = self._on_disconnect
+        client.on_connect_fail = self._on_connect_fail
         client.on_message = self._on_message
-        client.reconnect_delay_set(1, 30)
+        self._next_wait(client)
         if cfg.username is not None:
             client.username_pw_set(cfg.username, cfg.password)
         if cfg.endpoint[2]:
@@ -197,6 +209,7 @@ class MqttBridge:
             self._call(self._fail_start, f"MQTT broker {self.config.url} refused the subscription "
                                          f"{self.subscription!r}: {reasons[0]} (check its ACL)")
         else:
+            self._attempt, self._last_up = 0, time.monotonic()
             self._call(self._subscribed_ok)
 
     def _on_unsubscribe(self, client: paho.Client, userdata: Any, mid: int, reasons: list[Any],
@@ -205,8 +218,25 @@ class MqttBridge:
             self._call(self._unsubscribed.set)
 
     def _on_disconnect(self, client: paho.Client, userdata: Any, flags: Any, reason: Any, properties: Any) -> None:
+        delay = self._next_wait(client)
         if reason.is_failure:
-            log.warning("MQTT connection to %s lost (%s); paho reconnects", self.config.url, reason)
+            log.warning("MQTT connection to %s lost (%s); reconnecting in %.2f s", self.config.url, reason, delay)
+
+    def _on_connect_fail(self, client: paho.Client, userdata: Any) -> None:
+        self._next_wait(client)
+
+    def _next_wait(self, client: paho.Client) -> float:
+        """Set paho's next reconnect wait: jittered, capped at about a second while the broker was up recently.
+
+        paho's own backoff doubles from its minimum without jitter; `reconnect_delay_set(d, d)` makes its
+        next wait exactly `d` (it is called right before paho waits).
+        """
+        recent = time.monotonic() - self._last_up < _RECENT_S
+        cap = _RECONNECT_CAP_RECENT_S if recent else _RECONNECT_CAP_S
+        delay = self._rng.uniform(0.0, min(cap, _RECONNECT_BASE_S * 2.0 ** min(self._attempt, 30)))
+        self._attempt += 1
+        client.reconnect_delay_set(min_delay=delay, max_delay=max(delay, 1e-3))  # type: ignore[arg-type]
+        return delay
 
     def _on_message(self, client: paho.Client, userdata: Any, message: paho.MQTTMessage) -> None:
         self._call(self._dispatch, message)

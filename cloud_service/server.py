@@ -36,6 +36,7 @@ from cloud_service.metrics import UNKNOWN_MODEL, Metrics
 from cloud_service.models import ServedModel
 from cloud_service.protocol import CodecError
 from cloud_service.protocol import inference_pb2 as pb
+from cloud_service.protocol.codec import NP_TO_OIP
 from cloud_service.protocol.encoding import ENCODINGS_EXTENSION
 from cloud_service.repository import ModelRepository
 from cloud_service.stream import StreamRunner
@@ -48,11 +49,9 @@ SERVER_NAME = "tierkit"
 STREAM_WORKERS = 64  # threads answering stream requests, shared by all streams
 STREAM_WINDOW = 64  # requests of one stream in flight at most
 EXTENSIONS = ("model_configuration", "parameters", "statistics", "health", "reflection", ENCODINGS_EXTENSION)
-_DATA_TYPES = {"bool": pb.TYPE_BOOL, "uint8": pb.TYPE_UINT8, "int8": pb.TYPE_INT8, "int16": pb.TYPE_INT16,
-               "int32": pb.TYPE_INT32, "int64": pb.TYPE_INT64, "float16": pb.TYPE_FP16,
-               "float32": pb.TYPE_FP32, "float64": pb.TYPE_FP64, "bfloat16": pb.TYPE_BF16}
-_OIP = {"bool": "BOOL", "uint8": "UINT8", "int8": "INT8", "int16": "INT16", "int32": "INT32", "int64": "INT64",
-        "float16": "FP16", "float32": "FP32", "float64": "FP64", "bfloat16": "BF16"}
+# from the one dtype table, limited to what the codec carries (a model with another dtype is refused at load)
+_OIP = dict(NP_TO_OIP)
+_DATA_TYPES = {name: getattr(pb, f"TYPE_{oip}") for name, oip in _OIP.items()}
 
 
 @dataclass(frozen=True, slots=True)

@@ -6,8 +6,17 @@ infer(x) -> check inputs -> cache? -> run variant -> policy scores -> all confid
         breaker open / no time left / RTT clearly does not fit / rate cap -> local answer, degraded
         transport.escalate(unsure rows, deadline = budget - elapsed - margin)
             ok and well formed -> cloud rows merged in, tier="cloud"
-            failed / late / malformed -> local answer, degraded (journaled when `keep`)
+            failed / late / malformed -> local answer, degraded
 ```
+
+With `keep`, an escalation is journaled (durably, fsync) *before* it is sent and cleared once the cloud
+answered, so a `kill -9` at any instant loses nothing: an entry the cloud had answered but the agent had
+not yet cleared is sent again, carrying the same device, boot id, seq and request id, and the cloud's
+duplicate cache answers it without computing it twice.
+
+Every `Prediction` owns its arrays: `outputs`, `scores` and `cloud_rows` are writable and shared with
+nothing (not with the cache, not with a reply's buffer, not with another answer), for edge, cloud and
+cached answers alike.
 
 The no-escalation path (`edge`) is synchronous, so `TieredModel.predict` runs it in the caller's
 thread with no hop to the event loop; only escalations (`escalate`) run on the loop. Per-request
@@ -56,7 +65,16 @@ from edge_agent.prediction import Prediction, make_prediction
 from edge_agent.stats import RttEstimator, Stats, TimerLateness, feed_controller
 from edge_agent.transports.base import Transport, TransportOptions, open_transport
 from runtimes.energy import PowerProfile
-from runtimes.errors import CloudTimeout, CloudUnavailable, ConfigError, EscalationError, InputError, JournalFull
+from runtimes.errors import (
+    CloudTimeout,
+    CloudUnavailable,
+    ConfigError,
+    EscalationError,
+    InputError,
+    JournalError,
+    JournalFull,
+    ModelClosed,
+)
 from runtimes.session import SessionOptions
 from runtimes.spec import check_inputs
 
@@ -82,7 +100,8 @@ class AgentOptions:
             timer's lateness it learns (`stats.TimerLateness`, prior `timer_lateness_ms`).
         timer_lateness_ms: the lateness of an abandoned escalation assumed until some are observed.
         min_deadline_ms: below this much time left, escalation is skipped.
-        inline_max_ms: a variant this fast runs on the event loop; slower ones in a worker thread.
+        inline_max_ms: a call this fast runs on the event loop; slower ones in a worker thread. Decided
+            per batch size, from the variant's measured time at that size (scaled from batch 1 until measured).
         rtt_quantile: the round-trip quantile an escalation must fit in (without a controller).
         rtt_skip_share: with a controller (whose threshold already prices the link), escalation is
             skipped for the round trip only when the time left is below this share of the median one.
@@ -93,6 +112,10 @@ class AgentOptions:
         journal_max_bytes: its bound.
         drain_interval_s: how often the journal is drained while the link is up.
         drain_timeout_s: the deadline of a journaled escalation when it is finally sent.
+        drain_probe_s: the deadline of the first one of a drain, which probes whether the cloud answers;
+            a drain starts as soon as a live escalation is answered, else every `drain_interval_s`
+            while the transport is connected (whatever the circuit breaker says).
+        drain_window: journaled escalations in flight at once while draining.
         telemetry_interval_s: how often telemetry is published.
         strict: raise the escalation error instead of answering degraded.
         adaptive: how `controller=True` builds the controller (cloud accuracy prior, ...).
@@ -116,6 +139,8 @@ class AgentOptions:
     journal_max_bytes: int = 64 * 1024 * 1024
     drain_interval_s: float = 0.5
     drain_timeout_s: float = 5.0
+    drain_probe_s: float = 0.5
+    drain_window: int = 32
     telemetry_interval_s: float = 10.0
     strict: bool = False
     adaptive: AdaptiveOptions = field(default_factory=AdaptiveOptions)
@@ -125,6 +150,9 @@ class AgentOptions:
             topics.check_device_id(self.device_id)
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
+        if not (self.drain_probe_s > 0 and self.drain_timeout_s > 0 and self.drain_window >= 1):
+            msg = "AgentOptions: drain_probe_s and drain_timeout_s must be > 0 and drain_window >= 1"
+            raise ConfigError(msg)
         if (self.margin_ms < 0 or self.min_deadline_ms < 0 or self.timer_lateness_ms < 0
                 or not 0 < self.rtt_quantile <= 1 or not 0 <= self.rtt_skip_share <= 1 or not self.rtt_max_age_s > 0):
             msg = ("AgentOptions: margin_ms, min_deadline_ms, timer_lateness_ms must be >= 0, rtt_quantile in (0, 1], "
@@ -170,7 +198,7 @@ def _check_reply(response: inference_pb2.ModelInferResponse, model: str,
             return f"reply lacks output {name!r} (has {sorted(got)})"
         if cloud.shape != edge.shape:
             return f"reply output {name!r} has shape {list(cloud.shape)}, expected {list(edge.shape)}"
-        out[name] = cloud if cloud.dtype == edge.dtype else cloud.astype(edge.dtype)
+        out[name] = cloud.astype(edge.dtype)  # a copy: decoded arrays are read-only views of the reply
     return out
 
 
@@ -251,11 +279,16 @@ class EdgeAgent:
         self._seq = itertools.count(1)
         self._obs: deque[tuple[Any, ...]] = deque()
         self._fold_lock = threading.Lock()
-        self._no_cloud: dict[int, np.ndarray] = {}
         self._measured_mj: float | None = None
         self._tokens = (math.inf, time.monotonic())  # a full bucket, whatever the cap
         self._tasks: list[asyncio.Task[None]] = []
         self._closed = False
+        # (variant id, batch size) -> smoothed ms of an edge call at that size: picks inline or worker thread
+        self._batch_ms: dict[tuple[str, int], float] = {}
+        # journaled escalations being sent now: seq -> resolves True once answered (and cleared), False if not
+        self._inflight: dict[int, asyncio.Future[bool]] = {}
+        self._background: set[asyncio.Task[Any]] = set()
+        self._drain_wake: asyncio.Event | None = None
 
     # -- lifecycle -----------------------------------------------------------------------------
 
@@ -264,8 +297,11 @@ class EdgeAgent:
         if self.transport is not None:
             await self.transport.__aenter__()
         if self.options.journal_path is not None:
-            # a corrupt file is moved aside (and logged) by the journal itself; `journal.recovered_from` says where
-            self.journal = Journal(self.options.journal_path, max_bytes=self.options.journal_max_bytes)
+            # a corrupt file is moved aside (and logged) by the journal itself; `journal.recovered_from` says where.
+            # Opening runs SQLite's integrity check and fsyncs: in a worker thread, never on the loop.
+            self.journal = await asyncio.to_thread(Journal, self.options.journal_path,
+                                                   max_bytes=self.options.journal_max_bytes)
+        self._drain_wake = asyncio.Event()
         if self.meter is not None:
             self.meter.start()
         self._tasks.append(asyncio.create_task(self._housekeeping(), name="tierkit-housekeeping"))
@@ -280,7 +316,7 @@ class EdgeAgent:
         self._closed = True
         for task in self._tasks:
             task.cancel()
-        for task in self._tasks:
+        for task in [*self._tasks, *self._background]:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
         self.fold()
@@ -308,9 +344,10 @@ class EdgeAgent:
         Raises:
             InputError: wrong input names, dtypes or shapes (before anything runs).
             EscalationError: only with `AgentOptions(strict=True)`.
+            ModelClosed: the agent was closed.
         """
         t0 = perf_counter()
-        if self.inline:
+        if self.inline_for(x):
             step = self.edge(x, t0=t0, keep=keep)
         else:  # a slow variant would stall every other request on this loop
             step = await asyncio.to_thread(self.edge, x, t0=t0, keep=keep)
@@ -361,6 +398,9 @@ class EdgeAgent:
 
     def edge(self, x: Any, *, t0: float, keep: bool = False) -> Prediction | Pending:
         """The synchronous part: check, cache, run the variant, score. Escalation is left `Pending`."""
+        if self._closed:
+            msg = f"the edge agent for {self.model_name!r} is closed; open a new one (sdk.load or EdgeAgent)"
+            raise ModelClosed(msg)
         inputs, single = self.normalize(x)
         key = None
         if self.cache is not None:
@@ -371,6 +411,7 @@ class EdgeAgent:
         variant, threshold = (self._variant, self._threshold) if self.controller is None else self._current()
         outputs = variant.session.run(inputs)
         edge_ms = (perf_counter() - t0) * 1e3
+        self._timed(variant.id, len(next(iter(inputs.values()))), edge_ms)
         policy = variant.policy
         scores = policy.scorer.score(outputs)
         limit = policy.threshold if threshold is None else threshold
@@ -403,6 +444,22 @@ class EdgeAgent:
         sub = p.inputs if whole else {k: a[rows] for k, a in p.inputs.items()}
         expected = p.outputs if whole else {k: a[rows] for k, a in p.outputs.items()}
         request = self._request(p, sub, rows, left_ms)
+        kept: str | None = None  # with `keep`: "" once journaled ahead of the send, else why it could not be
+        if p.keep and self.journal is not None:
+            kept = await self._journal_ahead(p, request)
+            left_ms = self.budget.latency_ms - (perf_counter() - p.t0) * 1e3 - guard_ms
+            if left_ms < self.options.min_deadline_ms:  # the fsync took what was left: it is sent later
+                self._settle(p.seq, answered=False)
+                return await self._degrade(p, rows, kept or "budget", None, kept=kept)
+        try:
+            return await self._send(p, rows, request, expected, left_ms, needed_ms, whole, kept)
+        except BaseException:
+            self._settle(p.seq, answered=False)  # cancelled or strict: the journaled entry stays for the drain
+            raise
+
+    async def _send(self, p: Pending, rows: np.ndarray, request: inference_pb2.ModelInferRequest,
+                    expected: dict[str, np.ndarray], left_ms: float, needed_ms: float, whole: bool,
+                    kept: str | None) -> Prediction:
         timeout_s = left_ms / 1e3
         self.rtt.last_attempt = time.monotonic()
         sent = perf_counter()
@@ -431,16 +488,20 @@ class EdgeAgent:
                 raise error
             kind = "timeout" if timed_out else "unavailable" if isinstance(error, CloudUnavailable) else "error"
             logger.debug("escalation %d failed (%s): %s", p.seq, kind, error)
-            pred = await self._degrade(p, rows, kind, request, rtt_ms=rtt_ms)
+            self._settle(p.seq, answered=False)
+            pred = await self._degrade(p, rows, kind, request, rtt_ms=rtt_ms, kept=kept)
             if timed_out:  # how late the answer is past the timer's due time: the next timer ends that much earlier
                 self.lateness.add((perf_counter() - due) * 1e3)
             return pred
+        self._settle(p.seq, answered=True)  # answered (even unusably): sending it again would not help
         cloud = _check_reply(response, self.cloud_model, expected)
         if isinstance(cloud, str):
             self.breaker.record_failure()
             logger.warning("ignoring the cloud's answer to request %d: %s", p.seq, cloud)
             return await self._degrade(p, rows, "bad_reply", None, rtt_ms=rtt_ms)
         self.breaker.record_success()
+        if self.journal is not None and self.journal.count() and self._drain_wake is not None:
+            self._drain_wake.set()  # the cloud answers again: deliver what waits, now rather than on a timer
         self.rtt.add(rtt_ms, probe=needed_ms > left_ms)  # a probe that fits: the slow samples are stale
         first = self.outputs[0].name
         agreed = bool((expected[first].argmax(axis=-1) == cloud[first].argmax(axis=-1)).all())
@@ -491,10 +552,50 @@ class EdgeAgent:
         return encode_request(self.cloud_model, sub, request_id=f"{self.options.boot_id}-{p.seq}",
                               parameters=params)
 
+    async def _journal_ahead(self, p: Pending, request: inference_pb2.ModelInferRequest) -> str:
+        """Journal the escalation durably before it is sent; "" when held, else why not (then it is only sent)."""
+        assert self.journal is not None
+        self._inflight[p.seq] = asyncio.get_running_loop().create_future()
+        try:  # fsync: off the loop
+            await asyncio.to_thread(self.journal.append, "escalation", request.SerializeToString(),
+                                    device=self.options.device_id, boot_id=self.options.boot_id, seq=p.seq)
+        except JournalError as exc:
+            logger.warning("escalation %d not kept: %s", p.seq, exc)
+            self._settle(p.seq, answered=False)
+            return "journal_full" if isinstance(exc, JournalFull) else "journal_error"
+        return ""
+
+    def _settle(self, seq: int, *, answered: bool) -> None:
+        """A journaled-ahead escalation's send ended: clear its entry (in the background) once answered."""
+        flight = self._inflight.get(seq)
+        if flight is None or flight.done():
+            return
+        flight.set_result(answered)
+        if not answered or self.journal is None:
+            self._inflight.pop(seq, None)
+            return
+        task = asyncio.get_running_loop().create_task(asyncio.to_thread(
+            self.journal.clear, device=self.options.device_id, boot_id=self.options.boot_id, seq=seq))
+        self._background.add(task)
+        task.add_done_callback(lambda t: self._cleared(seq, t))
+
+    def _cleared(self, seq: int, task: asyncio.Task[Any]) -> None:
+        self._background.discard(task)
+        self._inflight.pop(seq, None)
+        if not task.cancelled() and task.exception() is not None:  # it stays; the drain sends it (deduplicated)
+            logger.warning("could not clear answered escalation %d from the journal: %s", seq, task.exception())
+
     async def _degrade(self, p: Pending, rows: np.ndarray, reason: str,
-                       request: inference_pb2.ModelInferRequest | None, *, rtt_ms: float | None = None) -> Prediction:
-        """The local answer, marked degraded; with `keep`, the escalation is journaled first."""
-        if p.keep and self.journal is not None and reason != "bad_reply":
+                       request: inference_pb2.ModelInferRequest | None, *, rtt_ms: float | None = None,
+                       kept: str | None = None) -> Prediction:
+        """The local answer, marked degraded. With `keep`, the escalation stays journaled for the drain (it
+        was journaled before the send; `kept` says how that went), or is journaled now when it was not sent."""
+        if kept is not None:
+            if kept:
+                reason = kept
+            else:
+                self.stats.journaled += 1
+        elif p.keep and self.journal is not None and reason != "bad_reply":
             if request is None:
                 request = self._request(p, {k: a[rows] for k, a in p.inputs.items()}, rows, 0.0)
             try:
@@ -502,9 +603,9 @@ class EdgeAgent:
                 await asyncio.to_thread(self.journal.append, "escalation", request.SerializeToString(),
                                         device=self.options.device_id, boot_id=self.options.boot_id, seq=p.seq)
                 self.stats.journaled += 1
-            except JournalFull as exc:
+            except JournalError as exc:  # a full journal, a full or failing disk: answer anyway, say why
                 logger.warning("escalation %d not kept: %s", p.seq, exc)
-                reason = "journal_full"
+                reason = "journal_full" if isinstance(exc, JournalFull) else "journal_error"
         return self._finish(p.variant, p.outputs, p.scores, p.single, p.t0, p.edge_ms, p.seq, degraded=True,
                             reason=reason, rtt_ms=rtt_ms, wanted=len(rows))
 
@@ -522,27 +623,30 @@ class EdgeAgent:
             label = power.label
         n = len(scores)
         if cloud_rows is None:
-            cloud_rows = self._no_cloud.get(n)
-            if cloud_rows is None:
-                cloud_rows = self._no_cloud[n] = np.zeros(n, dtype=bool)
-                cloud_rows.flags.writeable = False
+            cloud_rows = np.zeros(n, dtype=bool)
         if single:
             outputs = {k: a[0] for k, a in outputs.items()}
         tier = "cloud" if rtt_ms is not None and not degraded else "edge"
         pred = make_prediction(outputs, tier, float(scores[0] if n == 1 else scores.min()), v.id, degraded, total_ms,
                            energy, label, scores, cloud_rows, reason, False, seq)
-        self._obs.append((v.id, edge_ms, power.busy_watts * edge_ms, energy, label, n, wanted, tier, degraded,
+        # the controller's edge energy travels with `label`: the measured figure when measured, else modeled
+        edge_mj = energy if self._measured_mj is not None else power.busy_watts * edge_ms
+        self._obs.append((v.id, edge_ms, edge_mj, energy, label, n, wanted, tier, degraded,
                           reason, rtt_ms, nbytes, agreed, total_ms, False, pred.score))
         if key is not None and not degraded and self.cache is not None:
-            self.cache.put(key, pred)
+            # the cache keeps its own copy: the app may edit the arrays it was handed
+            self.cache.put(key, make_prediction({k: a.copy() for k, a in outputs.items()}, tier, pred.score, v.id,
+                                                False, total_ms, energy, label, scores.copy(), cloud_rows.copy(),
+                                                reason, False, seq))
         return pred
 
     def _cached(self, hit: Prediction, t0: float) -> Prediction:
         total_ms = (perf_counter() - t0) * 1e3
         self._obs.append((hit.variant, 0.0, 0.0, 0.0, hit.energy_label, len(hit.scores), 0, hit.tier, False, "",
                           None, 0, None, total_ms, True, hit.score))
-        return Prediction(hit.outputs, hit.tier, hit.score, hit.variant, False, total_ms, 0.0, hit.energy_label,
-                          hit.scores, hit.cloud_rows, "", True, hit.seq)
+        return make_prediction({k: a.copy() for k, a in hit.outputs.items()}, hit.tier, hit.score, hit.variant,
+                               False, total_ms, 0.0, hit.energy_label, hit.scores.copy(), hit.cloud_rows.copy(), "",
+                               True, hit.seq)
 
     # -- control -------------------------------------------------------------------------------
 
@@ -575,8 +679,31 @@ class EdgeAgent:
 
     @property
     def inline(self) -> bool:
-        """Whether the current variant is fast enough to run on an event loop."""
+        """Whether the current variant is fast enough at batch 1 to run on an event loop."""
         return self._current()[0].inline
+
+    def inline_for(self, x: Any) -> bool:
+        """Whether answering `x` is fast enough to run on an event loop: decided per batch size, from the
+        time measured at that size, or batch 1's time scaled by the batch size until one is measured."""
+        variant = self._current()[0]
+        if not variant.inline:
+            return False
+        spec, _dtype, ndim, _tail = self._checks[0]
+        a = x.get(spec.name) if isinstance(x, Mapping) else x
+        shape = getattr(a, "shape", None)
+        n = int(shape[0]) if shape is not None and len(shape) == ndim and ndim and spec.dynamic_batch else 1
+        if n <= 1:
+            return True
+        ms = self._batch_ms.get((variant.id, n))
+        return (variant.p50_ms * n if ms is None else ms) <= self.options.inline_max_ms
+
+    def _timed(self, variant: str, n: int, ms: float) -> None:
+        key = (variant, n)
+        old = self._batch_ms.get(key)
+        if old is not None:
+            self._batch_ms[key] = 0.8 * old + 0.2 * ms
+        elif len(self._batch_ms) < 1024:  # bounded: one entry per batch size seen
+            self._batch_ms[key] = ms
 
     def late(self, p: Pending) -> Prediction:
         """The local answer to a pending request whose escalation could not finish (thread-safe)."""
@@ -617,11 +744,24 @@ class EdgeAgent:
                 **self.stats.snapshot()}
 
     async def _housekeeping(self) -> None:
+        """Fold observations, read the meter, publish telemetry. Folding feeds the controller, which may
+        re-decide: that runs in a worker thread. The loop wakes 20 times a second only while a controller
+        has fresh observations to learn from; otherwise at most once a second."""
         next_telemetry = time.monotonic() + self.options.telemetry_interval_s
         next_meter, seen = time.monotonic() + 1.0, 0
         while True:
-            await asyncio.sleep(0.05)
-            self.fold()
+            busy = self.controller is not None and bool(self._obs)
+            if busy:
+                await asyncio.to_thread(self.fold)
+            elif self._obs:
+                self.fold()  # statistics only: a few µs per observation
+            now = time.monotonic()
+            wait = 0.05 if busy else 1.0
+            if self.meter is not None:
+                wait = min(wait, next_meter - now)
+            if self.telemetry is not None:
+                wait = min(wait, next_telemetry - now)
+            await asyncio.sleep(max(wait, 0.01))
             now = time.monotonic()
             if self.meter is not None and now >= next_meter:
                 reading = self.meter.stop()
@@ -641,10 +781,20 @@ class EdgeAgent:
         return 0 if self.journal is None else self.journal.count()
 
     async def _drain_loop(self) -> None:
+        """Deliver the journal: woken at once when a live escalation is answered, else every `drain_interval_s`.
+
+        A drain starts with one entry sent with the short `drain_probe_s` deadline, whatever the breaker
+        says (it is background work and costs no request its budget): once the cloud answers that probe,
+        the rest follows `drain_window` at a time. A transport that says it is disconnected is not probed.
+        """
+        assert self._drain_wake is not None
+        wake = self._drain_wake
         while True:
-            await asyncio.sleep(self.options.drain_interval_s)
-            # an open breaker waits out its timeout; half-open, the first journaled entry is the probe
-            if self.breaker.state == "open" or not await asyncio.to_thread(self._journal_pending):
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(self.options.drain_interval_s):
+                    await wake.wait()
+            wake.clear()
+            if not self._journal_pending() or getattr(self.transport, "connected", True) is False:
                 continue
             try:
                 await self.drain_journal()
@@ -655,20 +805,25 @@ class EdgeAgent:
         """Send journaled escalations, oldest first, until one fails; returns how many were delivered."""
         if self.journal is None:
             return 0
-        return await drain(self.journal, self._send_journaled)
+        first = True
 
-    async def _send_journaled(self, entry: JournalEntry) -> None:
+        async def send(entry: JournalEntry) -> None:
+            nonlocal first
+            probe, first = first, False
+            await self._send_journaled(entry, probe=probe)
+
+        return await drain(self.journal, send, window=self.options.drain_window)
+
+    async def _send_journaled(self, entry: JournalEntry, *, probe: bool = False) -> None:
+        if entry.boot_id == self.options.boot_id and entry.device == self.options.device_id:
+            flight = self._inflight.get(entry.seq)
+            if flight is not None and await asyncio.shield(flight):
+                return  # its live send was answered; the journal entry is being cleared
         request = inference_pb2.ModelInferRequest.FromString(entry.payload)
-        timeout_s = self.options.drain_timeout_s
+        timeout_s = min(self.options.drain_probe_s, self.options.drain_timeout_s) if probe else \
+            self.options.drain_timeout_s
         request.parameters[topics.PARAM_DEADLINE_MS].int64_param = int(time.time() * 1e3 + timeout_s * 1e3)
-        if not self.breaker.allow():
-            msg = "the circuit breaker is open"
-            raise CloudUnavailable(msg)
-        try:
-            response = await self.transport.escalate(request, timeout_s=timeout_s)  # type: ignore[union-attr]
-        except EscalationError:
-            self.breaker.record_failure()
-            raise
+        response = await self.transport.escalate(request, timeout_s=timeout_s)  # type: ignore[union-attr]
         self.breaker.record_success()
         self.stats.late_replies += 1
         if self.on_late_reply is not None:

@@ -52,7 +52,7 @@ from edge_agent.journal import Journal, JournalEntry, drain
 from edge_agent.transports.base import TransportOptions
 from edge_agent.transports.mqtt import MqttTransport
 from edge_agent.transports.mqtt_session import MqttSession
-from runtimes.errors import CloudUnavailable, ConfigError, InputError, JournalFull, TierkitError
+from runtimes.errors import CloudUnavailable, ConfigError, InputError, JournalError, TierkitError
 
 logger = logging.getLogger(__name__)
 
@@ -160,8 +160,9 @@ class AgentDaemon:
         await self.agent.start()
         if self.config.options.journal_path is not None:
             path = Path(self.config.options.journal_path)
-            self._telemetry_journal = Journal(path.with_name(path.name + ".telemetry"),
-                                              max_bytes=self.config.options.journal_max_bytes)
+            # opening runs SQLite's integrity check: off the loop
+            self._telemetry_journal = await asyncio.to_thread(Journal, path.with_name(path.name + ".telemetry"),
+                                                              max_bytes=self.config.options.journal_max_bytes)
         server = grpc.aio.server(options=[("grpc.max_receive_message_length", _MAX_MESSAGE),
                                           ("grpc.max_send_message_length", _MAX_MESSAGE)])
         inference_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(  # type: ignore[no-untyped-call]
@@ -245,7 +246,7 @@ class AgentDaemon:
             try:
                 await asyncio.to_thread(journal.append, "telemetry", payload, device=self.device,
                                         boot_id=self.agent.options.boot_id, seq=next(self._telemetry_seq))
-            except JournalFull as full:
+            except JournalError as full:  # full, or its disk failing: telemetry is not worth more
                 logger.warning("telemetry dropped: %s", full)
 
     async def _send_telemetry(self, entry: JournalEntry) -> None:

@@ -6,6 +6,10 @@ held. `drain` forwards entries in order and deletes each one only after its send
 is at least once (a crash between a send and its ack resends that one entry; receivers dedup by
 device, boot id and seq), and nothing is lost.
 
+Storage failures (disk full, I/O errors, a locked or broken database) raise `JournalError`, never a bare
+`sqlite3.Error`. `count()` and `size_bytes()` read counters kept in memory: they never wait for an
+append's fsync.
+
 The byte bound counts payloads plus a fixed per-row overhead (`ROW_OVERHEAD`); the file itself can
 be somewhat larger (WAL, free pages).
 """
@@ -13,17 +17,18 @@ be somewhat larger (WAL, free pages).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import sqlite3
 import threading
 import time
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
-from typing import Self
+from typing import Any, Self
 
-from runtimes.errors import ConfigError, JournalFull
+from runtimes.errors import ConfigError, JournalError, JournalFull
 
 logger = logging.getLogger(__name__)
 
@@ -90,7 +95,12 @@ class Journal:
         except (sqlite3.DatabaseError, UnicodeDecodeError) as exc:  # a corrupt page can hold invalid text
             self.recovered_from = self._move_aside(exc)
             self._db = self._open()
-        self._size = int(self._db.execute(f"SELECT COALESCE(SUM({_ROW_BYTES}), 0) FROM journal").fetchone()[0])
+        try:
+            self._size, self._count = (int(v) for v in self._db.execute(
+                f"SELECT COALESCE(SUM({_ROW_BYTES}), 0), COUNT(*) FROM journal").fetchone())
+        except sqlite3.Error as exc:
+            self._db.close()
+            raise _storage_error(self.path, "open", exc) from exc
 
     def _open(self) -> sqlite3.Connection:
         # isolation_level=None: we issue BEGIN/COMMIT ourselves; check_same_thread=False: the lock serializes
@@ -136,7 +146,7 @@ class Journal:
             JournalFull: the record would take the journal past `max_bytes`; nothing was written.
         """
         size = len(payload) + len(kind.encode()) + len(device.encode()) + len(boot_id.encode()) + ROW_OVERHEAD
-        with self._lock:
+        with self._lock, _storage(self.path, "append to"):
             db = self._db
             db.execute("BEGIN IMMEDIATE")
             try:
@@ -153,14 +163,16 @@ class Journal:
                            (kind, device, boot_id, seq, payload, self._clock() if created is None else created))
                 db.execute("COMMIT")
             except sqlite3.Error:
-                db.execute("ROLLBACK")
+                if db.in_transaction:
+                    db.execute("ROLLBACK")
                 raise
             self._size += size
+            self._count += 1
             return True
 
     def pending(self, limit: int = 100) -> list[JournalEntry]:
         """The oldest `limit` entries, in append order."""
-        with self._lock:
+        with self._lock, _storage(self.path, "read"):
             rows = self._db.execute(f"SELECT {', '.join(_COLUMNS)} FROM journal ORDER BY id LIMIT ?",
                                     (limit,)).fetchall()
         return [JournalEntry(*row) for row in rows]
@@ -171,29 +183,40 @@ class Journal:
         if not ids:
             return 0
         marks = ",".join("?" * len(ids))
-        with self._lock:
+        with self._lock, _storage(self.path, "delete from"):
             rows = self._db.execute(f"DELETE FROM journal WHERE id IN ({marks}) RETURNING {_ROW_BYTES}",
                                     ids).fetchall()
-            self._size -= sum(int(r[0]) for r in rows)
+            self._forget(rows)
         return len(rows)
+
+    def clear(self, *, device: str, boot_id: str, seq: int) -> bool:
+        """Delete the entry (device, boot_id, seq), once it was answered; False when none was held."""
+        with self._lock, _storage(self.path, "delete from"):
+            rows = self._db.execute("DELETE FROM journal WHERE device=? AND boot_id=? AND seq=? "
+                                    f"RETURNING {_ROW_BYTES}", (device, boot_id, seq)).fetchall()
+            self._forget(rows)
+        return bool(rows)
+
+    def _forget(self, rows: list[Any]) -> None:
+        self._size -= sum(int(r[0]) for r in rows)
+        self._count -= len(rows)
 
     def record_attempt(self, ids: Iterable[int]) -> None:
         """Count a failed delivery attempt of these entries."""
         ids = list(ids)
         if not ids:
             return
-        with self._lock:
+        with self._lock, _storage(self.path, "update"):
             self._db.execute(f"UPDATE journal SET attempts = attempts + 1 WHERE id IN ({','.join('?' * len(ids))})",
                              ids)
 
     def count(self) -> int:
-        with self._lock:
-            return int(self._db.execute("SELECT COUNT(*) FROM journal").fetchone()[0])
+        """Entries held: a counter in memory (no lock, no I/O), so a caller never waits on an append's fsync."""
+        return self._count
 
     def size_bytes(self) -> int:
-        """Bytes held, as the bound counts them."""
-        with self._lock:
-            return self._size
+        """Bytes held, as the bound counts them (a counter in memory, like `count`)."""
+        return self._size
 
     def close(self) -> None:
         with self._lock:
@@ -207,13 +230,29 @@ class Journal:
         self.close()
 
 
-async def drain(journal: Journal, send: Callable[[JournalEntry], Awaitable[None]], *, batch: int = 32,
-                stop_event: asyncio.Event | None = None) -> int:
-    """Send held entries in order through `send`, deleting each after its send returned.
+def _storage_error(path: Path, what: str, exc: sqlite3.Error) -> JournalError:
+    return JournalError(f"cannot {what} the journal {path}: {exc} (check the disk: free space, permissions, "
+                        "I/O errors; a journal that stays broken can be moved aside)")
 
-    Stops at the first failing send (the link is down: the entry stays, its `attempts` grows, and a
-    later drain retries it), when the journal is empty, or when `stop_event` is set. A drain already
-    running on this journal makes this one return 0 at once.
+
+@contextlib.contextmanager
+def _storage(path: Path, what: str) -> Iterator[None]:
+    """Turn SQLite's errors into `JournalError`, naming the file and the operation."""
+    try:
+        yield
+    except sqlite3.Error as exc:
+        raise _storage_error(path, what, exc) from exc
+
+
+async def drain(journal: Journal, send: Callable[[JournalEntry], Awaitable[None]], *, batch: int = 32,
+                window: int = 1, stop_event: asyncio.Event | None = None) -> int:
+    """Send held entries oldest first through `send`, deleting each after its send returned.
+
+    The first entry goes alone (it probes the link); after it, up to `window` sends run at once and
+    the delivered ones are deleted together (one fsync per window, not per entry). Stops after a
+    failing send (the link is down: the entry stays, its `attempts` grows, and a later drain retries
+    it), when the journal is empty, or when `stop_event` is set. A drain already running on this
+    journal makes this one return 0 at once.
 
     Returns:
         How many entries were delivered.
@@ -224,21 +263,27 @@ async def drain(journal: Journal, send: Callable[[JournalEntry], Awaitable[None]
     try:
         while stop_event is None or not stop_event.is_set():
             # SQLite calls block on fsync: keep them off the event loop
-            entries = await asyncio.to_thread(journal.pending, batch)
+            entries = await asyncio.to_thread(journal.pending, max(batch, window))
             if not entries:
                 break
-            for entry in entries:
+            i = 0
+            while i < len(entries):
                 if stop_event is not None and stop_event.is_set():
                     return sent
-                try:
-                    await send(entry)
-                except Exception as exc:  # any failure means: not delivered, keep it
-                    await asyncio.to_thread(journal.record_attempt, [entry.id])
+                chunk = entries[i:i + (1 if sent == 0 else window)]
+                i += len(chunk)
+                results = await asyncio.gather(*(send(e) for e in chunk), return_exceptions=True)
+                delivered = [e.id for e, r in zip(chunk, results, strict=True) if not isinstance(r, BaseException)]
+                if delivered:
+                    await asyncio.to_thread(journal.ack, delivered)
+                    sent += len(delivered)
+                failed = [(e, r) for e, r in zip(chunk, results, strict=True) if isinstance(r, BaseException)]
+                if failed:  # any failure means: not delivered, keep it
+                    await asyncio.to_thread(journal.record_attempt, [e.id for e, _ in failed])
+                    entry, exc = failed[0]
                     logger.info("journal drain paused after %d sent: entry %d (%s seq %d) failed: %s",
                                 sent, entry.id, entry.kind, entry.seq, exc)
                     return sent
-                await asyncio.to_thread(journal.ack, [entry.id])
-                sent += 1
     finally:
         journal.draining.release()
     return sent

@@ -321,9 +321,16 @@ class EnergyMeter:
 
     @classmethod
     def auto(cls, profile: PowerProfile, *, powercap_root: Path = POWERCAP_ROOT, jetson_root: Path = JETSON_ROOT,
-             nvml: bool = True) -> EnergyMeter:
-        """The first usable real source (RAPL, NVML, Jetson rails), else the modeled `profile`."""
-        for name, make in _source_makers(powercap_root, jetson_root, nvml, jetson_interval_s=0.05).items():
+             nvml: bool = True, device: str = "cpu") -> EnergyMeter:
+        """The first usable real source that measures `device`, else the modeled `profile`.
+
+        RAPL and Jetson rails measure the CPU package or the whole board; NVML measures NVIDIA GPUs only,
+        so it is used only when `device` is one ("cuda", "cuda:0", "gpu"): CPU inference on a machine
+        that has a GPU is never labelled `measured:nvml`.
+        """
+        on_gpu = device.partition(":")[0].lower() in ("cuda", "gpu")
+        makers = _source_makers(powercap_root, jetson_root, nvml and on_gpu, jetson_interval_s=0.05)
+        for name, make in makers.items():
             try:
                 return cls(make())
             except BackendUnavailable as exc:

@@ -15,7 +15,11 @@ TierkitError
   EscalationError                         the cloud call failed (raised only in strict mode)
     CloudUnavailable
     CloudTimeout
-  JournalFull                             the store-and-forward journal reached its byte bound
+  JournalError                            the store-and-forward journal's storage failed (disk, I/O, SQLite)
+    JournalFull                           the store-and-forward journal reached its byte bound
+  ModelClosed                             the model or agent was closed; open a new one with `sdk.load`
+  CodecError(TierkitError, ValueError)    a tensor or parameter the wire codec cannot encode or decode
+                                          (defined in cloud_service.protocol.codec, the wire contract)
 ```
 
 Each class carries a `grpc_status` name so that the cloud service maps exceptions to status
@@ -108,7 +112,19 @@ class CloudTimeout(EscalationError):
     grpc_status: ClassVar[str] = "DEADLINE_EXCEEDED"
 
 
-class JournalFull(TierkitError):
+class JournalError(TierkitError):
+    """The on-disk journal could not be read or written (disk full, I/O error, locked or broken database)."""
+
+    grpc_status: ClassVar[str] = "UNAVAILABLE"
+
+
+class JournalFull(JournalError):
     """The on-disk journal reached its byte bound; nothing was written."""
 
     grpc_status: ClassVar[str] = "RESOURCE_EXHAUSTED"
+
+
+class ModelClosed(TierkitError):
+    """The model (or agent) was closed: nothing more can run on it. Open a new one with `sdk.load`."""
+
+    grpc_status: ClassVar[str] = "FAILED_PRECONDITION"

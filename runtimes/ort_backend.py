@@ -33,7 +33,7 @@ from onnxruntime.capi import onnxruntime_pybind11_state as ort_state
 
 from runtimes.errors import ConfigError, InferenceError, InputError, PackageError
 from runtimes.session import Session, SessionOptions, axis_name
-from runtimes.spec import TensorSpec, input_error
+from runtimes.spec import DTYPES, TensorSpec, input_error
 
 logger = logging.getLogger(__name__)
 
@@ -42,11 +42,7 @@ _CUDA = "CUDAExecutionProvider"
 _TRT = "TensorrtExecutionProvider"
 _OPENVINO = "OpenVINOExecutionProvider"
 
-_ORT_TYPES = {
-    "tensor(float)": "float32", "tensor(float16)": "float16", "tensor(double)": "float64",
-    "tensor(bfloat16)": "bfloat16", "tensor(int8)": "int8", "tensor(uint8)": "uint8",
-    "tensor(int16)": "int16", "tensor(int32)": "int32", "tensor(int64)": "int64", "tensor(bool)": "bool",
-}
+_ORT_TYPES = {d.onnx: d.name for d in DTYPES.values()}
 
 # What onnxruntime raises for a bad feed: its Python wrapper (ValueError for a missing name), the
 # binding (RuntimeError for a value that is no array) and the core (InvalidArgument).

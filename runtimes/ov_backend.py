@@ -32,14 +32,11 @@ import openvino as ov
 
 from runtimes.errors import BackendUnavailable, ConfigError, InferenceError, InputError, PackageError
 from runtimes.session import Session, SessionOptions, axis_name
-from runtimes.spec import TensorSpec, input_error
+from runtimes.spec import DTYPES, TensorSpec, input_error
 
 logger = logging.getLogger(__name__)
 
-_OV_TYPES = {
-    "f32": "float32", "f16": "float16", "f64": "float64", "bf16": "bfloat16", "i8": "int8", "u8": "uint8",
-    "i16": "int16", "i32": "int32", "i64": "int64", "boolean": "bool",
-}
+_OV_TYPES = {d.openvino: d.name for d in DTYPES.values()}
 _SUFFIXES = (".xml", ".onnx")
 # A variant's declared precision -> OpenVINO's INFERENCE_PRECISION_HINT. Without a hint the CPU plugin
 # computes in bf16 on CPUs with avx512_bf16 or AMX and the GPU plugin in f16, whatever the model says.

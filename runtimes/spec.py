@@ -1,4 +1,4 @@
-"""Shared vocabulary: tensor specs, precisions, tasks.
+"""Shared vocabulary: tensor specs, element types (`DTYPES`, the one dtype table), precisions, tasks.
 
 A `TensorSpec` shape holds ints for fixed axes and strings for named dynamic axes
 (ONNX `dim_param` style, e.g. ``("batch", 1, 8, 8)``).
@@ -39,7 +39,45 @@ class Task(StrEnum):
 
 Dim = int | str
 
-_DTYPES = {"float32", "float16", "float64", "int8", "uint8", "int16", "int32", "int64", "bool", "bfloat16"}
+
+
+@dataclass(frozen=True, slots=True)
+class DType:
+    """One tensor element type under every name tierkit meets it by.
+
+    Attributes:
+        name: the numpy name, as `TensorSpec.dtype` holds it.
+        oip: the Open Inference Protocol datatype on the wire.
+        onnx: onnxruntime's type string.
+        openvino: OpenVINO's element type name.
+        wire: whether the wire codec carries it: numpy has the type (bfloat16 has none), so a tensor of
+            it can be encoded and decoded. A model with a tensor that is not `wire` cannot be served.
+    """
+
+    name: str
+    oip: str
+    onnx: str
+    openvino: str
+    wire: bool = True
+
+
+# The one dtype table: backends, the wire codec and the cloud server all read it.
+DTYPES: dict[str, DType] = {d.name: d for d in (
+    DType("bool", "BOOL", "tensor(bool)", "boolean"),
+    DType("uint8", "UINT8", "tensor(uint8)", "u8"),
+    DType("uint16", "UINT16", "tensor(uint16)", "u16"),
+    DType("uint32", "UINT32", "tensor(uint32)", "u32"),
+    DType("uint64", "UINT64", "tensor(uint64)", "u64"),
+    DType("int8", "INT8", "tensor(int8)", "i8"),
+    DType("int16", "INT16", "tensor(int16)", "i16"),
+    DType("int32", "INT32", "tensor(int32)", "i32"),
+    DType("int64", "INT64", "tensor(int64)", "i64"),
+    DType("float16", "FP16", "tensor(float16)", "f16"),
+    DType("float32", "FP32", "tensor(float)", "f32"),
+    DType("float64", "FP64", "tensor(double)", "f64"),
+    DType("bfloat16", "BF16", "tensor(bfloat16)", "bf16", wire=False),
+)}
+_DTYPES = frozenset(DTYPES)
 
 
 def _dim(name: str, index: int, dim: Any) -> Dim:

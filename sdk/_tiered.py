@@ -22,7 +22,7 @@ from edge_agent.agent import AgentOptions, EdgeAgent, Pending
 from edge_agent.budget import Budget
 from edge_agent.policy import Policy
 from edge_agent.prediction import Prediction
-from runtimes.errors import ConfigError
+from runtimes.errors import ConfigError, ModelClosed
 
 if TYPE_CHECKING:
     from compilers.package import ModelPackage
@@ -33,6 +33,8 @@ if TYPE_CHECKING:
 __all__ = ["Budget", "Prediction", "TieredModel", "compile_model", "load"]
 
 perf_counter = time.perf_counter
+# how long past its budget `predict` waits for a wedged event loop before answering locally ("late")
+LATE_MARGIN_S = 0.05
 
 
 class _LoopThread:
@@ -95,23 +97,34 @@ class TieredModel:
 
         Raises:
             InputError: wrong names, dtypes or shapes, before anything runs.
+            ModelClosed: the model was closed.
         """
-        step = self._agent.edge(x, t0=perf_counter(), keep=keep)
+        if self._closed:
+            raise self._closed_error()
+        t0 = perf_counter()
+        step = self._agent.edge(x, t0=t0, keep=keep)
         if type(step) is Prediction:
             return step
         assert isinstance(step, Pending)
         future = self._loop.submit(self._agent.escalate(step))
+        left_s = self._agent.budget.latency_ms / 1e3 - (perf_counter() - t0)
         try:
-            pred: Prediction = future.result(timeout=self._agent.budget.latency_ms / 1e3 + 5.0)
+            pred: Prediction = future.result(timeout=max(left_s, 0.0) + LATE_MARGIN_S)
             return pred
         except concurrent.futures.TimeoutError:  # the loop is wedged: never block the app on it
-            future.cancel()
+            if not step.keep:  # a kept escalation goes on: it is journaled and delivered later
+                future.cancel()
             return self._agent.late(step)
+
+    def _closed_error(self) -> ModelClosed:
+        return ModelClosed(f"this TieredModel ({self._agent.model_name}) is closed; load a new one with sdk.load")
 
     async def apredict(self, x: Any, *, keep: bool = False) -> Prediction:
         """`predict` for asyncio callers: never blocks their event loop."""
+        if self._closed:
+            raise self._closed_error()
         t0 = perf_counter()
-        if self._agent.inline:
+        if self._agent.inline_for(x):
             step = self._agent.edge(x, t0=t0, keep=keep)
         else:  # slow variant: keep the caller's loop free
             step = await asyncio.to_thread(self._agent.edge, x, t0=t0, keep=keep)

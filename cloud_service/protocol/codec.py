@@ -5,7 +5,8 @@ tritonclient sends and the only form it decodes); typed `contents` are accepted 
 Decoding is zero-copy: arrays are read-only views of the message's bytes.
 
 This module is the wire contract shared by the cloud service and the edge agent: it imports only
-the standard library, numpy and protobuf.
+the standard library, numpy, protobuf and the bottom layer's vocabulary (`runtimes.spec.DTYPES`, the
+one dtype table, mapped here to wire names; `runtimes.errors.TierkitError`, the root of `CodecError`).
 """
 
 from __future__ import annotations
@@ -17,12 +18,11 @@ from typing import Any, ClassVar
 import numpy as np
 
 from cloud_service.protocol import inference_pb2 as pb
+from runtimes.errors import TierkitError
+from runtimes.spec import DTYPES
 
-NP_TO_OIP: dict[str, str] = {
-    "bool": "BOOL", "uint8": "UINT8", "uint16": "UINT16", "uint32": "UINT32", "uint64": "UINT64",
-    "int8": "INT8", "int16": "INT16", "int32": "INT32", "int64": "INT64",
-    "float16": "FP16", "float32": "FP32", "float64": "FP64",
-}
+# numpy name -> wire name, for every dtype of the shared table the codec can carry (not bfloat16)
+NP_TO_OIP: dict[str, str] = {d.name: d.oip for d in DTYPES.values() if d.wire}
 OIP_TO_NP: dict[str, np.dtype[Any]] = {v: np.dtype(k) for k, v in NP_TO_OIP.items()}
 # By dtype object: numpy computes `dtype.name` in Python, a few µs a call on the request path.
 _DTYPE_TO_OIP: dict[np.dtype[Any], str] = {np.dtype(k): v for k, v in NP_TO_OIP.items()}
@@ -37,7 +37,7 @@ _TYPED_FIELD = {
 Param = bool | int | float | str
 
 
-class CodecError(ValueError):
+class CodecError(TierkitError, ValueError):
     """A tensor or parameter on the wire is malformed. `grpc_status` names the status to answer."""
 
     grpc_status: ClassVar[str] = "INVALID_ARGUMENT"

@@ -4,14 +4,19 @@
   `loop.call_soon_threadsafe`, so everything the caller sees runs on the loop.
 - TCP_NODELAY on every new socket (`on_socket_open`): without it a QoS 1 round trip through Mosquitto
   takes ~88 ms instead of ~1.4 ms (Nagle's algorithm against delayed ACKs).
+- A connection that is not up (CONNACK and SUBACK in) within `connect_timeout_s` of its socket opening is
+  shut down, so that paho tries again: paho bounds only the TCP connect, and an attempt that met a
+  network cut (TCP accepted, packets dropped) would otherwise wait out the keepalive after the link is back.
 - Persistent session: `clean_start=False` and a Session Expiry Interval, so subscriptions survive
   reconnects. The session counts as up only once its subscription is acknowledged, so that no reply
   can arrive before it is listened for.
 - Full-jitter exponential backoff between connection attempts. paho's own reconnect delay doubles
   without jitter; paho calls `on_disconnect` / `on_connect_fail` right before it waits, and there we
   set the next wait with `reconnect_delay_set(d, d)` (which also resets paho's doubling), where
-  `d = uniform(0, min(reconnect_max_s, reconnect_min_s * 2**attempt))`. A fleet that loses its
-  broker therefore does not reconnect in one synchronized storm.
+  `d = uniform(0, min(cap, reconnect_min_s * 2**attempt))`. A fleet that loses its broker therefore
+  does not reconnect in one synchronized storm. The cap is `reconnect_max_s`, except within
+  `RECENT_S` of the session last being up, when it is `RECENT_CAP_S` (a broker restart or a dropped
+  connection: be back within about a second, not after a doubling wait).
 """
 
 from __future__ import annotations
@@ -19,8 +24,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import random
 import socket
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -37,6 +44,8 @@ from edge_agent.transports.tls import ssl_context
 logger = logging.getLogger(__name__)
 
 MessageHandler = Callable[[str, bytes, Properties | None], None]
+RECENT_S = 60.0
+RECENT_CAP_S = 1.0
 
 
 def backoff_delay(attempt: int, *, base_s: float, cap_s: float, rng: random.Random) -> float:
@@ -69,6 +78,7 @@ class MqttSession:
         self._on_message_cb, self._on_down_cb = on_message, on_down
         self._rng = rng or random.Random()
         self._attempt = 0
+        self._last_up = -math.inf  # monotonic time the session was last up (paho's thread)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._up = False  # written by the network thread, read by the loop (a bool: atomic under the GIL)
         # asyncio.Event binds to a loop only when first awaited, so creating them here is safe
@@ -170,6 +180,20 @@ class MqttSession:
                 ack.set_exception(ConnectionError(why))
         self._on_down_cb(why)
 
+    def _watch_handshake(self, sock: Any) -> None:
+        assert self._loop is not None
+        self._loop.call_later(self.options.connect_timeout_s, self._handshake_overdue, sock)
+
+    def _handshake_overdue(self, sock: Any) -> None:
+        if self._up or self._closed or self.client.socket() is not sock:
+            return
+        logger.info("MQTT broker %s did not complete the handshake within %.1f s; retrying", self.where,
+                    self.options.connect_timeout_s)
+        shutdown = getattr(sock, "shutdown", None)  # a proxy or websocket wrapper may not have it
+        if shutdown is not None:
+            with contextlib.suppress(OSError):
+                shutdown(socket.SHUT_RDWR)  # paho's thread sees the error and reconnects
+
     def _acked(self, mid: int) -> None:
         ack = self._acks.get(mid)
         if ack is not None and not ack.done():
@@ -183,6 +207,7 @@ class MqttSession:
                 self._loop.call_soon_threadsafe(fn, *args)
 
     def _on_socket_open(self, client: paho.Client, userdata: Any, sock: Any) -> None:
+        self._call_soon(self._watch_handshake, sock)
         try:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         except (OSError, AttributeError) as exc:  # a proxy or websocket wrapper may not expose it
@@ -216,14 +241,16 @@ class MqttSession:
             logger.error("MQTT %s; check the broker ACL (pattern readwrite tierkit/v1/%%c/#)", self.problem)
             self._call_soon(self._set_up, False)
             return
-        self._attempt = 0
+        self._attempt, self._last_up = 0, time.monotonic()
         self._up = True
         logger.info("MQTT connected to %s", self.where)
         self._call_soon(self._set_up, True)
 
     def _next_wait(self) -> float:
-        delay = backoff_delay(self._attempt, base_s=self.options.reconnect_min_s,
-                              cap_s=self.options.reconnect_max_s, rng=self._rng)
+        cap = self.options.reconnect_max_s
+        if time.monotonic() - self._last_up < RECENT_S:
+            cap = min(cap, RECENT_CAP_S)
+        delay = backoff_delay(self._attempt, base_s=self.options.reconnect_min_s, cap_s=cap, rng=self._rng)
         self._attempt += 1
         # paho's next wait is `min_delay` (reconnect_delay_set resets its doubling); max_delay must be > 0
         self.client.reconnect_delay_set(min_delay=delay, max_delay=max(delay, 1e-3))  # type: ignore[arg-type]

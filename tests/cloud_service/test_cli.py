@@ -82,7 +82,7 @@ def test_build_config_from_flags_environment_and_model_config(tmp_path: Path) ->
     assert config.mqtt is not None
     assert config.mqtt.password == "pw"
     assert config.mqtt.client_id.endswith("-8001")
-    assert config.mqtt.session_expiry_s == 0
+    assert config.mqtt.session_expiry_s == 5  # outlives a broker restart; short, for shared subscriptions
     assert not build_config(_parse("--models", "m", "--no-batching"), {}).defaults.batching.max_batch_size > 1
 
 

@@ -11,10 +11,9 @@ import pytest
 from cloud_service.config import MqttConfig, ServerConfig
 from cloud_service.protocol import decode_outputs, encode_request, get_parameters, topics
 from compilers.package import ModelPackage
+from edge_agent.transports import base as transports
 from runtimes.errors import EscalationError
 from tests.cloud_service.helpers import ServerThread, make_package
-
-transports = pytest.importorskip("edge_agent.transports.base")
 
 
 async def _exchange(url: str, x: np.ndarray) -> tuple[np.ndarray, dict[str, object], list[BaseException]]:

@@ -22,6 +22,7 @@ from edge_agent.budget import Budget
 from edge_agent.policy import Policy
 from edge_agent.prediction import Prediction
 from edge_agent.stats import RttEstimator
+from runtimes.energy import EnergyMeter, RaplSource
 from runtimes.errors import CloudUnavailable, InputError
 from sdk import zoo
 from tests.doubles.fake_transport import FakeTransport
@@ -460,3 +461,50 @@ def test_telemetry_carries_the_controllers_decision(package: ModelPackage, digit
     assert doc["reason"]
     assert {"budget", "link", "variant"} <= set(doc["inputs"])
     assert json.loads(json.dumps(docs[-1]))["decision"] == doc
+
+
+class EnergyRecorder(FakeController):
+    """Also records the (energy, label) pairs the agent hands the controller."""
+
+    def __init__(self, variant: str, threshold: float) -> None:
+        super().__init__(variant, threshold)
+        self.energy: list[tuple[float | None, str | None]] = []
+
+    def observe_inference(self, variant: str, latency_ms: float, energy_mj: float | None = None, *,
+                          energy_label: str | None = None) -> None:
+        super().observe_inference(variant, latency_ms, energy_mj, energy_label=energy_label)
+        self.energy.append((energy_mj, energy_label))
+
+
+def test_the_controller_never_gets_modeled_energy_labelled_measured(package: ModelPackage, digits: zoo.Split,
+                                                                   tmp_path: Path) -> None:
+    """With a measuring meter (a RAPL counter in a sysfs-shaped tree), the figure that travels with
+    `measured:rapl` is the measured one, not the power profile's busy watts x edge time."""
+    zone = tmp_path / "powercap" / "intel-rapl:0"
+    zone.mkdir(parents=True)
+    (zone / "name").write_text("package-0\n")
+    (zone / "energy_uj").write_text("0\n")
+    (zone / "max_energy_range_uj").write_text(f"{10**12}\n")
+    meter = EnergyMeter(RaplSource(tmp_path / "powercap"))
+    ctl = EnergyRecorder(package.directory.name, NEVER)
+
+    async def main() -> list[Prediction]:
+        async with EdgeAgent(package, policy=Policy("max_prob", threshold=NEVER), controller=ctl,
+                             meter=meter) as agent:
+            for _ in range(10):
+                await agent.infer(digits.x_test[0])
+            (zone / "energy_uj").write_text(f"{10**6}\n")  # 1 J over these 10 requests: 100 mJ each
+            for _ in range(300):  # the meter is read once a second
+                if agent._measured_mj is not None:
+                    break
+                await asyncio.sleep(0.01)
+            out = [await agent.infer(digits.x_test[0]) for _ in range(5)]
+            agent.fold()
+            return out
+
+    preds = asyncio.run(main())
+    assert all(p.energy_label == "measured:rapl" for p in preds)
+    measured = [(mj, label) for mj, label in ctl.energy if label == "measured:rapl"]
+    assert len(measured) == 5
+    assert all(mj == pytest.approx(100.0) for mj, _ in measured), measured
+    assert all(label == "modeled:generic-cpu" for _, label in ctl.energy[:10])

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from pathlib import Path
 from typing import Any
 
@@ -14,11 +15,14 @@ from cloud_service.protocol import decode_inputs, encode_response, get_parameter
 from compilers.package import ModelPackage
 from edge_agent.agent import AgentOptions, EdgeAgent
 from edge_agent.breaker import BreakerConfig
+from edge_agent.budget import Budget
 from edge_agent.journal import Journal
 from edge_agent.policy import Policy
 from runtimes.errors import CloudUnavailable
 from sdk import zoo
+from tests.conftest import free_port
 from tests.doubles.fake_transport import FakeTransport
+from tests.edge_agent.grpc_cloud import GrpcCloud
 from tests.sdk.packages import make_package
 
 
@@ -114,3 +118,62 @@ def test_corrupt_journal_is_moved_aside(package: ModelPackage, digits: zoo.Split
     assert Path(snap["journal_recovered_from"]).exists()
     with Journal(tmp_path / "journal.db") as journal:
         assert journal.count() == 1
+
+
+def test_an_escalation_in_flight_is_already_journaled(package: ModelPackage, digits: zoo.Split,
+                                                      tmp_path: Path) -> None:
+    """Write-ahead: while the cloud works on a kept escalation, the journal holds it (a kill -9 now loses
+    nothing); once answered it is cleared, and it reached the cloud once."""
+    cloud = GrpcCloud()
+    cloud.servicer.go.clear()  # the cloud takes its time
+    path = tmp_path / "journal.db"
+
+    async def main() -> tuple[list[int], Any]:
+        async with EdgeAgent(package, cloud=cloud.url(), policy=Policy("max_prob", threshold=2.0),
+                             budget=Budget(latency_ms=10_000), options=AgentOptions(journal_path=path)) as agent:
+            task = asyncio.create_task(agent.infer(digits.x_test[0], keep=True))
+            assert await asyncio.to_thread(cloud.servicer.arrived.wait, 10)
+            with Journal(path) as other:  # what a restarted agent would find
+                held = [e.seq for e in other.pending()]
+            cloud.servicer.go.set()
+            pred = await task
+            for _ in range(100):  # the entry is cleared in the background
+                if agent.journal is not None and not agent.journal.count():
+                    break
+                await asyncio.sleep(0.02)
+            return held, pred
+
+    try:
+        held, pred = asyncio.run(main())
+    finally:
+        cloud.stop()
+    assert held == [pred.seq]
+    assert pred.tier == "cloud"
+    with Journal(path) as journal:
+        assert journal.count() == 0
+    assert [seq for _, seq in cloud.servicer.seen] == [pred.seq]
+
+
+def test_the_drain_starts_when_the_cloud_answers_not_when_the_breaker_reopens(package: ModelPackage,
+                                                                              digits: zoo.Split,
+                                                                              tmp_path: Path) -> None:
+    port = free_port()
+    opts = AgentOptions(journal_path=tmp_path / "journal.db", drain_interval_s=0.2,
+                        breaker=BreakerConfig(failure_threshold=1, reset_timeout_s=60.0))
+
+    async def main() -> tuple[float, list[int], GrpcCloud]:
+        async with EdgeAgent(package, cloud=f"grpc://127.0.0.1:{port}/digits", options=opts,
+                             policy=Policy("max_prob", threshold=2.0), budget=Budget(latency_ms=500)) as agent:
+            preds = [await agent.infer(digits.x_test[i], keep=True) for i in range(5)]
+            assert all(p.degraded for p in preds)
+            assert agent.breaker.state == "open"  # and stays so for a minute
+            cloud = GrpcCloud(port=port)
+            t = time.monotonic()
+            while agent.journal is not None and agent.journal.count() and time.monotonic() - t < 20:
+                await asyncio.sleep(0.05)
+            return time.monotonic() - t, [p.seq for p in preds], cloud
+
+    took, seqs, cloud = asyncio.run(main())
+    cloud.stop()
+    assert sorted(seq for _, seq in cloud.servicer.seen) == seqs
+    assert took < 3.0, f"the journal drained {took:.1f} s after the cloud came back"

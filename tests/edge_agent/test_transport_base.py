@@ -7,10 +7,10 @@ import asyncio
 import numpy as np
 import pytest
 
-from cloud_service.protocol import decode_inputs, encode_request, encode_response, get_parameters, topics
+from cloud_service.protocol import encode_request, get_parameters, topics
 from cloud_service.protocol import inference_pb2 as pb
 from edge_agent.transports import TransportOptions, open_transport, parse_cloud_url
-from runtimes.errors import CloudTimeout, CloudUnavailable, ConfigError, EscalationError
+from runtimes.errors import ConfigError
 from tests.doubles.fake_transport import FakeTransport
 
 
@@ -54,47 +54,6 @@ def test_bad_options_raise_config_error(kwargs: dict[str, object]) -> None:
 
 def _request() -> pb.ModelInferRequest:
     return encode_request("", {"x": np.arange(4, dtype=np.float32)})
-
-
-def test_fake_transport_sync_handler_sees_stamped_request() -> None:
-    def double(request: pb.ModelInferRequest) -> pb.ModelInferResponse:
-        return encode_response(request.model_name, {"y": decode_inputs(request)["x"] * 2})
-
-    async def main() -> None:
-        async with FakeTransport(double, model="digits", device_id="cam-7", boot_id="b1") as cloud:
-            response = await cloud.escalate(_request(), timeout_s=1.0)
-        assert response.model_name == "digits"
-        assert response.raw_output_contents[0] == (np.arange(4, dtype=np.float32) * 2).tobytes()
-        params = get_parameters(cloud.requests[0].parameters)
-        assert params[topics.PARAM_DEVICE] == "cam-7"
-        assert params[topics.PARAM_BOOT] == "b1"
-
-    asyncio.run(main())
-
-
-def test_fake_transport_async_handler_timeout_and_errors() -> None:
-    async def slow(request: pb.ModelInferRequest) -> pb.ModelInferResponse:
-        await asyncio.sleep(1.0)
-        return pb.ModelInferResponse()
-
-    def down(request: pb.ModelInferRequest) -> pb.ModelInferResponse:
-        msg = "cloud is down"
-        raise CloudUnavailable(msg)
-
-    def broken(request: pb.ModelInferRequest) -> pb.ModelInferResponse:
-        msg = "boom"
-        raise RuntimeError(msg)
-
-    async def main() -> None:
-        with pytest.raises(CloudTimeout):
-            await FakeTransport(slow).escalate(_request(), timeout_s=0.05)
-        with pytest.raises(CloudUnavailable):
-            await FakeTransport(down).escalate(_request(), timeout_s=1.0)
-        with pytest.raises(EscalationError, match="boom") as info:
-            await FakeTransport(broken).escalate(_request(), timeout_s=1.0)
-        assert info.value.code == "INTERNAL"  # type: ignore[attr-defined]
-
-    asyncio.run(main())
 
 
 def test_existing_model_name_and_parameters_are_kept() -> None:

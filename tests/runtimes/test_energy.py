@@ -159,9 +159,8 @@ def test_auto_falls_back_to_the_model_and_says_so(tmp_path: Path) -> None:
     assert EnergyMeter.auto(PI, powercap_root=tmp_path / "powercap", nvml=False).label == "measured:rapl"
 
 
-def test_nvml_source_reads_millijoules(monkeypatch: pytest.MonkeyPatch) -> None:
+def _stand_in_nvml(monkeypatch: pytest.MonkeyPatch, counters: dict[int, int]) -> None:
     # No NVIDIA driver here: a stand-in module with NVML's names and units (mJ since driver load).
-    counters = {0: 10_000, 1: 5_000}
     nvml = types.ModuleType("pynvml")
     nvml.NVMLError = type("NVMLError", (Exception,), {})  # type: ignore[attr-defined]
     nvml.NVML_ERROR_NOT_FOUND = 6  # type: ignore[attr-defined]
@@ -170,6 +169,11 @@ def test_nvml_source_reads_millijoules(monkeypatch: pytest.MonkeyPatch) -> None:
     nvml.nvmlDeviceGetHandleByIndex = lambda i: i  # type: ignore[attr-defined]
     nvml.nvmlDeviceGetTotalEnergyConsumption = lambda h: counters[h]  # type: ignore[attr-defined]
     monkeypatch.setitem(sys.modules, "pynvml", nvml)
+
+
+def test_nvml_source_reads_millijoules(monkeypatch: pytest.MonkeyPatch) -> None:
+    counters = {0: 10_000, 1: 5_000}
+    _stand_in_nvml(monkeypatch, counters)
     meter = EnergyMeter(NvmlSource())
     with meter.measure() as span:
         counters[0] += 1500
@@ -177,6 +181,16 @@ def test_nvml_source_reads_millijoules(monkeypatch: pytest.MonkeyPatch) -> None:
     assert span.reading is not None
     assert (span.reading.joules, span.reading.label) == (pytest.approx(2.0), "measured:nvml")
     meter.close()
+
+
+def test_auto_never_labels_cpu_inference_with_the_gpu_counter(tmp_path: Path,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    # a machine with an NVIDIA GPU and no RAPL: NVML measures the GPU, not the CPU that runs the model
+    _stand_in_nvml(monkeypatch, {0: 10_000, 1: 5_000})
+    none = tmp_path / "none"
+    assert EnergyMeter.auto(PI, powercap_root=none, jetson_root=none).label == "modeled:pi5"
+    assert EnergyMeter.auto(PI, powercap_root=none, jetson_root=none, device="cpu").label == "modeled:pi5"
+    assert EnergyMeter.auto(PI, powercap_root=none, jetson_root=none, device="cuda:0").label == "measured:nvml"
 
 
 def test_probe_sources_reports_why(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

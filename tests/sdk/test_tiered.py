@@ -18,8 +18,10 @@ from edge_agent.adaptive import AdaptiveOptions
 from edge_agent.agent import AgentOptions
 from edge_agent.controller import Controller, Decision
 from edge_agent.policy import Policy
+from runtimes import open_session
 from runtimes.errors import CloudUnavailable, ConfigError, InputError
 from sdk import zoo
+from tests.cloud_service.helpers import metric_value
 from tests.doubles.fake_transport import FakeTransport
 from tests.sdk.packages import make_package, make_variant_set
 
@@ -77,24 +79,44 @@ def test_predict_and_apredict_escalate(package: ModelPackage, digits: zoo.Split)
     assert len(fake.requests) == 9
 
 
-def test_predict_from_many_threads(package: ModelPackage, digits: zoo.Split) -> None:
-    fake = FakeTransport(cloud)
-    policy = Policy(lambda out: (np.abs(out["logits"]).sum(axis=1) % 2 > 1).astype(float), threshold=0.5)
-    results: list[sdk.Prediction] = []
-    with sdk.load(package, cloud=fake, budget=sdk.Budget(latency_ms=500), policy=policy) as model:
-        def worker(xs: np.ndarray) -> None:
-            results.extend(model.predict(x) for x in xs)
+def test_predict_from_many_threads(package: ModelPackage, digits: zoo.Split, digits_cnn_onnx: Path,
+                                   tmp_path: Path) -> None:
+    """Four threads share one model whose escalations go to a real cloud on loopback (the CNN): every
+    cloud answer is the CNN's answer to that thread's own input, and every request is counted once."""
+    from cloud_service.config import ServerConfig
+    from tests.cloud_service.helpers import ServerThread
+    from tests.cloud_service.helpers import make_package as make_cloud_package
 
-        threads = [threading.Thread(target=worker, args=(digits.x_test[i::4][:40],)) for i in range(4)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(30)
-        stats = model.stats()
+    make_cloud_package(tmp_path / "models" / "digits-v1", digits_cnn_onnx)
+    server = ServerThread(ServerConfig(models_dir=tmp_path / "models", grpc_address="127.0.0.1:0",
+                                       drain_timeout_s=1.0)).start()
+    policy = Policy(lambda out: (np.abs(out["logits"]).sum(axis=1) % 2 > 1).astype(float), threshold=0.5)
+    results: list[tuple[int, sdk.Prediction]] = []
+    try:
+        with sdk.load(package, cloud=f"grpc://{server.grpc}/digits", budget=sdk.Budget(latency_ms=2000),
+                      policy=policy) as model:
+            def worker(rows: range) -> None:
+                results.extend((i, model.predict(digits.x_test[i])) for i in rows)
+
+            threads = [threading.Thread(target=worker, args=(range(i, 160, 4),)) for i in range(4)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(60)
+            stats = model.stats()
+        served = metric_value(server.metrics_text, "tierkit_requests_total", model="digits", protocol="grpc")
+    finally:
+        server.stop()
     assert len(results) == 160
     assert stats["requests"] == 160
-    assert stats["cloud_answers"] == len(fake.requests) == sum(p.tier == "cloud" for p in results)
-    assert len({p.seq for p in results}) == 160
+    cloud_answered = [(i, p) for i, p in results if p.tier == "cloud"]
+    assert 0 < len(cloud_answered) < 160
+    assert stats["cloud_answers"] == len(cloud_answered) == served
+    assert len({p.seq for _, p in results}) == 160
+    with open_session(digits_cnn_onnx) as cnn:
+        expected = cnn.run({"x": digits.x_test[:160]})["logits"]
+    for i, p in cloud_answered:
+        np.testing.assert_allclose(p.outputs["logits"], expected[i], rtol=1e-4, atol=1e-4)
 
 
 def test_cloud_down_is_not_an_exception(package: ModelPackage, digits: zoo.Split) -> None:
