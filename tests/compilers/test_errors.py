@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from compilers import compile_model
-from runtimes.errors import BackendUnavailable, ConfigError
+from runtimes.errors import BackendUnavailable, CompileError, ConfigError
 
 
 def _compile(model: Path, out: Path, **kwargs) -> None:  # type: ignore[no-untyped-def]
@@ -53,9 +53,10 @@ def test_inputs_of_unequal_length(digits_cnn_onnx: Path, tmp_path: Path) -> None
         _compile(digits_cnn_onnx, tmp_path, calibration=data)
 
 
-def test_no_data(digits_cnn_onnx: Path, tmp_path: Path) -> None:
-    with pytest.raises(ConfigError, match="compile needs data"):
-        _compile(digits_cnn_onnx, tmp_path)
+def test_int8_without_data_says_what_to_give(digits_cnn_onnx: Path, tmp_path: Path) -> None:
+    # without data only fp32 can be checked (on generated inputs); int8 alone keeps nothing, and says why
+    with pytest.raises(CompileError, match="int8-ort-static: int8 needs calibration data"):
+        _compile(digits_cnn_onnx, tmp_path, precisions=("int8",))
 
 
 def test_prune_needs_a_torch_model(digits_cnn_onnx: Path, tmp_path: Path, digits_calibration: dict) -> None:

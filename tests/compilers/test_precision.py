@@ -125,7 +125,7 @@ def test_a_variant_that_does_not_reproduce_is_refused_and_the_agent_runs_the_nex
     assert "golden outputs differ" in result.reason
     # the server refuses that version
     with pytest.raises(PackageError, match="golden check failed"):
-        open_model(work / bad, "linear", "1", ModelOptions())
+        open_model(work / bad, "digits_linear", "1", ModelOptions())
     # the agent falls to the next rung and says why
     agent = EdgeAgent(work, cloud=None)
     try:
