@@ -7,8 +7,10 @@ Figures (all measured on the same validation inputs):
 - every task: cosine similarity per sample (mean and min) and max abs error;
 - every output, not only the first (`measure_outputs`): the max error relative to that output's
   scale (max |reference|), which is what an fp32 rung is held to (`FP32_BOUND`), and the worst
-  slice error: along each channel-like axis (every non-batch axis of at most `SLICE_AXIS_MAX`
-  entries), each slice's RMS error relative to that slice's own RMS. A part of an output whose
+  slice error: along the channel-like axes (axis 1 and the last axis, where they have at most
+  `SLICE_AXIS_MAX` entries: the channels of NCHW maps, the rows of a YOLO-style [N, 4+C, anchors]
+  output, the fields of [N, anchors, 4+C]; not spatial axes, whose near-empty rows make noise look
+  large), each slice's RMS error relative to that slice's own RMS. A part of an output whose
   values are small beside the rest (class scores concatenated with box coordinates in pixels)
   cannot die unseen: all-zero scores give a slice error of 1.0 however good the mean cosine is;
 - a user metric (`--metric module:function`), compared with the reference's value on the same data.
@@ -75,7 +77,7 @@ def measure_outputs(reference: Mapping[str, np.ndarray], outputs: Mapping[str, n
         if name == judged_by_task:
             continue
         floor = max(scale * _SCALE_FLOOR, 1e-30)
-        for axis in range(1, ref.ndim):
+        for axis in sorted({1, ref.ndim - 1}) if ref.ndim > 1 else ():
             if ref.shape[axis] > SLICE_AXIS_MAX:
                 continue
             others = tuple(a for a in range(ref.ndim) if a != axis)
@@ -86,7 +88,7 @@ def measure_outputs(reference: Mapping[str, np.ndarray], outputs: Mapping[str, n
             if rel[worst] > fid["slice_error_max"]:
                 fid["slice_error_max"] = float(rel[worst])
                 where = f"{name}[axis {axis} = {worst}]"
-        if ref.ndim == 1 or all(ref.shape[a] > SLICE_AXIS_MAX for a in range(1, ref.ndim)):
+        if ref.ndim == 1 or all(ref.shape[a] > SLICE_AXIS_MAX for a in {1, ref.ndim - 1}):
             rel_all = float(np.sqrt((err ** 2).mean()) / max(float(np.sqrt((ref ** 2).mean())), floor))
             if rel_all > fid["slice_error_max"]:
                 fid["slice_error_max"], where = rel_all, name
