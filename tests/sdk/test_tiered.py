@@ -16,7 +16,7 @@ from compilers.package import ModelPackage
 from compilers.variants import VariantSet
 from edge_agent.adaptive import AdaptiveOptions
 from edge_agent.agent import AgentOptions
-from edge_agent.controller import Controller, Decision
+from edge_agent.controller import Controller, ControllerConfig, Decision
 from edge_agent.policy import Policy
 from runtimes import open_session
 from runtimes.errors import CloudUnavailable, ConfigError, InputError
@@ -193,7 +193,9 @@ def test_budget_change_moves_the_controllers_decision(ladder: VariantSet) -> Non
         assert "budget" in capped.trigger
         assert capped.feasible
         assert capped.predicted_escalations_per_s <= 0.5
-        assert capped.predicted_accuracy <= roomy.predicted_accuracy
+        # the cap cannot buy accuracy; points within the controller's tie tolerance count as equal (when
+        # the digits CNN happens to make no validation mistake, escalating to a 0.999 cloud ties with not)
+        assert capped.predicted_accuracy <= roomy.predicted_accuracy + ControllerConfig().tie_tolerance
         assert model.stats()["decision"]["threshold"] == pytest.approx(capped.threshold, abs=1e-6)
         assert model.agent.threshold == capped.threshold
 
