@@ -36,13 +36,11 @@ import contextlib
 import itertools
 import logging
 import math
-import socket
 import threading
 import time
-import uuid
 from collections import deque
 from collections.abc import Awaitable, Callable, Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -53,116 +51,36 @@ from cloud_service.protocol.codec import CodecError
 from compilers.package import ModelPackage
 from compilers.variants import VariantSet
 from compilers.version_floor import VersionFloor
-from edge_agent.adaptive import AdaptiveOptions, build_controller
-from edge_agent.breaker import BreakerConfig, CircuitBreaker
+from edge_agent.adaptive import build_controller
+from edge_agent.breaker import CircuitBreaker
 from edge_agent.budget import Budget
 from edge_agent.cache import ResultCache, input_key
 from edge_agent.controller import Controller, Decision
 from edge_agent.journal import Journal, JournalEntry, drain
 from edge_agent.ladder import Variant, load_packages, open_variants
+from edge_agent.options import AgentOptions
 from edge_agent.policy import Policy
 from edge_agent.prediction import Prediction, make_prediction
 from edge_agent.stats import RttEstimator, Stats, TimerLateness, feed_controller
-from edge_agent.transports.base import Transport, TransportOptions, open_transport
-from runtimes.energy import PowerProfile
+from edge_agent.transports.base import Transport, open_transport
 from runtimes.errors import (
     CloudTimeout,
     CloudUnavailable,
-    ConfigError,
     EscalationError,
     InputError,
     JournalError,
     JournalFull,
     ModelClosed,
 )
-from runtimes.session import SessionOptions
 from runtimes.spec import check_inputs
+
+__all__ = ["AgentOptions", "EdgeAgent", "LateReply", "Pending", "Telemetry"]
 
 logger = logging.getLogger(__name__)
 
 perf_counter = time.perf_counter
-DEFAULT_POWER = PowerProfile("generic-cpu", busy_watts=15.0, idle_watts=3.0, joules_per_byte_sent=5e-8)
 Telemetry = Callable[[dict[str, Any]], Awaitable[None]]
 LateReply = Callable[[int, dict[str, np.ndarray] | None], None]
-
-
-@dataclass(frozen=True)
-class AgentOptions:
-    """The rarer knobs of an `EdgeAgent`.
-
-    Args:
-        device_id: this device's id on the wire (default: the host name).
-        boot_id: this run's id (default: a fresh UUID); journaled entries are keyed by both.
-        breaker: when the circuit breaker opens and probes.
-        transport: connection settings passed to `open_transport`.
-        session: thread counts and device for the edge sessions.
-        margin_ms: kept free of the budget when an escalation deadline is set, on top of the agent
-            timer's lateness it learns (`stats.TimerLateness`, prior `timer_lateness_ms`).
-        timer_lateness_ms: the lateness of an abandoned escalation assumed until some are observed.
-        min_deadline_ms: below this much time left, escalation is skipped.
-        inline_max_ms: a call this fast runs on the event loop; slower ones in a worker thread. Decided
-            per batch size, from the variant's measured time at that size (scaled from batch 1 until measured).
-        rtt_quantile: the round-trip quantile an escalation must fit in (without a controller).
-        rtt_skip_share: with a controller (whose threshold already prices the link), escalation is
-            skipped for the round trip only when the time left is below this share of the median one.
-        rtt_max_age_s: round trips older than this are forgotten.
-        rtt_probe_s: after skipping for a slow link this long, try once anyway (to notice recovery).
-        power: the power profile used to model energy when no meter is given.
-        journal_path: the store-and-forward journal (None: nothing is journaled).
-        journal_max_bytes: its bound.
-        drain_interval_s: how often the journal is drained while the link is up.
-        drain_timeout_s: the deadline of a journaled escalation when it is finally sent.
-        drain_probe_s: the deadline of the first one of a drain, which probes whether the cloud answers;
-            a drain starts as soon as a live escalation is answered, else every `drain_interval_s`
-            while the transport is connected (whatever the circuit breaker says).
-        drain_window: journaled escalations in flight at once while draining.
-        telemetry_interval_s: how often telemetry is published.
-        strict: raise the escalation error instead of answering degraded.
-        adaptive: how `controller=True` builds the controller (cloud accuracy prior, ...).
-    """
-
-    device_id: str = field(default_factory=lambda: _safe_device(socket.gethostname()))
-    boot_id: str = field(default_factory=lambda: uuid.uuid4().hex[:16])
-    breaker: BreakerConfig = field(default_factory=BreakerConfig)
-    transport: TransportOptions | None = None
-    session: SessionOptions | None = None
-    margin_ms: float = 1.0
-    timer_lateness_ms: float = 1.0
-    min_deadline_ms: float = 0.5
-    inline_max_ms: float = 1.0
-    rtt_quantile: float = 0.9
-    rtt_skip_share: float = 0.5
-    rtt_max_age_s: float = 10.0
-    rtt_probe_s: float = 1.0
-    power: PowerProfile = DEFAULT_POWER
-    journal_path: str | Path | None = None
-    journal_max_bytes: int = 64 * 1024 * 1024
-    drain_interval_s: float = 0.5
-    drain_timeout_s: float = 5.0
-    drain_probe_s: float = 0.5
-    drain_window: int = 32
-    telemetry_interval_s: float = 10.0
-    strict: bool = False
-    adaptive: AdaptiveOptions = field(default_factory=AdaptiveOptions)
-
-    def __post_init__(self) -> None:
-        try:
-            topics.check_device_id(self.device_id)
-        except ValueError as exc:
-            raise ConfigError(str(exc)) from None
-        if not (self.drain_probe_s > 0 and self.drain_timeout_s > 0 and self.drain_window >= 1):
-            msg = "AgentOptions: drain_probe_s and drain_timeout_s must be > 0 and drain_window >= 1"
-            raise ConfigError(msg)
-        if (self.margin_ms < 0 or self.min_deadline_ms < 0 or self.timer_lateness_ms < 0
-                or not 0 < self.rtt_quantile <= 1 or not 0 <= self.rtt_skip_share <= 1 or not self.rtt_max_age_s > 0):
-            msg = ("AgentOptions: margin_ms, min_deadline_ms, timer_lateness_ms must be >= 0, rtt_quantile in (0, 1], "
-                   "rtt_skip_share in [0, 1] and rtt_max_age_s > 0")
-            raise ConfigError(msg)
-
-
-def _safe_device(name: str) -> str:
-    cleaned = "".join(c if c.isalnum() or c in "-_." else "-" for c in name)[:128]
-    return cleaned.lstrip("$") or "edge"
 
 
 @dataclass
