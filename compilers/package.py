@@ -198,11 +198,12 @@ def _safe_join(root: Path, rel: str, where: str) -> Path:
     return root.joinpath(*pure.parts)
 
 
-def pack(directory: str | Path, archive: str | Path) -> Path:
-    """Write the package directory as one tar archive (no compression: artifacts rarely shrink)."""
+def pack(directory: str | Path, archive: str | Path, *, marker: str = MANIFEST_FILE) -> Path:
+    """Write the package directory (or any directory holding `marker`, e.g. a release) as one tar
+    archive (no compression: artifacts rarely shrink)."""
     directory, archive = Path(directory), Path(archive)
-    if not (directory / MANIFEST_FILE).is_file():
-        msg = f"{directory} has no {MANIFEST_FILE}: write the package first"
+    if not (directory / marker).is_file():
+        msg = f"{directory} has no {marker}: write it first"
         raise PackageError(msg)
     tmp = archive.with_name(archive.name + ".part")
     with tarfile.open(tmp, "w") as tar:

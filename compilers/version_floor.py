@@ -52,18 +52,27 @@ class VersionFloor:
     def admit(self, manifest: Manifest, where: str) -> None:
         """Refuse `manifest` if it is older than the floor and not a signed rollback; else raise the
         floor to its version (or set it to the rollback's version)."""
+        rollback = manifest.build.get(ROLLBACK_KEY) if isinstance(manifest.build, dict) else None
         with self._lock:
             floor = self._floor.get(manifest.name)
-            if floor is not None and version_key(manifest.version) < version_key(floor):
-                rollback = manifest.build.get(ROLLBACK_KEY) if isinstance(manifest.build, dict) else None
-                if not isinstance(rollback, str) or version_key(rollback) < version_key(floor):
-                    msg = (f"{where}: {manifest.name} version {manifest.version[:40]!r} is older than version "
-                           f"{floor!r}, already accepted here; an older version is accepted only as a signed "
-                           f"rollback (manifest build.{ROLLBACK_KEY} naming a version not below {floor!r})")
-                    raise IntegrityError(msg)
-                self._set(manifest.name, manifest.version)
-            elif floor is None or version_key(manifest.version) > version_key(floor):
-                self._set(manifest.name, manifest.version)
+            ok = isinstance(rollback, str) and floor is not None and version_key(rollback) >= version_key(floor)
+        how = (f"a signed rollback (manifest build.{ROLLBACK_KEY} naming a version not below {floor!r})"
+               if floor is not None else "")
+        self.admit_version(manifest.name, manifest.version, where, rollback_ok=ok, how=how)
+
+    def admit_version(self, name: str, version: str, where: str, *, rollback_ok: bool = False,
+                      record: bool = True, how: str = "a signed rollback") -> None:
+        """Refuse `version` of `name` if it is below the floor, unless `rollback_ok`; with `record`,
+        move the floor to it (up, or down to an admitted rollback). `record=False` only checks."""
+        with self._lock:
+            floor = self._floor.get(name)
+            older = floor is not None and version_key(version) < version_key(floor)
+            if older and not rollback_ok:
+                msg = (f"{where}: {name} version {version[:40]!r} is older than version {floor!r}, already "
+                       f"accepted here; an older version is accepted only as {how}")
+                raise IntegrityError(msg)
+            if record and (older or floor is None or version_key(version) > version_key(floor)):
+                self._set(name, version)
 
     def _set(self, model: str, version: str) -> None:
         self._floor[model] = version
