@@ -157,10 +157,12 @@ class MqttBridge:
             await asyncio.wait_for(asyncio.shield(self._subscribed), _CONNECT_TIMEOUT_S)
         except TimeoutError:
             self._client.loop_stop()
+            self._client._reset_sockets()
             msg = f"MQTT broker {self.config.url} did not accept a connection within {_CONNECT_TIMEOUT_S:.0f} s"
             raise BackendUnavailable(msg) from None
         except BaseException:
             self._client.loop_stop()
+            self._client._reset_sockets()
             raise
 
     async def stop(self, drain_timeout_s: float = 30.0) -> None:
@@ -187,6 +189,9 @@ class MqttBridge:
         props.SessionExpiryInterval = 0
         self._client.disconnect(properties=props)
         await asyncio.to_thread(self._client.loop_stop)
+        # a connection paho's thread completed while it was stopped stays open, and the client's reference
+        # cycles leave its sockets to a gc pass: close them now
+        self._client._reset_sockets()
 
     # -- paho's thread ------------------------------------------------------------------------
 

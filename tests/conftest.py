@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import gc
 import socket
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -13,6 +15,14 @@ from sdk import zoo
 
 # The fake backend is a test double: the product does not ship it, the suite plugs it in.
 register_backend("fake", "tests.doubles.fake_backend:FakeBackend")
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _collect_garbage_per_module() -> Iterator[None]:
+    """A full gc pass after each test module, so that a resource left unclosed in a reference cycle
+    (a socket, a file) fails the module that leaked it, not the end of the whole session."""
+    yield
+    gc.collect()
 
 
 def free_port() -> int:

@@ -91,6 +91,7 @@ class MqttIngest:
         self._stop.set()
         self.client.disconnect()
         self.client.loop_stop()
+        self.client._reset_sockets()  # paho leaves a connection made while stopping, and its socket pair, to gc
         self._writer.join(10)
 
     def _on_connect(self, client: paho.Client, _u: Any, _f: Any, rc: Any, _p: Any = None) -> None:

@@ -160,8 +160,9 @@ class MqttSession:
             # joins the network thread, which may sleep up to 1 s in paho's reconnect wait
             await asyncio.to_thread(self.client.loop_stop)
             # paho closes its wake-up socket pair only in __del__, which the reference cycle through our
-            # callbacks delays to a gc pass (a ResourceWarning then); close it now
-            self.client._reset_sockets(sockpair_only=True)
+            # callbacks delays to a gc pass (a ResourceWarning then); and a connection that completed while
+            # the thread was being stopped is never closed by paho at all: close both now
+            self.client._reset_sockets()
         self._went_down("the transport was closed")
 
     # --- on the event loop --------------------------------------------------------------------------
