@@ -199,7 +199,7 @@ class RolloutEngine:
         enough = figures["wave_cohort"].requests >= opts.margins.min_requests
         bad = failed(gates)
         with self.store.begin() as conn:
-            self.lease.fence(conn)
+            self.lease.fence(conn, now=ctx.now)
             if soaked and enough and bad:
                 self._write(conn, ctx, changes, assign, w["idx"], {**wave_updates, "state": "failed", "ended_at": now})
                 self._roll_back_in(conn, ctx, "fail", record_figures,
@@ -358,7 +358,7 @@ class RolloutEngine:
         if not changes:
             return
         with self.store.begin() as conn:
-            self.lease.fence(conn)
+            self.lease.fence(conn, now=ctx.now)
             self._write(conn, ctx, changes, {}, ctx.row.wave, {})
             if ctx.row.state == "rolled_back" and not any(v["state"] == "rollback" for v in ctx.devs.values()):
                 record(conn, ctx.row.id, None, "restored", {"restored": sum(
@@ -369,7 +369,7 @@ class RolloutEngine:
                    note: str, *, wave_updates: dict[str, Any] | None = None,
                    assign: dict[str, dict[str, Any]] | None = None) -> None:
         with self.store.begin() as conn:
-            self.lease.fence(conn)
+            self.lease.fence(conn, now=ctx.now)
             self._write(conn, ctx, changes, assign or {}, ctx.row.wave, wave_updates or {})
             self._roll_back_in(conn, ctx, kind, figures, note, ctx.row.wave)
 
