@@ -125,7 +125,8 @@ def evaluate(wave: Cohort, control: Cohort | None, *, margins: Margins, budget_m
     if budget_ms is None:
         gates.append(_gate("p95_budget", None, wave.p95_ms, None, None, "the release sets no latency budget"))
     else:
-        gates.append(_worse("p95_budget", wave.p95_ms, budget_ms, budget_ms, f"p95 within the budget {budget_ms} ms"))
+        gates.append(_gate("p95_budget", None if wave.p95_ms is None else wave.p95_ms <= budget_ms, wave.p95_ms, None,
+                           budget_ms, f"p95 within the release's latency budget {budget_ms:g} ms"))
     cc = c if c is not None and c.requests > 0 else None
 
     def ctl(name: str) -> float | None:
