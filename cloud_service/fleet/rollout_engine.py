@@ -195,8 +195,11 @@ class RolloutEngine:
                             wave_updates={**wave_updates, "state": "failed", "ended_at": now}, assign=assign)
             return
         current = [d for d in members if ctx.devs[d]["wave"] == w["idx"]]
-        soaked = bool(current) and all(self._soaked(ctx, d, opts) for d in current) and not assign
-        enough = figures["wave_cohort"].requests >= opts.margins.min_requests
+        soaked = all(self._soaked(ctx, d, opts) for d in current) and not assign
+        # a wave left with no device of its own to judge (the rest offline, or none left) does not hold the
+        # rollout up, once some earlier wave was judged; with no device judged at all, it waits
+        enough = (figures["wave_cohort"].requests >= opts.margins.min_requests if current
+                  else bool(members) and not any(v["state"] == "pending" for v in ctx.devs.values()))
         bad = failed(gates)
         with self.store.begin() as conn:
             self.lease.fence(conn, now=ctx.now)
@@ -211,8 +214,9 @@ class RolloutEngine:
                 conn.execute(t.rollouts.update().where(t.rollouts.c.id == row.id).values(
                     wave=w["idx"] if last else w["idx"] + 1, state="succeeded" if last else "running",
                     updated_at=now))
-                record(conn, row.id, w["idx"], "pass", record_figures,
-                       f"wave {w['idx']} ({w['spec']}) passed: {len(current)} device(s) soaked", self.holder, now=now)
+                note = (f"wave {w['idx']} ({w['spec']}) passed: {len(current)} device(s) soaked" if current else
+                        f"wave {w['idx']} ({w['spec']}) passed: no device of its own online to judge")
+                record(conn, row.id, w["idx"], "pass", record_figures, note, self.holder, now=now)
                 if last:
                     record(conn, row.id, w["idx"], "done", {}, "every wave passed", self.holder, now=now)
             elif self._observe_due(conn, row.id, now, opts.observe_every_s) and figures["wave_cohort"].requests:
@@ -233,11 +237,12 @@ class RolloutEngine:
                     or ("seconds" in want and (done.get("seconds") or 0) >= want["seconds"]))
 
     def _fill(self, ctx: _Ctx, changes: dict[str, dict[str, Any]], w: dict[str, Any]) -> dict[str, dict[str, Any]]:
-        """Take pending devices into the current wave until it holds its size; returns the assignments."""
+        """Give the release to pending devices, in the rollout's order, until the waves so far hold `size`
+        online devices; offline ones met on the way go to the catch-up set and take no place. The last
+        wave takes every pending device. Returns the assignments."""
         taken = sum(1 for v in ctx.devs.values() if v["wave"] is not None and v["assigned_at"] is not None
                     and v["state"] != "catch_up")
-        need = w["size"] - taken - sum(1 for v in ctx.devs.values() if v["state"] == "catch_up"
-                                       and v["assigned_at"] is None)
+        need = w["size"] - taken
         assign: dict[str, dict[str, Any]] = {}
         pending = sorted((d for d, v in ctx.devs.items() if v["state"] == "pending"),
                          key=lambda d: order_key(ctx.row.id, d))
@@ -247,11 +252,11 @@ class RolloutEngine:
                 break
             values: dict[str, Any] = {"wave": w["idx"], "updated_at": ctx.now}
             if self._online(ctx, dev):
-                values.update(state="assigned", assigned_at=ctx.now)
+                values.update(state="assigned", assigned_at=ctx.now, detail="")
                 assign[dev] = {"release": ctx.row.release, "soak": ctx.opts.soak}
+                need -= 1
             else:
-                values.update(state="catch_up")
-            need -= 1
+                values.update(state="catch_up", detail="offline when its wave started")
             changes.setdefault(dev, {}).update(values)
             ctx.devs[dev].update(values)
         return assign
@@ -268,16 +273,22 @@ class RolloutEngine:
                 d.update(values)
 
     def _catch_up(self, ctx: _Ctx, changes: dict[str, dict[str, Any]], *, assign: bool) -> None:
-        """Catch-up devices heard from since they were set aside rejoin: the current wave, or the outcome."""
+        """Catch-up devices heard from since they were set aside come back. While the rollout runs, one that
+        already has the release rejoins the current wave and one that has not is pending again (a later
+        wave takes it, the last one at the latest); after it succeeded (`assign`), each gets the release."""
+        running = ctx.row.state == "running"
         for dev, d in ctx.devs.items():
             if d["state"] != "catch_up" or not self._online(ctx, dev, since=d["updated_at"]):
                 continue
-            if d["assigned_at"] is None and not assign:
+            values: dict[str, Any] = {"updated_at": ctx.now, "detail": "caught up"}
+            if d["assigned_at"] is None and running:
+                values.update(state="pending", wave=None)
+            elif d["assigned_at"] is not None or assign:
+                values.update(state="assigned", assigned_at=ctx.now, wave=ctx.row.wave)
+                if d["assigned_at"] is None:
+                    values["catch_up_assign"] = True
+            else:
                 continue
-            values: dict[str, Any] = {"state": "assigned", "assigned_at": ctx.now, "updated_at": ctx.now,
-                                      "wave": ctx.row.wave, "detail": "caught up"}
-            if d["assigned_at"] is None:
-                values["catch_up_assign"] = True
             changes.setdefault(dev, {}).update(values)
             d.update(values)
 

@@ -61,11 +61,15 @@ def parse_waves(text: str | list[str] | tuple[str, ...]) -> tuple[str, ...]:
 
 
 def wave_sizes(waves: tuple[str, ...], n: int) -> list[int]:
-    """Cumulative device counts: wave i ends when this many targeted devices have been assigned or skipped."""
+    """Cumulative device counts: wave i ends when this many targeted devices have been assigned or skipped.
+
+    Each wave adds at least one device while any is left (1,5% of 20 devices: 1, then 2), so that a
+    bad release reaches at most the canary plus one device before the canary's figures are judged.
+    """
     out, last = [], 0
     for s in waves:
         size = math.ceil(float(s[:-1]) / 100 * n) if s.endswith("%") else int(s)
-        last = max(last, min(max(size, 1), n))
+        last = min(max(size, last + 1), n)
         out.append(last)
     return out
 

@@ -98,6 +98,9 @@ class RolloutFleet:
                     if attempt == 19:
                         raise
                     time.sleep(0.25)
+        # the fleet's MQTT session may come up after the devices': deploy only once it hears every one
+        self.wait("the fleet to hear every device", lambda: sum(
+            d["online"] for d in self.api("GET", "/v1/devices")) == self.n, timeout=60)
 
     def __exit__(self, *exc: object) -> None:
         for d in self.devices:

@@ -119,3 +119,12 @@ def test_deploy_refuses_unknown_releases_and_empty_selectors(tmp_path: Path) -> 
     assert got.returncode == 1
     assert "not registered" in got.stderr
     assert "--soak" in cli("deploy", "x", "--soak", "ten", data_dir=data, check=False).stderr
+
+
+def test_wave_sizes_grow_by_one_device_at_least() -> None:
+    from cloud_service.fleet.rollouts import parse_waves, wave_sizes
+
+    assert wave_sizes(parse_waves("1,5%,25%,100%"), 20) == [1, 2, 5, 20]
+    assert wave_sizes(parse_waves("1,5%,25%,100%"), 200) == [1, 10, 50, 200]
+    assert wave_sizes(parse_waves("1,5%,25%,100%"), 2) == [1, 2, 2, 2]
+    assert wave_sizes(parse_waves("10,100%"), 4) == [4, 4]

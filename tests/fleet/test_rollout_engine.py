@@ -136,3 +136,34 @@ def test_gates_compare_the_wave_with_control_by_margins() -> None:
                         fleet_request_rate=None, cloud_capacity_rps=None)
     assert failed(unjudged) == []
     assert {g["gate"] for g in unjudged if g["ok"] is None} >= {"escalation_rate", "p95_budget", "cloud_capacity"}
+
+
+def test_offline_devices_do_not_pass_a_wave_and_rejoin_when_heard_from(store: FleetStore, tmp_path: Path) -> None:
+    reg = Registry(store, FleetCA.load_or_create(tmp_path))
+    devices = _devices(reg, 3)
+    desired = DesiredState(store)
+    key, pub = generate_keypair(tmp_path / "ops")
+    releases = ReleaseRegistry(store, tmp_path / "data", [load_public_key(pub)])
+    policy = tmp_path / "p.yaml"
+    policy.write_text("version: '1'\n")
+    digest = releases.create(tiny_variant_set(tmp_path / "model"), policy, sign_key=load_private_key(key))["digest"]
+    t0 = time.time()
+    for d in devices:
+        desired.record_reported(d, {"release": None}, now=t0 - 1000)  # last heard from long ago
+    rollouts = Rollouts(store, releases)
+    rid = rollouts.deploy(digest, {}, make_options(waves="1,100%"))
+    engine = RolloutEngine(store, desired, releases, holder="e", online_after_s=120)
+    for k in range(3):
+        assert engine.step(now=t0 + k)
+    shown = rollouts.show(rid)
+    assert shown["state"] == "running"  # nobody to judge: the canary wave waits, it does not pass
+    assert shown["states"] == {"catch_up": 3}
+    assert [d["kind"] for d in shown["decisions"]] == ["start"]
+    desired.record_reported(devices[1], {"release": None}, now=t0 + 5)  # one comes back
+    engine.step(now=t0 + 6)
+    shown = rollouts.show(rid)
+    assert shown["states"] == {"catch_up": 2, "assigned": 1}
+    assert next(d for d in shown["device_list"] if d["state"] == "assigned")["device_id"] == devices[1]
+    eff = desired.effective(reg.device(devices[1]))
+    assert eff is not None
+    assert eff["document"]["release"] == digest

@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
 
+from tests.fleet.fleet_process import cli
 from tests.fleet.rollout_device import GOLDEN_FAILS, HEALTHY, MORE_ESCALATIONS, SLOW, Behaviour
 from tests.fleet.rollout_harness import RolloutFleet
 
@@ -53,7 +55,9 @@ def test_a_bad_release_is_stopped_at_the_canary_and_rolled_back(fleet: RolloutFl
 
 def test_pause_resume_and_rollback_by_hand(fleet: RolloutFleet) -> None:
     good = fleet.release(HEALTHY)
-    rid = fleet.deploy(good, waves="1,100%", soak="100000")  # a soak that does not end in this test
+    out = cli("deploy", good[:20], "--label", "kind=cam", "--waves", "1,100%", "--soak", "100000",  # never ends
+              data_dir=fleet.data).stdout
+    rid = int(out.split()[1].rstrip(":"))
     fleet.wait("the canary to take it", lambda: any(good in d.ran for d in fleet.devices))
     assert fleet.api("POST", f"/v1/rollouts/{rid}/pause")["state"] == "paused"
     status, body = fleet.fleet.call("POST", f"/v1/rollouts/{rid}/pause", token=fleet.admin)
@@ -86,6 +90,12 @@ def test_a_good_release_rolls_through_every_wave(fleet: RolloutFleet) -> None:
     assert gates["p95_budget"]["limit"] == 25.0
     assert shown["waves"][2]["figures"]["control_kind"] == "baseline"  # nobody left on release 1
     fleet.wait("every device on the release", lambda: all(d.running == good for d in fleet.devices))
+    text = cli("rollout", "show", str(rid), data_dir=fleet.data).stdout
+    assert f"rollout {rid}: succeeded" in text
+    assert "control: cohort" in text
+    assert "escalation_rate" in text
+    assert "FAIL" not in text
+    assert f"{rid}  succeeded" in cli("rollouts", data_dir=fleet.data).stdout
 
 
 def test_offline_devices_catch_up_when_they_return(fleet: RolloutFleet) -> None:
@@ -103,3 +113,20 @@ def test_offline_devices_catch_up_when_they_return(fleet: RolloutFleet) -> None:
         d.start()
     fleet.wait("the returning devices to converge", lambda: all(d.running == good for d in fleet.devices))
     fleet.wait("the rollout to record them", lambda: fleet.show(rid)["states"] == {"committed": 8})
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("db_url", ["sqlite", "postgresql"], indirect=True)
+def test_twenty_devices_every_wave_then_a_bad_release(tmp_path: Path, db_url: str) -> None:
+    with RolloutFleet(tmp_path, 20, db_url=None if db_url.startswith("sqlite") else db_url) as fleet:
+        good = fleet.release(HEALTHY)
+        rid = fleet.deploy(good, waves="1,5%,25%,100%")
+        shown = fleet.wait("the rollout to succeed", lambda: _done(fleet, rid, "succeeded"), timeout=180)
+        assert [w["size"] for w in shown["waves"]] == [1, 2, 5, 20]  # each wave adds one device at least
+        assert shown["states"] == {"committed": 20}
+        for bad in (MORE_ESCALATIONS, SLOW, GOLDEN_FAILS):
+            release = fleet.release(bad)
+            rid = fleet.deploy(release, waves="1,5%,25%,100%")
+            fleet.wait("the rollout to fail", lambda rid=rid: _done(fleet, rid, "rolled_back"), timeout=120)
+            assert sum(release in d.ran for d in fleet.devices) <= 2
+            fleet.wait("every device back", lambda: all(d.running == good for d in fleet.devices))
