@@ -265,7 +265,10 @@ class RolloutEngine:
         for dev, d in ctx.devs.items():
             if d["assigned_at"] is None or d["state"] not in ("assigned", *SWAP_STATES[:6]):
                 continue
-            quiet_since = max(d["assigned_at"], ctx.reported.get(dev, ({}, 0.0))[1], ctx.seen.get(dev) or 0.0)
+            # progress: a reported document (one at every swap state change); while it runs the release
+            # (active, soaking), its telemetry too, since a long soak changes no state
+            quiet_since = max(d["assigned_at"], d["updated_at"], ctx.reported.get(dev, ({}, 0.0))[1],
+                              (ctx.seen.get(dev) or 0.0) if d["state"] in ("active", "soaking") else 0.0)
             if ctx.now - quiet_since > opts.stall_after_s:
                 values = {"state": "catch_up", "updated_at": ctx.now,
                           "detail": f"no progress for {opts.stall_after_s:g} s"}
@@ -283,10 +286,10 @@ class RolloutEngine:
             values: dict[str, Any] = {"updated_at": ctx.now, "detail": "caught up"}
             if d["assigned_at"] is None and running:
                 values.update(state="pending", wave=None)
-            elif d["assigned_at"] is not None or assign:
-                values.update(state="assigned", assigned_at=ctx.now, wave=ctx.row.wave)
-                if d["assigned_at"] is None:
-                    values["catch_up_assign"] = True
+            elif d["assigned_at"] is not None:  # it has the release already: its reports since count
+                values.update(state="assigned", wave=ctx.row.wave)
+            elif assign:
+                values.update(state="assigned", assigned_at=ctx.now, wave=ctx.row.wave, catch_up_assign=True)
             else:
                 continue
             changes.setdefault(dev, {}).update(values)

@@ -13,8 +13,8 @@ import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from cloud_service.fleet.fleet import Fleet, FleetConfig
-from compilers.release import create_release, open_release, unpack_release
-from compilers.signing import generate_keypair
+from compilers.release import create_release, open_release, pack_release, unpack_release
+from compilers.signing import generate_keypair, load_private_key
 from edge_agent.fleet_sync import enroll
 from tests.fleet.fleet_process import FleetProcess, cli
 from tests.fleet.rollout_harness import tiny_variant_set
@@ -32,6 +32,18 @@ def _get(url: str, user: str | None, password: str | None) -> tuple[int, bytes]:
         headers["Authorization"] = "Basic " + base64.b64encode(f"{user}:{password}".encode()).decode()
     try:
         with urllib.request.urlopen(urllib.request.Request(url, headers=headers), timeout=30) as resp:
+            return resp.status, resp.read()
+    except urllib.error.HTTPError as exc:
+        body = exc.read()
+        exc.close()
+        return exc.code, body
+
+
+def _post(url: str, data: bytes, token: str) -> tuple[int, bytes]:
+    req = urllib.request.Request(url, data=data, method="POST", headers={
+        "Authorization": f"Bearer {token}", "Content-Type": "application/x-tar"})
+    try:
+        with urllib.request.urlopen(req, timeout=30) as resp:
             return resp.status, resp.read()
     except urllib.error.HTTPError as exc:
         body = exc.read()
@@ -100,6 +112,20 @@ def test_release_create_verifies_the_signature_and_devices_download_with_their_c
             assert status == 200
             assert [r["version"] for r in rels] == ["1", "2"]
             assert proc.call("GET", "/v1/releases")[0] == 401
+            # an archive uploaded by an admin is verified like any other
+            third = create_release(variants, {"version": "5"}, tmp_path / "r5",
+                                   sign_key=load_private_key(key)).directory
+            tar = pack_release(third, tmp_path / "r5.tar").read_bytes()
+            reader = facade.registry.create_operator_token("viewer", "read")
+            assert _post(f"{proc.url}/v1/releases", tar, reader)[0] == 403
+            status, body = _post(f"{proc.url}/v1/releases", tar, admin)
+            assert status == 200, body
+            assert json.loads(body)["version"] == "5"
+            bad = create_release(variants, {"version": "6"}, tmp_path / "r6", sign_key=Ed25519PrivateKey.generate())
+            status, body = _post(f"{proc.url}/v1/releases", pack_release(bad.directory, tmp_path / "r6.tar")
+                                 .read_bytes(), admin)
+            assert status == 422
+            assert b"does not verify" in body
         finally:
             proc.stop()
 
