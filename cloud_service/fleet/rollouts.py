@@ -157,7 +157,7 @@ class Rollouts:
             rd = t.rollout_devices.c
             busy = conn.execute(sa.select(rd.rollout_id, rd.device_id).join(
                 t.rollouts, t.rollouts.c.id == rd.rollout_id).where(
-                t.rollouts.c.state.in_(ACTIVE), rd.device_id.in_(ids))).first()
+                t.rollouts.c.state.in_((*ACTIVE, "rollback_asked")), rd.device_id.in_(ids))).first()
             if busy is not None:
                 msg = (f"device {busy.device_id} is in rollout {busy.rollout_id}, which is still running or paused; "
                        f"let it finish or roll it back first")

@@ -76,6 +76,8 @@ async def _periodic(fleet: Fleet, ingest: MqttIngest | None, engine: RolloutEngi
             engine.step()  # before publishing, so that a wave's assignments or a rollback go out in this pass
         except FleetError as exc:
             logger.warning("rollout step skipped: %s", exc)
+        except Exception:  # a defect in one rollout must not stop ingestion, desired state or the API
+            logger.exception("rollout step failed; retried in a second")
         if ingest is not None:
             ingest.publish_desired()
         else:  # no broker: still compute effective documents, so drift is listed
