@@ -1,8 +1,9 @@
 """The fleet's HTTP API (FastAPI; OpenAPI at /openapi.json, docs at /docs) and the dashboard page.
 
 Operators send `Authorization: Bearer TOKEN` (a read-only or an admin operator token). Devices
-call one endpoint, `POST /v1/enroll`, with their one-time enrollment token in the body; they never
-hold an operator token. Every `FleetError` becomes its `http_status` with `{"error": message}`.
+call `POST /v1/enroll` with their one-time enrollment token in the body, and download releases
+(rollout_api.py) with HTTP Basic auth; they never hold an operator token.
+Every `FleetError` becomes its `http_status` with `{"error": message}`.
 """
 
 from __future__ import annotations
@@ -114,6 +115,10 @@ def create_app(fleet: Fleet) -> FastAPI:
                   until: float | None = None, limit: int = 5000, _op: str = Depends(reader)) -> dict[str, Any]:
         return fleet.telemetry_query(device=device, labels=parse_labels(label, where="label"), since=since,
                                      until=until, limit=max(1, min(limit, 100_000)))
+
+    from cloud_service.fleet.rollout_api import router
+
+    app.include_router(router(fleet, reader, admin))
 
     @app.get("/v1/stats", tags=["telemetry"])
     def stats(_op: str = Depends(reader)) -> dict[str, Any]:

@@ -8,6 +8,11 @@
     tierkit fleet set (--label k=v | --device ID | --all) FILE.yaml [--priority N]
     tierkit fleet drift
     tierkit fleet revoke DEVICE
+    tierkit fleet release create VARIANTS_DIR --policy policy.yaml --sign-key ops.key
+    tierkit fleet releases
+    tierkit fleet deploy RELEASE --label kind=cam --waves 1,5%,25%,100% [--soak 500 | --soak 10m]
+    tierkit fleet rollouts
+    tierkit fleet rollout show|pause|resume|rollback ID
 
 The management commands work on the fleet database directly (`--data-dir`, or `--db URL` for
 PostgreSQL), as an administrator on the fleet's host does; remote operators use the HTTP API with
@@ -63,6 +68,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[
     s.add_argument("--drift-after", default="5m", help="reported != desired for longer than this is drift")
     s.add_argument("--daily-bytes", type=int, default=2 * 1024 * 1024, help="telemetry byte cap per device and day")
     s.add_argument("--retention", default="7d", help="raw telemetry kept this long, then rolled up hourly")
+    s.add_argument("--online-after", default="2m", help="a device not heard from for longer is offline")
+    s.add_argument("--release-key", type=Path, action="append", default=[], metavar="PUB",
+                   help="an Ed25519 public key releases must be signed with (repeatable)")
+    s.add_argument("--cloud-capacity", type=float, metavar="RPS",
+                   help="escalations/s the cloud tier sustains, for rollouts that give none (bench/bench_cloud.py)")
     s.set_defaults(func=_serve)
 
     tok = sub.add_parser("token", help="enrollment tokens").add_subparsers(dest="token_command", required=True)
@@ -98,6 +108,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[
     rv = sub.add_parser("revoke", parents=[common], help="cut a device off the API and the broker")
     rv.add_argument("device")
     rv.set_defaults(func=_revoke)
+    from cloud_service.fleet.rollout_cli import add_parsers
+
+    add_parsers(sub, common, _fleet)
 
 
 def _need_extra() -> None:
@@ -139,7 +152,9 @@ def _serve(args: argparse.Namespace) -> int:
     limits = TelemetryLimits(daily_bytes=args.daily_bytes, retention_s=parse_duration(args.retention))
     users = {args.mqtt_user: mqtt.password} if mqtt is not None and args.mqtt_user and mqtt.password else {}
     fleet = _fleet(args, broker_passwd=args.broker_passwd, broker_reload=args.broker_reload, broker_users=users,
-                   drift_after_s=parse_duration(args.drift_after), limits=limits)
+                   drift_after_s=parse_duration(args.drift_after), limits=limits,
+                   online_after_s=parse_duration(args.online_after), release_keys=tuple(args.release_key),
+                   cloud_capacity_rps=args.cloud_capacity)
     fleet.sync_broker()
 
     async def main() -> None:

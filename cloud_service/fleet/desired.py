@@ -3,7 +3,10 @@
 A layer is a document for a selector: `*` (the fleet default), `k=v[,k=v]` (devices carrying all
 those labels) or `device=ID`. A device's effective document merges its matching layers in
 priority order (higher wins; key by key, nested mappings merged), and its version is the highest
-version among them. Versions come from one counter, so a device's effective version only grows.
+version among them. A rollout assigns a release to a device through a layer of its own,
+`rollout/device=ID` (no operator selector can take that form), at a priority above labels and
+below the operator's device layers: `{"release": "sha256:...", "soak": {"requests": 200}}`.
+Versions come from one counter, so a device's effective version only grows.
 The agent reports on `.../reported` once a document has taken effect, naming that version and the
 model digest it runs; a device whose reported version stays behind for `drift_after_s` is drift.
 
@@ -31,7 +34,8 @@ from cloud_service.fleet.errors import InvalidDocument
 from cloud_service.fleet.registry import parse_labels
 from cloud_service.fleet.store import FleetStore
 
-DEFAULT_PRIORITY = {"fleet": 0, "labels": 100, "device": 1000}
+DEFAULT_PRIORITY = {"fleet": 0, "labels": 100, "rollout": 500, "device": 1000}
+ROLLOUT_PREFIX = "rollout/"
 
 
 class _Budget(BaseModel):
@@ -39,6 +43,12 @@ class _Budget(BaseModel):
     latency_ms: float | None = Field(default=None, gt=0, allow_inf_nan=False)
     energy_mj: float | None = Field(default=None, gt=0, allow_inf_nan=False)
     max_escalations_per_s: float | None = Field(default=None, ge=0, allow_inf_nan=False)
+
+
+class _Soak(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    requests: int | None = Field(default=None, ge=1)
+    seconds: float | None = Field(default=None, gt=0, allow_inf_nan=False)
 
 
 class DesiredDocument(BaseModel):
@@ -49,6 +59,8 @@ class DesiredDocument(BaseModel):
     threshold: float | None = Field(default=None, ge=0, le=1, allow_inf_nan=False)
     telemetry_interval_s: float | None = Field(default=None, ge=1, le=86400)
     release: str | None = Field(default=None, max_length=128)  # a release digest (rollouts)
+    soak: _Soak | None = None
+    rollback: bool | None = None  # the release is a rollback target (informational for the device)
 
 
 def validate_document(doc: Any) -> dict[str, Any]:
@@ -67,6 +79,12 @@ def validate_document(doc: Any) -> dict[str, Any]:
 def parse_selector(selector: str) -> tuple[str, dict[str, str]]:
     """-> ("fleet" | "labels" | "device", labels); `device=ID` gives {"device": ID}."""
     selector = selector.strip()
+    if selector.startswith(ROLLOUT_PREFIX):
+        kind, labels = parse_selector(selector.removeprefix(ROLLOUT_PREFIX))
+        if kind != "device":
+            msg = f"selector {selector!r}: a rollout layer names one device (rollout/device=ID)"
+            raise InvalidDocument(msg)
+        return "rollout", labels
     if selector == "*":
         return "fleet", {}
     labels = parse_labels(selector, where="selector")
@@ -80,14 +98,20 @@ def parse_selector(selector: str) -> tuple[str, dict[str, str]]:
 
 def canonical_selector(selector: str) -> str:
     kind, labels = parse_selector(selector)
+    if kind == "rollout":
+        return f"{ROLLOUT_PREFIX}device={labels['device']}"
     return "*" if kind == "fleet" else ",".join(f"{k}={v}" for k, v in sorted(labels.items()))
+
+
+def rollout_selector(device_id: str) -> str:
+    return f"{ROLLOUT_PREFIX}device={device_id}"
 
 
 def matches(selector: str, device: dict[str, Any]) -> bool:
     kind, labels = parse_selector(selector)
     if kind == "fleet":
         return True
-    if kind == "device":
+    if kind in ("device", "rollout"):
         return bool(labels["device"] == device["device_id"])
     return all(device["labels"].get(k) == v for k, v in labels.items())
 
@@ -109,6 +133,9 @@ class DesiredState:
         """Create or replace the layer for `selector`; returns its new version."""
         doc = validate_document(document)
         sel = canonical_selector(selector)
+        if sel.startswith(ROLLOUT_PREFIX):
+            msg = f"selector {selector!r} is a rollout's layer; start a rollout with `tierkit fleet deploy`"
+            raise InvalidDocument(msg)
         prio = DEFAULT_PRIORITY[parse_selector(sel)[0]] if priority is None else int(priority)
         with self.store.begin() as conn:
             if self.store.dialect == "postgresql":
@@ -123,6 +150,33 @@ class DesiredState:
                 conn.execute(t.desired_layers.insert().values(selector=sel, **values))
         return version
 
+    def assign(self, documents: dict[str, dict[str, Any]], *, conn: Any = None) -> int:
+        """Set the rollout layer of each device (device id -> document), all at one new version, in one
+        transaction (`conn`: the caller's, so that the assignment commits with the rollout's own rows)."""
+        if not documents:
+            return 0
+        docs = {d: json.dumps(validate_document(doc), sort_keys=True) for d, doc in documents.items()}
+        if conn is None:
+            with self.store.begin() as own:
+                return self.assign(documents, conn=own)
+        if self.store.dialect == "postgresql":
+            conn.execute(sa.text("SELECT pg_advisory_xact_lock(7412002)"))
+        version = int(conn.execute(sa.select(sa.func.coalesce(sa.func.max(t.desired_layers.c.version), 0)))
+                      .scalar_one()) + 1
+        now, c = time.time(), t.desired_layers.c
+        sels = {rollout_selector(d): d for d in docs}
+        have = {r.selector for r in conn.execute(sa.select(c.selector).where(c.selector.in_(sorted(sels))))}
+        old = [{"b_sel": sel, "b_doc": docs[d]} for sel, d in sorted(sels.items()) if sel in have]
+        if old:
+            conn.execute(t.desired_layers.update().where(c.selector == sa.bindparam("b_sel")).values(
+                document=sa.bindparam("b_doc"), priority=DEFAULT_PRIORITY["rollout"], version=version,
+                updated_at=now), old)
+        new = [{"selector": sel, "document": docs[d], "priority": DEFAULT_PRIORITY["rollout"], "version": version,
+                "updated_at": now} for sel, d in sorted(sels.items()) if sel not in have]
+        if new:
+            conn.execute(t.desired_layers.insert(), new)
+        return version
+
     def layers(self) -> list[dict[str, Any]]:
         with self.store.begin() as conn:
             rows = conn.execute(sa.select(t.desired_layers).order_by(t.desired_layers.c.priority)).all()
@@ -130,7 +184,10 @@ class DesiredState:
 
     def effective(self, device: dict[str, Any], layers: list[dict[str, Any]] | None = None) -> dict[str, Any] | None:
         """{"version", "document", "layers"} for `device` (a registry dict), or None when no layer matches."""
-        hits = [la for la in (self.layers() if layers is None else layers) if matches(la["selector"], device)]
+        mine = rollout_selector(device["device_id"])
+        hits = [la for la in (self.layers() if layers is None else layers)  # rollout layers: a string compare
+                if (la["selector"] == mine if la["selector"].startswith(ROLLOUT_PREFIX)
+                    else matches(la["selector"], device))]
         if not hits:
             return None
         doc: dict[str, Any] = {}

@@ -9,6 +9,10 @@ TierkitError
     DeviceRevoked            the device was revoked
     InvalidDocument          a desired document or selector that does not validate
     StoreUnavailable         the database is locked or gone (retry later)
+    UnknownRelease           no release registered under that digest
+    ReleaseRefused           a release that is unsigned, signed by a key the fleet does not trust, or altered
+    UnknownRollout           no rollout with that id
+    RolloutConflict          the rollout's state does not allow the change (e.g. resume a rolled-back one)
 ```
 """
 
@@ -51,3 +55,19 @@ class InvalidDocument(FleetError, ConfigError):
 
 class StoreUnavailable(FleetError):
     http_status: ClassVar[int] = 503
+
+
+class UnknownRelease(FleetError):
+    http_status: ClassVar[int] = 404
+
+
+class ReleaseRefused(FleetError, ConfigError):
+    http_status: ClassVar[int] = 422
+
+
+class UnknownRollout(FleetError):
+    http_status: ClassVar[int] = 404
+
+
+class RolloutConflict(FleetError):
+    http_status: ClassVar[int] = 409

@@ -18,6 +18,8 @@ from typing import Any
 from cloud_service.fleet.ca import FleetCA
 from cloud_service.fleet.desired import DesiredState
 from cloud_service.fleet.registry import Enrolled, Registry
+from cloud_service.fleet.releases import ReleaseRegistry, configured_keys
+from cloud_service.fleet.rollouts import Rollouts
 from cloud_service.fleet.store import DEFAULT_DATA_DIR, FleetStore, default_url
 from cloud_service.fleet.telemetry import TelemetryLimits, TelemetryStore
 
@@ -35,6 +37,8 @@ class FleetConfig:
     drift_after_s: how long reported may differ from desired before the device is listed as drift.
     online_after_s: a device not heard from for longer is offline.
     limits: telemetry size, daily byte cap, clock skew and raw retention.
+    release_keys: public keys releases must be signed with (besides DATA_DIR/release-keys/*.pub).
+    cloud_capacity_rps: escalations/s the cloud tier sustains, for rollouts that give no figure of their own.
     """
 
     data_dir: Path = DEFAULT_DATA_DIR
@@ -45,6 +49,8 @@ class FleetConfig:
     drift_after_s: float = 300.0
     online_after_s: float = 120.0
     limits: TelemetryLimits = field(default_factory=TelemetryLimits)
+    release_keys: tuple[Path, ...] = ()
+    cloud_capacity_rps: float | None = None
 
 
 class Fleet:
@@ -56,6 +62,8 @@ class Fleet:
         self.registry = Registry(store, self.ca)
         self.desired = DesiredState(store, drift_after_s=config.drift_after_s)
         self.telemetry = TelemetryStore(store, config.limits)
+        self.releases = ReleaseRegistry(store, config.data_dir, configured_keys(config.data_dir, config.release_keys))
+        self.rollouts = Rollouts(store, self.releases)
         self.ingest: Any = None  # an MqttIngest once `tierkit fleet serve` connects one
 
     @classmethod

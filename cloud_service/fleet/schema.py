@@ -147,8 +147,10 @@ releases = Table(
     "releases", metadata,
     Column("digest", String(128), primary_key=True),
     Column("name", String(128), nullable=False),
-    Column("manifest", Text, nullable=False),
+    Column("manifest", Text, nullable=False),  # release.json, as signed
     Column("created_at", Float, nullable=False),
+    Column("version", String(64), nullable=False, server_default=""),  # migration 0002
+    Column("archive", String(512), nullable=False, server_default=""),  # the tar, relative to the data dir
 )
 
 leases = Table(
@@ -157,3 +159,57 @@ leases = Table(
     Column("holder", String(128), nullable=True),
     Column("expires_at", Float, nullable=True),
 )
+
+# Rollouts (migration 0002): a deployment of a release in waves, its devices, and every decision with its figures.
+rollouts = Table(
+    "rollouts", metadata,
+    Column("id", Integer, primary_key=True, autoincrement=True),
+    Column("release", String(128), nullable=False),
+    Column("previous", String(128), nullable=True),  # the release a failed rollout returns devices to
+    Column("selector", String(512), nullable=False),  # "k=v,k2=v2" or "*"
+    Column("options", Text, nullable=False),  # waves, soak, margins, capacity (JSON)
+    Column("state", String(16), nullable=False),  # running, paused, succeeded, rolled_back
+    Column("wave", Integer, nullable=False),  # the current wave's index
+    Column("reason", Text, nullable=False, default=""),
+    Column("created_at", Float, nullable=False),
+    Column("updated_at", Float, nullable=False),
+)
+
+rollout_waves = Table(
+    "rollout_waves", metadata,
+    Column("rollout_id", Integer, primary_key=True),
+    Column("idx", Integer, primary_key=True),
+    Column("spec", String(16), nullable=False),  # "1" or "5%"
+    Column("size", Integer, nullable=False),  # devices it takes, all earlier waves included
+    Column("state", String(16), nullable=False),  # pending, soaking, passed, failed
+    Column("started_at", Float, nullable=True),
+    Column("ended_at", Float, nullable=True),
+)
+
+rollout_devices = Table(
+    "rollout_devices", metadata,
+    Column("rollout_id", Integer, primary_key=True),
+    Column("device_id", String(128), primary_key=True),
+    Column("wave", Integer, nullable=True),  # None until its wave starts
+    Column("state", String(16), nullable=False),  # pending, catch_up, assigned, a swap state, rollback, restored
+    Column("previous", String(128), nullable=True),  # what it ran before the rollout
+    Column("ran", Boolean, nullable=False, default=False),  # ever ran the release (active, soaking, committed)
+    Column("crashes0", Integer, nullable=False, default=0),  # its reported crash count when assigned
+    Column("assigned_at", Float, nullable=True),
+    Column("updated_at", Float, nullable=False),
+    Column("detail", Text, nullable=False, default=""),
+)
+Index("ix_rollout_devices_state", rollout_devices.c.rollout_id, rollout_devices.c.state)
+
+rollout_decisions = Table(
+    "rollout_decisions", metadata,
+    Column("id", BigInteger().with_variant(Integer, "sqlite"), primary_key=True, autoincrement=True),
+    Column("rollout_id", Integer, nullable=False),
+    Column("wave", Integer, nullable=True),
+    Column("at", Float, nullable=False),
+    Column("kind", String(16), nullable=False),  # observe, pass, fail, rollback, pause, resume, done, start
+    Column("figures", Text, nullable=False),  # the gates with wave and control figures (JSON)
+    Column("note", Text, nullable=False, default=""),
+    Column("holder", String(128), nullable=False, default=""),  # the fleet process that decided
+)
+Index("ix_rollout_decisions_rollout", rollout_decisions.c.rollout_id, rollout_decisions.c.id)

@@ -1,9 +1,10 @@
 """`tierkit fleet serve` as a coroutine: the HTTP API (uvicorn), MQTT ingestion, and the periodic work.
 
-Periodic work: publish effective desired documents whose version changed (every second, so a
-layer set through the CLI or by another fleet process reaches the devices), and roll raw telemetry
-past its retention up into hourly rows (every minute). Several processes may run this on one
-PostgreSQL: the work is idempotent and the broker's shared subscription splits ingestion.
+Periodic work: move rollouts on (every second, under the `rollouts` row lease: one process acts),
+publish effective desired documents whose version changed (every second, so a layer set through
+the CLI or by another fleet process reaches the devices), and roll raw telemetry past its retention
+up into hourly rows (every minute). Several processes may run this on one PostgreSQL: the work is
+idempotent or leased, and the broker's shared subscription splits ingestion.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from cloud_service.fleet.api import create_app
 from cloud_service.fleet.errors import FleetError
 from cloud_service.fleet.fleet import Fleet
 from cloud_service.fleet.ingest import IngestOptions, MqttIngest
+from cloud_service.fleet.rollout_engine import RolloutEngine
 
 logger = logging.getLogger(__name__)
 
@@ -50,11 +52,13 @@ async def serve_fleet(fleet: Fleet, *, http: tuple[str, int], mqtt: IngestOption
         if ready is not None:
             ready(port)
         loop = asyncio.get_running_loop()
+        engine = RolloutEngine(fleet.store, fleet.desired, fleet.releases, online_after_s=fleet.config.online_after_s,
+                               cloud_capacity_rps=fleet.config.cloud_capacity_rps)
         next_rollup = loop.time() + rollup_every_s
         while not stop.is_set():
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), 1.0)
-            await _periodic(fleet, ingest, roll_up=loop.time() >= next_rollup)
+            await _periodic(fleet, ingest, engine, roll_up=loop.time() >= next_rollup)
             if loop.time() >= next_rollup:
                 next_rollup = loop.time() + rollup_every_s
     finally:
@@ -66,8 +70,14 @@ async def serve_fleet(fleet: Fleet, *, http: tuple[str, int], mqtt: IngestOption
             fleet.ingest = None
 
 
-async def _periodic(fleet: Fleet, ingest: MqttIngest | None, *, roll_up: bool) -> None:
+async def _periodic(fleet: Fleet, ingest: MqttIngest | None, engine: RolloutEngine, *, roll_up: bool) -> None:
     def work() -> Any:
+        try:
+            engine.step()  # before publishing, so that a wave's assignments or a rollback go out in this pass
+        except FleetError as exc:
+            logger.warning("rollout step skipped: %s", exc)
+        except Exception:  # a defect in one rollout must not stop ingestion, desired state or the API
+            logger.exception("rollout step failed; retried in a second")
         if ingest is not None:
             ingest.publish_desired()
         else:  # no broker: still compute effective documents, so drift is listed

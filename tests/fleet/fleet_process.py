@@ -28,7 +28,7 @@ def cli(*args: str, data_dir: Path, db: str | None = None, check: bool = True) -
     """Run `tierkit fleet ARGS` against `data_dir` / `db`, in this process (the same `main` the command runs)."""
     from sdk.cli import main
 
-    n = 2 if args[0] in ("token", "operator") else 1
+    n = 2 if args[0] in ("token", "operator", "release", "rollout") else 1
     argv = ["fleet", *args[:n], "--data-dir", str(data_dir), *(["--db", db] if db else []), *args[n:]]
     out, err = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):

@@ -1,4 +1,5 @@
-"""The dashboard in Debian's headless Chromium (driven by Playwright), over a fleet with telemetry and drift.
+"""The dashboard in Debian's headless Chromium (driven by Playwright), over a fleet with telemetry, drift and a
+rollout whose canary failed its escalation gate.
 
 Set TIERKIT_DASHBOARD_SCREENSHOT=PATH to keep the screenshot (docs/fleet-dashboard.png was made so).
 """
@@ -17,8 +18,12 @@ import pytest
 from cloud_service.fleet.ca import FleetCA
 from cloud_service.fleet.desired import DesiredState
 from cloud_service.fleet.registry import Registry
+from cloud_service.fleet.releases import ReleaseRegistry
+from cloud_service.fleet.rollout_engine import RolloutEngine
+from cloud_service.fleet.rollouts import Rollouts, make_options
 from cloud_service.fleet.store import FleetStore
 from cloud_service.fleet.telemetry import TelemetryLimits, TelemetryStore
+from compilers.signing import generate_keypair, load_private_key, load_public_key
 from edge_agent.fleet_sync import generate_key_and_csr
 from tests.fleet.conftest import wait_for
 from tests.fleet.fleet_process import FleetProcess
@@ -58,10 +63,59 @@ def _populate(data: Path, now: float) -> tuple[str, list[str], str]:
         for dev in devices[3:]:
             desired.record_reported(dev, {"model_digest": "sha256:0123456789abcdef", "variant": "int8",
                                           "threshold": 0.8}, now=now)
+        _rollout(store, data, desired, tel, devices, now - 900, devices[2])
         admin = reg.create_operator_token("viewer", "read")
         return admin, devices, devices[2]
     finally:
         store.close()
+
+
+def _rollout(store: FleetStore, data: Path, desired: DesiredState, tel: TelemetryStore, devices: list[str],
+             t0: float, behind: str) -> None:
+    """A rollout driven by an engine in-process: the canary escalates 10 points more than control; rolled back."""
+    from tests.fleet.rollout_harness import tiny_variant_set
+
+    (data / "release-keys").mkdir()
+    key, pub = generate_keypair(data / "release-keys" / "ops")
+    releases = ReleaseRegistry(store, data, [load_public_key(pub)])
+    variants = tiny_variant_set(data.parent / "model")
+    digests = []
+    for version in ("1", "2"):
+        policy = data.parent / f"policy{version}.yaml"
+        policy.write_text(f"version: '{version}'\nbudget: {{latency_ms: 40}}\n")
+        digests.append(releases.create(variants, policy, sign_key=load_private_key(key))["digest"])
+    first, second = digests
+    def report(dev: str, **doc: object) -> None:  # what the device reported before, plus `doc`
+        old = desired.reported(dev)
+        desired.record_reported(dev, {**(old["document"] if old else {}), **doc})
+
+    for dev in devices:
+        report(dev, release=first)
+    rid = Rollouts(store, releases).deploy(second, {"kind": "cam"}, make_options(waves="1,100%", soak="100"))
+    engine = RolloutEngine(store, desired, releases, holder="dashboard-test")
+    engine.step(now=t0)
+    shown = Rollouts(store, releases).show(rid)
+    canary = next(d["device_id"] for d in shown["device_list"] if d["state"] == "assigned")
+    batch = []
+    for k in range(12):
+        ts = t0 + 5 * (k + 1)
+        for i, dev in enumerate(devices):
+            on = dev == canary
+            doc = {"device": dev, "boot_id": "r", "seq": k, "ts": ts, "window_s": 5, "requests": 40,
+                   "p95_ms": 10 + i, "escalation_rate": (0.27 if on else 0.16) + 0.005 * (k % 3), "agreement": 0.95,
+                   "energy_mj_per_request": 2.0, "energy_label": "modeled", "degraded": 0, "variant": "int8",
+                   "release": second if on else first, "crashes": 0}
+            batch.append((dev, json.dumps(doc).encode(), ts))
+    tel.ingest(batch)
+    for step in (20, 35, 50):
+        engine.step(now=t0 + step)
+    report(canary, release=second, swap={"state": "committed", "target": second, "soak": {"requests": 400}})
+    engine.step(now=t0 + 61)
+    assert Rollouts(store, releases).get(rid)["state"] == "rolled_back"
+    # the canary flipped back and reported it (unless it is the device the test keeps behind on purpose)
+    desired.refresh(Registry(store).devices())
+    if canary != behind:
+        report(canary, release=first, desired_version=desired.effective_versions()[canary])
 
 
 @pytest.fixture
@@ -113,6 +167,20 @@ def test_dashboard_shows_devices_plots_and_drift(dashboard: tuple[FleetProcess, 
             assert "site=berlin" in page.locator("#legend").inner_text()
             page.select_option("#group", "device")
             page.wait_for_function("document.querySelectorAll(\".plot[data-metric='p95_ms'] polyline\").length == 6")
+            rollout = page.locator("#rollouts tbody tr")
+            assert rollout.count() == 1
+            assert "rolled_back" in rollout.inner_text()
+            assert page.locator("#rollout").get_attribute("data-state") == "rolled_back"
+            waves = page.locator("#waves tbody tr")
+            assert waves.count() == 2
+            assert "failed" in waves.first.inner_text()
+            gate = page.locator("#gates tr[data-gate='escalation_rate']")
+            assert "FAIL" in gate.inner_text()
+            assert "0.27" in gate.inner_text()  # the canary's figure, against control's 0.16
+            for metric in ("escalation_rate", "p95_ms"):
+                lines = page.locator(f".plot[data-rollout-metric='{metric}'] polyline.series")
+                assert lines.count() == 2, metric  # wave and control
+                assert len((lines.first.get_attribute("points") or "").split()) >= 2
             shot = tmp_path / "dashboard.png"
             page.screenshot(path=str(shot), full_page=True)
             assert shot.stat().st_size > 20_000

@@ -1,0 +1,408 @@
+"""The rollout engine: one `step()` moves every open rollout on; `tierkit fleet serve` runs it every second.
+
+Only the process holding the `rollouts` row lease acts (leases.py); every write transaction is
+fenced by it. A step, for each running rollout:
+
+1. reads the reported documents of its devices: their swap state for the release, whether they ran
+   it, refusals, golden checks and crashes;
+2. starts the current wave if needed and fills it: the next devices in the rollout's order, those
+   offline go to the catch-up set (they neither block nor count), the others get the release through
+   their rollout layer (`{"release", "soak"}` in their effective desired document);
+3. moves assigned devices that show no progress for `stall_after_s` to the catch-up set;
+4. fails the wave at once on a device failure (refused, golden inputs not reproduced, a device-side
+   rollback, a crash); otherwise, once every device of the wave soaked on the release, compares the
+   wave's telemetry on the release with a control cohort on the previous release over the same
+   window (devices not yet in a wave; after the last wave, the same devices before the wave) and
+   passes or fails it (gates.py). A failure rolls every device that was given the release back to
+   the release it ran before (`{"release": previous, "rollback": true}`) in the same transaction.
+
+For every rollout it also gives returning catch-up devices the rollout's current outcome, and marks
+rolled-back devices restored once they report the previous release again.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import secrets
+import socket
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import sqlalchemy as sa
+
+from cloud_service.fleet import schema as t
+from cloud_service.fleet.desired import DesiredState
+from cloud_service.fleet.errors import FleetError
+from cloud_service.fleet.gates import cohort, evaluate, failed
+from cloud_service.fleet.leases import Lease, LeaseLost
+from cloud_service.fleet.releases import ReleaseRegistry
+from cloud_service.fleet.rollouts import ACTIVE, OPEN_STATES, RAN_STATES, SWAP_STATES, RolloutOptions, order_key, record
+from cloud_service.fleet.store import FleetStore
+
+logger = logging.getLogger(__name__)
+LEASE = "rollouts"
+RATE_LOOKBACK_S = 300.0
+
+
+@dataclass
+class _Ctx:
+    """One rollout during one step."""
+
+    row: Any
+    opts: RolloutOptions
+    devs: dict[str, dict[str, Any]]
+    reported: dict[str, tuple[dict[str, Any], float]]
+    seen: dict[str, float | None]
+    now: float
+
+
+class RolloutEngine:
+    """Args: store; desired: where rollout layers go; releases: the registry (latency budgets);
+    online_after_s: a device heard from within this is online; cloud_capacity_rps: the capacity gate's figure
+    for rollouts that give none; holder: this process's name in the lease."""
+
+    def __init__(self, store: FleetStore, desired: DesiredState, releases: ReleaseRegistry, *,
+                 online_after_s: float = 120.0, cloud_capacity_rps: float | None = None, holder: str | None = None,
+                 lease_ttl_s: float = 10.0) -> None:
+        self.store, self.desired, self.releases = store, desired, releases
+        self.online_after_s, self.cloud_capacity_rps = online_after_s, cloud_capacity_rps
+        self.holder = holder or f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(3)}"
+        self.lease = Lease(store, LEASE, holder=self.holder, ttl_s=lease_ttl_s)
+
+    def step(self, *, now: float | None = None) -> bool:
+        """One pass over open rollouts; False when another process holds the lease (nothing done)."""
+        if not self.lease.acquire(now=now):
+            return False
+        for rid in self._open():
+            try:
+                self._step(rid, time.time() if now is None else now)
+            except LeaseLost:
+                return False
+        return True
+
+    def _open(self) -> list[int]:
+        r, d = t.rollouts.c, t.rollout_devices.c
+        with self.store.begin() as conn:
+            busy = sa.select(d.rollout_id).where(d.state.in_(OPEN_STATES)).distinct()
+            return [int(x) for x in conn.execute(sa.select(r.id).where(sa.or_(
+                r.state.in_((*ACTIVE, "rollback_asked")), r.id.in_(busy))).order_by(r.id)).scalars()]
+
+    # -- one rollout ---------------------------------------------------------------------------
+
+    def _load(self, rid: int, now: float) -> _Ctx:
+        with self.store.begin() as conn:
+            row = conn.execute(sa.select(t.rollouts).where(t.rollouts.c.id == rid)).one()
+            devs = {r.device_id: dict(r._mapping) for r in conn.execute(
+                sa.select(t.rollout_devices).where(t.rollout_devices.c.rollout_id == rid))}
+            ids = sorted(devs)
+            reported = {r.device_id: (json.loads(r.document), float(r.received_at)) for r in conn.execute(
+                sa.select(t.reported).where(t.reported.c.device_id.in_(ids)))}
+            seen = {r.device_id: r.last_seen for r in conn.execute(
+                sa.select(t.devices.c.device_id, t.devices.c.last_seen, t.devices.c.revoked_at)
+                .where(t.devices.c.device_id.in_(ids))) if r.revoked_at is None}
+        return _Ctx(row, RolloutOptions.from_json(row.options), devs, reported, seen, now)
+
+    def _online(self, ctx: _Ctx, device: str, *, since: float = 0.0) -> bool:
+        seen = ctx.seen.get(device)
+        return seen is not None and seen > since and ctx.now - seen <= self.online_after_s
+
+    def _step(self, rid: int, now: float) -> None:
+        ctx = self._load(rid, now)
+        changes = self._track(ctx)
+        state = ctx.row.state
+        if state == "rollback_asked":
+            self._roll_back(ctx, changes, "rollback", {}, ctx.row.reason or "rollback asked")
+            return
+        if state == "running":
+            self._run(ctx, changes)
+        else:
+            self._catch_up(ctx, changes, assign=state == "succeeded")
+            self._commit(ctx, changes)
+
+    def _track(self, ctx: _Ctx) -> dict[str, dict[str, Any]]:
+        """New device states from their reported documents; returns the changed rows (device -> values)."""
+        changes: dict[str, dict[str, Any]] = {}
+        release = ctx.row.release
+        for dev, d in ctx.devs.items():
+            if d["assigned_at"] is None or d["state"] in ("restored", "kept", "superseded", "catch_up"):
+                continue
+            doc, at = ctx.reported.get(dev, ({}, 0.0))
+            if at < d["assigned_at"]:
+                continue  # nothing reported since it was given the release (or sent back)
+            running, swap = doc.get("release"), doc.get("swap") or {}
+            new = d["state"]
+            if d["state"] == "rollback":
+                if running == (d["previous"] or ctx.row.previous):
+                    new = "restored"
+            elif swap.get("target") == release and swap.get("state") in SWAP_STATES:
+                new = swap["state"]
+            elif running == release:
+                new = "committed" if not swap else "active"
+            ran = bool(d["ran"]) or new in RAN_STATES or running == release
+            detail = str(swap.get("error") or "")[:500] if swap.get("target") == release else d["detail"]
+            if (new, ran, detail) != (d["state"], bool(d["ran"]), d["detail"]):
+                changes[dev] = {"state": new, "ran": ran, "detail": detail, "updated_at": ctx.now}
+                d.update(changes[dev])
+        return changes
+
+    def _failures(self, ctx: _Ctx, devices: list[str]) -> tuple[dict[str, str], int]:
+        fails: dict[str, str] = {}
+        crashes = 0
+        for dev in devices:
+            d = ctx.devs[dev]
+            doc, at = ctx.reported.get(dev, ({}, 0.0))
+            if d["state"] in ("refused", "rolled_back"):
+                fails[dev] = f"{d['state']}: {d['detail'] or 'no reason given'}"
+            golden = doc.get("golden")
+            if (at >= (d["assigned_at"] or 0) and doc.get("release") == ctx.row.release and isinstance(golden, dict)
+                    and golden.get("ok") is False):
+                fails[dev] = f"golden inputs do not reproduce (max rel. error {golden.get('max_rel_error')})"
+            if at >= (d["assigned_at"] or 0) and isinstance(doc.get("crashes"), int):
+                crashes += max(0, doc["crashes"] - int(d["crashes0"]))
+        return fails, crashes
+
+    def _run(self, ctx: _Ctx, changes: dict[str, dict[str, Any]]) -> None:
+        row, opts, now = ctx.row, ctx.opts, ctx.now
+        with self.store.begin() as conn:
+            waves = [dict(w._mapping) for w in conn.execute(sa.select(t.rollout_waves).where(
+                t.rollout_waves.c.rollout_id == row.id).order_by(t.rollout_waves.c.idx))]
+        w = waves[row.wave]
+        wave_updates: dict[str, Any] = {}
+        if w["state"] == "pending":
+            wave_updates = {"state": "soaking", "started_at": now}
+            w.update(wave_updates)
+        self._stall(ctx, changes, opts)
+        self._catch_up(ctx, changes, assign=True)
+        assign = self._fill(ctx, changes, w)
+        members = [d for d, v in ctx.devs.items() if v["wave"] is not None and v["wave"] <= w["idx"]
+                   and v["assigned_at"] is not None and v["state"] != "catch_up"]
+        fails, crashes = self._failures(ctx, members)
+        figures = self._figures(ctx, w, members)
+        gates = evaluate(figures["wave_cohort"], figures["control_cohort"], margins=opts.margins,
+                         budget_ms=self._budget(row.release), device_failures=fails, crashes=crashes,
+                         fleet_request_rate=figures["request_rate"],
+                         cloud_capacity_rps=opts.cloud_capacity_rps or self.cloud_capacity_rps)
+        record_figures = {"wave": figures["wave_cohort"].as_dict(),
+                          "control": figures["control_cohort"].as_dict() if figures["control_cohort"] else None,
+                          "control_kind": figures["control_kind"], "request_rate": figures["request_rate"],
+                          "gates": gates}
+        hard = [g for g in failed(gates) if g in ("device_verifies", "crashes")]
+        if hard:
+            self._roll_back(ctx, changes, "fail", record_figures, f"wave {w['idx']} failed: {', '.join(hard)}",
+                            wave_updates={**wave_updates, "state": "failed", "ended_at": now}, assign=assign)
+            return
+        current = [d for d in members if ctx.devs[d]["wave"] == w["idx"]]
+        soaked = all(self._soaked(ctx, d, opts) for d in current) and not assign
+        # a wave left with no device of its own to judge (the rest offline, or none left) does not hold the
+        # rollout up, once some earlier wave was judged; with no device judged at all, it waits
+        enough = (figures["wave_cohort"].requests >= opts.margins.min_requests if current
+                  else bool(members) and not any(v["state"] == "pending" for v in ctx.devs.values()))
+        bad = failed(gates)
+        with self.store.begin() as conn:
+            self.lease.fence(conn, now=ctx.now)
+            if soaked and enough and bad:
+                self._write(conn, ctx, changes, assign, w["idx"], {**wave_updates, "state": "failed", "ended_at": now})
+                self._roll_back_in(conn, ctx, "fail", record_figures,
+                                   f"wave {w['idx']} failed after its soak: {', '.join(bad)}", w["idx"])
+                return
+            if soaked and enough:
+                wave_updates = {**wave_updates, "state": "passed", "ended_at": now}
+                last = w["idx"] == len(waves) - 1
+                conn.execute(t.rollouts.update().where(t.rollouts.c.id == row.id).values(
+                    wave=w["idx"] if last else w["idx"] + 1, state="succeeded" if last else "running",
+                    updated_at=now))
+                note = (f"wave {w['idx']} ({w['spec']}) passed: {len(current)} device(s) soaked" if current else
+                        f"wave {w['idx']} ({w['spec']}) passed: no device of its own online to judge")
+                record(conn, row.id, w["idx"], "pass", record_figures, note, self.holder, now=now)
+                if last:
+                    record(conn, row.id, w["idx"], "done", {}, "every wave passed", self.holder, now=now)
+            elif self._observe_due(conn, row.id, now, opts.observe_every_s) and figures["wave_cohort"].requests:
+                record(conn, row.id, w["idx"], "observe", record_figures,
+                       f"soaking: {sum(self._soaked(ctx, d, opts) for d in current)}/{len(current)} device(s)",
+                       self.holder, now=now)
+            self._write(conn, ctx, changes, assign, w["idx"], wave_updates)
+
+    def _soaked(self, ctx: _Ctx, device: str, opts: RolloutOptions) -> bool:
+        d = ctx.devs[device]
+        if d["state"] == "committed":
+            return True
+        if d["state"] not in ("active", "soaking"):
+            return False
+        done = (ctx.reported.get(device, ({}, 0.0))[0].get("swap") or {}).get("soak") or {}
+        want = opts.soak
+        return bool(("requests" in want and (done.get("requests") or 0) >= want["requests"])
+                    or ("seconds" in want and (done.get("seconds") or 0) >= want["seconds"]))
+
+    def _fill(self, ctx: _Ctx, changes: dict[str, dict[str, Any]], w: dict[str, Any]) -> dict[str, dict[str, Any]]:
+        """Give the release to pending devices, in the rollout's order, until the waves so far hold `size`
+        online devices; offline ones met on the way go to the catch-up set and take no place. The last
+        wave takes every pending device. Returns the assignments."""
+        taken = sum(1 for v in ctx.devs.values() if v["wave"] is not None and v["assigned_at"] is not None
+                    and v["state"] != "catch_up")
+        need = w["size"] - taken
+        assign: dict[str, dict[str, Any]] = {}
+        pending = sorted((d for d, v in ctx.devs.items() if v["state"] == "pending"),
+                         key=lambda d: order_key(ctx.row.id, d))
+        last = w["idx"] == len(ctx.opts.waves) - 1
+        for dev in pending:
+            if need <= 0 and not last:
+                break
+            values: dict[str, Any] = {"wave": w["idx"], "updated_at": ctx.now}
+            if self._online(ctx, dev):
+                values.update(state="assigned", assigned_at=ctx.now, detail="")
+                assign[dev] = {"release": ctx.row.release, "soak": ctx.opts.soak}
+                need -= 1
+            else:
+                values.update(state="catch_up", detail="offline when its wave started")
+            changes.setdefault(dev, {}).update(values)
+            ctx.devs[dev].update(values)
+        return assign
+
+    def _stall(self, ctx: _Ctx, changes: dict[str, dict[str, Any]], opts: RolloutOptions) -> None:
+        for dev, d in ctx.devs.items():
+            if d["assigned_at"] is None or d["state"] not in ("assigned", *SWAP_STATES[:6]):
+                continue
+            # progress: a reported document (one at every swap state change); while it runs the release
+            # (active, soaking), its telemetry too, since a long soak changes no state
+            quiet_since = max(d["assigned_at"], d["updated_at"], ctx.reported.get(dev, ({}, 0.0))[1],
+                              (ctx.seen.get(dev) or 0.0) if d["state"] in ("active", "soaking") else 0.0)
+            if ctx.now - quiet_since > opts.stall_after_s:
+                values = {"state": "catch_up", "updated_at": ctx.now,
+                          "detail": f"no progress for {opts.stall_after_s:g} s"}
+                changes.setdefault(dev, {}).update(values)
+                d.update(values)
+
+    def _catch_up(self, ctx: _Ctx, changes: dict[str, dict[str, Any]], *, assign: bool) -> None:
+        """Catch-up devices heard from since they were set aside come back. While the rollout runs, one that
+        already has the release rejoins the current wave and one that has not is pending again (a later
+        wave takes it, the last one at the latest); after it succeeded (`assign`), each gets the release."""
+        running = ctx.row.state == "running"
+        for dev, d in ctx.devs.items():
+            if d["state"] != "catch_up" or not self._online(ctx, dev, since=d["updated_at"]):
+                continue
+            values: dict[str, Any] = {"updated_at": ctx.now, "detail": "caught up"}
+            if d["assigned_at"] is None and running:
+                values.update(state="pending", wave=None)
+            elif d["assigned_at"] is not None:  # it has the release already: its reports since count
+                values.update(state="assigned", wave=ctx.row.wave)
+            elif assign:
+                values.update(state="assigned", assigned_at=ctx.now, wave=ctx.row.wave, catch_up_assign=True)
+            else:
+                continue
+            changes.setdefault(dev, {}).update(values)
+            d.update(values)
+
+    def _figures(self, ctx: _Ctx, w: dict[str, Any], members: list[str]) -> dict[str, Any]:
+        start = float(w["started_at"] or ctx.now)
+        lookback = max(ctx.now - start, 60.0)
+        pending = [d for d, v in ctx.devs.items() if v["state"] == "pending"]
+        wins = self._windows(sorted(set(members) | set(pending)), min(start - lookback, ctx.now - RATE_LOOKBACK_S))
+        release = ctx.row.release
+        on = [x for x in wins if x["device_id"] in set(members) and x["release"] == release  # the same window
+              and x["server_ts"] >= max(start, ctx.devs[x["device_id"]]["assigned_at"] or ctx.now)]
+        control = cohort(x for x in wins if x["device_id"] in set(pending) and x["release"] != release
+                         and x["server_ts"] >= start)
+        kind = "cohort"
+        if control.requests < ctx.opts.margins.min_requests:  # no devices left on the previous release
+            current = {d for d in members if ctx.devs[d]["wave"] == w["idx"]}
+            control = cohort(x for x in wins if x["device_id"] in current and x["release"] != release
+                             and start - lookback <= x["server_ts"] < start)
+            kind = "baseline"
+        rates: dict[str, list[float]] = {}
+        for x in wins:
+            if x["server_ts"] >= ctx.now - RATE_LOOKBACK_S and x["window_s"] > 0:
+                rates.setdefault(x["device_id"], []).append(x["requests"] / x["window_s"])
+        rate = sum(sum(v) / len(v) for v in rates.values()) if rates else None
+        return {"wave_cohort": cohort(on), "control_cohort": control if control.requests else None,
+                "control_kind": kind if control.requests else None, "request_rate": rate}
+
+    def _windows(self, devices: list[str], since: float) -> list[dict[str, Any]]:
+        if not devices:
+            return []
+        c = t.telemetry.c
+        with self.store.begin() as conn:
+            rows = conn.execute(sa.select(c.device_id, c.server_ts, c.window_s, c.requests, c.p95_ms,
+                                          c.escalation_rate, c.agreement, c.degraded, c.energy_mj_per_request,
+                                          c.document).where(c.device_id.in_(devices), c.server_ts >= since)).all()
+        out = []
+        for r in rows:
+            w = dict(r._mapping)
+            try:
+                doc = json.loads(w.pop("document"))
+            except ValueError:
+                doc = {}
+            w["release"] = doc.get("release")
+            w["crashes"] = doc.get("crashes") if isinstance(doc.get("crashes"), int) else 0
+            out.append(w)
+        return out
+
+    def _budget(self, release: str) -> float | None:
+        try:
+            value = self.releases.get(release)["budget"].get("latency_ms")
+        except FleetError:  # a release removed from the table: judge without a budget
+            return None
+        return float(value) if value is not None else None
+
+    @staticmethod
+    def _observe_due(conn: Any, rid: int, now: float, every: float) -> bool:
+        dc = t.rollout_decisions.c
+        last = conn.execute(sa.select(sa.func.max(dc.at)).where(dc.rollout_id == rid, dc.kind == "observe")).scalar()
+        return last is None or now - float(last) >= every
+
+    # -- writes --------------------------------------------------------------------------------
+
+    def _write(self, conn: Any, ctx: _Ctx, changes: dict[str, dict[str, Any]], assign: dict[str, dict[str, Any]],
+               wave: int, wave_updates: dict[str, Any]) -> None:
+        for dev, values in changes.items():
+            if values.pop("catch_up_assign", False):
+                assign[dev] = {"release": ctx.row.release, "soak": ctx.opts.soak}
+        self.desired.assign(assign, conn=conn)
+        rd = t.rollout_devices.c
+        for dev, values in changes.items():
+            conn.execute(t.rollout_devices.update().where(rd.rollout_id == ctx.row.id, rd.device_id == dev)
+                         .values(**values))
+        if wave_updates:
+            conn.execute(t.rollout_waves.update().where(t.rollout_waves.c.rollout_id == ctx.row.id,
+                                                        t.rollout_waves.c.idx == wave).values(**wave_updates))
+
+    def _commit(self, ctx: _Ctx, changes: dict[str, dict[str, Any]]) -> None:
+        if not changes:
+            return
+        with self.store.begin() as conn:
+            self.lease.fence(conn, now=ctx.now)
+            self._write(conn, ctx, changes, {}, ctx.row.wave, {})
+            if ctx.row.state == "rolled_back" and not any(v["state"] == "rollback" for v in ctx.devs.values()):
+                record(conn, ctx.row.id, None, "restored", {"restored": sum(
+                    v["state"] == "restored" for v in ctx.devs.values())},
+                    "every device given the release runs the previous one again", self.holder, now=ctx.now)
+
+    def _roll_back(self, ctx: _Ctx, changes: dict[str, dict[str, Any]], kind: str, figures: dict[str, Any],
+                   note: str, *, wave_updates: dict[str, Any] | None = None,
+                   assign: dict[str, dict[str, Any]] | None = None) -> None:
+        with self.store.begin() as conn:
+            self.lease.fence(conn, now=ctx.now)
+            self._write(conn, ctx, changes, assign or {}, ctx.row.wave, wave_updates or {})
+            self._roll_back_in(conn, ctx, kind, figures, note, ctx.row.wave)
+
+    def _roll_back_in(self, conn: Any, ctx: _Ctx, kind: str, figures: dict[str, Any], note: str, wave: int) -> None:
+        """Send every device that was given the release back to what it ran before; the rollout is over."""
+        back: dict[str, dict[str, Any]] = {}
+        rd = t.rollout_devices.c
+        for dev, d in ctx.devs.items():
+            if d["state"] in ("restored", "kept", "superseded"):
+                continue
+            if d["assigned_at"] is None:
+                values = {"state": "kept", "updated_at": ctx.now}
+            else:
+                back[dev] = {"release": d["previous"] or ctx.row.previous, "rollback": True}
+                values = {"state": "rollback", "assigned_at": ctx.now, "updated_at": ctx.now}
+            conn.execute(t.rollout_devices.update().where(rd.rollout_id == ctx.row.id, rd.device_id == dev)
+                         .values(**values))
+            d.update(values)
+        self.desired.assign(back, conn=conn)
+        conn.execute(t.rollouts.update().where(t.rollouts.c.id == ctx.row.id).values(
+            state="rolled_back", reason=note, updated_at=ctx.now))
+        record(conn, ctx.row.id, wave, kind, {**figures, "sent_back": len(back)}, note, self.holder, now=ctx.now)

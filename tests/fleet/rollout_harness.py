@@ -1,0 +1,147 @@
+"""A real fleet for rollout tests and bench/bench_rollout.py: Mosquitto with the fleet's ACL and password
+file, a `tierkit fleet serve` process with a release key, N enrolled simulated devices on a first release."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from cloud_service.fleet.fleet import Fleet, FleetConfig
+from compilers.signing import generate_keypair, load_private_key
+from edge_agent.fleet_sync import enroll
+from tests.broker import Broker, _free_port
+from tests.fleet.fleet_process import ROOT, FleetProcess
+from tests.fleet.rollout_device import Behaviour, SimDevice
+
+FLEET_PASSWORD = "fleet-secret-for-tests"
+
+
+def tiny_variant_set(directory: Path) -> Path:
+    """A one-rung variant set of a 64 -> 10 linear ONNX model (no torch needed)."""
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    from tests.sdk.packages import make_variant_set
+
+    rng = np.random.default_rng(0)
+    w, b = rng.normal(size=(64, 10)).astype(np.float32), np.zeros(10, np.float32)
+    graph = helper.make_graph(
+        [helper.make_node("MatMul", ["x", "w"], ["h"]), helper.make_node("Add", ["h", "b"], ["logits"])], "lin",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 64])],
+        [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["batch", 10])],
+        [numpy_helper.from_array(w, "w"), numpy_helper.from_array(b, "b")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=9)
+    directory.mkdir(parents=True, exist_ok=True)
+    onnx.save(model, directory / "lin.onnx")
+    x = rng.normal(size=(32, 64)).astype(np.float32)
+    make_variant_set(directory / "vs", {"fp32": directory / "lin.onnx"}, name="digits", x_val=x,
+                     y_val=(x @ w).argmax(axis=1))
+    return directory / "vs"
+
+
+class RolloutFleet:
+    """Context manager: broker + fleet process + `n` devices running release 1 of "digits"."""
+
+    def __init__(self, tmp: Path, n: int, *, db_url: str | None = None, online_after: str = "3s",
+                 window_s: float = 0.3, rate_rps: float = 40.0, labels: str = "kind=cam") -> None:
+        self.tmp, self.n, self.db_url, self.online_after = tmp, n, db_url, online_after
+        self.window_s, self.rate_rps, self.labels = window_s, rate_rps, labels
+        self.data = tmp / "fleet-data"
+        self.behaviours: dict[str, Behaviour] = {}
+        self.devices: list[SimDevice] = []
+        self._versions = iter(range(2, 1000))
+
+    def __enter__(self) -> RolloutFleet:
+        tmp = self.tmp
+        self.key, pub = generate_keypair(tmp / "ops")
+        passwd, pid, port = tmp / "passwd", tmp / "mosquitto.pid", _free_port()
+        self.fleet = FleetProcess(
+            self.data, self.db_url, "--mqtt", f"mqtt://127.0.0.1:{port}", "--mqtt-user", "tierkit-fleet",
+            "--broker-passwd", str(passwd), "--broker-reload", f"kill -HUP $(cat {pid})", "--release-key", str(pub),
+            "--online-after", self.online_after, env={"TIERKIT_FLEET_MQTT_PASSWORD": FLEET_PASSWORD})
+        self.broker = Broker(tmp / "broker", port=port, extra_conf=(
+            f"allow_anonymous false\npassword_file {passwd}\nacl_file {ROOT / 'deploy/fleet/acl'}\n"
+            f"pid_file {pid}\nuse_username_as_clientid true\nmax_queued_messages 100000\n"))
+        try:
+            self.fleet.start()
+            self.broker.start()
+            self.facade = Fleet.open(FleetConfig(data_dir=self.data, db_url=self.db_url, release_keys=(pub,)))
+            self.admin = self.facade.registry.create_operator_token("ops", "admin")
+            self.variants = tiny_variant_set(tmp / "model")
+            self.first = self.release(version="1")
+            self._enroll()
+        except BaseException:
+            self.__exit__()
+            raise
+        return self
+
+    def _enroll(self) -> None:
+        labels = dict(p.split("=") for p in self.labels.split(",") if p)
+        idents = [enroll(self.fleet.url, self.facade.registry.create_token(labels), self.tmp / "devices" / f"d{i}")
+                  for i in range(self.n)]
+        time.sleep(0.5)  # the broker rereads its password file on SIGHUP
+        for ident in idents:
+            dev = SimDevice(ident, self.broker.host, self.broker.port, self.first, self.behaviours,
+                            rate_rps=self.rate_rps, window_s=self.window_s)
+            dev.ran.add(self.first)
+            self.devices.append(dev)
+            for attempt in range(20):
+                try:
+                    dev.start()
+                    break
+                except RuntimeError:
+                    if attempt == 19:
+                        raise
+                    time.sleep(0.25)
+        # the fleet's MQTT session may come up after the devices': deploy only once it hears every one
+        self.wait("the fleet to hear every device", lambda: sum(
+            d["online"] for d in self.api("GET", "/v1/devices")) == self.n, timeout=60)
+
+    def __exit__(self, *exc: object) -> None:
+        for d in self.devices:
+            d.stop()
+        if getattr(self, "facade", None) is not None:
+            self.facade.close()
+        self.broker.stop()
+        self.fleet.stop()
+
+    def release(self, behaviour: Behaviour | None = None, *, version: str | None = None,
+                latency_ms: float = 25.0) -> str:
+        """Create and register the next release of "digits"; devices behave on it as `behaviour` says."""
+        policy = self.tmp / f"policy-{version or 'next'}-{time.monotonic_ns()}.json"
+        policy.write_text(json.dumps({"name": "digits", "version": version or str(next(self._versions)),
+                                      "threshold": 0.8, "budget": {"latency_ms": latency_ms}}))
+        rel = self.facade.releases.create(self.variants, policy, sign_key=load_private_key(self.key))
+        if behaviour is not None:
+            self.behaviours[rel["digest"]] = behaviour
+        return str(rel["digest"])
+
+    def api(self, method: str, path: str, body: Any = None) -> Any:
+        status, got = self.fleet.call(method, path, body, token=self.admin)
+        if status != 200:
+            msg = f"{method} {path} -> {status}: {got}"
+            raise AssertionError(msg)
+        return got
+
+    def deploy(self, release: str, **options: Any) -> int:
+        body = {"release": release, "label": self.labels, "waves": "1,25%,100%", "soak": "30",
+                "margins": {"min_requests": 20}, **options}
+        return int(self.api("POST", "/v1/rollouts", body)["id"])
+
+    def show(self, rollout_id: int) -> dict[str, Any]:
+        return dict(self.api("GET", f"/v1/rollouts/{rollout_id}?decisions=50"))
+
+    def wait(self, what: str, check: Callable[[], Any], timeout: float = 60.0) -> Any:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            got = check()
+            if got:
+                return got
+            time.sleep(0.2)
+        msg = f"timed out after {timeout} s waiting for {what}"
+        raise AssertionError(msg)
