@@ -46,8 +46,9 @@ from typing import Any
 
 import numpy as np
 
-from cloud_service.protocol import decode_outputs, encode_request, inference_pb2, topics
+from cloud_service.protocol import decode_outputs, inference_pb2, topics
 from cloud_service.protocol.codec import CodecError
+from cloud_service.protocol.wire import Request, raw_request, serialize_request, wire_size
 from compilers.package import ModelPackage
 from compilers.variants import VariantSet
 from compilers.version_floor import VersionFloor
@@ -375,7 +376,7 @@ class EdgeAgent:
             self._settle(p.seq, answered=False)  # cancelled or strict: the journaled entry stays for the drain
             raise
 
-    async def _send(self, p: Pending, rows: np.ndarray, request: inference_pb2.ModelInferRequest,
+    async def _send(self, p: Pending, rows: np.ndarray, request: Request,
                     expected: dict[str, np.ndarray], left_ms: float, needed_ms: float, whole: bool,
                     kept: str | None) -> Prediction:
         timeout_s = left_ms / 1e3
@@ -431,7 +432,7 @@ class EdgeAgent:
                 merged[k][rows] = a
         cloud_rows = p.mask.copy()
         return self._finish(p.variant, merged, p.scores, p.single, p.t0, p.edge_ms, p.seq, cloud_rows=cloud_rows,
-                            rtt_ms=rtt_ms, nbytes=request.ByteSize(), key=p.key, wanted=len(rows), agreed=agreed)
+                            rtt_ms=rtt_ms, nbytes=wire_size(request), key=p.key, wanted=len(rows), agreed=agreed)
 
     def _rtt_needed(self) -> float:
         """The round trip an escalation must fit in: a high quantile of the recent ones; with a
@@ -457,7 +458,7 @@ class EdgeAgent:
         return "" if self.breaker.allow() else "breaker_open"
 
     def _request(self, p: Pending, sub: Mapping[str, np.ndarray], rows: np.ndarray,
-                 left_ms: float) -> inference_pb2.ModelInferRequest:
+                 left_ms: float) -> Request:
         edge_answer = p.outputs[self.outputs[0].name][rows].reshape(len(rows), -1).argmax(axis=1)
         params: dict[str, str | int | float] = {
             topics.PARAM_DEVICE: self.options.device_id, topics.PARAM_BOOT: self.options.boot_id,
@@ -467,15 +468,15 @@ class EdgeAgent:
             topics.PARAM_DEADLINE_MS: int(time.time() * 1e3 + left_ms),
             topics.PARAM_TRACE: f"{self.options.boot_id}-{p.seq}",
         }
-        return encode_request(self.cloud_model, sub, request_id=f"{self.options.boot_id}-{p.seq}",
-                              parameters=params)
+        # the tensors travel beside the message: serialized once, straight from the arrays (protocol.wire)
+        return raw_request(self.cloud_model, sub, request_id=f"{self.options.boot_id}-{p.seq}", parameters=params)
 
-    async def _journal_ahead(self, p: Pending, request: inference_pb2.ModelInferRequest) -> str:
+    async def _journal_ahead(self, p: Pending, request: Request) -> str:
         """Journal the escalation durably before it is sent; "" when held, else why not (then it is only sent)."""
         assert self.journal is not None
         self._inflight[p.seq] = asyncio.get_running_loop().create_future()
         try:  # fsync: off the loop
-            await asyncio.to_thread(self.journal.append, "escalation", request.SerializeToString(),
+            await asyncio.to_thread(self.journal.append, "escalation", serialize_request(request),
                                     device=self.options.device_id, boot_id=self.options.boot_id, seq=p.seq)
         except JournalError as exc:
             logger.warning("escalation %d not kept: %s", p.seq, exc)
@@ -504,7 +505,7 @@ class EdgeAgent:
             logger.warning("could not clear answered escalation %d from the journal: %s", seq, task.exception())
 
     async def _degrade(self, p: Pending, rows: np.ndarray, reason: str,
-                       request: inference_pb2.ModelInferRequest | None, *, rtt_ms: float | None = None,
+                       request: Request | None, *, rtt_ms: float | None = None,
                        kept: str | None = None) -> Prediction:
         """The local answer, marked degraded. With `keep`, the escalation stays journaled for the drain (it
         was journaled before the send; `kept` says how that went), or is journaled now when it was not sent."""
@@ -518,7 +519,7 @@ class EdgeAgent:
                 request = self._request(p, {k: a[rows] for k, a in p.inputs.items()}, rows, 0.0)
             try:
                 # durable before the answer returns (fsync: off the loop), so kill -9 loses nothing
-                await asyncio.to_thread(self.journal.append, "escalation", request.SerializeToString(),
+                await asyncio.to_thread(self.journal.append, "escalation", serialize_request(request),
                                         device=self.options.device_id, boot_id=self.options.boot_id, seq=p.seq)
                 self.stats.journaled += 1
             except JournalError as exc:  # a full journal, a full or failing disk: answer anyway, say why
