@@ -45,6 +45,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from cloud_service.protocol import encode_request
 from cloud_service.protocol import inference_pb2 as pb
+from cloud_service.protocol.wire import raw_request
 
 TARGET = 1.5
 SHAPES = {"6 KB 1x1536": (1, 1536), "60 KB 1x3x80x64": (1, 3, 80, 64),
@@ -248,13 +249,15 @@ async def run(grpc_port: int, wire_port: int, mqtt_port: int, quick: bool, kept_
     rng = np.random.default_rng(0)
     try:
         for label, shape in SHAPES.items():
-            request = encode_request("echo", {"x": rng.random(shape, dtype=np.float32)})
+            x = rng.random(shape, dtype=np.float32)
+            request = encode_request("echo", {"x": x})
+            raw = raw_request("echo", {"x": x})  # what the agent builds: the tensor beside the message
             payload = request.SerializeToString()
             n = calls_per_path(len(payload), quick)
             rounds = 5 if quick else 10
             grpc_times = await measure({
                 "a_raw_grpc": lambda p=payload: raw_echo(p, timeout=5.0),
-                "b_grpc_transport": lambda r=request: ours_grpc.escalate(r, timeout_s=5.0),
+                "b_grpc_transport": lambda r=raw: ours_grpc.escalate(r, timeout_s=5.0),
                 "b0_oip_stub": lambda r=request: stub.ModelInfer(r, timeout=5.0),
                 "b1_stub_to_wire": lambda r=request: stub_to_wire.ModelInfer(r, timeout=5.0),
             }, n, rounds)
@@ -262,7 +265,7 @@ async def run(grpc_port: int, wire_port: int, mqtt_port: int, quick: bool, kept_
             if raw_mqtt is not None and ours_mqtt is not None:
                 mqtt_times = await measure({
                     "c_raw_paho": lambda p=payload: raw_mqtt.call(p),
-                    "d_mqtt_transport": lambda r=request: ours_mqtt.escalate(r, timeout_s=5.0),
+                    "d_mqtt_transport": lambda r=raw: ours_mqtt.escalate(r, timeout_s=5.0),
                 }, n, rounds)
                 entry.update({k: stats(v) for k, v in mqtt_times.items()})
                 entry["ratio_d_c"] = entry["d_mqtt_transport"]["p50_ms"] / entry["c_raw_paho"]["p50_ms"]

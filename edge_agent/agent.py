@@ -48,6 +48,7 @@ import numpy as np
 
 from cloud_service.protocol import decode_outputs, inference_pb2, topics
 from cloud_service.protocol.codec import CodecError
+from cloud_service.protocol.preprocess import Preprocess
 from cloud_service.protocol.wire import Request, raw_request, serialize_request, wire_size
 from compilers.package import ModelPackage
 from compilers.variants import VariantSet
@@ -57,6 +58,7 @@ from edge_agent.breaker import CircuitBreaker
 from edge_agent.budget import Budget
 from edge_agent.cache import ResultCache, input_key
 from edge_agent.controller import Controller, Decision
+from edge_agent.frames import from_frame, mark_frame
 from edge_agent.journal import Journal, JournalEntry, drain
 from edge_agent.ladder import Variant, load_packages, open_variants
 from edge_agent.options import AgentOptions
@@ -99,6 +101,7 @@ class Pending:
     keep: bool
     key: bytes | None
     seq: int
+    frame: np.ndarray | None = None  # the raw [N, H, W, C] uint8 frame the inputs were made from
 
 
 def _check_reply(response: inference_pb2.ModelInferResponse, model: str,
@@ -167,6 +170,9 @@ class EdgeAgent:
         self.outputs = self._variant.session.outputs
         self.model_name = self._variant.name
         self._names = frozenset(s.name for s in self.inputs)
+        # the package's declared frame -> input preprocessing (`infer(frame=...)`), if it declares one
+        declared = self._variant.package.manifest.preprocess
+        self.preprocess: Preprocess | None = Preprocess.from_json(declared) if declared else None
         self._single_input = self.inputs[0].name if len(self.inputs) == 1 else None
         # per input: spec, dtype, rank, and the fixed trailing dims when only the batch axis varies
         self._checks = tuple((s, np.dtype(s.dtype), len(s.shape),
@@ -257,8 +263,15 @@ class EdgeAgent:
 
     # -- the request path ----------------------------------------------------------------------
 
-    async def infer(self, x: Any, *, keep: bool = False) -> Prediction:
-        """Answer `x` (one input or a batch, an array or a dict of named arrays).
+    async def infer(self, x: Any = None, *, keep: bool = False, frame: Any = None) -> Prediction:
+        """Answer `x` (one input or a batch, an array or a dict of named arrays), or a raw `frame`.
+
+        Args:
+            x: the model input.
+            keep: journal an escalation the cloud cannot answer now, and send it when it is back.
+            frame: instead of `x`, the raw uint8 camera frame (`[N,] H, W, C`) of a package that declares
+                its preprocessing: the edge runs on the preprocessed input, and an escalation carries
+                the frame itself (`AgentOptions.send_frames`), which the cloud preprocesses the same way.
 
         Raises:
             InputError: wrong input names, dtypes or shapes (before anything runs).
@@ -266,10 +279,11 @@ class EdgeAgent:
             ModelClosed: the agent was closed.
         """
         t0 = perf_counter()
+        x, frame = from_frame(self.preprocess, self._single_input, self.model_name, x, frame)
         if self.inline_for(x):
-            step = self.edge(x, t0=t0, keep=keep)
+            step = self.edge(x, t0=t0, keep=keep, frame=frame)
         else:  # a slow variant would stall every other request on this loop
-            step = await asyncio.to_thread(self.edge, x, t0=t0, keep=keep)
+            step = await asyncio.to_thread(self.edge, x, t0=t0, keep=keep, frame=frame)
         return step if isinstance(step, Prediction) else await self.escalate(step)
 
     def normalize(self, x: Any) -> tuple[dict[str, np.ndarray], bool]:
@@ -315,7 +329,7 @@ class EdgeAgent:
         decision = ctl.current
         return self.variants.get(decision.variant, self._variant), decision.threshold
 
-    def edge(self, x: Any, *, t0: float, keep: bool = False) -> Prediction | Pending:
+    def edge(self, x: Any, *, t0: float, keep: bool = False, frame: np.ndarray | None = None) -> Prediction | Pending:
         """The synchronous part: check, cache, run the variant, score. Escalation is left `Pending`."""
         if self._closed:
             msg = f"the edge agent for {self.model_name!r} is closed; open a new one (sdk.load or EdgeAgent)"
@@ -347,7 +361,7 @@ class EdgeAgent:
             return self._finish(variant, outputs, scores, single, t0, edge_ms, seq, reason="no_cloud",
                                 wanted=int(mask.sum()))
         return Pending(variant, inputs, outputs, scores, mask, single, t0, edge_ms, keep or self.policy.keep, key,
-                       seq)
+                       seq, frame)
 
     async def escalate(self, p: Pending) -> Prediction:
         """The asynchronous part: send the unsure rows within the deadline, merge or degrade."""
@@ -468,8 +482,14 @@ class EdgeAgent:
             topics.PARAM_DEADLINE_MS: int(time.time() * 1e3 + left_ms),
             topics.PARAM_TRACE: f"{self.options.boot_id}-{p.seq}",
         }
+        rid = f"{self.options.boot_id}-{p.seq}"
+        if p.frame is not None and self.options.send_frames and self._single_input is not None:
+            # the raw frame instead of the input: the cloud applies the package's declared preprocessing
+            frames = p.frame if len(rows) == len(p.mask) else p.frame[rows]
+            return mark_frame(raw_request(self.cloud_model, {self._single_input: frames}, request_id=rid,
+                                          parameters=params))
         # the tensors travel beside the message: serialized once, straight from the arrays (protocol.wire)
-        return raw_request(self.cloud_model, sub, request_id=f"{self.options.boot_id}-{p.seq}", parameters=params)
+        return raw_request(self.cloud_model, sub, request_id=rid, parameters=params)
 
     async def _journal_ahead(self, p: Pending, request: Request) -> str:
         """Journal the escalation durably before it is sent; "" when held, else why not (then it is only sent)."""
