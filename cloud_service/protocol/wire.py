@@ -68,6 +68,12 @@ def join_fields(head: bytes, number: int, payloads: Sequence[Buffer]) -> bytes:
     return b"".join(parts)  # type: ignore[arg-type]  # bytes.join takes any contiguous buffer
 
 
+# A real request has a few dozen top-level fields (names, parameters, tensors). Past this many the scan
+# stops and protobuf's C parser takes the bytes: a message of millions of tiny fields must not cost
+# a Python loop over each.
+MAX_SCANNED_FIELDS = 1024
+
+
 class _Unexpected(Exception):
     """The scan met something protobuf's own parser should judge."""
 
@@ -88,15 +94,19 @@ def split_fields(data: bytes | memoryview, number: int) -> tuple[bytes, list[mem
     """The message bytes without top-level field `number`, and each of its payloads as a view of `data`.
 
     None when the bytes hold something the scan does not handle (groups, truncation, field `number`
-    with another wire type): parse them with protobuf instead, which judges them.
+    with another wire type, more than `MAX_SCANNED_FIELDS` fields): parse them with protobuf instead,
+    which judges them.
     """
     view = memoryview(data).cast("B") if isinstance(data, memoryview) else memoryview(data)
     end = len(view)
     payloads: list[memoryview] = []
     kept: list[memoryview] = []
-    start = i = 0
+    start = i = fields = 0
     try:
         while i < end:
+            fields += 1
+            if fields > MAX_SCANNED_FIELDS:
+                raise _Unexpected
             field_start = i
             key, i = _read_varint(view, i, end)
             kind = key & 7

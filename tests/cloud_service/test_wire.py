@@ -16,6 +16,7 @@ from cloud_service.protocol import decode_inputs, decode_outputs, encode_request
 from cloud_service.protocol import inference_pb2 as pb
 from cloud_service.protocol import inference_pb2_grpc as pbg
 from cloud_service.protocol.wire import (
+    MAX_SCANNED_FIELDS,
     RAW_INPUT_FIELD,
     RawRequest,
     RawResponse,
@@ -98,6 +99,17 @@ def test_bytes_the_scan_does_not_handle_go_to_protobuf() -> None:
     group = bytes([(9 << 3) | 3, (9 << 3) | 4])  # an empty group in an unknown field: protobuf keeps it
     assert split_fields(data + group, RAW_INPUT_FIELD) is None
     parsed = RawRequest.parse(data + group)
+    assert bytes(parsed.raw[0]) == np.ones(3, np.float32).tobytes()
+
+
+def test_a_message_of_many_small_fields_is_left_to_protobuf() -> None:
+    """Millions of tiny fields would cost a Python loop each; past the bound protobuf's C parser takes them."""
+    request = encode_request("m", {"x": np.ones(3, np.float32)})
+    many = pb.ModelInferRequest(id="x").SerializeToString() * (MAX_SCANNED_FIELDS + 1)
+    data = many + request.SerializeToString()
+    assert split_fields(data, RAW_INPUT_FIELD) is None
+    parsed = RawRequest.parse(data)
+    assert parsed.message.model_name == "m"
     assert bytes(parsed.raw[0]) == np.ones(3, np.float32).tobytes()
 
 
