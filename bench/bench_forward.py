@@ -67,6 +67,8 @@ def _start(argv: list[str], log: Path, env: dict[str, str] | None = None) -> sub
 
 
 def _stop(proc: subprocess.Popen[str]) -> None:
+    if proc.poll() is not None:  # exited already (it failed to start): the others still need stopping
+        return
     os.killpg(proc.pid, signal.SIGTERM)
     try:
         proc.wait(30)
