@@ -1,9 +1,12 @@
 """Escalation round trip: our transports against the raw libraries they wrap, on loopback.
 
 (a) raw grpc.aio unary echo of bytes (generic handler, no protobuf)
-(b) our gRPC transport -> a minimal Open Inference Protocol servicer that returns the input
-(b0) the generated OIP stub on a plain channel -> the same servicer: (b)/(b0) is what the transport
-     itself adds; (b0)/(a) is the cost of protobuf messages on both ends
+(b) our gRPC transport -> an Open Inference Protocol echo that reads and writes the messages as
+    `tierkit serve` does (`cloud_service.protocol.wire`: tensors as views of the received bytes, and
+    serialized beside the message, not copied into it)
+(b0) the generated OIP stub on a plain channel -> the generated servicer (protobuf messages at both
+     ends): the bare-stub floor, (b0)/(a) the cost of protobuf's copies
+(b1) the generated stub -> the same echo as (b): a stock client against tierkit's server side
 (c) raw paho request/response through a local Mosquitto (TCP_NODELAY on both sides)
 (d) our MQTT transport through the same broker -> a responder that returns the input as a ModelInferResponse
 
@@ -42,6 +45,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from cloud_service.protocol import encode_request
 from cloud_service.protocol import inference_pb2 as pb
+from cloud_service.protocol.wire import raw_request
 
 TARGET = 1.5
 SHAPES = {"6 KB 1x1536": (1, 1536), "60 KB 1x3x80x64": (1, 3, 80, 64),
@@ -76,10 +80,18 @@ def serve(ports: Any, mqtt_port: int, kept_memory_bytes: int) -> None:
     from paho.mqtt.properties import Properties
 
     from cloud_service.protocol import inference_pb2_grpc
+    from cloud_service.protocol.wire import RawRequest, RawResponse
 
     class Servicer(inference_pb2_grpc.GRPCInferenceServiceServicer):
         async def ModelInfer(self, request: pb.ModelInferRequest, context: Any) -> pb.ModelInferResponse:
             return oip_echo(request)
+
+    async def wire_echo(request: RawRequest, context: Any) -> RawResponse:
+        message = request.message
+        response = pb.ModelInferResponse(model_name=message.model_name, id=message.id)
+        for tensor in message.inputs:
+            response.outputs.add(name=tensor.name, datatype=tensor.datatype, shape=tensor.shape)
+        return RawResponse(response, request.raw)
 
     async def echo(payload: bytes, context: Any) -> bytes:
         return payload
@@ -107,8 +119,14 @@ def serve(ports: Any, mqtt_port: int, kept_memory_bytes: int) -> None:
             "bench.Echo", {"Echo": grpc.unary_unary_rpc_method_handler(echo)}),))
         inference_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(Servicer(), server)
         port = server.add_insecure_port("127.0.0.1:0")
+        wire = grpc.aio.server(options=options)  # the same method, answered as tierkit serve reads and writes it
+        wire.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("inference.GRPCInferenceService", {
+            "ModelInfer": grpc.unary_unary_rpc_method_handler(wire_echo, request_deserializer=RawRequest.parse,
+                                                              response_serializer=RawResponse.serialize)}),))
+        wire_port = wire.add_insecure_port("127.0.0.1:0")
         await server.start()
-        ports.put(port)
+        await wire.start()
+        ports.put((port, wire_port))
         await server.wait_for_termination()
 
     asyncio.run(main())
@@ -206,7 +224,8 @@ def calls_per_path(nbytes: int, quick: bool) -> int:
     return max(10, min(3000, (12 << 20 if quick else 60 << 20) // max(nbytes, 1)))
 
 
-async def run(grpc_port: int, mqtt_port: int, quick: bool, kept_memory_bytes: int) -> dict[str, Any]:
+async def run(grpc_port: int, wire_port: int, mqtt_port: int, quick: bool, kept_memory_bytes: int
+              ) -> dict[str, Any]:
     import grpc.aio
 
     from cloud_service.protocol import inference_pb2_grpc
@@ -217,7 +236,10 @@ async def run(grpc_port: int, mqtt_port: int, quick: bool, kept_memory_bytes: in
         ("grpc.max_receive_message_length", MAX_MESSAGE), ("grpc.max_send_message_length", MAX_MESSAGE)])
     raw_echo = channel.unary_unary("/bench.Echo/Echo")
     stub = inference_pb2_grpc.GRPCInferenceServiceStub(channel)
-    ours_grpc = open_transport(f"grpc://127.0.0.1:{grpc_port}/echo", device_id=OIP_DEVICE, options=options)
+    wire_channel = grpc.aio.insecure_channel(f"127.0.0.1:{wire_port}", options=[
+        ("grpc.max_receive_message_length", MAX_MESSAGE), ("grpc.max_send_message_length", MAX_MESSAGE)])
+    stub_to_wire = inference_pb2_grpc.GRPCInferenceServiceStub(wire_channel)
+    ours_grpc = open_transport(f"grpc://127.0.0.1:{wire_port}/echo", device_id=OIP_DEVICE, options=options)
     raw_mqtt = RawMqtt(mqtt_port) if mqtt_port else None
     ours_mqtt = (open_transport(f"mqtt://127.0.0.1:{mqtt_port}/echo", device_id=OIP_DEVICE, options=options)
                  if mqtt_port else None)
@@ -227,20 +249,23 @@ async def run(grpc_port: int, mqtt_port: int, quick: bool, kept_memory_bytes: in
     rng = np.random.default_rng(0)
     try:
         for label, shape in SHAPES.items():
-            request = encode_request("echo", {"x": rng.random(shape, dtype=np.float32)})
+            x = rng.random(shape, dtype=np.float32)
+            request = encode_request("echo", {"x": x})
+            raw = raw_request("echo", {"x": x})  # what the agent builds: the tensor beside the message
             payload = request.SerializeToString()
             n = calls_per_path(len(payload), quick)
             rounds = 5 if quick else 10
             grpc_times = await measure({
                 "a_raw_grpc": lambda p=payload: raw_echo(p, timeout=5.0),
-                "b_grpc_transport": lambda r=request: ours_grpc.escalate(r, timeout_s=5.0),
+                "b_grpc_transport": lambda r=raw: ours_grpc.escalate(r, timeout_s=5.0),
                 "b0_oip_stub": lambda r=request: stub.ModelInfer(r, timeout=5.0),
+                "b1_stub_to_wire": lambda r=request: stub_to_wire.ModelInfer(r, timeout=5.0),
             }, n, rounds)
             entry = {k: stats(v) for k, v in grpc_times.items()}
             if raw_mqtt is not None and ours_mqtt is not None:
                 mqtt_times = await measure({
                     "c_raw_paho": lambda p=payload: raw_mqtt.call(p),
-                    "d_mqtt_transport": lambda r=request: ours_mqtt.escalate(r, timeout_s=5.0),
+                    "d_mqtt_transport": lambda r=raw: ours_mqtt.escalate(r, timeout_s=5.0),
                 }, n, rounds)
                 entry.update({k: stats(v) for k, v in mqtt_times.items()})
                 entry["ratio_d_c"] = entry["d_mqtt_transport"]["p50_ms"] / entry["c_raw_paho"]["p50_ms"]
@@ -251,6 +276,7 @@ async def run(grpc_port: int, mqtt_port: int, quick: bool, kept_memory_bytes: in
     finally:
         await ours_grpc.aclose()
         await channel.close()
+        await wire_channel.close()
         if ours_mqtt is not None:
             await ours_mqtt.aclose()
         if raw_mqtt is not None:
@@ -261,7 +287,8 @@ async def run(grpc_port: int, mqtt_port: int, quick: bool, kept_memory_bytes: in
 def report(results: dict[str, Any]) -> None:
     print(f"{'payload':<22} {'path':<18} {'p50 ms':>8} {'p99 ms':>8} {'n':>6}")
     for label, entry in results.items():
-        for key in ("a_raw_grpc", "b0_oip_stub", "b_grpc_transport", "c_raw_paho", "d_mqtt_transport"):
+        for key in ("a_raw_grpc", "b0_oip_stub", "b1_stub_to_wire", "b_grpc_transport", "c_raw_paho",
+                    "d_mqtt_transport"):
             if key in entry:
                 s = entry[key]
                 print(f"{label:<22} {key:<18} {s['p50_ms']:8.3f} {s['p99_ms']:8.3f} {s['n']:6d}")
@@ -269,7 +296,7 @@ def report(results: dict[str, Any]) -> None:
             if key in entry:
                 verdict = "ok" if entry[key] <= TARGET else "OVER TARGET"
                 print(f"{label:<22} {key:<18} {entry[key]:8.2f}x  (target <= {TARGET}x: {verdict})")
-        print(f"{label:<22} {'ratio_b_b0':<18} {entry['ratio_b_b0']:8.2f}x  (transport overhead over the bare stub)")
+        print(f"{label:<22} {'ratio_b_b0':<18} {entry['ratio_b_b0']:8.2f}x  (tierkit both ends over the bare stub)")
 
 
 def main() -> int:
@@ -289,9 +316,9 @@ def main() -> int:
         server = ctx.Process(target=serve, args=(ports, mqtt_port, args.kept_memory_bytes), daemon=True)
         server.start()
         try:
-            grpc_port = ports.get(timeout=30)
+            grpc_port, wire_port = ports.get(timeout=30)
             time.sleep(0.3)  # let the responder subscribe
-            results = asyncio.run(run(grpc_port, mqtt_port, args.quick, args.kept_memory_bytes))
+            results = asyncio.run(run(grpc_port, wire_port, mqtt_port, args.quick, args.kept_memory_bytes))
         finally:
             server.terminate()
             server.join(5)

@@ -3,9 +3,14 @@
 (a) direct: tierkit's gRPC transport -> Triton Inference Server (PyTriton's `tritonserver`)
 (b) bridge: tierkit's MQTT transport -> Mosquitto -> `tierkit serve --mqtt ... --forward grpc://TRITON`
     (its own process) -> the same Triton
+(c) relay, the floor under (b): the same MQTT transport -> a second Mosquitto -> `paho_grpc_relay.py`, a
+    bare paho -> gRPC relay of the same bytes with no tierkit code (no checks, cache, deadlines, metrics,
+    limits; acknowledged on arrival) -> the same Triton. A broker of its own, since a second shared-
+    subscription group on one broker would receive every escalation too.
 
-Throughput (answers/s) and p50 at each concurrency, for the digits CNN; blocks of (a) and (b) alternate
-so that drift on a shared host hits both alike. Target: (b)/(a) >= 0.9 at concurrency 32.
+Throughput (answers/s) and p50 at each concurrency, for the digits CNN; blocks of (a), (b) and (c)
+alternate so that drift on a shared host hits them alike. Target: (b)/(a) >= 0.9 at concurrency 32;
+(b)/(c) is what tierkit's bridge costs over the bare relay.
 PyTriton lives in a virtual environment of its own (its pins conflict with tierkit's):
 
     python3.11 -m venv /tmp/pytriton-venv && /tmp/pytriton-venv/bin/pip install nvidia-pytriton onnxruntime
@@ -19,6 +24,7 @@ import asyncio
 import itertools
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -42,9 +48,11 @@ _SEQ = itertools.count(1)  # unique: a repeated seq would be answered from the b
 def _wait_ready(proc: subprocess.Popen[str], log: Path, seconds: float) -> str:
     """The `grpc HOST:PORT` the process printed (may be empty) once it printed `ready`."""
     for _ in range(int(seconds / 0.2)):
-        lines = log.read_text(errors="replace").splitlines()
-        if "ready" in lines:
-            return next((ln.split()[1] for ln in lines if ln.startswith("grpc ")), "")
+        text = log.read_text(errors="replace")
+        if "ready" in text.splitlines():
+            # the server's own log lines share the file and may run into ours: search, not split
+            found = re.search(r"\bgrpc (127\.0\.0\.1:\d+)\s", text)
+            return found.group(1) if found else ""
         if proc.poll() is not None:
             break
         time.sleep(0.2)
@@ -59,6 +67,8 @@ def _start(argv: list[str], log: Path, env: dict[str, str] | None = None) -> sub
 
 
 def _stop(proc: subprocess.Popen[str]) -> None:
+    if proc.poll() is not None:  # exited already (it failed to start): the others still need stopping
+        return
     os.killpg(proc.pid, signal.SIGTERM)
     try:
         proc.wait(30)
@@ -83,26 +93,29 @@ async def _drive(cloud: Any, x: np.ndarray, concurrency: int, seconds: float) ->
     return len(latencies) / (time.perf_counter() - started), latencies
 
 
-async def run(triton: str, broker_url: str, x: np.ndarray, levels: tuple[int, ...], seconds: float,
+async def run(triton: str, broker_url: str, relay_url: str, x: np.ndarray, levels: tuple[int, ...], seconds: float,
               rounds: int) -> dict[str, Any]:
     from edge_agent.transports import open_transport
 
     results: dict[str, Any] = {}
     async with open_transport(f"grpc://{triton}/digits", device_id="bench-direct") as direct, \
-            open_transport(f"{broker_url}/digits", device_id="bench-device", boot_id="b") as device:
-        for cloud in (direct, device):  # warm-up
+            open_transport(f"{broker_url}/digits", device_id="bench-device", boot_id="b") as device, \
+            open_transport(f"{relay_url}/digits", device_id="bench-relayed", boot_id="b") as relayed:
+        paths = (("direct", direct), ("bridge", device), ("relay", relayed))
+        for _, cloud in paths:  # warm-up
             await _drive(cloud, x, 4, 0.5)
         for level in levels:
-            rates: dict[str, list[float]] = {"direct": [], "bridge": []}
-            lats: dict[str, list[float]] = {"direct": [], "bridge": []}
+            rates: dict[str, list[float]] = {name: [] for name, _ in paths}
+            lats: dict[str, list[float]] = {name: [] for name, _ in paths}
             for _ in range(rounds):
-                for name, cloud in (("direct", direct), ("bridge", device)):
+                for name, cloud in paths:
                     rate, latency = await _drive(cloud, x, level, seconds / rounds)
                     rates[name].append(rate)
                     lats[name] += latency
             entry = {name: {"per_s": float(np.mean(rates[name])), "p50_ms": float(np.median(lats[name]) * 1e3)}
                      for name in rates}
             entry["ratio"] = entry["bridge"]["per_s"] / entry["direct"]["per_s"]
+            entry["relay_ratio"] = entry["relay"]["per_s"] / entry["direct"]["per_s"]
             results[str(level)] = entry
     return results
 
@@ -119,7 +132,9 @@ def main() -> int:
         work = Path(tmp)
         model = digits_cnn(work)
         broker = start_mosquitto(work)
-        if broker is None:
+        (work / "relay").mkdir()
+        relay_broker = start_mosquitto(work / "relay")
+        if broker is None or relay_broker is None:
             print("mosquitto not found (apt-get install mosquitto)", file=sys.stderr)
             return 1
         env = dict(os.environ)
@@ -129,7 +144,7 @@ def main() -> int:
         env["LD_LIBRARY_PATH"] = ":".join(p for p in (libdir, env.get("LD_LIBRARY_PATH", "")) if p)
         triton_proc = _start([args.pytriton_python, str(Path(__file__).with_name("pytriton_server.py")),
                               str(model.onnx), "digits", "1"], work / "triton.log", env)
-        procs = [broker[0], triton_proc]
+        procs = [broker[0], relay_broker[0], triton_proc]
         try:
             triton = _wait_ready(triton_proc, work / "triton.log", 180)
             broker_url = f"mqtt://127.0.0.1:{broker[1]}"
@@ -137,10 +152,15 @@ def main() -> int:
                              f"grpc://{triton}", "--mqtt-client-id", "bench-bridge"], work / "bridge.log")
             procs.append(bridge)
             _wait_ready(bridge, work / "bridge.log", 60)
-            results = asyncio.run(run(triton, broker_url, model.feed["x"], levels, seconds, rounds))
+            relay = _start([sys.executable, str(Path(__file__).with_name("paho_grpc_relay.py")), str(relay_broker[1]),
+                            triton], work / "relay.log")
+            procs.append(relay)
+            _wait_ready(relay, work / "relay.log", 60)
+            results = asyncio.run(run(triton, broker_url, f"mqtt://127.0.0.1:{relay_broker[1]}", model.feed["x"],
+                                      levels, seconds, rounds))
         finally:
             for proc in reversed(procs):
-                if proc is broker[0]:
+                if proc in (broker[0], relay_broker[0]):
                     proc.terminate()
                     proc.wait(10)
                 else:
@@ -148,10 +168,12 @@ def main() -> int:
     if args.json:
         print(json.dumps({"target": TARGET, "quick": args.quick, "results": results}, indent=2))
         return 0
-    print(f"{'concurrency':>11} {'direct /s':>10} {'p50 ms':>7} {'bridge /s':>10} {'p50 ms':>7} {'ratio':>6}")
+    print(f"{'concurrency':>11} {'direct /s':>10} {'p50 ms':>7} {'bridge /s':>10} {'p50 ms':>7} {'ratio':>6} "
+          f"{'relay /s':>9} {'p50 ms':>7} {'ratio':>6}")
     for level, e in results.items():
         print(f"{level:>11} {e['direct']['per_s']:10.0f} {e['direct']['p50_ms']:7.2f} "
-              f"{e['bridge']['per_s']:10.0f} {e['bridge']['p50_ms']:7.2f} {e['ratio']:6.2f}")
+              f"{e['bridge']['per_s']:10.0f} {e['bridge']['p50_ms']:7.2f} {e['ratio']:6.2f} "
+              f"{e['relay']['per_s']:9.0f} {e['relay']['p50_ms']:7.2f} {e['relay_ratio']:6.2f}")
     top = results[str(levels[-1])]["ratio"]
     print(f"bridge/direct at concurrency {levels[-1]}: {top:.2f} (target >= {TARGET}: "
           f"{'ok' if top >= TARGET else 'UNDER TARGET'})")

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 
@@ -20,8 +20,10 @@ from cloud_service.metrics import UNKNOWN_MODEL
 from cloud_service.models import ServedModel
 from cloud_service.protocol import CodecError, decode_inputs, encode_response, get_parameters, topics
 from cloud_service.protocol import inference_pb2 as pb
+from cloud_service.protocol.codec import RawBytes
 from cloud_service.protocol.encoding import frame_inputs
 from cloud_service.protocol.preprocess import Preprocess
+from cloud_service.protocol.wire import RawRequest, RawResponse, raw_response
 from cloud_service.repository import ModelRepository
 from runtimes.errors import BackendUnavailable
 
@@ -77,25 +79,30 @@ async def infer(repository: ModelRepository, request: pb.ModelInferRequest, *,
 _LOOKUPS = 3  # lookups of a model that a hot swap keeps retiring under a blocking call
 
 
-def infer_blocking(repository: ModelRepository, request: pb.ModelInferRequest, *,
-                   timeout: float | None = None) -> pb.ModelInferResponse:
+def infer_blocking(repository: ModelRepository, request: RawRequest, *,
+                   timeout: float | None = None) -> RawResponse:
     """Answer one `ModelInferRequest` in the calling thread (the gRPC handlers).
+
+    The tensors travel beside the message both ways (`protocol.wire`): the inputs are views of the
+    received bytes, and the outputs are serialized straight from the model's arrays.
 
     A hot swap can retire the looked-up version between the lookup and the queueing (the swap
     installs the new version first, then closes the old): the request is then looked up again.
 
     Args:
         repository: where the model is looked up.
-        request: the decoded message.
+        request: the decoded message and its tensor bytes.
         timeout: seconds after which the request is dropped before compute (None: never).
     """
     started = time.perf_counter()
+    message = request.message
     for attempt in range(_LOOKUPS):
-        model = repository.get(request.model_name, request.model_version)
+        model = repository.get(message.model_name, message.model_version)
         try:
-            arrays, names = _check(model, request)
+            arrays, names = _check(model, message, request.raw or None)
             outputs = _batcher(model).run(arrays, timeout=timeout)
-            response = _respond(model, request, outputs, names)
+            response = raw_response(model.name, {n: outputs[n] for n in names}, version=model.version,
+                                    request_id=message.id, parameters=_reply_parameters(model, message))
         except BaseException as exc:
             if isinstance(exc, BatcherClosed) and attempt < _LOOKUPS - 1:
                 continue
@@ -106,9 +113,10 @@ def infer_blocking(repository: ModelRepository, request: pb.ModelInferRequest, *
     raise AssertionError  # unreachable: the loop returns or raises
 
 
-def _check(model: ServedModel, request: pb.ModelInferRequest) -> tuple[dict[str, np.ndarray], list[str]]:
+def _check(model: ServedModel, request: pb.ModelInferRequest, raw: Sequence[RawBytes] | None = None
+           ) -> tuple[dict[str, np.ndarray], list[str]]:
     """The request's inputs, checked against `model`, and the outputs it asks for."""
-    arrays = decode_inputs(request)
+    arrays = decode_inputs(request, raw)
     for name in frame_inputs(request):
         arrays[name] = _preprocess(model).apply(arrays[name])
     model.validate(arrays)

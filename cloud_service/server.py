@@ -38,6 +38,7 @@ from cloud_service.protocol import CodecError
 from cloud_service.protocol import inference_pb2 as pb
 from cloud_service.protocol.codec import NP_TO_OIP
 from cloud_service.protocol.encoding import ENCODINGS_EXTENSION
+from cloud_service.protocol.wire import RawRequest, RawResponse
 from cloud_service.repository import ModelRepository
 from cloud_service.stream import StreamRunner
 from runtimes.errors import ConfigError
@@ -135,18 +136,18 @@ class InferenceServicer:
 
     # -- inference --------------------------------------------------------------------------
 
-    def read_infer_request(self, data: bytes) -> pb.ModelInferRequest | _Refused:
+    def read_infer_request(self, data: bytes) -> RawRequest | _Refused:
+        """The request, with its tensors left in `data` as views (`protocol.wire`), or why it is refused."""
         if len(data) > self.max_message_bytes:
             msg = (f"request of {len(data)} bytes exceeds this server's limit of {self.max_message_bytes} bytes; "
                    "split the batch")
             return _Refused(MessageTooLarge(msg))
         try:
-            request: pb.ModelInferRequest = pb.ModelInferRequest.FromString(data)
+            return RawRequest.parse(data)
         except DecodeError as exc:
             return _Refused(CodecError(f"request is not a valid ModelInferRequest: {exc}"))
-        return request
 
-    def ModelInfer(self, request: pb.ModelInferRequest | _Refused, context: Any) -> pb.ModelInferResponse:
+    def ModelInfer(self, request: RawRequest | _Refused, context: Any) -> RawResponse:
         started = time.perf_counter()
         label = self._label(request)
         try:
@@ -166,13 +167,13 @@ class InferenceServicer:
         self.metrics.request_done(label, "grpc", time.perf_counter() - started, code=gone)
         return response
 
-    def ModelStreamInfer(self, requests: Iterator[pb.ModelInferRequest | _Refused],
+    def ModelStreamInfer(self, requests: Iterator[RawRequest | _Refused],
                          context: Any) -> Iterator[pb.ModelStreamInferResponse]:
         """Each request runs as it arrives (the batcher merges a stream's requests); answers go back
         in request order; an error answers that request and the stream goes on (`stream.py`)."""
         return self._streams.answers(requests, self._stream_answer, is_active=context.is_active)
 
-    def _stream_answer(self, request: pb.ModelInferRequest | _Refused) -> pb.ModelStreamInferResponse:
+    def _stream_answer(self, request: RawRequest | _Refused) -> pb.ModelStreamInferResponse:
         started = time.perf_counter()
         label = self._label(request)
         try:
@@ -184,11 +185,13 @@ class InferenceServicer:
             self.metrics.request_done(label, "grpc", time.perf_counter() - started, code=code)
             return pb.ModelStreamInferResponse(error_message=f"{code}: {message}")
         self.metrics.request_done(label, "grpc", time.perf_counter() - started, code=None)
-        return pb.ModelStreamInferResponse(infer_response=response)
+        return pb.ModelStreamInferResponse(infer_response=response.to_message())
 
-    def _label(self, request: pb.ModelInferRequest | _Refused) -> str:
+    def _label(self, request: RawRequest | _Refused) -> str:
         """The metrics label: the model's name, or one label for unknown models and unparsed requests."""
-        return UNKNOWN_MODEL if isinstance(request, _Refused) else model_label(self.repository, request.model_name)
+        if isinstance(request, _Refused):
+            return UNKNOWN_MODEL
+        return model_label(self.repository, request.message.model_name)
 
     def close(self) -> None:
         """After the gRPC server stopped: release the stream threads."""
@@ -209,7 +212,7 @@ class InferenceServicer:
             "ModelStatistics": unary(self.ModelStatistics, pb.ModelStatisticsRequest, pb.ModelStatisticsResponse),
             "ModelInfer": grpc.unary_unary_rpc_method_handler(
                 self.ModelInfer, request_deserializer=self.read_infer_request,
-                response_serializer=pb.ModelInferResponse.SerializeToString),
+                response_serializer=RawResponse.serialize),
             "ModelStreamInfer": grpc.stream_stream_rpc_method_handler(
                 self.ModelStreamInfer, request_deserializer=self.read_infer_request,
                 response_serializer=pb.ModelStreamInferResponse.SerializeToString),

@@ -46,8 +46,10 @@ from typing import Any
 
 import numpy as np
 
-from cloud_service.protocol import decode_outputs, encode_request, inference_pb2, topics
+from cloud_service.protocol import decode_outputs, inference_pb2, topics
 from cloud_service.protocol.codec import CodecError
+from cloud_service.protocol.preprocess import Preprocess
+from cloud_service.protocol.wire import Request, raw_request, serialize_request, wire_size
 from compilers.package import ModelPackage
 from compilers.variants import VariantSet
 from compilers.version_floor import VersionFloor
@@ -56,6 +58,7 @@ from edge_agent.breaker import CircuitBreaker
 from edge_agent.budget import Budget
 from edge_agent.cache import ResultCache, input_key
 from edge_agent.controller import Controller, Decision
+from edge_agent.frames import from_frame, mark_frame
 from edge_agent.journal import Journal, JournalEntry, drain
 from edge_agent.ladder import Variant, load_packages, open_variants
 from edge_agent.options import AgentOptions
@@ -98,6 +101,7 @@ class Pending:
     keep: bool
     key: bytes | None
     seq: int
+    frame: np.ndarray | None = None  # the raw [N, H, W, C] uint8 frame the inputs were made from
 
 
 def _check_reply(response: inference_pb2.ModelInferResponse, model: str,
@@ -166,6 +170,9 @@ class EdgeAgent:
         self.outputs = self._variant.session.outputs
         self.model_name = self._variant.name
         self._names = frozenset(s.name for s in self.inputs)
+        # the package's declared frame -> input preprocessing (`infer(frame=...)`), if it declares one
+        declared = self._variant.package.manifest.preprocess
+        self.preprocess: Preprocess | None = Preprocess.from_json(declared) if declared else None
         self._single_input = self.inputs[0].name if len(self.inputs) == 1 else None
         # per input: spec, dtype, rank, and the fixed trailing dims when only the batch axis varies
         self._checks = tuple((s, np.dtype(s.dtype), len(s.shape),
@@ -256,8 +263,15 @@ class EdgeAgent:
 
     # -- the request path ----------------------------------------------------------------------
 
-    async def infer(self, x: Any, *, keep: bool = False) -> Prediction:
-        """Answer `x` (one input or a batch, an array or a dict of named arrays).
+    async def infer(self, x: Any = None, *, keep: bool = False, frame: Any = None) -> Prediction:
+        """Answer `x` (one input or a batch, an array or a dict of named arrays), or a raw `frame`.
+
+        Args:
+            x: the model input.
+            keep: journal an escalation the cloud cannot answer now, and send it when it is back.
+            frame: instead of `x`, the raw uint8 camera frame (`[N,] H, W, C`) of a package that declares
+                its preprocessing: the edge runs on the preprocessed input, and an escalation carries
+                the frame itself (`AgentOptions.send_frames`), which the cloud preprocesses the same way.
 
         Raises:
             InputError: wrong input names, dtypes or shapes (before anything runs).
@@ -265,10 +279,11 @@ class EdgeAgent:
             ModelClosed: the agent was closed.
         """
         t0 = perf_counter()
+        x, frame = from_frame(self.preprocess, self._single_input, self.model_name, x, frame)
         if self.inline_for(x):
-            step = self.edge(x, t0=t0, keep=keep)
+            step = self.edge(x, t0=t0, keep=keep, frame=frame)
         else:  # a slow variant would stall every other request on this loop
-            step = await asyncio.to_thread(self.edge, x, t0=t0, keep=keep)
+            step = await asyncio.to_thread(self.edge, x, t0=t0, keep=keep, frame=frame)
         return step if isinstance(step, Prediction) else await self.escalate(step)
 
     def normalize(self, x: Any) -> tuple[dict[str, np.ndarray], bool]:
@@ -314,7 +329,7 @@ class EdgeAgent:
         decision = ctl.current
         return self.variants.get(decision.variant, self._variant), decision.threshold
 
-    def edge(self, x: Any, *, t0: float, keep: bool = False) -> Prediction | Pending:
+    def edge(self, x: Any, *, t0: float, keep: bool = False, frame: np.ndarray | None = None) -> Prediction | Pending:
         """The synchronous part: check, cache, run the variant, score. Escalation is left `Pending`."""
         if self._closed:
             msg = f"the edge agent for {self.model_name!r} is closed; open a new one (sdk.load or EdgeAgent)"
@@ -346,7 +361,7 @@ class EdgeAgent:
             return self._finish(variant, outputs, scores, single, t0, edge_ms, seq, reason="no_cloud",
                                 wanted=int(mask.sum()))
         return Pending(variant, inputs, outputs, scores, mask, single, t0, edge_ms, keep or self.policy.keep, key,
-                       seq)
+                       seq, frame)
 
     async def escalate(self, p: Pending) -> Prediction:
         """The asynchronous part: send the unsure rows within the deadline, merge or degrade."""
@@ -375,7 +390,7 @@ class EdgeAgent:
             self._settle(p.seq, answered=False)  # cancelled or strict: the journaled entry stays for the drain
             raise
 
-    async def _send(self, p: Pending, rows: np.ndarray, request: inference_pb2.ModelInferRequest,
+    async def _send(self, p: Pending, rows: np.ndarray, request: Request,
                     expected: dict[str, np.ndarray], left_ms: float, needed_ms: float, whole: bool,
                     kept: str | None) -> Prediction:
         timeout_s = left_ms / 1e3
@@ -431,7 +446,7 @@ class EdgeAgent:
                 merged[k][rows] = a
         cloud_rows = p.mask.copy()
         return self._finish(p.variant, merged, p.scores, p.single, p.t0, p.edge_ms, p.seq, cloud_rows=cloud_rows,
-                            rtt_ms=rtt_ms, nbytes=request.ByteSize(), key=p.key, wanted=len(rows), agreed=agreed)
+                            rtt_ms=rtt_ms, nbytes=wire_size(request), key=p.key, wanted=len(rows), agreed=agreed)
 
     def _rtt_needed(self) -> float:
         """The round trip an escalation must fit in: a high quantile of the recent ones; with a
@@ -457,7 +472,7 @@ class EdgeAgent:
         return "" if self.breaker.allow() else "breaker_open"
 
     def _request(self, p: Pending, sub: Mapping[str, np.ndarray], rows: np.ndarray,
-                 left_ms: float) -> inference_pb2.ModelInferRequest:
+                 left_ms: float) -> Request:
         edge_answer = p.outputs[self.outputs[0].name][rows].reshape(len(rows), -1).argmax(axis=1)
         params: dict[str, str | int | float] = {
             topics.PARAM_DEVICE: self.options.device_id, topics.PARAM_BOOT: self.options.boot_id,
@@ -467,15 +482,21 @@ class EdgeAgent:
             topics.PARAM_DEADLINE_MS: int(time.time() * 1e3 + left_ms),
             topics.PARAM_TRACE: f"{self.options.boot_id}-{p.seq}",
         }
-        return encode_request(self.cloud_model, sub, request_id=f"{self.options.boot_id}-{p.seq}",
-                              parameters=params)
+        rid = f"{self.options.boot_id}-{p.seq}"
+        if p.frame is not None and self.options.send_frames and self._single_input is not None:
+            # the raw frame instead of the input: the cloud applies the package's declared preprocessing
+            frames = p.frame if len(rows) == len(p.mask) else p.frame[rows]
+            return mark_frame(raw_request(self.cloud_model, {self._single_input: frames}, request_id=rid,
+                                          parameters=params))
+        # the tensors travel beside the message: serialized once, straight from the arrays (protocol.wire)
+        return raw_request(self.cloud_model, sub, request_id=rid, parameters=params)
 
-    async def _journal_ahead(self, p: Pending, request: inference_pb2.ModelInferRequest) -> str:
+    async def _journal_ahead(self, p: Pending, request: Request) -> str:
         """Journal the escalation durably before it is sent; "" when held, else why not (then it is only sent)."""
         assert self.journal is not None
         self._inflight[p.seq] = asyncio.get_running_loop().create_future()
         try:  # fsync: off the loop
-            await asyncio.to_thread(self.journal.append, "escalation", request.SerializeToString(),
+            await asyncio.to_thread(self.journal.append, "escalation", serialize_request(request),
                                     device=self.options.device_id, boot_id=self.options.boot_id, seq=p.seq)
         except JournalError as exc:
             logger.warning("escalation %d not kept: %s", p.seq, exc)
@@ -504,7 +525,7 @@ class EdgeAgent:
             logger.warning("could not clear answered escalation %d from the journal: %s", seq, task.exception())
 
     async def _degrade(self, p: Pending, rows: np.ndarray, reason: str,
-                       request: inference_pb2.ModelInferRequest | None, *, rtt_ms: float | None = None,
+                       request: Request | None, *, rtt_ms: float | None = None,
                        kept: str | None = None) -> Prediction:
         """The local answer, marked degraded. With `keep`, the escalation stays journaled for the drain (it
         was journaled before the send; `kept` says how that went), or is journaled now when it was not sent."""
@@ -518,7 +539,7 @@ class EdgeAgent:
                 request = self._request(p, {k: a[rows] for k, a in p.inputs.items()}, rows, 0.0)
             try:
                 # durable before the answer returns (fsync: off the loop), so kill -9 loses nothing
-                await asyncio.to_thread(self.journal.append, "escalation", request.SerializeToString(),
+                await asyncio.to_thread(self.journal.append, "escalation", serialize_request(request),
                                         device=self.options.device_id, boot_id=self.options.boot_id, seq=p.seq)
                 self.stats.journaled += 1
             except JournalError as exc:  # a full journal, a full or failing disk: answer anyway, say why

@@ -50,6 +50,10 @@ class AgentOptions:
         drain_window: journaled escalations in flight at once while draining.
         telemetry_interval_s: how often telemetry is published.
         strict: raise the escalation error instead of answering degraded.
+        send_frames: escalate the raw frame given as `infer(frame=...)` in the `frame` wire encoding (the
+            cloud applies the package's declared preprocessing; a quarter of the fp32 bytes for a frame at
+            the model's size). Needs a cloud listing the `tierkit.encodings` extension (tierkit's own);
+            False sends the preprocessed input instead, for a stock Triton or KServe.
         adaptive: how `controller=True` builds the controller (cloud accuracy prior, ...).
     """
 
@@ -75,6 +79,7 @@ class AgentOptions:
     drain_window: int = 32
     telemetry_interval_s: float = 10.0
     strict: bool = False
+    send_frames: bool = True
     adaptive: AdaptiveOptions = field(default_factory=AdaptiveOptions)
 
     def __post_init__(self) -> None:

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 from edge_agent.agent import AgentOptions, EdgeAgent, Pending
 from edge_agent.budget import Budget
+from edge_agent.frames import from_frame
 from edge_agent.policy import Policy
 from edge_agent.prediction import Prediction
 from runtimes.errors import ConfigError, ModelClosed
@@ -88,12 +89,15 @@ class TieredModel:
         """The underlying `EdgeAgent` (breaker, transport, variants, statistics)."""
         return self._agent
 
-    def predict(self, x: Any, *, keep: bool = False) -> Prediction:
+    def predict(self, x: Any = None, *, keep: bool = False, frame: Any = None) -> Prediction:
         """Answer one input or a batch: an array (single-input models) or a dict of named arrays.
 
         Args:
             x: the input; without its batch axis for a single sample.
             keep: if the cloud cannot answer now, journal the escalation and send it when it is back.
+            frame: instead of `x`, the raw uint8 camera frame (`[N,] H, W, C`) of a package whose manifest
+                declares its preprocessing: the edge runs on the preprocessed input and an escalation
+                sends the frame itself, a quarter of the fp32 bytes (`EdgeAgent.infer`).
 
         Raises:
             InputError: wrong names, dtypes or shapes, before anything runs.
@@ -102,7 +106,10 @@ class TieredModel:
         if self._closed:
             raise self._closed_error()
         t0 = perf_counter()
-        step = self._agent.edge(x, t0=t0, keep=keep)
+        agent = self._agent
+        x, frames = from_frame(agent.preprocess, agent.inputs[0].name if len(agent.inputs) == 1 else None,
+                               agent.model_name, x, frame)
+        step = agent.edge(x, t0=t0, keep=keep, frame=frames)
         if type(step) is Prediction:
             return step
         assert isinstance(step, Pending)
@@ -119,15 +126,18 @@ class TieredModel:
     def _closed_error(self) -> ModelClosed:
         return ModelClosed(f"this TieredModel ({self._agent.model_name}) is closed; load a new one with sdk.load")
 
-    async def apredict(self, x: Any, *, keep: bool = False) -> Prediction:
+    async def apredict(self, x: Any = None, *, keep: bool = False, frame: Any = None) -> Prediction:
         """`predict` for asyncio callers: never blocks their event loop."""
         if self._closed:
             raise self._closed_error()
         t0 = perf_counter()
-        if self._agent.inline_for(x):
-            step = self._agent.edge(x, t0=t0, keep=keep)
+        agent = self._agent
+        x, frames = from_frame(agent.preprocess, agent.inputs[0].name if len(agent.inputs) == 1 else None,
+                               agent.model_name, x, frame)
+        if agent.inline_for(x):
+            step = agent.edge(x, t0=t0, keep=keep, frame=frames)
         else:  # slow variant: keep the caller's loop free
-            step = await asyncio.to_thread(self._agent.edge, x, t0=t0, keep=keep)
+            step = await asyncio.to_thread(agent.edge, x, t0=t0, keep=keep, frame=frames)
         if type(step) is Prediction:
             return step
         assert isinstance(step, Pending)

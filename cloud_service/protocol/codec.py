@@ -12,7 +12,7 @@ one dtype table, mapped here to wire names; `runtimes.errors.TierkitError`, the 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping, MutableMapping
+from collections.abc import Iterable, Mapping, MutableMapping, Sequence
 from typing import Any, ClassVar
 
 import numpy as np
@@ -35,6 +35,7 @@ _TYPED_FIELD = {
 }
 
 Param = bool | int | float | str
+RawBytes = bytes | bytearray | memoryview | np.ndarray  # a tensor's bytes, in or beside a message
 
 
 class CodecError(TierkitError, ValueError):
@@ -80,10 +81,11 @@ def _shape(shape: Iterable[int], name: str) -> tuple[int, ...]:
     return dims
 
 
-def _from_bytes(raw: bytes, dtype: np.dtype[Any], shape: tuple[int, ...], name: str) -> np.ndarray:
+def _from_bytes(raw: RawBytes, dtype: np.dtype[Any], shape: tuple[int, ...], name: str) -> np.ndarray:
     expected = math.prod(shape) * dtype.itemsize
-    if len(raw) != expected:
-        msg = (f"tensor {name!r}: {len(raw)} bytes given, shape {list(shape)} of {dtype.name} needs {expected}")
+    given = raw.nbytes if isinstance(raw, np.ndarray | memoryview) else len(raw)
+    if given != expected:
+        msg = (f"tensor {name!r}: {given} bytes given, shape {list(shape)} of {dtype.name} needs {expected}")
         raise CodecError(msg)
     return np.frombuffer(raw, dtype=dtype).reshape(shape)
 
@@ -106,13 +108,20 @@ def _declares_encoding(tensor: pb.ModelInferRequest.InferInputTensor) -> bool:
     return "tierkit.encoding" in tensor.parameters  # protocol.encoding.PARAM_ENCODING (it imports this module)
 
 
-def decode_inputs(request: pb.ModelInferRequest) -> dict[str, np.ndarray]:
+def decode_inputs(request: pb.ModelInferRequest,
+                  raw: Sequence[RawBytes] | None = None) -> dict[str, np.ndarray]:
     """The request's input tensors as numpy arrays (raw or typed contents).
 
     Inputs with a declared wire encoding (`protocol.encoding`) come back zstd-decompressed and fp16
     widened to fp32; a raw frame stays the uint8 frame it is (the server preprocesses it).
+
+    Args:
+        request: the message.
+        raw: the tensor bytes when they travel beside the message (`protocol.wire.RawRequest`); the
+            arrays are then read-only views of these buffers. None reads `request.raw_input_contents`.
     """
-    raw = request.raw_input_contents
+    if raw is None:
+        raw = request.raw_input_contents
     if raw and len(raw) != len(request.inputs):
         msg = f"{len(raw)} raw_input_contents for {len(request.inputs)} inputs: send one per input, or none"
         raise CodecError(msg)

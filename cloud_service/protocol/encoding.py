@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 
 from cloud_service.protocol import inference_pb2 as pb
-from cloud_service.protocol.codec import CodecError, oip_datatype
+from cloud_service.protocol.codec import CodecError, RawBytes, oip_datatype
 
 __all__ = ["ENCODINGS", "ENCODINGS_EXTENSION", "PARAM_ENCODING", "check_encoding", "decode_tensor",
            "encode_input", "encoding_of", "frame_inputs"]
@@ -98,7 +98,7 @@ def encoding_of(tensor: pb.ModelInferRequest.InferInputTensor) -> tuple[str, ...
     return check_encoding(param.string_param)
 
 
-def decode_tensor(tensor: pb.ModelInferRequest.InferInputTensor, raw: bytes, steps: tuple[str, ...],
+def decode_tensor(tensor: pb.ModelInferRequest.InferInputTensor, raw: RawBytes, steps: tuple[str, ...],
                   dtype: np.dtype[Any], shape: tuple[int, ...]) -> np.ndarray:
     """Undo `zstd` and `fp16` (the frame stays a frame: preprocessing needs the model's manifest)."""
     expected = math.prod(shape) * dtype.itemsize
@@ -117,8 +117,9 @@ def decode_tensor(tensor: pb.ModelInferRequest.InferInputTensor, raw: bytes, ste
         except zstd.ZstdError as exc:
             msg = f"input {tensor.name!r}: zstd contents do not decompress to {expected} bytes ({exc})"
             raise CodecError(msg) from None
-    if len(raw) != expected:
-        msg = f"input {tensor.name!r}: {len(raw)} bytes given, shape {list(shape)} of {dtype.name} needs {expected}"
+    given = raw.nbytes if isinstance(raw, np.ndarray | memoryview) else len(raw)
+    if given != expected:
+        msg = f"input {tensor.name!r}: {given} bytes given, shape {list(shape)} of {dtype.name} needs {expected}"
         raise CodecError(msg)
     array = np.frombuffer(raw, dtype=dtype).reshape(shape)
     if "fp16" in steps:

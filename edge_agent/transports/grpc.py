@@ -35,6 +35,7 @@ import grpc.aio
 
 from cloud_service.protocol import inference_pb2
 from cloud_service.protocol.memory import keep_freed_memory
+from cloud_service.protocol.wire import Request, as_message, wire_size
 from edge_agent.encoding import WireEncoder
 from edge_agent.transports.base import (
     CloudURL,
@@ -158,23 +159,22 @@ class GrpcTransport(Transport):
             )
         return self._infer
 
-    async def escalate(self, request: inference_pb2.ModelInferRequest, *,
-                       timeout_s: float) -> inference_pb2.ModelInferResponse:
+    async def escalate(self, request: Request, *, timeout_s: float) -> inference_pb2.ModelInferResponse:
         where = f"{self.cloud.scheme}://{self.cloud.describe()}"
         if self._closed:
             msg = f"gRPC transport to {where} is closed; open a new one"
             raise escalation_error(CloudUnavailable, msg, code="CANCELLED")
         if self.encoder is not None:
-            request = self.encoder.prepare(request, timeout_s)
+            request = self.encoder.prepare(as_message(request), timeout_s)
         started = time.perf_counter()
         try:
             response: inference_pb2.ModelInferResponse = await self._call()(request, timeout=timeout_s)
             if self.encoder is not None:
-                self.encoder.observe(request.ByteSize() + response.ByteSize(), time.perf_counter() - started)
+                self.encoder.observe(wire_size(request) + response.ByteSize(), time.perf_counter() - started)
             return response
         except grpc.aio.AioRpcError as exc:
             if self.encoder is not None and exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
-                self.encoder.observe_timeout(request.ByteSize(), time.perf_counter() - started)
+                self.encoder.observe_timeout(wire_size(request), time.perf_counter() - started)
             raise self._map_error(exc, where, timeout_s) from exc
 
     def _map_error(self, exc: grpc.aio.AioRpcError, where: str, timeout_s: float) -> EscalationError:

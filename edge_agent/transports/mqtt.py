@@ -29,6 +29,7 @@ from paho.mqtt.properties import Properties
 
 from cloud_service.protocol import inference_pb2, topics
 from cloud_service.protocol.memory import keep_freed_memory
+from cloud_service.protocol.wire import Request, as_message
 from edge_agent.encoding import WireEncoder
 from edge_agent.transports.base import CloudURL, Transport, TransportOptions, escalation_error
 from edge_agent.transports.mqtt_session import MessageHandler, MqttSession, backoff_delay
@@ -113,8 +114,7 @@ class MqttTransport(Transport):
                "the transport reconnects in the background: answer locally and retry later")
         return escalation_error(CloudUnavailable, msg, code="UNAVAILABLE")
 
-    async def escalate(self, request: inference_pb2.ModelInferRequest, *,
-                       timeout_s: float) -> inference_pb2.ModelInferResponse:
+    async def escalate(self, request: Request, *, timeout_s: float) -> inference_pb2.ModelInferResponse:
         if self._closed:
             msg = f"MQTT transport to {self.where} is closed; open a new one"
             raise escalation_error(CloudUnavailable, msg, code="CANCELLED")
@@ -128,7 +128,7 @@ class MqttTransport(Transport):
                    f"(max_pending={self.options.max_pending}); the cloud is not keeping up")
             raise escalation_error(EscalationError, msg, code="RESOURCE_EXHAUSTED")
         if self.encoder is not None:
-            request = self.encoder.prepare(request, timeout_s)
+            request = self.encoder.prepare(as_message(request), timeout_s)
         payload = self.serialize(request, **{topics.PARAM_DEADLINE_MS: int((time.time() + timeout_s) * 1000)})
         if len(payload) > self.options.max_message_bytes:
             msg = (f"request of {len(payload)} bytes exceeds max_message_bytes={self.options.max_message_bytes} "
