@@ -505,6 +505,17 @@ class Controller:
         cur = evaluate(self._by_id[self.current.variant], self.current.threshold, link, self.budget, self.config,
                        conditions=cond)
         why = self._why_switch(cur, cand)
+        if not why and cand.feasible and cand.key != cur.key and not self._spare(cand):
+            # the best point is too close to a budget to move to for accuracy alone: the best one that
+            # leaves the headroom may still beat the current point
+            keep = 1 - self.config.switch_headroom
+            tight = replace(cond, latency_scale=cond.latency_scale * keep, energy_scale=cond.energy_scale * keep)
+            alt = choose(self.profiles, link, self.budget, self.config, conditions=tight)
+            alt = evaluate(self._by_id[alt.variant], alt.threshold, link, self.budget, self.config, conditions=cond)
+            if alt.feasible and (alt_why := self._why_switch(cur, alt)):
+                note = (f"the best point with {self.config.switch_headroom:.0%} of the budgets to spare "
+                        f"(the best, {cand.variant}@{cand.threshold:.4g}, is closer)")
+                cand, why = replace(alt, reason=note), alt_why
         chosen = cand if why else replace(cur, reason=f"kept: {cur.reason}; best alternative "
                                           f"{cand.variant}@{cand.threshold:.4g} acc {cand.predicted_accuracy:.4f}")
         if why:

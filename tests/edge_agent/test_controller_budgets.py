@@ -188,3 +188,21 @@ def test_one_slow_round_trip_on_a_steady_link_does_not_flip_the_decision() -> No
         assert c.current.key == first
         c.observe_escalation(2.0, ok=True, bytes_sent=100)
         clock.t += 0.05
+
+
+def test_a_switch_up_keeps_headroom_and_takes_the_best_point_that_has_it() -> None:
+    profile = VariantProfile("v", SCORES, SCORES >= 0.5, np.full(16, 1.0), 1.0, "modeled:test")
+    link = LinkProfile(rtt_ms=2.0, bytes_per_escalation=1000.0, energy_per_byte_mj=1e-3)
+    cfg = ControllerConfig(escalation_grid=GRID, probe_escalation_rate=0.0)
+    clock = Clock()
+    c = Controller([profile], Budget(latency_ms=50), link=link, config=cfg, clock=clock)
+    per_escalation = (c.current.predicted_energy_mj - 1.0) / c.current.predicted_escalation_rate
+    # an energy budget the most accurate point (half escalated) meets with less than 10 % to spare
+    budget = Budget(latency_ms=50, energy_mj=(1.0 + 0.5 * per_escalation) / 0.92 / 0.97)
+    c.set_budget(Budget(latency_ms=50, energy_mj=1.0 / 0.92))  # nothing but the edge fits
+    assert c.current.predicted_escalation_rate == 0.0
+    c.set_budget(budget)
+    # not the best point, too close to the budget to move to for accuracy alone, but the best with room
+    assert c.current.predicted_escalation_rate == pytest.approx(0.3)
+    assert "to spare" in c.current.reason
+    assert c.current.predicted_energy_mj <= 0.9 * c.current.inputs["energy_target_mj"]
