@@ -228,7 +228,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.dump:
         arrays = {f"{k}.{f}": v for k in order for f, v in records[k].items() if isinstance(v, np.ndarray)}
         np.savez(args.dump, decisions=json.dumps(records["controller"]["decisions"]), **arrays)
-    flags = (" --phases binding" if binding else "") + (" --quick" if args.quick else "")
+    flags = ((" --phases binding" if binding else "") + (" --quick" if args.quick else "")
+             + (f" --requests {args.requests}" if args.requests is not None else "")
+             + (f" --only {args.only}" if args.only else ""))
     header = (f"### Controller evaluation (`bench/controller/run.py{flags}`)\n\n"
               f"MNIST held-out stream, {per_phase} requests per phase at <= {args.rate:g}/s, edge ladder "
               f"{', '.join(e.id for e in vs.entries)}, cloud `{CLOUD_NAME}` via `tierkit serve` behind a TCP delay "
