@@ -42,20 +42,28 @@ class AdaptiveOptions:
     Args:
         cloud_accuracy: prior accuracy of the cloud on the inputs escalated to it (e.g. the cloud
             model's validation accuracy); edge/cloud agreement refines it.
+        cloud_accuracy_weight: how many escalations' agreement the prior counts as. Agreement alone
+            cannot tell a cloud error from an edge error, so a weak prior gets the blame when the edge
+            errs more live than on validation (a 0.998 cloud read as 0.97-0.98 with 30), and the
+            controller then stops escalating where it would pay. A prior measured on labelled data
+            (the compiler's validation accuracy over n samples) deserves a weight of that order.
         rtt_ms: prior median round trip to the cloud, until escalations measure it.
         benchmark_repeats: timed batch-1 inferences per variant when the agent starts.
         config: the controller's grid, headroom and hysteresis (None: `ControllerConfig()`).
     """
 
     cloud_accuracy: float = DEFAULT_CLOUD_ACCURACY
+    cloud_accuracy_weight: float = 30.0
     rtt_ms: float = DEFAULT_RTT_MS
     benchmark_repeats: int = 20
     config: ControllerConfig | None = None
 
     def __post_init__(self) -> None:
-        if not (0 < self.cloud_accuracy <= 1 and self.rtt_ms > 0 and self.benchmark_repeats >= 1):
-            msg = (f"AdaptiveOptions: need 0 < cloud_accuracy <= 1, rtt_ms > 0 and benchmark_repeats >= 1; got "
-                   f"{self.cloud_accuracy!r}, {self.rtt_ms!r}, {self.benchmark_repeats!r}")
+        if not (0 < self.cloud_accuracy <= 1 and self.rtt_ms > 0 and self.benchmark_repeats >= 1
+                and self.cloud_accuracy_weight >= 0):
+            msg = (f"AdaptiveOptions: need 0 < cloud_accuracy <= 1, cloud_accuracy_weight >= 0, rtt_ms > 0 and "
+                   f"benchmark_repeats >= 1; got {self.cloud_accuracy!r}, {self.cloud_accuracy_weight!r}, "
+                   f"{self.rtt_ms!r}, {self.benchmark_repeats!r}")
             raise ConfigError(msg)
 
 
@@ -75,7 +83,8 @@ def variant_profile(variant: Variant, power: PowerProfile, *, repeats: int = 20)
 
 def link_profile(power: PowerProfile, options: AdaptiveOptions) -> LinkProfile:
     """The link model: waiting and radio energy from the device's power profile, priors from `options`."""
-    return LinkProfile(rtt_ms=options.rtt_ms, cloud_accuracy=options.cloud_accuracy, wait_power_w=power.idle_watts,
+    return LinkProfile(rtt_ms=options.rtt_ms, cloud_accuracy=options.cloud_accuracy,
+                       cloud_prior_strength=options.cloud_accuracy_weight, wait_power_w=power.idle_watts,
                        energy_per_byte_mj=power.joules_per_byte_sent * 1e3, energy_label=power.label)
 
 

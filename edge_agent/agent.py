@@ -411,8 +411,8 @@ class EdgeAgent:
             error = exc
         rtt_ms = (perf_counter() - sent) * 1e3
         if error is not None:
-            self.breaker.record_failure()
             timed_out = isinstance(error, CloudTimeout)
+            self.breaker.record_failure(timeout=timed_out)
             if timed_out:
                 self.rtt.add(rtt_ms)  # censored, but it teaches the estimator the link is slow
             if self.options.strict:

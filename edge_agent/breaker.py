@@ -36,6 +36,12 @@ class BreakerConfig:
             opens it again for as long, so a link that comes back is found within about this long
             (plus the wait for the next request that escalates): half a second by default.
         half_open_max_calls: probes allowed at once while half-open.
+        timeout_threshold: consecutive failures that open it when they include deadline timeouts
+            (`record_failure(timeout=True)`). A call abandoned at its deadline says the link was
+            slower than what was left of the budget, not that the cloud is gone: on a jittered link
+            under a tight budget, a few in a row are common while the others are answered (with 70 %
+            missing, 10 in a row come about every hundred calls; 20, every few thousand). A partition,
+            where nothing is answered, still opens it after this many (never fewer than `failure_threshold`).
 
     Example:
         >>> BreakerConfig(failure_threshold=3, reset_timeout_s=5.0)
@@ -44,6 +50,7 @@ class BreakerConfig:
     failure_threshold: int = 5
     reset_timeout_s: float = 0.5
     half_open_max_calls: int = 1
+    timeout_threshold: int = 20
 
     def __post_init__(self) -> None:
         if not (isinstance(self.failure_threshold, int) and self.failure_threshold >= 1):
@@ -54,6 +61,9 @@ class BreakerConfig:
             raise ConfigError(msg)
         if not (isinstance(self.half_open_max_calls, int) and self.half_open_max_calls >= 1):
             msg = f"BreakerConfig.half_open_max_calls must be an integer >= 1, got {self.half_open_max_calls!r}"
+            raise ConfigError(msg)
+        if not (isinstance(self.timeout_threshold, int) and self.timeout_threshold >= 1):
+            msg = f"BreakerConfig.timeout_threshold must be an integer >= 1, got {self.timeout_threshold!r}"
             raise ConfigError(msg)
 
 
@@ -83,6 +93,7 @@ class CircuitBreaker:
         self._clock = clock
         self._state: State = "closed"
         self._failures = 0
+        self._refusals = 0  # consecutive failures that were not timeouts
         self._opened_at = 0.0
         self._probes = 0
         self._probe_started = 0.0
@@ -130,17 +141,21 @@ class CircuitBreaker:
             self._state = "closed"
             self._probes = 0
         if self._state == "closed":
-            self._failures = 0
+            self._failures = self._refusals = 0
         # A late success of a call sent before the breaker opened leaves it open: the calls after it failed.
 
-    def record_failure(self) -> None:
-        """The call failed: count it; the Nth in a row, or a failed probe, opens the breaker."""
+    def record_failure(self, *, timeout: bool = False) -> None:
+        """The call failed: count it; a failed probe opens the breaker, and so do `failure_threshold`
+        failures in a row, or `timeout_threshold` when `timeout` (the call's deadline passed) was among them."""
         state = self.state
         if state == "half_open":
             self._open("a probe to the cloud failed")
         elif state == "closed":
             self._failures += 1
-            if self._failures >= self.config.failure_threshold:
+            self._refusals = 0 if timeout else self._refusals + 1
+            cfg = self.config
+            if (self._refusals >= cfg.failure_threshold
+                    or self._failures >= max(cfg.timeout_threshold, cfg.failure_threshold)):
                 self._open(f"{self._failures} consecutive cloud failures")
         # A late failure while open does not extend the timeout.
 

@@ -62,6 +62,12 @@ class ControllerConfig:
         redecide_interval_s: re-decide at least this often while requests flow.
         rtt_drift: relative move of the RTT EWMA or high quantile that triggers a re-decision...
         rtt_drift_abs_ms: ...when it is also at least this many milliseconds.
+        rtt_rebase_keep: round trips kept when the RTT EWMA drifted (the rest are forgotten, so
+            the p95 model follows a new link within a few escalations rather than hundreds).
+        switch_headroom: a switch for accuracy alone (or for energy at the same accuracy) needs the new
+            point to fit the planned p95 and energy with this share to spare: with the tolerance on
+            the current point, the band between them keeps the controller from flapping between a
+            point just over a budget and one just under it as predictions move with the noise.
         latency_drift: relative move of the device speed (edge latency vs its baseline)...
         latency_drift_abs_ms: ...when the edge latency also moved by this many milliseconds.
         energy_drift: relative move of a measured inference energy (modeled figures are a function
@@ -92,6 +98,8 @@ class ControllerConfig:
     redecide_interval_s: float = 1.0
     rtt_drift: float = 0.5
     rtt_drift_abs_ms: float = 2.0
+    rtt_rebase_keep: int = 32
+    switch_headroom: float = 0.1
     latency_drift: float = 0.3
     latency_drift_abs_ms: float = 1.0
     energy_drift: float = 0.25
@@ -117,6 +125,10 @@ class ControllerConfig:
             raise ConfigError(msg)
         if not (self.window_s > 0 and self.energy_z >= 0 and self.accuracy_margin_rel >= 0):
             msg = "ControllerConfig window_s must be > 0, energy_z and accuracy_margin_rel >= 0"
+            raise ConfigError(msg)
+        if not (0 <= self.switch_headroom < 1 and self.rtt_rebase_keep >= 0):
+            msg = (f"ControllerConfig switch_headroom must be in [0, 1) and rtt_rebase_keep >= 0, got "
+                   f"{self.switch_headroom!r}, {self.rtt_rebase_keep!r}")
             raise ConfigError(msg)
         if self.min_observations < 1 or self.history < 1 or self.redecide_interval_s <= 0:
             msg = "ControllerConfig min_observations and history must be >= 1 and redecide_interval_s > 0"
@@ -315,6 +327,7 @@ class Controller:
         self._overheads: deque[float] = deque(maxlen=64)
         self._arrivals: deque[float] = deque(maxlen=256)
         self._last_inference_ms: float | None = None
+        self._rtt_seen = 0  # answered escalations since the last decision
         # observed p95 latency and mean energy per window, against the budgets (`budget.BudgetWindows`)
         self.latency_windows = BudgetWindows("p95", window_s=self.config.window_s, calm=20)
         self.energy_windows = BudgetWindows("mean", window_s=self.config.window_s, calm=20)
@@ -376,12 +389,18 @@ class Controller:
             self._flag(f"cloud {event}")
         if not ok or rtt_ms is None:
             return
+        self._rtt_seen += 1
         cfg, ewma = self.config, self.link.rtt.ewma
         if abs(ewma - self._ref["rtt"]) > max(cfg.rtt_drift * self._ref["rtt"], cfg.rtt_drift_abs_ms):
             self._flag("round trip")
-            self.link.rebase(4)
+            # the last `rtt_rebase_keep` round trips stay: with a handful, the high quantile would be
+            # the largest of them, so one load spike would read as a slow link and flip the decision
+            self.link.rebase(cfg.rtt_rebase_keep)
+        # the high quantile is judged once enough round trips came since the last decision
         high = self.link.rtt.quantile(self.link.high_quantile)
-        if abs(high - self._ref["rtt_high"]) > max(cfg.rtt_drift * self._ref["rtt_high"], cfg.rtt_drift_abs_ms):
+        if (self._rtt_seen >= self._min_obs and len(self.link.rtt) >= self._min_obs
+                and abs(high - self._ref["rtt_high"]) > max(cfg.rtt_drift * self._ref["rtt_high"],
+                                                           cfg.rtt_drift_abs_ms)):
             self._flag("round-trip high quantile")
 
     def observe_request(self, escalated: bool, agreed: bool | None, total_latency_ms: float, *,
@@ -434,6 +453,8 @@ class Controller:
     # -- decisions -------------------------------------------------------------------------------
     def set_budget(self, budget: Budget) -> Decision | None:
         """Change the budgets now; returns the new decision when the operating point changed."""
+        if self.link is not None and budget.latency_ms > self.budget.latency_ms:
+            self.link.forget_unanswered()  # cut at the old deadline: no evidence against the new one
         self.budget = budget
         for held in (self.latency_windows, self.energy_windows):  # what windows taught was about the old budget
             held.reset()
@@ -484,6 +505,17 @@ class Controller:
         cur = evaluate(self._by_id[self.current.variant], self.current.threshold, link, self.budget, self.config,
                        conditions=cond)
         why = self._why_switch(cur, cand)
+        if not why and cand.feasible and cand.key != cur.key and not self._spare(cand):
+            # the best point is too close to a budget to move to for accuracy alone: the best one that
+            # leaves the headroom may still beat the current point
+            keep = 1 - self.config.switch_headroom
+            tight = replace(cond, latency_scale=cond.latency_scale * keep, energy_scale=cond.energy_scale * keep)
+            alt = choose(self.profiles, link, self.budget, self.config, conditions=tight)
+            alt = evaluate(self._by_id[alt.variant], alt.threshold, link, self.budget, self.config, conditions=cond)
+            if alt.feasible and (alt_why := self._why_switch(cur, alt)):
+                note = (f"the best point with {self.config.switch_headroom:.0%} of the budgets to spare "
+                        f"(the best, {cand.variant}@{cand.threshold:.4g}, is closer)")
+                cand, why = replace(alt, reason=note), alt_why
         chosen = cand if why else replace(cur, reason=f"kept: {cur.reason}; best alternative "
                                           f"{cand.variant}@{cand.threshold:.4g} acc {cand.predicted_accuracy:.4f}")
         if why:
@@ -504,8 +536,16 @@ class Controller:
             return "closer to the budgets" if cand.shortfall < cur.shortfall - 1e-9 else ""
         if not cand.feasible:
             return ""
+        probe = max(cfg.probe_escalation_rate, cfg.down_probe_escalation_rate)
+        if (self.link is not None and not self.link.up and cur.predicted_escalation_rate < probe - 1e-9
+                and cand.predicted_escalation_rate > cur.predicted_escalation_rate + 1e-9):
+            # down, every point predicts the same accuracy and the current one would be kept: but only
+            # escalations bring the answers in a row that mark the cloud up again
+            return "the cloud is down: probe it more"
         if not cur.feasible and cand.predicted_accuracy >= cur.predicted_accuracy - cfg.accuracy_margin:
             return f"current point is over the {' and '.join(cur.violated)} budget (within tolerance)"
+        if not self._spare(cand):
+            return ""
         margin = max(min(cfg.accuracy_margin, cfg.accuracy_margin_rel * (1 - cur.predicted_accuracy)),
                      min(cfg.accuracy_margin_min, cfg.accuracy_margin), cfg.tie_tolerance)
         if cand.predicted_accuracy > cur.predicted_accuracy + margin:
@@ -518,6 +558,13 @@ class Controller:
         if cand.predicted_p95_ms < cur.predicted_p95_ms * (1 - cfg.energy_margin):
             return f"same accuracy, p95 {cur.predicted_p95_ms:.3g} -> {cand.predicted_p95_ms:.3g} ms"
         return ""
+
+    def _spare(self, cand: Decision) -> bool:
+        """Whether `cand` fits the planned p95 latency and energy with `switch_headroom` to spare."""
+        keep = 1 - self.config.switch_headroom
+        latency, energy = (float(cand.inputs.get(k) or math.inf) for k in ("latency_target_ms", "energy_target_mj"))
+        return (cand.predicted_p95_ms <= latency * keep + 1e-9
+                and (cand.inputs.get("energy_target_mj") is None or cand.predicted_energy_mj <= energy * keep + 1e-9))
 
     def _energy_evidence(self, current: str, other: str) -> bool:
         """Whether an energy difference between two variants may switch between them: on the same
@@ -540,7 +587,7 @@ class Controller:
         self._scales = (self.latency_windows.scale, self.energy_windows.scale)
         if record:
             self.decisions.append(decision)
-        self._n = self._n_esc = self._n_agree = self._k_agree = 0
+        self._n = self._n_esc = self._n_agree = self._k_agree = self._rtt_seen = 0
         link = decision.inputs.get("link") or {}
         p = self._by_id[decision.variant]
         self._ref = {"rtt": self.link.rtt.ewma if self.link else 0.0,

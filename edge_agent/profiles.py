@@ -94,14 +94,21 @@ class LatencyWindow:
             return math.nan
         return float(s[min(s.size - 1, math.ceil(q * s.size) - 1 if q > 0 else 0)])
 
-    def rebase(self, keep: int) -> None:
-        """Keep only the last `keep` samples; the prior is dropped too (it described the old regime)."""
+    def drop_infinite(self) -> None:
+        """Forget the +inf samples (escalations not answered in time), keeping the others in order."""
+        kept = [v for v in self._window if math.isfinite(v)]
+        self._window.clear()
+        self._window.extend(kept)
+
+    def rebase(self, keep: int, *, reset_ewma: bool = True) -> None:
+        """Keep only the last `keep` samples; the prior is dropped too (it described the old regime).
+        With `reset_ewma`, the EWMA restarts from their mean."""
         recent = list(self._window)[-keep:] if keep > 0 else []
         self._prior = np.empty(0)
         self._window.clear()
         self._window.extend(recent)
         finite = [v for v in recent if math.isfinite(v)]
-        if finite:
+        if finite and reset_ewma:
             self.ewma = float(np.mean(finite))
 
     def __len__(self) -> int:
@@ -365,7 +372,8 @@ class LinkProfile:
             back (several, so that one lucky answer on a flapping link does not).
         down_after_timeouts: consecutive failures that mark it down when they include timeouts: a
             timeout says the link is slow (the RTT window learns it), not that the cloud is gone,
-            unless it keeps happening (a partition).
+            unless it keeps happening (a partition). On a jittered link where 70 % of escalations miss
+            a tight deadline, 10 in a row come about every hundred escalations; 20, every few thousand.
 
     Example:
         >>> link = LinkProfile(rtt_ms=5.0)
@@ -377,7 +385,7 @@ class LinkProfile:
                  wait_power_w: float = 0.3, energy_label: str = "modeled:default-radio",
                  cloud_accuracy: float = DEFAULT_CLOUD_ACCURACY, cloud_prior_strength: float = 30.0,
                  edge_prior_strength: float = 50.0, high_quantile: float = 0.95, window: int = 256,
-                 alpha: float = 0.2, down_after: int = 3, up_after: int = 3, down_after_timeouts: int = 10,
+                 alpha: float = 0.2, down_after: int = 3, up_after: int = 3, down_after_timeouts: int = 20,
                  agreement_window: int = 256) -> None:
         if not (rtt_ms > 0 and 0 < cloud_accuracy <= 1 and 0 < high_quantile < 1 and down_after >= 1
                 and up_after >= 1 and down_after_timeouts >= down_after):
@@ -477,9 +485,16 @@ class LinkProfile:
         self._fit = (self._agree_seen, fit)
         return fit
 
+    def forget_unanswered(self) -> None:
+        """Forget the escalations not answered in time from the RTT window, after the deadline grew: they
+        were cut at the old, tighter deadline and say nothing about whether the link meets the new one
+        (kept, they would count as never answered and price every escalation at the whole budget)."""
+        self.rtt.drop_infinite()
+
     def rebase(self, keep: int = 4) -> None:
-        """Forget all but the last `keep` RTT samples (after a detected change)."""
-        self.rtt.rebase(keep)
+        """Forget all but the last `keep` RTT samples (after a detected change); the EWMA, which
+        detected it, goes on from where it is."""
+        self.rtt.rebase(keep, reset_ewma=False)
 
     def state(self) -> LinkState:
         cloud, scale, rate = self._refit()

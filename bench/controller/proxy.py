@@ -29,6 +29,7 @@ import time
 from dataclasses import dataclass
 
 MODES = ("up", "refuse", "blackhole")
+BURST_GAP_S = 0.003  # chunks read closer together than this belong to one message (one jitter draw)
 
 
 @dataclass
@@ -143,6 +144,7 @@ class DelayProxy:
                 await writer.drain()
 
         sender = asyncio.create_task(deliver())
+        last, jitter = -1.0, 0.0
         try:
             while True:
                 data = await reader.read(65536)
@@ -150,8 +152,12 @@ class DelayProxy:
                     break
                 if self.state.mode == "blackhole":
                     continue
-                delay = getattr(self.state, direction) + self._random.uniform(0.0, self.state.jitter_ms)
-                await queue.put((time.monotonic() + delay / 1e3, data))
+                now = time.monotonic()
+                if now - last >= BURST_GAP_S:  # a new message: a new jitter draw
+                    jitter = self._random.uniform(0.0, self.state.jitter_ms)
+                last = now
+                delay = getattr(self.state, direction) + jitter
+                await queue.put((now + delay / 1e3, data))
             queue.put_nowait((0.0, b""))
             await sender
         except (OSError, asyncio.IncompleteReadError):

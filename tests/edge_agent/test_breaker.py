@@ -102,3 +102,25 @@ def test_late_outcomes_while_open_change_nothing(clock: Clock) -> None:
 def test_bad_config_is_rejected(kwargs: dict[str, float]) -> None:
     with pytest.raises(ConfigError):
         BreakerConfig(**kwargs)  # type: ignore[arg-type]
+
+
+def test_deadline_timeouts_open_it_only_when_they_persist(clock: Clock) -> None:
+    breaker = CircuitBreaker(BreakerConfig(failure_threshold=3, timeout_threshold=8), clock=clock)
+    for _ in range(7):  # a jittered link under a tight budget: misses in a row, but not a dead cloud
+        breaker.record_failure(timeout=True)
+    assert breaker.state == "closed"
+    breaker.record_failure(timeout=True)  # the 8th in a row: a partition
+    assert breaker.state == "open"
+    mixed = CircuitBreaker(BreakerConfig(failure_threshold=3, timeout_threshold=8), clock=clock)
+    for timeout in (False, True, False, False):  # a timeout between refusals breaks their run...
+        mixed.record_failure(timeout=timeout)
+    assert mixed.state == "closed"
+    mixed.record_failure()  # ...and three refusals in a row open it as before
+    assert mixed.state == "open"
+    # a threshold below failure_threshold does not make timeouts open it sooner than refusals
+    low = CircuitBreaker(BreakerConfig(failure_threshold=5, timeout_threshold=2), clock=clock)
+    for _ in range(4):
+        low.record_failure(timeout=True)
+    assert low.state == "closed"
+    with pytest.raises(ConfigError, match="timeout_threshold"):
+        BreakerConfig(timeout_threshold=0)

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from edge_agent.budget import Budget, BudgetWindows
-from edge_agent.controller import Controller, ControllerConfig
+from edge_agent.controller import Controller, ControllerConfig, evaluate
 from edge_agent.profiles import LinkProfile, VariantProfile
 from runtimes.errors import ConfigError
 
@@ -96,7 +96,7 @@ def test_modeled_energy_noise_never_switches_the_variant_and_a_measured_differen
 
 def test_timeouts_mark_the_link_down_only_when_they_persist() -> None:
     link = LinkProfile(rtt_ms=5.0)
-    events = [link.observe(None, ok=False, elapsed_ms=10.0, timeout=True) for _ in range(9)]
+    events = [link.observe(None, ok=False, elapsed_ms=10.0, timeout=True) for _ in range(19)]
     assert link.up
     assert not any(events)
     assert link.observe(None, ok=False, elapsed_ms=10.0, timeout=True) == ("down",)
@@ -138,3 +138,71 @@ def test_while_the_cloud_is_down_the_controller_asks_for_more_probes() -> None:
     c.maybe_redecide()
     assert not link.up
     assert c.current.predicted_escalation_rate == pytest.approx(0.1)  # nothing gained, so the least that probes
+    # a point that escalates less, kept from before the cloud went down, gives way to one that probes
+    c2 = Controller([profile], Budget(latency_ms=50), link=LinkProfile(rtt_ms=2.0), config=cfg, clock=Clock())
+    c2.current = c2._commit(evaluate(profile, profile.thresholds((0.0,))[0], c2.link.state(), c2.budget, cfg), "test")
+    assert c2.current.predicted_escalation_rate == 0.0
+    for _ in range(3):
+        c2.observe_escalation(None, ok=False, elapsed_ms=0.3)
+    d = c2.maybe_redecide()
+    assert d is not None
+    assert d.predicted_escalation_rate == pytest.approx(0.1)
+    assert "probe" in d.reason
+
+
+def test_escalations_cut_at_a_tight_deadline_do_not_price_a_looser_one() -> None:
+    profile = VariantProfile("v", SCORES, SCORES >= 0.1, np.full(16, 1.0), 1.0, "modeled:test")
+    link = LinkProfile(rtt_ms=5.0)
+    cfg = ControllerConfig(escalation_grid=GRID, probe_escalation_rate=0.0)
+    c = Controller([profile], Budget(latency_ms=8), link=link, config=cfg, clock=Clock())
+    for i in range(60):  # a jittered link: a third answered in 5 ms, the rest cut at the 8 ms deadline
+        if i % 3:
+            c.observe_escalation(None, ok=False, elapsed_ms=7.0, timeout=True)
+        else:
+            c.observe_escalation(5.0, ok=True, bytes_sent=100)
+    assert link.up
+    assert link.state().timely(50.0) < 0.5  # cut escalations count as never answered...
+    loose, t = Budget(latency_ms=50), profile.thresholds((0.1,))[0]
+    before = evaluate(profile, t, link.state(), loose, cfg).predicted_accuracy
+    c.set_budget(loose)
+    # ...until the deadline grows: they say nothing about 50 ms, and escalating the edge's errors pays more
+    assert link.state().timely(50.0) == 1.0
+    assert evaluate(profile, t, link.state(), loose, cfg).predicted_accuracy > before + 0.01
+    assert c.current.predicted_escalation_rate == pytest.approx(0.1)
+
+
+def test_one_slow_round_trip_on_a_steady_link_does_not_flip_the_decision() -> None:
+    profile = VariantProfile("v", SCORES, SCORES >= 0.3, np.full(16, 1.0), 1.0, "modeled:test")
+    link = LinkProfile(rtt_ms=2.0)
+    cfg = ControllerConfig(escalation_grid=GRID, probe_escalation_rate=0.0)
+    clock = Clock()
+    c = Controller([profile], Budget(latency_ms=10), link=link, config=cfg, clock=clock)
+    for _ in range(100):
+        c.observe_escalation(2.0, ok=True, bytes_sent=100)
+    c.maybe_redecide()
+    first = c.current.key
+    assert c.current.predicted_escalation_rate == pytest.approx(0.3)
+    c.observe_escalation(30.0, ok=True, bytes_sent=100)  # a load spike: the EWMA moves, the window keeps it small
+    for _ in range(40):
+        c.maybe_redecide()
+        assert c.current.key == first
+        c.observe_escalation(2.0, ok=True, bytes_sent=100)
+        clock.t += 0.05
+
+
+def test_a_switch_up_keeps_headroom_and_takes_the_best_point_that_has_it() -> None:
+    profile = VariantProfile("v", SCORES, SCORES >= 0.5, np.full(16, 1.0), 1.0, "modeled:test")
+    link = LinkProfile(rtt_ms=2.0, bytes_per_escalation=1000.0, energy_per_byte_mj=1e-3)
+    cfg = ControllerConfig(escalation_grid=GRID, probe_escalation_rate=0.0)
+    clock = Clock()
+    c = Controller([profile], Budget(latency_ms=50), link=link, config=cfg, clock=clock)
+    per_escalation = (c.current.predicted_energy_mj - 1.0) / c.current.predicted_escalation_rate
+    # an energy budget the most accurate point (half escalated) meets with less than 10 % to spare
+    budget = Budget(latency_ms=50, energy_mj=(1.0 + 0.5 * per_escalation) / 0.92 / 0.97)
+    c.set_budget(Budget(latency_ms=50, energy_mj=1.0 / 0.92))  # nothing but the edge fits
+    assert c.current.predicted_escalation_rate == 0.0
+    c.set_budget(budget)
+    # not the best point, too close to the budget to move to for accuracy alone, but the best with room
+    assert c.current.predicted_escalation_rate == pytest.approx(0.3)
+    assert "to spare" in c.current.reason
+    assert c.current.predicted_energy_mj <= 0.9 * c.current.inputs["energy_target_mj"]
