@@ -17,6 +17,7 @@ from typing import Any
 
 from cloud_service.fleet.ca import FleetCA
 from cloud_service.fleet.desired import DesiredState
+from cloud_service.fleet.dynsec import BrokerUnavailable, DynsecAdmin, DynsecOptions
 from cloud_service.fleet.registry import Enrolled, Registry
 from cloud_service.fleet.store import DEFAULT_DATA_DIR, FleetStore, default_url
 from cloud_service.fleet.telemetry import TelemetryLimits, TelemetryStore
@@ -32,6 +33,8 @@ class FleetConfig:
     broker_passwd: a Mosquitto password file the fleet rewrites on every enrollment and revocation.
     broker_reload: a command run after rewriting it (e.g. `systemctl reload mosquitto`, or `kill -HUP PID`).
     broker_users: extra broker accounts written into that file (the fleet's own, bridges).
+    dynsec: a broker with Mosquitto's dynamic-security plugin: each device's broker client is created at
+        enrollment and deleted at revocation through `$CONTROL/dynamic-security/v1` (instead of a password file).
     drift_after_s: how long reported may differ from desired before the device is listed as drift.
     online_after_s: a device not heard from for longer is offline.
     limits: telemetry size, daily byte cap, clock skew and raw retention.
@@ -42,6 +45,7 @@ class FleetConfig:
     broker_passwd: Path | None = None
     broker_reload: str | None = None
     broker_users: dict[str, str] = field(default_factory=dict)
+    dynsec: DynsecOptions | None = None
     drift_after_s: float = 300.0
     online_after_s: float = 120.0
     limits: TelemetryLimits = field(default_factory=TelemetryLimits)
@@ -57,12 +61,15 @@ class Fleet:
         self.desired = DesiredState(store, drift_after_s=config.drift_after_s)
         self.telemetry = TelemetryStore(store, config.limits)
         self.ingest: Any = None  # an MqttIngest once `tierkit fleet serve` connects one
+        self.dynsec = DynsecAdmin(config.dynsec) if config.dynsec is not None else None
 
     @classmethod
     def open(cls, config: FleetConfig) -> Fleet:
         return cls(config, FleetStore.open(config.db_url or default_url(config.data_dir)))
 
     def close(self) -> None:
+        if self.dynsec is not None:
+            self.dynsec.close()
         self.store.close()
 
     def __enter__(self) -> Fleet:
@@ -74,13 +81,28 @@ class Fleet:
     # -- registry ------------------------------------------------------------------------------
 
     def enroll(self, token: str, csr_pem: str, *, hardware: dict[str, Any], agent_version: str) -> Enrolled:
-        got = self.registry.enroll(token, csr_pem, hardware=hardware, agent_version=agent_version)
+        got = self.registry.enroll(token, csr_pem, hardware=hardware, agent_version=agent_version,
+                                   on_issue=self.dynsec.add_device if self.dynsec is not None else None)
         self.sync_broker()
         return got
 
     def revoke(self, device_id: str) -> None:
         self.registry.revoke(device_id)
+        if self.dynsec is not None:
+            try:
+                self.dynsec.remove_device(device_id)  # the broker disconnects it now
+            except BrokerUnavailable as exc:
+                logger.warning("device %s is revoked; the broker will drop it at the next reconcile: %s",
+                               device_id, exc)
         self.sync_broker()
+
+    def reconcile_broker(self) -> list[str]:
+        """With dynamic security: delete the broker clients of revoked devices still there (a revocation the
+        broker missed). Returns those removed."""
+        if self.dynsec is None:
+            return []
+        revoked = {d["device_id"] for d in self.registry.devices() if d["revoked_at"] is not None}
+        return self.dynsec.reconcile(revoked)
 
     def sync_broker(self) -> None:
         """Rewrite the broker password file (active devices only) and run the reload command."""
