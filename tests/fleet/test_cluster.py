@@ -99,3 +99,36 @@ def test_two_fleet_processes_store_every_window_once(postgres: Postgres, tmp_pat
         for f in fleets:
             f.stop()
         broker.stop()
+
+
+def test_fleet_processes_migrating_at_once_create_the_schema_once(postgres: Postgres) -> None:
+    """Four stores opened at the same moment on an empty database: one migrates, the others wait and find it done."""
+    import threading
+
+    db = _fresh_database(postgres, f"fleet_migrate_{int(time.time() * 1000) % 10**9}")
+    barrier = threading.Barrier(4)
+    errors: list[Exception] = []
+    stores: list[FleetStore] = []
+
+    def open_store() -> None:
+        barrier.wait(10)
+        try:
+            stores.append(FleetStore.open(db))
+        except Exception as exc:  # collected and asserted on below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=open_store) for _ in range(4)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(60)
+    try:
+        assert errors == []
+        assert len(stores) == 4
+        import sqlalchemy as sa
+
+        with stores[0].begin() as conn:
+            assert conn.execute(sa.text("SELECT count(*) FROM alembic_version")).scalar() == 1
+    finally:
+        for s in stores:
+            s.close()
