@@ -14,7 +14,7 @@ from cloud_service import identity
 from edge_agent.fleet_sync import EnrollmentError, enroll
 from tests.broker import Broker
 from tests.fleet.conftest import FLEET_PASSWORD, wait_for
-from tests.fleet.fleet_process import FleetProcess, cli
+from tests.fleet.fleet_process import ROOT, FleetProcess, cli
 from tests.fleet.mqtt_device import Device
 from tests.security.deploy_broker import DEPLOY, dynsec_plugin
 
@@ -22,7 +22,7 @@ pytestmark = pytest.mark.mqtt
 
 
 class DynsecBroker(Broker):
-    """Mosquitto with the plugin and the shipped roles; the fleet's user logs in by password on a plain listener."""
+    """deploy/fleet/mosquitto-fleet.conf with the shipped roles (deploy/mosquitto/dynamic-security.json)."""
 
     def write_conf(self) -> None:
         self.workdir.mkdir(parents=True, exist_ok=True)
@@ -32,11 +32,14 @@ class DynsecBroker(Broker):
             for client in doc["clients"]:
                 client.update(identity.password_fields(FLEET_PASSWORD))
             state.write_text(json.dumps(doc))
-        self.conf.write_text(
-            ("user root\n" if os.geteuid() == 0 else "")
-            + f"per_listener_settings false\nallow_anonymous false\nplugin {dynsec_plugin()}\n"
-            f"plugin_opt_config_file {state}\nset_tcp_nodelay true\nlog_dest file {self.log}\n"
-            f"listener {self.port} {self.host}\n")
+        text = (ROOT / "deploy" / "fleet" / "mosquitto-fleet.conf").read_text()  # as shipped, ports and paths rendered
+        for old, new in {"/mosquitto/data/": f"{self.workdir}/",
+                         "/usr/lib/mosquitto_dynamic_security.so": dynsec_plugin(),
+                         "\nlistener 1883\n": f"\nlistener {self.port} {self.host}\n",
+                         "log_dest stdout": f"log_dest file {self.log}"}.items():
+            assert old in text, old
+            text = text.replace(old, new)
+        self.conf.write_text(("user root\n" if os.geteuid() == 0 else "") + text)
 
 
 def test_enroll_and_revoke_manage_the_broker_account(tmp_path: Path) -> None:
