@@ -60,6 +60,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[
     s.add_argument("--client-id", default="", help="MQTT client id, stable across restarts (default: host-pid)")
     s.add_argument("--broker-passwd", type=Path, help="Mosquitto password file to keep in sync with the registry")
     s.add_argument("--broker-reload", metavar="CMD", help="command that makes the broker reread that file")
+    s.add_argument("--crl-file", type=Path, help="write the CA's revocation list (PEM) here for a broker's crlfile; "
+                   "rewritten after every revocation, then --broker-reload runs")
     s.add_argument("--broker-dynsec", action="store_true",
                    help="the --mqtt broker runs Mosquitto's dynamic-security plugin: create each device's client at "
                         "enrollment and delete it at revocation (instead of --broker-passwd)")
@@ -152,7 +154,8 @@ def _serve(args: argparse.Namespace) -> int:
         dynsec = DynsecOptions(host=mqtt.host, port=mqtt.port, username=args.mqtt_user, password=mqtt.password,
                                client_id=f"{args.client_id}-admin" if args.client_id else "")
     fleet = _fleet(args, broker_passwd=args.broker_passwd, broker_reload=args.broker_reload, broker_users=users,
-                   drift_after_s=parse_duration(args.drift_after), limits=limits, dynsec=dynsec)
+                   drift_after_s=parse_duration(args.drift_after), limits=limits, dynsec=dynsec,
+                   crl_file=args.crl_file)
     fleet.sync_broker()
     with contextlib.suppress(FleetError):  # an unreachable broker: the periodic reconcile tries again
         fleet.reconcile_broker()

@@ -176,6 +176,13 @@ class Registry:
             msg = f"no device {device_id!r} is enrolled; nothing was revoked"
             raise UnknownDevice(msg)
 
+    def revoked_certificates(self) -> list[tuple[str, float]]:
+        """(certificate serial hex, revoked at) of every revoked device, for the CA's revocation list."""
+        with self.store.begin() as conn:
+            rows = conn.execute(sa.select(t.devices.c.cert_serial, t.devices.c.revoked_at)
+                                .where(t.devices.c.revoked_at.is_not(None))).all()
+        return [(r.cert_serial, float(r.revoked_at)) for r in rows]
+
     def write_broker_passwords(self, path: Path, *, extra: dict[str, str] | None = None) -> int:
         """Write a Mosquitto password file of every active device (plus `extra` user -> password). Atomic."""
         lines = [f"{user}:{mosquitto_hash(pw)}" for user, pw in sorted((extra or {}).items())]

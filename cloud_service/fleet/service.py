@@ -74,6 +74,7 @@ async def _periodic(fleet: Fleet, ingest: MqttIngest | None, *, roll_up: bool) -
             fleet.desired.refresh(fleet.registry.devices(include_revoked=False))
         if roll_up:
             fleet.telemetry.roll_up()
+            fleet.refresh_crl()
             fleet.reconcile_broker()
 
     try:
