@@ -85,6 +85,19 @@ def _day(row: dict[str, Any]) -> _DayKey:
     return row["device_id"], int(row["server_ts"] // 86400)
 
 
+def _agreement(old: Any, rows: list[Any]) -> dict[str, Any]:
+    """The roll-up's agreement: windows that carry one, weighted by their escalations (requests x rate)."""
+    w0 = float(old.agreement_weight) if old is not None and old.agreement is not None else 0.0
+    total = w0 * (old.agreement if w0 else 0.0)
+    weight = w0
+    for r in rows:
+        if r.agreement is not None:
+            w = r.requests * r.escalation_rate or 1.0
+            total += r.agreement * w
+            weight += w
+    return {"agreement": total / weight if weight else None, "agreement_weight": weight}
+
+
 class TelemetryStore:
     """Ingest, query and roll up telemetry windows over a `FleetStore`."""
 
@@ -226,7 +239,7 @@ class TelemetryStore:
         c = t.telemetry.c
         with self.store.begin() as conn:
             rows = conn.execute(sa.select(c.id, c.device_id, c.server_ts, c.requests, c.p95_ms, c.escalation_rate,
-                                          c.energy_mj_per_request, c.degraded)
+                                          c.energy_mj_per_request, c.degraded, c.agreement)
                                 .where(c.server_ts < cutoff).order_by(c.id).limit(batch)).all()
             if not rows:
                 return 0
@@ -250,7 +263,8 @@ class TelemetryStore:
                                         + sum(r.escalation_rate * r.requests for r in rs)) / wsum,
                     "energy_mj_per_request": ((old.energy_mj_per_request * req0 if old else 0.0)
                                               + sum(r.energy_mj_per_request * r.requests for r in rs)) / wsum,
-                    "degraded": (old.degraded if old else 0) + sum(r.degraded for r in rs)}
+                    "degraded": (old.degraded if old else 0) + sum(r.degraded for r in rs),
+                    **_agreement(old, rs)}
                 if old:
                     conn.execute(t.telemetry_rollup.update().where(t.telemetry_rollup.c.device_id == device,
                                                                    t.telemetry_rollup.c.hour == hour).values(**values))

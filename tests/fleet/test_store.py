@@ -252,9 +252,13 @@ def test_retention_rolls_raw_windows_up_hourly(registry: Registry, store: FleetS
     a = _enroll(registry, {})
     tel = TelemetryStore(store, TelemetryLimits(retention_s=86400, daily_bytes=10**9, max_skew_s=10**9))
     hour = (time.time() // 3600 - 48) * 3600
-    old = [(a, _window(a, i, requests=10 * i, escalation_rate=0.1 * i), hour + 60 * i) for i in range(1, 5)]
-    tel.ingest([*old, (a, _window(a, 99), time.time())])
-    assert tel.roll_up() == 4
+    agreement = {1: 0.5, 2: None, 3: 0.9, 4: 0.7}
+    old = [(a, _window(a, i, requests=10 * i, escalation_rate=0.1 * i, agreement=agreement[i]), hour + 60 * i)
+           for i in range(1, 5)]
+    tel.ingest([*old[:2], (a, _window(a, 99), time.time())])
+    assert tel.roll_up() == 2
+    tel.ingest(old[2:])  # late windows of the same hour fold into the existing row
+    assert tel.roll_up() == 2
     assert tel.roll_up() == 0
     assert [r["seq"] for r in tel.windows([a])] == [99]
     (r,) = tel.rollups([a])
@@ -264,3 +268,5 @@ def test_retention_rolls_raw_windows_up_hourly(registry: Registry, store: FleetS
     assert r["p95_ms_max"] == 13.0
     assert r["escalation_rate"] == pytest.approx(sum(0.1 * i * 10 * i for i in range(1, 5)) / 100)
     assert r["degraded"] == 4
+    weights = {i: 10 * i * 0.1 * i for i in (1, 3, 4)}  # escalations per window: requests x rate
+    assert r["agreement"] == pytest.approx(sum(agreement[i] * w for i, w in weights.items()) / sum(weights.values()))
