@@ -5,8 +5,8 @@ On PostgreSQL a batch's rows travel as one JSON array parameter, read back as ta
 batch size, with a statement text that never changes. Measured on loopback (bench/bench_fleet.py):
 psycopg's pipelined `executemany` costs about 80 µs a row; array parameters spend most of their
 time in psycopg escaping text arrays in Python; one JSON text (encoded in C, parsed in C by the
-server) is the cheapest. SQLite runs in-process, where `executemany` of one cached statement is
-already the fast path.
+server) is the cheapest. SQLite runs in-process: there the driver's own `executemany` of one
+statement with positional rows (no SQLAlchemy parameter processing per row) is the fast path.
 
 Example:
     >>> bulk = Bulk(store)
@@ -76,7 +76,10 @@ class Bulk:
         existing = self.existing(conn, table, [tuple(r[k] for k in key) for r in rows], key)
         fresh = [r for r in rows if tuple(r[k] for k in key) not in existing]
         if fresh:
-            conn.execute(self.upsert(table).on_conflict_do_nothing(index_elements=list(key)), fresh)
+            sql = self._cache.setdefault(("sqlite_insert", table.name, *cols), (
+                f"INSERT INTO {table.name} ({', '.join(cols)}) VALUES ({', '.join('?' * len(cols))}) "
+                f"ON CONFLICT ({', '.join(key)}) DO NOTHING"))
+            conn.exec_driver_sql(sql, [tuple(r[c] for c in cols) for r in fresh])
         return {tuple(r[k] for k in key) for r in fresh}
 
     def existing(self, conn: Any, table: sa.Table, keys: Sequence[Key], key: Sequence[str]) -> set[Key]:
@@ -112,9 +115,11 @@ class Bulk:
                 + ", ".join(f"{c} = {table.name}.{c} + excluded.{c}" for c in adds)))
             conn.execute(stmt, self._json(rows))
             return
-        ins = self.upsert(table)
-        conn.execute(ins.on_conflict_do_update(index_elements=list(key),
-                                               set_={c: table.c[c] + ins.excluded[c] for c in adds}), rows)
+        sql = self._cache.setdefault(("sqlite_add_counts", table.name, *cols), (
+            f"INSERT INTO {table.name} ({', '.join(cols)}) VALUES ({', '.join('?' * len(cols))}) "
+            f"ON CONFLICT ({', '.join(key)}) DO UPDATE SET "
+            + ", ".join(f"{c} = {table.name}.{c} + excluded.{c}" for c in adds)))
+        conn.exec_driver_sql(sql, [tuple(r[c] for c in cols) for r in rows])
 
     def raise_to(self, conn: Any, table: sa.Table, key: str, col: str, values: dict[Any, float]) -> None:
         """`col = max(col, value)` for each key; a NULL `col` takes the value."""
@@ -127,8 +132,5 @@ class Bulk:
                 f"FROM {self._records(table)} AS u WHERE {table.name}.{key} = u.{key}"))
             conn.execute(stmt, self._json([{key: k, col: v} for k, v in items]))
             return
-        c = table.c[col]
-        new = sa.bindparam("v", type_=c.type)
-        conn.execute(table.update().where(table.c[key] == sa.bindparam("k"))
-                     .values({col: sa.case((c.is_(None), new), (c < new, new), else_=c)}),
-                     [{"k": k, "v": v} for k, v in items])
+        conn.exec_driver_sql(f"UPDATE {table.name} SET {col} = max(coalesce({col}, ?1), ?1) WHERE {key} = ?2",
+                             [(v, k) for k, v in items])
