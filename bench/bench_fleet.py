@@ -13,6 +13,7 @@ Target: 1,000 windows/s (10,000 devices every 10 s) with p99 lag <= 2 s. Ratios 
 measured in the same run.
 
     python bench/bench_fleet.py [--quick] [--json] [--rate 1000] [--seconds 20] [--devices 10000]
+                                [--db both|sqlite|postgresql]
 """
 
 from __future__ import annotations
@@ -205,6 +206,7 @@ def main() -> int:
     parser.add_argument("--rate", type=float, default=TARGET_RATE, help="offered windows per second")
     parser.add_argument("--seconds", type=float, default=20.0)
     parser.add_argument("--devices", type=int, default=10_000)
+    parser.add_argument("--db", choices=("both", "sqlite", "postgresql"), default="both", help="which databases")
     args = parser.parse_args()
     if args.quick:
         args.rate, args.seconds, args.devices = min(args.rate, 300.0), 3.0, 500
@@ -214,10 +216,13 @@ def main() -> int:
         if broker is None:
             print("mosquitto not found: the MQTT column is skipped (apt-get install mosquitto)", file=sys.stderr)
         try:
-            results.append(run_db("sqlite", f"sqlite:///{tmp}/fleet.db", broker and broker[1], args))
+            if args.db in ("both", "sqlite"):
+                results.append(run_db("sqlite", f"sqlite:///{tmp}/fleet.db", broker and broker[1], args))
             from tests.fleet.postgres import Postgres, available
 
-            if available():
+            if args.db == "sqlite":
+                pass
+            elif available():
                 pg = Postgres(Path(tempfile.mkdtemp(prefix="bench-pg-")))
                 pg.start()
                 try:

@@ -64,7 +64,7 @@ from edge_agent.ladder import Variant, load_packages, open_variants
 from edge_agent.options import AgentOptions
 from edge_agent.policy import Policy
 from edge_agent.prediction import Prediction, make_prediction
-from edge_agent.stats import RttEstimator, Stats, TimerLateness, feed_controller
+from edge_agent.stats import RttEstimator, Stats, TimerLateness, feed_controller, top1_agreed
 from edge_agent.transports.base import Transport, open_transport
 from runtimes.errors import (
     CloudTimeout,
@@ -437,7 +437,7 @@ class EdgeAgent:
             self._drain_wake.set()  # the cloud answers again: deliver what waits, now rather than on a timer
         self.rtt.add(rtt_ms, probe=needed_ms > left_ms)  # a probe that fits: the slow samples are stale
         first = self.outputs[0].name
-        agreed = bool((expected[first].argmax(axis=-1) == cloud[first].argmax(axis=-1)).all())
+        agreed = top1_agreed(expected[first], cloud[first])
         if whole:
             merged = cloud
         else:

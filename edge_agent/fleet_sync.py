@@ -170,7 +170,8 @@ class TelemetryWindows:
         model_digest: the digest of the model the agent actually runs.
     """
 
-    _COUNTERS = ("requests", "escalations_sent", "cloud_answers", "degraded", "cache_hits")
+    _COUNTERS = ("requests", "escalations_sent", "cloud_answers", "degraded", "cache_hits", "escalations_compared",
+                 "escalations_agreed")
 
     def __init__(self, boot_id: str, *, model_digest: str = "") -> None:
         self.boot_id, self.model_digest = boot_id, model_digest
@@ -188,12 +189,16 @@ class TelemetryWindows:
         self.seq += 1
         self._last, self._last_ts, window_s = snap, now, max(0.0, now - self._last_ts)
         n = d["requests"]
+        # the share of this window's answered escalations where the cloud's top-1 equalled the edge's
+        # (classification outputs only); None when none was compared
+        compared = d["escalations_compared"]
+        agreement = min(1.0, max(0.0, d["escalations_agreed"] / compared)) if compared > 0 else None
         return {"device": snap.get("device"), "boot_id": self.boot_id, "seq": self.seq, "ts": now,
                 "window_s": window_s, "requests": n,
                 "tiers": {"edge": n - d["cloud_answers"], "cloud": d["cloud_answers"]},
                 "p50_ms": float(snap.get("p50_ms", 0.0)), "p95_ms": float(snap.get("p95_ms", 0.0)),
                 "escalation_rate": min(1.0, d["escalations_sent"] / n) if n else 0.0,
-                "agreement": snap.get("agreement"),
+                "agreement": agreement,
                 "energy_mj_per_request": max(0.0, energy_total - prev_energy) / n if n else 0.0,
                 "energy_label": str(snap.get("energy_label") or "unknown"),
                 "degraded": d["degraded"], "degraded_reasons": {k: v for k, v in reasons.items() if v > 0},

@@ -159,6 +159,14 @@ def feed_controller(ctl: Any, rec: tuple[Any, ...]) -> None:
         logger.exception("the controller rejected an observation; it is dropped")
 
 
+def top1_agreed(edge: np.ndarray, cloud: np.ndarray) -> bool | None:
+    """Whether the cloud's top-1 equals the edge's on every row of an answered escalation; None where the
+    output is not a classification (no class axis of at least two scores: a scalar or one value per row)."""
+    if edge.ndim == 0 or edge.shape[-1] < 2 or edge.shape != cloud.shape:
+        return None
+    return bool((edge.argmax(axis=-1) == cloud.argmax(axis=-1)).all())
+
+
 @dataclass
 class Stats:
     """Counters since the agent started, and a window of recent latencies."""
@@ -172,12 +180,16 @@ class Stats:
     cache_hits: int = 0
     journaled: int = 0
     late_replies: int = 0
+    # answered escalations whose outputs could be compared (classification), and those where the cloud's
+    # top-1 equalled the edge's: the agreement on escalated inputs
+    escalations_compared: int = 0
+    escalations_agreed: int = 0
     reasons: dict[str, int] = field(default_factory=dict)
     energy_mj: float = 0.0
     latencies: deque[float] = field(default_factory=lambda: deque(maxlen=2048))
 
     def add(self, rec: tuple[Any, ...]) -> None:
-        (_v, _edge_ms, _edge_mj, energy, _label, n, wanted, tier, degraded, reason, rtt_ms, _nb, _agreed, total_ms,
+        (_v, _edge_ms, _edge_mj, energy, _label, n, wanted, tier, degraded, reason, rtt_ms, _nb, agreed, total_ms,
          cached, _score) = rec
         self.requests += 1
         self.rows += n
@@ -187,6 +199,9 @@ class Stats:
         self.degraded += degraded
         self.cache_hits += cached
         self.energy_mj += energy
+        if agreed is not None and not cached:
+            self.escalations_compared += 1
+            self.escalations_agreed += bool(agreed)
         if reason:
             self.reasons[reason] = self.reasons.get(reason, 0) + 1
         self.latencies.append(total_ms)
@@ -198,5 +213,8 @@ class Stats:
                 "escalations_sent": self.escalations_sent, "cloud_answers": self.cloud_answers,
                 "degraded": self.degraded, "cache_hits": self.cache_hits, "journaled": self.journaled,
                 "late_replies": self.late_replies, "reasons": dict(self.reasons),
+                "escalations_compared": self.escalations_compared, "escalations_agreed": self.escalations_agreed,
+                "agreement": (self.escalations_agreed / self.escalations_compared
+                              if self.escalations_compared else None),
                 "energy_mj_per_request": self.energy_mj / self.requests if self.requests else 0.0,
                 "p50_ms": q[0], "p95_ms": q[1], "p99_ms": q[2]}

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from fastapi import Depends, FastAPI, Header, Request
-from fastapi.responses import HTMLResponse, JSONResponse
+from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse
 from pydantic import BaseModel, Field
 
 from cloud_service.fleet.errors import FleetError
@@ -79,6 +79,12 @@ def create_app(fleet: Fleet) -> FastAPI:
         got = fleet.enroll(req.token, req.csr, hardware=req.hardware, agent_version=req.agent_version)
         return EnrollResponse(device_id=got.device_id, certificate=got.cert_pem, ca_certificate=got.ca_pem,
                               mqtt_username=got.mqtt_username, mqtt_password=got.mqtt_password, labels=got.labels)
+
+    @app.get("/v1/ca/crl", tags=["devices"], response_class=PlainTextResponse,
+             responses={200: {"content": {"application/x-pem-file": {}}}})
+    def crl() -> PlainTextResponse:
+        """The fleet CA's certificate revocation list (PEM), for a broker's `crlfile`; public, like the CA."""
+        return PlainTextResponse(fleet.crl_pem(), media_type="application/x-pem-file")
 
     @app.get("/v1/devices", tags=["devices"])
     def devices(label: str | None = None, _op: str = Depends(reader)) -> list[dict[str, Any]]:

@@ -1,6 +1,7 @@
 """The fleet's own certificate authority: it signs device CSRs, so a device's key never leaves it.
 
 The CA key and certificate live in the data directory (`ca.key`, `ca.pem`), created on first use.
+`crl` signs the list of revoked device certificates that a broker's `crlfile` checks.
 A device certificate's CN is its device id, the MQTT client id the broker confines it by
 (`use_identity_as_username true` in Mosquitto; the same in EMQX and VerneMQ).
 
@@ -22,6 +23,7 @@ from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 from cloud_service.fleet.errors import EnrollmentRefused
 
 _DEVICE_DAYS = 365
+CRL_DAYS = 30  # a CRL past its nextUpdate makes OpenSSL refuse every client: the fleet re-signs it daily
 
 
 class FleetCA:
@@ -85,3 +87,16 @@ class FleetCA:
                 .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.CLIENT_AUTH]), critical=False)
                 .sign(self.key, hashes.SHA256()))
         return cert.public_bytes(serialization.Encoding.PEM).decode(), format(serial, "x")
+
+    def crl(self, revoked: list[tuple[str, float]], *, now: dt.datetime | None = None) -> str:
+        """A certificate revocation list (PEM) of `revoked` (serial hex, revocation time in Unix seconds),
+        valid `CRL_DAYS` days from `now`."""
+        now = now or dt.datetime.now(dt.UTC)
+        b = (x509.CertificateRevocationListBuilder().issuer_name(self.cert.subject)
+             .last_update(now - dt.timedelta(minutes=5)).next_update(now + dt.timedelta(days=CRL_DAYS)))
+        for serial, at in sorted(revoked):
+            if not serial:
+                continue  # enrolled before certificates carried a serial: nothing to list
+            b = b.add_revoked_certificate(x509.RevokedCertificateBuilder().serial_number(int(serial, 16))
+                                          .revocation_date(dt.datetime.fromtimestamp(at, dt.UTC)).build())
+        return b.sign(self.key, hashes.SHA256()).public_bytes(serialization.Encoding.PEM).decode()

@@ -65,6 +65,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[
     s.add_argument("--client-id", default="", help="MQTT client id, stable across restarts (default: host-pid)")
     s.add_argument("--broker-passwd", type=Path, help="Mosquitto password file to keep in sync with the registry")
     s.add_argument("--broker-reload", metavar="CMD", help="command that makes the broker reread that file")
+    s.add_argument("--crl-file", type=Path, help="write the CA's revocation list (PEM) here for a broker's crlfile; "
+                   "rewritten after every revocation, then --broker-reload runs")
+    s.add_argument("--broker-dynsec", action="store_true",
+                   help="the --mqtt broker runs Mosquitto's dynamic-security plugin: create each device's client at "
+                        "enrollment and delete it at revocation (instead of --broker-passwd)")
     s.add_argument("--drift-after", default="5m", help="reported != desired for longer than this is drift")
     s.add_argument("--daily-bytes", type=int, default=2 * 1024 * 1024, help="telemetry byte cap per device and day")
     s.add_argument("--retention", default="7d", help="raw telemetry kept this long, then rolled up hourly")
@@ -133,6 +138,8 @@ def _fleet(args: argparse.Namespace, **overrides: Any) -> Any:
 
 def _serve(args: argparse.Namespace) -> int:
     _need_extra()
+    from cloud_service.fleet.dynsec import DynsecOptions
+    from cloud_service.fleet.errors import FleetError
     from cloud_service.fleet.ingest import IngestOptions
     from cloud_service.fleet.service import serve_fleet
     from cloud_service.fleet.telemetry import TelemetryLimits
@@ -151,11 +158,21 @@ def _serve(args: argparse.Namespace) -> int:
                              username=args.mqtt_user, password=os.environ.get("TIERKIT_FLEET_MQTT_PASSWORD"))
     limits = TelemetryLimits(daily_bytes=args.daily_bytes, retention_s=parse_duration(args.retention))
     users = {args.mqtt_user: mqtt.password} if mqtt is not None and args.mqtt_user and mqtt.password else {}
+    dynsec = None
+    if args.broker_dynsec:
+        if mqtt is None or not args.mqtt_user or args.broker_passwd:
+            msg = ("--broker-dynsec needs --mqtt and --mqtt-user (whose role may use $CONTROL/dynamic-security/v1) "
+                   "and replaces --broker-passwd: give one of the two")
+            raise ConfigError(msg)
+        dynsec = DynsecOptions(host=mqtt.host, port=mqtt.port, username=args.mqtt_user, password=mqtt.password,
+                               client_id=f"{args.client_id}-admin" if args.client_id else "")
     fleet = _fleet(args, broker_passwd=args.broker_passwd, broker_reload=args.broker_reload, broker_users=users,
-                   drift_after_s=parse_duration(args.drift_after), limits=limits,
-                   online_after_s=parse_duration(args.online_after), release_keys=tuple(args.release_key),
-                   cloud_capacity_rps=args.cloud_capacity)
+                   drift_after_s=parse_duration(args.drift_after), limits=limits, dynsec=dynsec,
+                   crl_file=args.crl_file, online_after_s=parse_duration(args.online_after),
+                   release_keys=tuple(args.release_key), cloud_capacity_rps=args.cloud_capacity)
     fleet.sync_broker()
+    with contextlib.suppress(FleetError):  # an unreachable broker: the periodic reconcile tries again
+        fleet.reconcile_broker()
 
     async def main() -> None:
         stop = asyncio.Event()

@@ -17,6 +17,7 @@ from typing import Any
 
 from cloud_service.fleet.ca import FleetCA
 from cloud_service.fleet.desired import DesiredState
+from cloud_service.fleet.dynsec import BrokerUnavailable, DynsecAdmin, DynsecOptions
 from cloud_service.fleet.registry import Enrolled, Registry
 from cloud_service.fleet.releases import ReleaseRegistry, configured_keys
 from cloud_service.fleet.rollouts import Rollouts
@@ -34,6 +35,10 @@ class FleetConfig:
     broker_passwd: a Mosquitto password file the fleet rewrites on every enrollment and revocation.
     broker_reload: a command run after rewriting it (e.g. `systemctl reload mosquitto`, or `kill -HUP PID`).
     broker_users: extra broker accounts written into that file (the fleet's own, bridges).
+    crl_file: where to write the CA's revocation list (PEM) at start and after every revocation, for a broker's
+        `crlfile` (then `broker_reload` runs); `GET /v1/ca/crl` serves the same list.
+    dynsec: a broker with Mosquitto's dynamic-security plugin: each device's broker client is created at
+        enrollment and deleted at revocation through `$CONTROL/dynamic-security/v1` (instead of a password file).
     drift_after_s: how long reported may differ from desired before the device is listed as drift.
     online_after_s: a device not heard from for longer is offline.
     limits: telemetry size, daily byte cap, clock skew and raw retention.
@@ -46,6 +51,8 @@ class FleetConfig:
     broker_passwd: Path | None = None
     broker_reload: str | None = None
     broker_users: dict[str, str] = field(default_factory=dict)
+    crl_file: Path | None = None
+    dynsec: DynsecOptions | None = None
     drift_after_s: float = 300.0
     online_after_s: float = 120.0
     limits: TelemetryLimits = field(default_factory=TelemetryLimits)
@@ -65,12 +72,16 @@ class Fleet:
         self.releases = ReleaseRegistry(store, config.data_dir, configured_keys(config.data_dir, config.release_keys))
         self.rollouts = Rollouts(store, self.releases)
         self.ingest: Any = None  # an MqttIngest once `tierkit fleet serve` connects one
+        self.dynsec = DynsecAdmin(config.dynsec) if config.dynsec is not None else None
+        self._crl: tuple[Any, str] = (None, "")
 
     @classmethod
     def open(cls, config: FleetConfig) -> Fleet:
         return cls(config, FleetStore.open(config.db_url or default_url(config.data_dir)))
 
     def close(self) -> None:
+        if self.dynsec is not None:
+            self.dynsec.close()
         self.store.close()
 
     def __enter__(self) -> Fleet:
@@ -82,19 +93,65 @@ class Fleet:
     # -- registry ------------------------------------------------------------------------------
 
     def enroll(self, token: str, csr_pem: str, *, hardware: dict[str, Any], agent_version: str) -> Enrolled:
-        got = self.registry.enroll(token, csr_pem, hardware=hardware, agent_version=agent_version)
+        got = self.registry.enroll(token, csr_pem, hardware=hardware, agent_version=agent_version,
+                                   on_issue=self.dynsec.add_device if self.dynsec is not None else None)
         self.sync_broker()
         return got
 
     def revoke(self, device_id: str) -> None:
         self.registry.revoke(device_id)
+        if self.dynsec is not None:
+            try:
+                self.dynsec.remove_device(device_id)  # the broker disconnects it now
+            except BrokerUnavailable as exc:
+                logger.warning("device %s is revoked; the broker will drop it at the next reconcile: %s",
+                               device_id, exc)
         self.sync_broker()
 
+    def crl_pem(self) -> str:
+        """The CA's certificate revocation list (PEM): signed again when a revocation was added (by any fleet
+        process: the list comes from the database) and every day, well before its nextUpdate."""
+        revoked = sorted(self.registry.revoked_certificates())
+        key = (tuple(revoked), int(time.time() // 86400))
+        if self._crl[0] != key:
+            self._crl = (key, self.ca.crl(revoked))
+        return self._crl[1]
+
+    def write_crl(self) -> bool:
+        """Write the revocation list to `crl_file` (atomically) when configured and changed. Returns whether
+        it was written."""
+        path = self.config.crl_file
+        if path is None:
+            return False
+        pem = self.crl_pem()
+        if path.exists() and path.read_text() == pem:
+            return False
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text(pem)
+        tmp.replace(path)
+        return True
+
+    def refresh_crl(self) -> None:
+        """Periodic: a revocation made by another fleet process, or the daily re-signing, reaches `crl_file`
+        (and the broker, through the reload command)."""
+        if self.config.crl_file is not None and self.write_crl():
+            self.sync_broker()
+
+    def reconcile_broker(self) -> list[str]:
+        """With dynamic security: delete the broker clients of revoked devices still there (a revocation the
+        broker missed). Returns those removed."""
+        if self.dynsec is None:
+            return []
+        revoked = {d["device_id"] for d in self.registry.devices() if d["revoked_at"] is not None}
+        return self.dynsec.reconcile(revoked)
+
     def sync_broker(self) -> None:
-        """Rewrite the broker password file (active devices only) and run the reload command."""
-        if self.config.broker_passwd is None:
+        """Rewrite the broker password file (active devices only) and the CRL file, and run the reload command."""
+        if self.config.broker_passwd is None and self.config.crl_file is None:
             return
-        self.registry.write_broker_passwords(self.config.broker_passwd, extra=self.config.broker_users)
+        if self.config.broker_passwd is not None:
+            self.registry.write_broker_passwords(self.config.broker_passwd, extra=self.config.broker_users)
+        self.write_crl()
         if self.config.broker_reload:
             done = subprocess.run(self.config.broker_reload, shell=True, capture_output=True, timeout=30, check=False)
             if done.returncode:

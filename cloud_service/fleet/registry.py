@@ -20,6 +20,7 @@ import json
 import os
 import secrets
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -102,8 +103,12 @@ class Registry:
         return token
 
     def enroll(self, token: str, csr_pem: str, *, hardware: dict[str, Any] | None = None,
-               agent_version: str = "", now: float | None = None) -> Enrolled:
-        """Exchange a one-time token for an identity; `EnrollmentRefused` for a bad, expired or used token or CSR."""
+               agent_version: str = "", now: float | None = None,
+               on_issue: Callable[[str, str], None] | None = None) -> Enrolled:
+        """Exchange a one-time token for an identity; `EnrollmentRefused` for a bad, expired or used token or CSR.
+
+        `on_issue(device_id, mqtt_password)` runs inside the enrollment's transaction (e.g. to create the
+        device's broker account): if it raises, nothing is enrolled and the token stays unused."""
         if self.ca is None:
             msg = "this fleet process has no CA (start it with a data directory)"
             raise EnrollmentRefused(msg)
@@ -134,6 +139,8 @@ class Registry:
                 device_id=device_id, labels=row.labels, hardware=json.dumps(hardware or {}),
                 agent_version=str(agent_version)[:64], cert_serial=serial,
                 mqtt_password_hash=mosquitto_hash(password), enrolled_at=now))
+            if on_issue is not None:
+                on_issue(device_id, password)
         return Enrolled(device_id, cert_pem, self.ca.cert_pem, device_id, password, json.loads(row.labels))
 
     # -- devices -------------------------------------------------------------------------------
@@ -168,6 +175,13 @@ class Registry:
         if n != 1:
             msg = f"no device {device_id!r} is enrolled; nothing was revoked"
             raise UnknownDevice(msg)
+
+    def revoked_certificates(self) -> list[tuple[str, float]]:
+        """(certificate serial hex, revoked at) of every revoked device, for the CA's revocation list."""
+        with self.store.begin() as conn:
+            rows = conn.execute(sa.select(t.devices.c.cert_serial, t.devices.c.revoked_at)
+                                .where(t.devices.c.revoked_at.is_not(None))).all()
+        return [(r.cert_serial, float(r.revoked_at)) for r in rows]
 
     def write_broker_passwords(self, path: Path, *, extra: dict[str, str] | None = None) -> int:
         """Write a Mosquitto password file of every active device (plus `extra` user -> password). Atomic."""

@@ -123,6 +123,10 @@ telemetry_rollup = Table(
     Column("escalation_rate", Float, nullable=False),
     Column("energy_mj_per_request", Float, nullable=False),
     Column("degraded", BigInteger, nullable=False),
+    # agreement averaged over the hour's windows that carry one, each weighted by its escalations
+    # (requests x escalation rate); the weight summed so far, to fold later windows in
+    Column("agreement", Float, nullable=True),
+    Column("agreement_weight", Float, nullable=False, server_default="0"),
 )
 
 # Bytes accepted and cut per device and UTC day (the cellular-bill cap).

@@ -84,8 +84,10 @@ async def _periodic(fleet: Fleet, ingest: MqttIngest | None, engine: RolloutEngi
             fleet.desired.refresh(fleet.registry.devices(include_revoked=False))
         if roll_up:
             fleet.telemetry.roll_up()
+            fleet.refresh_crl()
+            fleet.reconcile_broker()
 
     try:
         await asyncio.to_thread(work)  # blocking database work off the event loop that serves the API
-    except FleetError as exc:
+    except FleetError as exc:  # BrokerUnavailable included: the next round tries again
         logger.warning("periodic fleet work skipped: %s", exc)

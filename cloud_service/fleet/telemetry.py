@@ -30,6 +30,7 @@ import sqlalchemy as sa
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from cloud_service.fleet import schema as t
+from cloud_service.fleet.bulk import Bulk
 from cloud_service.fleet.store import FleetStore
 
 DROP_REASONS = ("oversized", "malformed", "unknown", "revoked", "impersonating", "replayed", "capped")
@@ -72,10 +73,29 @@ class IngestResult:
     dropped: Counter[str] = field(default_factory=Counter)
 
 
-def _upsert(store: FleetStore, table: sa.Table) -> Any:
-    from sqlalchemy.dialects import postgresql, sqlite
+def _key(row: dict[str, Any]) -> tuple[str, str, int]:
+    return row["device_id"], row["boot_id"], row["seq"]
 
-    return postgresql.insert(table) if store.dialect == "postgresql" else sqlite.insert(table)
+
+_DayKey = tuple[str, int]
+
+
+def _day(row: dict[str, Any]) -> _DayKey:
+    """The byte cap's key: device and UTC day of the server's clock."""
+    return row["device_id"], int(row["server_ts"] // 86400)
+
+
+def _agreement(old: Any, rows: list[Any]) -> dict[str, Any]:
+    """The roll-up's agreement: windows that carry one, weighted by their escalations (requests x rate)."""
+    w0 = float(old.agreement_weight) if old is not None and old.agreement is not None else 0.0
+    total = w0 * (old.agreement if w0 else 0.0)
+    weight = w0
+    for r in rows:
+        if r.agreement is not None:
+            w = r.requests * r.escalation_rate or 1.0
+            total += r.agreement * w
+            weight += w
+    return {"agreement": total / weight if weight else None, "agreement_weight": weight}
 
 
 class TelemetryStore:
@@ -83,10 +103,70 @@ class TelemetryStore:
 
     def __init__(self, store: FleetStore, limits: TelemetryLimits | None = None) -> None:
         self.store, self.limits = store, limits or TelemetryLimits()
+        self.bulk = Bulk(store)
 
     def ingest(self, batch: list[tuple[str, bytes, float]]) -> IngestResult:
-        """Validate, deduplicate, cap and store a batch in one transaction."""
+        """Validate, deduplicate, cap and store a batch in one transaction (a fixed number of statements)."""
         res = IngestResult()
+        parsed = self._parse(batch, res)
+        cap, key = self.limits.daily_bytes, ("device_id", "boot_id", "seq")
+        with self.store.begin() as conn:
+            names = sorted({w.device for w, *_ in parsed})
+            status = {r.device_id: r.revoked_at for r in conn.execute(
+                sa.select(t.devices.c.device_id, t.devices.c.revoked_at).where(
+                    self.bulk.any_of(t.devices.c.device_id, names)))}
+            days = sorted({int(ts // 86400) for _w, _n, ts, _d in parsed})
+            usage = {(r.device_id, r.day): r.bytes for r in conn.execute(sa.select(t.telemetry_usage).where(
+                self.bulk.any_of(t.telemetry_usage.c.device_id, names),
+                self.bulk.any_of(t.telemetry_usage.c.day, days)))}
+            rows: list[dict[str, Any]] = []
+            in_batch: set[tuple[Any, ...]] = set()
+            for win, size, server_ts, text in parsed:
+                if win.device not in status:
+                    res.dropped["unknown"] += 1
+                elif status[win.device] is not None:
+                    res.dropped["revoked"] += 1
+                elif (win.device, win.boot_id, win.seq) in in_batch:
+                    res.dropped["replayed"] += 1  # the same window twice in one batch
+                else:
+                    in_batch.add((win.device, win.boot_id, win.seq))
+                    rows.append(self._row(win, size, server_ts, text))
+            # A window that cannot fit under the cap whatever else is new only needs telling replayed from
+            # capped; the others are inserted where not stored yet (the unique key decides, also against
+            # another fleet process), then those that the cap cuts are taken back out (the batch crossed it).
+            over = [r for r in rows if usage.get(_day(r), 0) + r["bytes"] > cap]
+            over_keys = {_key(r) for r in over}
+            tried = [r for r in rows if _key(r) not in over_keys]
+            fresh = self.bulk.insert_new(conn, t.telemetry, tried, key)
+            fresh |= over_keys - self.bulk.existing(conn, t.telemetry, sorted(over_keys), key)
+            # replays first, so that a redelivered window is never counted against the byte cap
+            accepted, cut, cut_bytes = Counter[_DayKey](), Counter[_DayKey](), Counter[_DayKey]()
+            take_back: list[tuple[Any, ...]] = []
+            last_seen: dict[str, float] = {}
+            for r in rows:
+                k, day = _key(r), _day(r)
+                if k not in fresh:
+                    res.dropped["replayed"] += 1
+                elif usage.get(day, 0) + r["bytes"] > cap:
+                    res.dropped["capped"] += 1
+                    cut[day] += 1
+                    cut_bytes[day] += r["bytes"]
+                    if k not in over_keys:
+                        take_back.append(k)
+                else:
+                    usage[day] = usage.get(day, 0) + r["bytes"]
+                    accepted[day] += r["bytes"]
+                    res.stored += 1
+                    last_seen[r["device_id"]] = max(last_seen.get(r["device_id"], 0.0), r["server_ts"])
+            self.bulk.delete(conn, t.telemetry, take_back, key)
+            self.bulk.add_counts(conn, t.telemetry_usage, [
+                {"device_id": d, "day": day, "bytes": accepted[(d, day)], "cut_windows": cut[(d, day)],
+                 "cut_bytes": cut_bytes[(d, day)]} for d, day in set(accepted) | set(cut)], ("device_id", "day"))
+            self.bulk.raise_to(conn, t.devices, "device_id", "last_seen", last_seen)
+            self.count_drops(conn, res.dropped)
+        return res
+
+    def _parse(self, batch: list[tuple[str, bytes, float]], res: IngestResult) -> list[tuple[_Window, int, float, str]]:
         parsed: list[tuple[_Window, int, float, str]] = []
         for device, payload, server_ts in batch:
             if len(payload) > self.limits.max_message_bytes:
@@ -97,75 +177,14 @@ class TelemetryStore:
             except ValidationError:
                 res.dropped["malformed"] += 1
                 continue
+            if "\x00" in win.device + win.boot_id + win.energy_label + win.variant:
+                res.dropped["malformed"] += 1  # no database text column holds NUL: it must not fail a batch
+                continue
             if win.device != device:
                 res.dropped["impersonating"] += 1
                 continue
             parsed.append((win, len(payload), server_ts, payload.decode()))
-        with self.store.begin() as conn:
-            names = sorted({w.device for w, *_ in parsed})
-            status = {r.device_id: r.revoked_at for r in conn.execute(
-                sa.select(t.devices.c.device_id, t.devices.c.revoked_at).where(self._in(t.devices.c.device_id, names)))}
-            days = sorted({int(ts // 86400) for _w, _n, ts, _d in parsed})
-            usage = {(r.device_id, r.day): r.bytes for r in conn.execute(sa.select(t.telemetry_usage).where(
-                self._in(t.telemetry_usage.c.device_id, names), self._in(t.telemetry_usage.c.day, days)))}
-            # replays first, so that a redelivered window is never counted against the byte cap
-            c = t.telemetry.c
-            seen = {(r.device_id, r.boot_id, r.seq) for r in conn.execute(
-                sa.select(c.device_id, c.boot_id, c.seq).where(
-                    self._in(c.device_id, names), self._in(c.seq, sorted({w.seq for w, *_ in parsed}))))}
-            rows, sizes, cut = [], {}, Counter[tuple[str, int]]()
-            cut_bytes = Counter[tuple[str, int]]()
-            for win, size, server_ts, text in parsed:
-                if win.device not in status:
-                    res.dropped["unknown"] += 1
-                    continue
-                if status[win.device] is not None:
-                    res.dropped["revoked"] += 1
-                    continue
-                wkey = (win.device, win.boot_id, win.seq)
-                if wkey in seen:
-                    res.dropped["replayed"] += 1
-                    continue
-                seen.add(wkey)
-                key = (win.device, int(server_ts // 86400))
-                if usage.get(key, 0) + size > self.limits.daily_bytes:
-                    res.dropped["capped"] += 1
-                    cut[key] += 1
-                    cut_bytes[key] += size
-                    continue
-                usage[key] = usage.get(key, 0) + size
-                rows.append(self._row(win, size, server_ts, text))
-                sizes[wkey] = (key, size)
-            if rows:
-                # replays were filtered above; ON CONFLICT only guards a race with another fleet process
-                # inserting the same window at the same moment (then the counters may overstate by that window)
-                stmt = _upsert(self.store, t.telemetry).on_conflict_do_nothing(
-                    index_elements=["device_id", "boot_id", "seq"])
-                conn.execute(stmt, rows)
-            res.stored = len(rows)
-            accepted = Counter[tuple[str, int]]()
-            for k, size in sizes.values():
-                accepted[k] += size
-            self._add_usage(conn, accepted, cut, cut_bytes)
-            last_seen: dict[str, float] = {}
-            for r in rows:
-                last_seen[r["device_id"]] = max(last_seen.get(r["device_id"], 0.0), r["server_ts"])
-            if last_seen:
-                # executemany of one cached statement: psycopg pipelines it; a multi-row VALUES statement
-                # would be recompiled for every batch (measured slower, bench/bench_fleet.py)
-                conn.execute(t.devices.update().where(t.devices.c.device_id == sa.bindparam("d"))
-                             .values(last_seen=sa.bindparam("ls")),
-                             [{"d": d, "ls": ts} for d, ts in last_seen.items()])
-            self.count_drops(conn, res.dropped)
-        return res
-
-    def _in(self, col: Any, values: list[Any]) -> Any:
-        """`col IN values`; on PostgreSQL `col = ANY(array)`: one parameter instead of one per value."""
-        if self.store.dialect == "postgresql":
-            from sqlalchemy.dialects.postgresql import ARRAY
-
-            return col == sa.any_(sa.bindparam(None, values, type_=ARRAY(col.type)))
-        return col.in_(values)
+        return parsed
 
     def _row(self, w: _Window, size: int, server_ts: float, text: str) -> dict[str, Any]:
         return {"device_id": w.device, "boot_id": w.boot_id, "seq": w.seq, "device_ts": w.ts, "server_ts": server_ts,
@@ -176,27 +195,9 @@ class TelemetryStore:
                 "degraded": w.degraded, "variant": w.variant, "threshold": w.threshold, "bytes": size,
                 "document": text}
 
-    def _add_usage(self, conn: Any, accepted: Counter[tuple[str, int]], cut: Counter[tuple[str, int]],
-                   cut_bytes: Counter[tuple[str, int]]) -> None:
-        keys = set(accepted) | set(cut)
-        if not keys:
-            return
-        u = t.telemetry_usage
-        stmt = _upsert(self.store, u)
-        stmt = stmt.on_conflict_do_update(index_elements=["device_id", "day"], set_={
-            "bytes": u.c.bytes + stmt.excluded.bytes, "cut_windows": u.c.cut_windows + stmt.excluded.cut_windows,
-            "cut_bytes": u.c.cut_bytes + stmt.excluded.cut_bytes})
-        conn.execute(stmt, [{"device_id": d, "day": day, "bytes": accepted[(d, day)],
-                             "cut_windows": cut[(d, day)], "cut_bytes": cut_bytes[(d, day)]}
-                            for d, day in sorted(keys)])
-
     def count_drops(self, conn: Any, dropped: Counter[str]) -> None:
-        if not +dropped:
-            return
-        stmt = _upsert(self.store, t.ingest_drops)
-        stmt = stmt.on_conflict_do_update(index_elements=["reason"],
-                                          set_={"count": t.ingest_drops.c.count + stmt.excluded.count})
-        conn.execute(stmt, [{"reason": k, "count": v} for k, v in sorted(dropped.items()) if v])
+        self.bulk.add_counts(conn, t.ingest_drops, [{"reason": k, "count": v} for k, v in dropped.items() if v],
+                             ("reason",))
 
     # -- queries -------------------------------------------------------------------------------
 
@@ -238,7 +239,7 @@ class TelemetryStore:
         c = t.telemetry.c
         with self.store.begin() as conn:
             rows = conn.execute(sa.select(c.id, c.device_id, c.server_ts, c.requests, c.p95_ms, c.escalation_rate,
-                                          c.energy_mj_per_request, c.degraded)
+                                          c.energy_mj_per_request, c.degraded, c.agreement)
                                 .where(c.server_ts < cutoff).order_by(c.id).limit(batch)).all()
             if not rows:
                 return 0
@@ -262,7 +263,8 @@ class TelemetryStore:
                                         + sum(r.escalation_rate * r.requests for r in rs)) / wsum,
                     "energy_mj_per_request": ((old.energy_mj_per_request * req0 if old else 0.0)
                                               + sum(r.energy_mj_per_request * r.requests for r in rs)) / wsum,
-                    "degraded": (old.degraded if old else 0) + sum(r.degraded for r in rs)}
+                    "degraded": (old.degraded if old else 0) + sum(r.degraded for r in rs),
+                    **_agreement(old, rs)}
                 if old:
                     conn.execute(t.telemetry_rollup.update().where(t.telemetry_rollup.c.device_id == device,
                                                                    t.telemetry_rollup.c.hour == hour).values(**values))

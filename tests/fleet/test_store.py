@@ -179,10 +179,11 @@ def test_telemetry_dedup_drops_and_caps(registry: Registry, store: FleetStore) -
               (a, b"{not json", now), (a, _window(a, 9, seq_extra="x" * 3000), now),  # malformed, oversized
               (b, _window(a, 4), now),                         # b publishing a's window
               ("dev-ghost", _window("dev-ghost", 1), now), (revoked, _window(revoked, 1), now),
-              (a, json.dumps({"device": a, "boot_id": "b1", "seq": -1, "ts": now}).encode(), now)]
+              (a, json.dumps({"device": a, "boot_id": "b1", "seq": -1, "ts": now}).encode(), now),
+              (a, _window(a, 7, boot="b\x00"), now)]  # NUL: no database text column holds it
     res = tel.ingest(batch)
     assert res.stored == 3
-    assert dict(res.dropped) == {"replayed": 1, "malformed": 2, "oversized": 1, "impersonating": 1,
+    assert dict(res.dropped) == {"replayed": 1, "malformed": 3, "oversized": 1, "impersonating": 1,
                                  "unknown": 1, "revoked": 1}
     again = tel.ingest([(a, _window(a, i), now) for i in range(1, 4)])  # a whole redelivered batch
     assert again.stored == 0
@@ -200,6 +201,40 @@ def test_telemetry_dedup_drops_and_caps(registry: Registry, store: FleetStore) -
     assert drops["replayed"] == 4
     assert drops["capped"] == 2
     assert registry.device(a)["last_seen"] == pytest.approx(now)
+    # at the cap: a redelivered window is a replay (never counted against the cap), a new one is cut
+    full = tel.ingest([(a, _window(a, 2), now), (a, _window(a, 8), now), (a, _window(a, 8), now)])
+    assert (full.stored, dict(full.dropped)) == (0, {"replayed": 2, "capped": 1})
+    assert tel.usage(a)[0]["cut_windows"] == 3
+    assert [r["seq"] for r in tel.windows([a])] == [1, 2, 3, 4, 5]
+
+
+def test_a_batch_crossing_the_cap_keeps_order_and_counts(registry: Registry, store: FleetStore) -> None:
+    a, b = _enroll(registry, {}), _enroll(registry, {})
+
+    def _w(device: str, seq: int) -> bytes:  # every window the same size
+        return _window(device, seq, ts=float(int(time.time())))
+
+    size = len(_w(a, 10))
+    tel = TelemetryStore(store, TelemetryLimits(daily_bytes=size * 3))
+    now = time.time() // 86400 * 86400 + 1000.0  # well inside one UTC day
+    tel.ingest([(a, _w(a, 10), now)])
+    # in one batch: a replay, two new windows that fit, a replay of one of them, two that the cap cuts,
+    # and another device's windows that are not affected by a's cap
+    res = tel.ingest([(a, _w(a, 10), now), (a, _w(a, 11), now), (b, _w(b, 10), now),
+                      (a, _w(a, 12), now), (a, _w(a, 11), now), (a, _w(a, 13), now),
+                      (a, _w(a, 14), now + 1), (b, _w(b, 11), now + 2)])
+    assert res.stored == 4
+    assert dict(res.dropped) == {"replayed": 2, "capped": 2}
+    assert [r["seq"] for r in tel.windows([a])] == [10, 11, 12]
+    assert [r["seq"] for r in tel.windows([b])] == [10, 11]
+    (ua,), (ub,) = tel.usage(a), tel.usage(b)
+    assert (ua["bytes"], ua["cut_windows"], ua["cut_bytes"]) == (size * 3, 2, size * 2)
+    assert (ub["bytes"], ub["cut_windows"]) == (size * 2, 0)
+    assert registry.device(a)["last_seen"] == pytest.approx(now)
+    assert registry.device(b)["last_seen"] == pytest.approx(now + 2)
+    # the cut windows were taken back out: sent again the next day they are new, not replays
+    later = tel.ingest([(a, _w(a, 13), now + 86400)])
+    assert (later.stored, dict(later.dropped)) == (1, {})
 
 
 def test_clock_skew_is_flagged_and_both_clocks_kept(registry: Registry, store: FleetStore) -> None:
@@ -217,9 +252,13 @@ def test_retention_rolls_raw_windows_up_hourly(registry: Registry, store: FleetS
     a = _enroll(registry, {})
     tel = TelemetryStore(store, TelemetryLimits(retention_s=86400, daily_bytes=10**9, max_skew_s=10**9))
     hour = (time.time() // 3600 - 48) * 3600
-    old = [(a, _window(a, i, requests=10 * i, escalation_rate=0.1 * i), hour + 60 * i) for i in range(1, 5)]
-    tel.ingest([*old, (a, _window(a, 99), time.time())])
-    assert tel.roll_up() == 4
+    agreement = {1: 0.5, 2: None, 3: 0.9, 4: 0.7}
+    old = [(a, _window(a, i, requests=10 * i, escalation_rate=0.1 * i, agreement=agreement[i]), hour + 60 * i)
+           for i in range(1, 5)]
+    tel.ingest([*old[:2], (a, _window(a, 99), time.time())])
+    assert tel.roll_up() == 2
+    tel.ingest(old[2:])  # late windows of the same hour fold into the existing row
+    assert tel.roll_up() == 2
     assert tel.roll_up() == 0
     assert [r["seq"] for r in tel.windows([a])] == [99]
     (r,) = tel.rollups([a])
@@ -229,3 +268,5 @@ def test_retention_rolls_raw_windows_up_hourly(registry: Registry, store: FleetS
     assert r["p95_ms_max"] == 13.0
     assert r["escalation_rate"] == pytest.approx(sum(0.1 * i * 10 * i for i in range(1, 5)) / 100)
     assert r["degraded"] == 4
+    weights = {i: 10 * i * 0.1 * i for i in (1, 3, 4)}  # escalations per window: requests x rate
+    assert r["agreement"] == pytest.approx(sum(agreement[i] * w for i, w in weights.items()) / sum(weights.values()))

@@ -1,0 +1,166 @@
+"""Device accounts on a Mosquitto that runs the dynamic-security plugin, kept by the fleet as it enrolls and revokes.
+
+Enrolling a device creates its broker client (username = device id, the password the fleet issued) with a role
+of its own (`cloud_service.identity.device_role`: its own telemetry, reported and escalate topics to write,
+its desired and reply topics to read); revoking deletes both, and the plugin disconnects the client at once.
+Commands go to `$CONTROL/dynamic-security/v1` over the fleet's own broker login (its role must allow that topic,
+as `deploy/mosquitto/dynamic-security.json` does); each command carries correlation data, so several fleet
+processes can share the response topic.
+
+An enrollment whose broker account cannot be created fails (503) and leaves its token unused: the device
+retries. A revocation the broker misses is caught up by `reconcile()`, which every fleet process runs
+periodically: it deletes the broker clients of revoked devices.
+
+Example:
+    >>> admin = DynsecAdmin(DynsecOptions(host="broker", username="tierkit-fleet", password=pw))
+    >>> admin.add_device("dev-1a2b", password)
+    >>> admin.remove_device("dev-1a2b")
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import threading
+import uuid
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+from cloud_service.fleet.errors import FleetError
+from cloud_service.identity import ROLE_PREFIX, dynsec_commands
+
+CONTROL_TOPIC = "$CONTROL/dynamic-security/v1"
+RESPONSE_TOPIC = CONTROL_TOPIC + "/response"
+_ABSENT = ("not found",)  # "Client not found", "Role not found": already gone
+
+
+class BrokerUnavailable(FleetError):
+    """The broker did not carry out an account change (unreachable, or it refused the command)."""
+
+    http_status = 503
+
+
+@dataclass(frozen=True)
+class DynsecOptions:
+    """Args: host/port: the broker; username/password: the fleet's own broker login, whose role may publish to
+    `$CONTROL/dynamic-security/v1`; client_id: default `tierkit-fleet-admin-HOST-PID`; timeout_s: per command."""
+
+    host: str = "127.0.0.1"
+    port: int = 1883
+    username: str = "tierkit-fleet"
+    password: str | None = None
+    client_id: str = ""
+    timeout_s: float = 5.0
+
+
+class DynsecAdmin:
+    """A paho connection that sends dynamic-security commands and waits for their answers (thread-safe)."""
+
+    def __init__(self, options: DynsecOptions) -> None:
+        self.options = options
+        self._lock = threading.Lock()
+        self._pending: dict[str, tuple[threading.Event, list[dict[str, Any]]]] = {}
+        self._client: Any = None
+        self._subscribed = threading.Event()
+
+    def _connect(self) -> Any:
+        import paho.mqtt.client as paho
+        from paho.mqtt.enums import CallbackAPIVersion
+
+        o = self.options
+        c = paho.Client(CallbackAPIVersion.VERSION2, protocol=paho.MQTTv5,
+                        client_id=o.client_id or f"tierkit-fleet-admin-{socket.gethostname()}-{os.getpid()}")
+        c.username_pw_set(o.username, o.password)
+        c.on_connect = lambda cl, _u, _f, rc, _p=None: None if rc.is_failure else cl.subscribe(RESPONSE_TOPIC, qos=1)
+        c.on_subscribe = lambda *_a: self._subscribed.set()
+        c.on_message = self._on_message
+        try:
+            c.connect(o.host, o.port, keepalive=30)
+        except OSError as exc:
+            msg = f"the broker at {o.host}:{o.port} is unreachable for account changes ({exc})"
+            raise BrokerUnavailable(msg) from None
+        c.loop_start()
+        if not self._subscribed.wait(o.timeout_s):
+            c.disconnect()
+            c.loop_stop()
+            msg = (f"the broker at {o.host}:{o.port} did not accept the fleet's admin login ({o.username!r}) or its "
+                   f"subscription to {RESPONSE_TOPIC}; check the fleet's broker password and role")
+            raise BrokerUnavailable(msg)
+        return c
+
+    def _on_message(self, _c: Any, _u: Any, msg: Any) -> None:
+        try:
+            responses = json.loads(msg.payload).get("responses", [])
+        except (ValueError, AttributeError):
+            return
+        for r in responses:
+            waiter = self._pending.get(str(r.get("correlationData", "")))
+            if waiter is not None:
+                waiter[1].append(r)
+                waiter[0].set()
+
+    def execute(self, commands: Iterable[dict[str, Any]], *, ignore: tuple[str, ...] = ()) -> list[dict[str, Any]]:
+        """Send `commands` (one request) and return their responses; `BrokerUnavailable` when one failed with an
+        error not containing any of `ignore`, or when no answer came in time."""
+        cmds = [dict(c) for c in commands]
+        tag = uuid.uuid4().hex
+        for i, c in enumerate(cmds):
+            c["correlationData"] = f"{tag}-{i}"
+        with self._lock:
+            if self._client is None or not self._client.is_connected():
+                self.close()
+                self._subscribed.clear()
+                self._client = self._connect()
+            waiters: dict[str, tuple[threading.Event, list[dict[str, Any]]]] = {
+                c["correlationData"]: (threading.Event(), []) for c in cmds}
+            self._pending.update(waiters)
+            try:
+                info = self._client.publish(CONTROL_TOPIC, json.dumps({"commands": cmds}), qos=1)
+                for key, (event, _got) in waiters.items():
+                    if not event.wait(self.options.timeout_s):
+                        msg = f"the broker did not answer the dynamic-security command {key.rsplit('-', 1)[-1]} in time"
+                        raise BrokerUnavailable(msg)
+                info.wait_for_publish(self.options.timeout_s)
+            finally:
+                for key in waiters:
+                    self._pending.pop(key, None)
+        out = [got[0] for _e, got in waiters.values()]
+        for c, r in zip(cmds, out, strict=True):
+            err = r.get("error")
+            if err and not any(s in str(err) for s in ignore):
+                msg = f"the broker refused {c['command']} for {c.get('username') or c.get('rolename')}: {err}"
+                raise BrokerUnavailable(msg)
+        return out
+
+    def add_device(self, device: str, password: str) -> None:
+        """Create the device's role and its client with `password` (client id = device id)."""
+        cmds = dynsec_commands(device)
+        # createClient: the client id is pinned to the device id, so no other login can take over its session,
+        # without `use_username_as_clientid` on the listener (which would give every fleet process one client id)
+        cmds[-1].update(password=password, clientid=device)
+        self.execute(cmds)
+
+    def remove_device(self, device: str) -> None:
+        """Delete the device's client (the broker disconnects it at once) and its role; absent ones are fine."""
+        self.execute([{"command": "deleteClient", "username": device},
+                      {"command": "deleteRole", "rolename": ROLE_PREFIX + device}], ignore=_ABSENT)
+
+    def clients(self) -> list[str]:
+        """Every client username the plugin holds."""
+        (r,) = self.execute([{"command": "listClients", "verbose": False, "count": -1, "offset": 0}])
+        return [str(u) for u in r.get("data", {}).get("clients", [])]
+
+    def reconcile(self, revoked: set[str]) -> list[str]:
+        """Delete the broker clients of revoked devices that are still there; returns those removed."""
+        gone = [u for u in self.clients() if u in revoked]
+        for device in gone:
+            self.remove_device(device)
+        return gone
+
+    def close(self) -> None:
+        c, self._client = self._client, None
+        if c is not None:
+            c.disconnect()
+            c.loop_stop()
