@@ -268,6 +268,7 @@ class Swapper:
                 await agent.aclose()
                 msg = f"golden check failed on {rec}: {agent.refused[rec]}"
                 raise _Refused(msg)
+            await asyncio.to_thread(store.end, "golden")
         except Exception as exc:  # any failure before activation refuses the release; the old model serves on
             permanent = getattr(exc, "permanent", True)
             await asyncio.to_thread(store.fail if permanent else self._transient, target, "refused", str(exc),
@@ -310,6 +311,7 @@ class Swapper:
             await asyncio.to_thread(self._download, url)
             await self._step("verifying", target, desired_version=version)
             release = await asyncio.to_thread(self._verify, store.incoming / "release", target)
+            await asyncio.to_thread(store.end, "verifying")
             await self._step("staged", target, desired_version=version)
             await asyncio.to_thread(self._move_into, slot, target)
             return dataclasses.replace(release, directory=store.slot_dir(slot))

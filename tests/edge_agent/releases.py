@@ -5,15 +5,18 @@ from __future__ import annotations
 import io
 import json
 import tarfile
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
+from compilers import signing
 from compilers.golden import write_golden
 from compilers.package import ModelPackage, write_package
 from compilers.release import create_release, pack_release
 from runtimes.registry import open_session
+from sdk import zoo
 from tests.sdk.packages import make_variant_set
 
 DEVICE, USER, PASSWORD = "dev-swap", "dev-swap-mqtt", "s3cret-for-tests"
@@ -68,3 +71,36 @@ def device_config(tmp: Path, model: Path, fleet_url: str, keys: list[Path], *, b
     path = tmp / "agent.yaml"
     path.write_text("\n".join(lines) + "\n")
     return path
+
+
+@dataclass
+class Kit:
+    """The operators' public key, a local model, and release archives by name: r1 (v1), r2 (v2, may roll back
+    to r1), bad (golden reference perturbed), unsigned, wrong_key, tampered, older (v0)."""
+
+    pub: Path
+    local: Path
+    archives: dict[str, Path]
+    digests: dict[str, str]
+
+
+def build_kit(root: Path, onnx: Path, digits: zoo.Split) -> Kit:
+    priv, pub = signing.generate_keypair(root / "ops")
+    key = signing.load_private_key(priv)
+    other = signing.load_private_key(signing.generate_keypair(root / "other")[0])
+    x, y = digits.x_val, digits.y_val
+    lin = variant_set(root / "vs-lin", onnx, "lin", x, y)
+    lin2 = variant_set(root / "vs-lin2", onnx, "lin2", x, y)
+    bad = variant_set(root / "vs-bad", onnx, "lin", x, y, perturb=0.05)
+    local = variant_set(root / "vs-local", onnx, "local", x, y)
+    d: dict[str, str] = {}
+    a: dict[str, Path] = {}
+    d["r1"], a["r1"] = release(lin, root / "r1", "1", key)
+    d["r2"], a["r2"] = release(lin2, root / "r2", "2", key, rollback_to=(d["r1"],))
+    d["bad"], a["bad"] = release(bad, root / "bad", "3", key)
+    d["unsigned"], a["unsigned"] = release(lin, root / "unsigned", "4", None)
+    d["wrong_key"], a["wrong_key"] = release(lin, root / "wrong", "4", other)
+    d["tampered"], signed = release(lin, root / "t4", "4", key)
+    a["tampered"] = tampered(signed, root / "tampered.tar")
+    d["older"], a["older"] = release(lin, root / "r0", "0", key)
+    return Kit(pub, local, a, d)

@@ -12,7 +12,6 @@ import json
 import queue
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -21,45 +20,16 @@ import numpy as np
 import pytest
 
 from cloud_service.protocol import encode_request, get_parameters, inference_pb2_grpc, topics
-from compilers import signing
 from edge_agent.config import load_config
 from edge_agent.daemon import AgentDaemon
 from sdk import zoo
 from tests.doubles.release_server import ReleaseServer
-from tests.edge_agent.releases import DEVICE, PASSWORD, USER, device_config, release, tampered, variant_set
-
-
-@dataclass
-class Kit:
-    pub: Path
-    local: Path
-    archives: dict[str, Path]
-    digests: dict[str, str]
+from tests.edge_agent.releases import DEVICE, PASSWORD, USER, Kit, build_kit, device_config
 
 
 @pytest.fixture(scope="module")
-def kit(digits_linear_onnx: Path, digits: zoo.Split,
-        tmp_path_factory: pytest.TempPathFactory) -> Kit:
-    root = tmp_path_factory.mktemp("releases")
-    priv, pub = signing.generate_keypair(root / "ops")
-    key = signing.load_private_key(priv)
-    other = signing.load_private_key(signing.generate_keypair(root / "other")[0])
-    x, y = digits.x_val, digits.y_val
-    lin = variant_set(root / "vs-lin", digits_linear_onnx, "lin", x, y)
-    lin2 = variant_set(root / "vs-lin2", digits_linear_onnx, "lin2", x, y)
-    bad = variant_set(root / "vs-bad", digits_linear_onnx, "lin", x, y, perturb=0.05)
-    local = variant_set(root / "vs-local", digits_linear_onnx, "local", x, y)
-    d: dict[str, str] = {}
-    a: dict[str, Path] = {}
-    d["r1"], a["r1"] = release(lin, root / "r1", "1", key)
-    d["r2"], a["r2"] = release(lin2, root / "r2", "2", key, rollback_to=(d["r1"],))
-    d["bad"], a["bad"] = release(bad, root / "bad", "3", key)
-    d["unsigned"], a["unsigned"] = release(lin, root / "unsigned", "4", None)
-    d["wrong_key"], a["wrong_key"] = release(lin, root / "wrong", "4", other)
-    d["tampered"], signed = release(lin, root / "t4", "4", key)
-    a["tampered"] = tampered(signed, root / "tampered.tar")
-    d["older"], a["older"] = release(lin, root / "r0", "0", key)
-    return Kit(pub, local, a, d)
+def kit(digits_linear_onnx: Path, digits: zoo.Split, tmp_path_factory: pytest.TempPathFactory) -> Kit:
+    return build_kit(tmp_path_factory.mktemp("releases"), digits_linear_onnx, digits)
 
 
 async def until(what: str, check: Callable[[], Any], timeout: float = 30.0) -> Any:
@@ -249,3 +219,16 @@ def test_a_device_without_release_keys_refuses_every_release_and_bad_credentials
     assert "no release key" in no_keys["error"]
     assert "credentials" in bad_auth["error"]
     assert "401" in bad_auth["error"]
+
+
+def test_telemetry_windows_name_the_release_and_count_crashes_across_a_swap() -> None:
+    from edge_agent.fleet_sync import TelemetryWindows
+
+    w = TelemetryWindows("boot", model_digest="m1", release="sha256:r1")
+    w.crashes += 1
+    first = w.window({"requests": 10, "escalations_sent": 2, "ts": 1.0})
+    assert (first["release"], first["crashes"], first["requests"], first["seq"]) == ("sha256:r1", 1, 10, 1)
+    w.restart(model_digest="m2", release="sha256:r2")  # a new agent: its counters start again at zero
+    second = w.window({"requests": 4, "escalations_sent": 1, "ts": 2.0})
+    assert (second["release"], second["crashes"], second["requests"], second["seq"]) == ("sha256:r2", 0, 4, 2)
+    assert second["escalation_rate"] == 0.25
