@@ -280,7 +280,6 @@ class AgentDaemon:
         self._start_control()
         if self.swapper is not None:
             self._tasks.append(asyncio.create_task(self.swapper.run(), name="tierkit-swap"))
-            self._tasks.append(asyncio.create_task(self._first_report(), name="tierkit-first-report"))
         return self
 
     def _control_broker(self) -> tuple[str, int] | None:
@@ -364,16 +363,6 @@ class AgentDaemon:
             report.update(self.slots.report())
             report["release"] = self.release.digest if self.release else None  # what actually runs
         return report
-
-    async def _first_report(self) -> None:
-        """Say what runs after a start (the retained desired document, if any, brings another report)."""
-        for _ in range(120):
-            try:
-                await self._publish(topics.reported_topic(self.device), json.dumps(self._report_doc()).encode(),
-                                    retain=True)
-                return
-            except (TierkitError, TimeoutError, ConnectionError):
-                await asyncio.sleep(0.5)
 
     async def __aenter__(self) -> AgentDaemon:
         return await self.start()

@@ -56,7 +56,7 @@ def tampered(archive: Path, out: Path) -> Path:
 
 
 def device_config(tmp: Path, model: Path, fleet_url: str, keys: list[Path], *, broker: str | None = None,
-                  listen: str = "127.0.0.1:0") -> Path:
+                  listen: str = "127.0.0.1:0", cloud: str | None = None) -> Path:
     """agent.yaml of an enrolled device (its identity written where enrollment keeps it)."""
     state = tmp / "state"
     state.mkdir(parents=True, exist_ok=True)
@@ -68,6 +68,8 @@ def device_config(tmp: Path, model: Path, fleet_url: str, keys: list[Path], *, b
              f"[{', '.join(repr(str(k)) for k in keys)}]}}"]
     if broker:
         lines.append(f"broker: {broker}")
+    if cloud:
+        lines.append(f"cloud: {cloud}")
     path = tmp / "agent.yaml"
     path.write_text("\n".join(lines) + "\n")
     return path

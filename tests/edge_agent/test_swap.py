@@ -232,3 +232,38 @@ def test_telemetry_windows_name_the_release_and_count_crashes_across_a_swap() ->
     second = w.window({"requests": 4, "escalations_sent": 1, "ts": 2.0})
     assert (second["release"], second["crashes"], second["requests"], second["seq"]) == ("sha256:r2", 0, 4, 2)
     assert second["escalation_rate"] == 0.25
+
+
+def test_the_new_agent_keeps_the_cloud_link_request_numbering_and_desired_overrides(kit: Kit, digits: zoo.Split,
+                                                                                     tmp_path: Path) -> None:
+    from tests.edge_agent.grpc_cloud import GrpcCloud
+
+    cloud = GrpcCloud()
+
+    async def main(server: ReleaseServer) -> list[str]:
+        config = load_config(device_config(tmp_path, kit.local, server.url, [kit.pub], cloud=cloud.url()))
+        tiers = []
+        async with AgentDaemon(config) as daemon:
+            link = daemon.agent.transport
+            desire(daemon, threshold=1.0, version=1)  # every row escalates
+            tiers.append((await daemon.agent.infer(digits.x_test[0])).tier)
+            desire(daemon, release=kit.digests["r1"], soak={"requests": 2}, version=2)
+            await until("r1 active", lambda: daemon.release is not None)
+            while swap_state(daemon).get("state") != "committed":
+                tiers.append((await daemon.agent.infer(digits.x_test[0])).tier)
+                await asyncio.sleep(0.01)
+            assert daemon.agent.transport is link  # one connection across the swap, still open
+            assert daemon.agent.threshold == 1.0  # the desired threshold overrides the release's 0.5
+            tiers.append((await daemon.agent.infer(digits.x_test[0])).tier)
+        return tiers
+
+    try:
+        with ReleaseServer({USER: PASSWORD}) as server:
+            server.archives[kit.digests["r1"]] = kit.archives["r1"]
+            tiers = asyncio.run(main(server))
+    finally:
+        cloud.stop()
+    assert set(tiers) == {"cloud"}
+    seqs = [seq for _boot, seq in cloud.servicer.seen]
+    assert len(seqs) == len(tiers)
+    assert len(set(seqs)) == len(seqs)  # the new agent goes on numbering: no (boot id, seq) is sent twice
