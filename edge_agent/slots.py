@@ -18,7 +18,8 @@ before a step or after it, never half of one. The committed slot is never writte
 is staged into the other one. `recover()` turns whatever a kill left into a state that runs:
 
 - killed before `active`: the committed slot runs (or the configured model); the staging is discarded
-  and done again when the fleet's retained desired state arrives;
+  and done again when the fleet's retained desired state arrives (refused after `MAX_INTERRUPTED` tries,
+  so a release whose golden check kills the agent cannot keep it in a crash loop);
 - killed at `active` or `soaking`: the committed slot runs and the swap ends `rolled_back`, "agent
   restarted during soak"; that release is not tried again until the fleet's desired version moves on;
 - killed after `committed`: the new release runs.
@@ -48,6 +49,7 @@ LIVE = ("active", "soaking")
 FINAL = ("committed", "rolled_back", "refused")
 STATES = (*PRE_ACTIVE, *LIVE, *FINAL)
 RESTARTED = "agent restarted during soak"
+MAX_INTERRUPTED = 3  # a swap interrupted this often before `active` is refused (a crash loop otherwise)
 _HISTORY = 16
 
 
@@ -65,6 +67,7 @@ class SwapState:
     crashes: int = 0
     failed: dict[str, int] = field(default_factory=dict)
     history: list[str] = field(default_factory=list)
+    interrupted: dict[str, int] = field(default_factory=dict)
 
 
 def write_atomic(path: Path, data: bytes) -> None:
@@ -181,6 +184,7 @@ class SlotStore:
         if digest is not None:
             self.state.history = [*(d for d in self.state.history if d != digest), digest][-_HISTORY:]
             self.state.failed.pop(digest, None)
+            self.state.interrupted.pop(digest, None)
 
     def committed_here(self, digest: str) -> bool:
         return digest in self.state.history
@@ -193,16 +197,24 @@ class SlotStore:
         swap, note = st.swap, ""
         self.clear_incoming()
         if swap is not None and swap.get("state") in PRE_ACTIVE:
+            target = str(swap.get("target"))
+            st.interrupted[target] = tries = st.interrupted.get(target, 0) + 1
             st.swap = st.last
-            note = f"swap to {swap.get('target')} interrupted at {swap['state']}; it is done again"
+            note = f"swap to {target} interrupted at {swap['state']}; it is done again"
+            if tries >= MAX_INTERRUPTED:  # the step itself may be what kills the agent: stop trying
+                st.failed[target] = int(swap.get("desired_version", 0))
+                st.last = st.swap = {"state": "refused", "target": target, "since": round(time.time(), 3),
+                                     "error": f"the agent stopped {tries} times during this swap "
+                                              f"(last at {swap['state']}); not tried again"}
+                note = f"swap to {target} refused: interrupted {tries} times"
         elif swap is not None and swap.get("state") in LIVE:
-            target = swap.get("target")
+            live: str | None = swap.get("target")
             desired = swap.get("desired_version", 0)
-            if target is not None:
-                st.failed[target] = int(desired)
-            st.last = st.swap = {"state": "rolled_back", "target": target, "since": round(time.time(), 3),
+            if live is not None:
+                st.failed[live] = int(desired)
+            st.last = st.swap = {"state": "rolled_back", "target": live, "since": round(time.time(), 3),
                                  "error": RESTARTED, "soak": swap.get("soak")}
-            note = f"swap to {target} rolled back: {RESTARTED}"
+            note = f"swap to {live} rolled back: {RESTARTED}"
         if st.active != st.committed:
             st.active = st.committed
             st.golden = None

@@ -184,6 +184,11 @@ def test_golden_failure_and_security_refusals_keep_the_old_model(kit: Kit, digit
             desire(daemon, release=kit.digests["bad"], version=7)  # retried only under a newer desired version
             await until("bad refused again", lambda: swap_state(daemon)["target"] == kit.digests["bad"]
                         and swap_state(daemon)["state"] == "refused")
+            desire(daemon, release=None, version=8)  # back to the configured model
+            await until("the local model",
+                        lambda: daemon.release is None and swap_state(daemon)["state"] == "committed")
+            assert await infer(stub, x) == "local"
+            assert daemon._report_doc()["release"] is None
         return errors
 
     with ReleaseServer({USER: PASSWORD}) as server:
@@ -267,3 +272,18 @@ def test_the_new_agent_keeps_the_cloud_link_request_numbering_and_desired_overri
     seqs = [seq for _boot, seq in cloud.servicer.seen]
     assert len(seqs) == len(tiers)
     assert len(set(seqs)) == len(seqs)  # the new agent goes on numbering: no (boot id, seq) is sent twice
+
+
+def test_a_swap_interrupted_again_and_again_before_active_is_refused(tmp_path: Path) -> None:
+    from edge_agent.slots import MAX_INTERRUPTED, SlotStore
+
+    target = "sha256:" + "1" * 64
+    for _ in range(MAX_INTERRUPTED):
+        store = SlotStore(tmp_path)
+        store.begin("golden", target, desired_version=5)  # then killed
+        note = SlotStore(tmp_path).recover()
+    assert "refused" in note
+    store = SlotStore(tmp_path)
+    assert store.report()["swap"]["state"] == "refused"
+    assert store.state.failed == {target: 5}
+    assert store.report()["release"] is None
