@@ -61,7 +61,7 @@ from edge_agent.fleet_sync import TelemetryWindows, load_identity, model_digest
 from edge_agent.journal import Journal, JournalEntry, drain
 from edge_agent.options import DEFAULT_POWER
 from edge_agent.slots import SlotStore
-from edge_agent.swap import SwapOptions, Swapper
+from edge_agent.swap import SwapOptions, Swapper, parse_desired
 from edge_agent.transports.base import TransportOptions
 from edge_agent.transports.mqtt import MqttTransport
 from edge_agent.transports.mqtt_session import MqttSession
@@ -425,6 +425,7 @@ class AgentDaemon:
             if "release" in desired and self.swapper is None:
                 msg = "this agent has no fleet section (agent.yaml fleet:), so it cannot take releases"
                 raise ConfigError(msg)
+            parse_desired(desired)  # a malformed release or soak changes nothing
             if "budget" in desired:
                 budget = dataclasses.replace(self.agent.budget, **desired["budget"])
                 self.agent.set_budget(Budget(budget.latency_ms, budget.energy_mj, budget.max_escalations_per_s))

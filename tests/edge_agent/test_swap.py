@@ -171,6 +171,8 @@ def test_golden_failure_and_security_refusals_keep_the_old_model(kit: Kit, digit
             stub = inference_pb2_grpc.GRPCInferenceServiceStub(channel)  # type: ignore[no-untyped-call]
             desire(daemon, release=kit.digests["r2"], soak={"requests": 1}, version=1)
             await settle(daemon, stub, x, kit.digests["r2"])
+            desire(daemon, release="sha256:nothex", threshold=0.1, version=2)
+            assert daemon.agent.threshold == 0.5  # a malformed release changes nothing, the threshold neither
             for version, name in enumerate(("bad", "unsigned", "wrong_key", "tampered", "older", "missing"), 2):
                 digest = kit.digests.get(name, "sha256:" + "0" * 64)
                 desire(daemon, release=digest, version=version)
