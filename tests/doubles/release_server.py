@@ -22,6 +22,7 @@ class ReleaseServer:
         self.users = dict(users)
         self.archives: dict[str, Path] = {}
         self.revoked: set[str] = set()
+        self.unavailable = False  # answer 503 to everything (a fleet being restarted)
         self.downloads: Counter[str] = Counter()
         server = self
 
@@ -45,7 +46,9 @@ class ReleaseServer:
         user, _, password = (base64.b64decode(auth[6:]).decode(errors="replace") if auth.startswith("Basic ")
                              else "").partition(":")
         parts = h.path.strip("/").split("/")
-        if self.users.get(user) != password or not user:
+        if self.unavailable:
+            self._reply(h, 503, b"try again later")
+        elif self.users.get(user) != password or not user:
             self._reply(h, 401, b"bad credentials")
         elif user in self.revoked:
             self._reply(h, 403, b"device revoked")

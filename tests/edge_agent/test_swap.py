@@ -289,3 +289,25 @@ def test_a_swap_interrupted_again_and_again_before_active_is_refused(tmp_path: P
     assert store.report()["swap"]["state"] == "refused"
     assert store.state.failed == {target: 5}
     assert store.report()["release"] is None
+
+
+def test_a_fleet_that_is_down_is_retried_and_the_swap_then_completes(kit: Kit, digits: zoo.Split,
+                                                                     tmp_path: Path) -> None:
+    async def main(server: ReleaseServer) -> str:
+        config = load_config(device_config(tmp_path, kit.local, server.url, [kit.pub]))
+        async with AgentDaemon(config) as daemon:
+            desire(daemon, release=kit.digests["r1"], soak={"requests": 0}, version=1)
+            s = await until("refused for now",
+                            lambda: swap_state(daemon).get("state") == "refused" and swap_state(daemon))
+            server.unavailable = False
+            await until("committed after the retry", lambda: swap_state(daemon).get("state") == "committed")
+            assert daemon.release is not None
+            assert daemon.release.digest == kit.digests["r1"]
+            return str(s["error"])
+
+    with ReleaseServer({USER: PASSWORD}) as server:
+        server.unavailable = True
+        server.archives[kit.digests["r1"]] = kit.archives["r1"]
+        error = asyncio.run(main(server))
+    assert "HTTP 503" in error
+    assert "retrying in 2 s" in error
