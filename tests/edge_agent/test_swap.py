@@ -115,7 +115,8 @@ def test_swap_reports_every_state_and_rolls_back_by_pointer_flip(kit: Kit, digit
             timings["swap_s"] = time.perf_counter() - t0
             assert daemon.release is not None
             assert daemon.release.digest == kit.digests["r1"]
-            assert daemon.agent.threshold == 0.5  # the release's threshold took effect
+            assert daemon.agent.threshold == 0.5  # the release's threshold and budget took effect
+            assert daemon.agent.budget.latency_ms == 250
             desire(daemon, release=kit.digests["r2"], soak={"requests": 20}, version=2)
             await settle(daemon, stub, x, kit.digests["r2"])
             assert await infer(stub, x) == "lin2"
