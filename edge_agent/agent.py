@@ -142,6 +142,8 @@ class EdgeAgent:
         trusted_keys: Ed25519 public keys packages must be signed with.
         version_floor: a JSON file of the newest version opened per model; an older one is refused
             unless it is a signed rollback (`compilers.version_floor`).
+        successor_of: a running agent this one will replace (a model swap): it shares that agent's
+            transport; `take_over()` then hands it the journal, request numbering, breaker and round trips.
 
     Example:
         >>> agent = EdgeAgent("variants/", cloud=None, policy=Policy("margin", threshold=0.3))
@@ -154,8 +156,13 @@ class EdgeAgent:
                  controller: bool | Controller | None = None,
                  options: AgentOptions | None = None, meter: Any = None, telemetry: Telemetry | None = None,
                  on_late_reply: LateReply | None = None, trusted_keys: Iterable[Any] | None = None,
-                 version_floor: str | Path | None = None) -> None:
+                 version_floor: str | Path | None = None, successor_of: EdgeAgent | None = None) -> None:
         self.options = opts = options or AgentOptions()
+        self._predecessor = successor_of
+        self._owns_link = successor_of is None  # the transport and journal: closed by whoever owns them
+        self._link_open = False  # the transport was entered (by a predecessor whose link this agent took over)
+        if successor_of is not None:
+            cloud = successor_of.transport
         self.budget = budget or Budget()
         self.policy = policy if isinstance(policy, Policy) else Policy(policy or "calibrated")
         ctl = None if isinstance(controller, bool) else controller
@@ -217,11 +224,28 @@ class EdgeAgent:
 
     # -- lifecycle -----------------------------------------------------------------------------
 
+    def take_over(self) -> None:
+        """Become the agent that owns the link of `successor_of` (on the event loop, before `start`): its
+        journal, request numbering (so no seq is used twice), breaker and round-trip estimates. The old
+        agent goes on answering the requests it has in flight; closed, it leaves the link open."""
+        old = self._predecessor
+        if old is None or self._owns_link:
+            return
+        self.journal, self._seq, self._inflight = old.journal, old._seq, old._inflight
+        self.breaker, self.rtt, self.lateness = old.breaker, old.rtt, old.lateness
+        old._owns_link, self._owns_link, self._link_open, self._predecessor = False, True, True, None
+        for task in old._tasks:
+            if task.get_name() == "tierkit-drain":  # one drain per journal: this agent's
+                task.cancel()
+
     async def start(self) -> EdgeAgent:
         """Connect the transport, open the journal and start the background tasks."""
-        if self.transport is not None:
+        if self._predecessor is not None:
+            msg = "a successor agent starts after take_over(); call it on the event loop first"
+            raise ModelClosed(msg)
+        if self.transport is not None and not self._link_open:
             await self.transport.__aenter__()
-        if self.options.journal_path is not None:
+        if self.options.journal_path is not None and self.journal is None:
             # a corrupt file is moved aside (and logged) by the journal itself; `journal.recovered_from` says where.
             # Opening runs SQLite's integrity check and fsyncs: in a worker thread, never on the loop.
             self.journal = await asyncio.to_thread(Journal, self.options.journal_path,
@@ -245,9 +269,9 @@ class EdgeAgent:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
         self.fold()
-        if self.transport is not None:
+        if self._owns_link and self.transport is not None:
             await self.transport.aclose()
-        if self.journal is not None:
+        if self._owns_link and self.journal is not None:
             self.journal.close()
         self._close_sessions()
 

@@ -46,7 +46,8 @@ def run(args: argparse.Namespace) -> int:
 
         state = Path(args.fleet_state) if args.fleet_state else (
             config.fleet.state_dir if config.fleet else Path("fleet-state"))
-        config = dataclasses.replace(config, fleet=FleetEnrollment(args.enroll, args.token or "", state))
+        keys = config.fleet.release_keys if config.fleet else ()
+        config = dataclasses.replace(config, fleet=FleetEnrollment(args.enroll, args.token or "", state, keys))
     if config.fleet is not None:
         from edge_agent.fleet_sync import enrolled_config
 

@@ -14,7 +14,8 @@ controller: true                    # adapt (variant, threshold) to the budget a
 # controller: {cloud_accuracy: 0.995, rtt_ms: 20, benchmark_repeats: 20}   # the same, with priors
 telemetry_interval_s: 10
 threads: 0
-fleet: {url: http://fleet:8080, token: tke_..., state_dir: ./fleet-state}   # optional: enroll in a fleet
+fleet: {url: http://fleet:8080, token: tke_..., state_dir: ./fleet-state,  # optional: enroll in a fleet
+        release_keys: [ops.pub]}    # releases must be signed with one of these (none: every release refused)
 ```
 
 Example:
@@ -52,12 +53,16 @@ class FleetEnrollment:
     Args:
         url: the fleet service's HTTP address.
         token: a one-time enrollment token (`tierkit fleet token create`); unused once enrolled.
-        state_dir: where the device key, certificate and identity are kept across restarts.
+        state_dir: where the device key, certificate and identity are kept across restarts (and the
+            A/B release slots, the swap journal and the version floor of releases).
+        release_keys: Ed25519 public key files releases must be signed with; with none, the device
+            refuses every release the fleet sends (`edge_agent.swap`).
     """
 
     url: str
     token: str = ""
     state_dir: Path = Path("fleet-state")
+    release_keys: tuple[Path, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -159,11 +164,18 @@ def parse_config(doc: Mapping[str, Any], *, base: Path = Path(), where: str = "a
     fleet = None
     if doc.get("fleet"):
         f = doc["fleet"]
-        if not isinstance(f, Mapping) or not f.get("url") or set(f) - {"url", "token", "state_dir"}:
-            msg = f"{where}: 'fleet' takes 'url' (required), 'token' and 'state_dir', got {f!r}"
+        if not isinstance(f, Mapping) or not f.get("url") or set(f) - {"url", "token", "state_dir", "release_keys"}:
+            msg = f"{where}: 'fleet' takes 'url' (required), 'token', 'state_dir' and 'release_keys', got {f!r}"
+            raise ConfigError(msg)
+        keys = f.get("release_keys") or []
+        if isinstance(keys, str):
+            keys = [keys]
+        if not isinstance(keys, list) or not all(isinstance(k, str) and k for k in keys):
+            msg = f"{where}: 'fleet.release_keys' must be a list of public key files, got {keys!r}"
             raise ConfigError(msg)
         fleet = FleetEnrollment(url=str(f["url"]), token=str(f.get("token") or ""),
-                                state_dir=base / str(f.get("state_dir") or "fleet-state"))
+                                state_dir=base / str(f.get("state_dir") or "fleet-state"),
+                                release_keys=tuple(base / k for k in keys))
     controller, adaptive = _controller(doc.get("controller"), where)
     if adaptive is not None:
         opts["adaptive"] = adaptive

@@ -15,6 +15,12 @@ decides), and the result is reported (retained) on `.../reported`:
 {"budget": {"latency_ms": 25, "energy_mj": 4}, "threshold": 0.8}
 ```
 
+Enrolled in a fleet, the desired document may also name a release (`"release": "sha256:..."`, `"soak"`,
+`"rollback"`): the agent takes it through its A/B slots (`edge_agent.swap`, `edge_agent.slots`) and
+reports at every step what it runs (`release`, `swap`, `slots`, `golden`, `crashes`). A release's
+threshold, policy, budget and energy profile take effect with it; the desired document's own budget and
+threshold still override them.
+
 Example:
     >>> daemon = await AgentDaemon(load_config("agent.yaml")).start()
     >>> daemon.port
@@ -24,6 +30,8 @@ Example:
 from __future__ import annotations
 
 import asyncio
+import collections
+import contextlib
 import dataclasses
 import importlib.metadata
 import itertools
@@ -44,14 +52,20 @@ from cloud_service.protocol import (
     topics,
 )
 from cloud_service.protocol.codec import NP_TO_OIP
+from compilers import signing
+from compilers.release import Release, open_release
 from edge_agent.agent import EdgeAgent
 from edge_agent.budget import Budget
 from edge_agent.config import AgentConfig
-from edge_agent.fleet_sync import TelemetryWindows, model_digest
+from edge_agent.fleet_sync import TelemetryWindows, load_identity, model_digest
 from edge_agent.journal import Journal, JournalEntry, drain
+from edge_agent.options import DEFAULT_POWER
+from edge_agent.slots import SlotStore
+from edge_agent.swap import SwapOptions, Swapper, parse_desired
 from edge_agent.transports.base import TransportOptions
 from edge_agent.transports.mqtt import MqttTransport
 from edge_agent.transports.mqtt_session import MqttSession
+from runtimes.energy import PowerProfile
 from runtimes.errors import CloudUnavailable, ConfigError, InputError, JournalError, TierkitError
 
 logger = logging.getLogger(__name__)
@@ -59,6 +73,7 @@ logger = logging.getLogger(__name__)
 PARAM_KEEP = "tierkit.keep"
 _MAX_MESSAGE = 64 * 1024 * 1024
 _MAX_ERROR_CHARS = 1024  # an error message echoes request content: bounded
+_THRESHOLDS = ("threshold", "target_rate", "target_accuracy")  # a policy takes one of them
 
 
 def _version() -> str:
@@ -73,6 +88,7 @@ class _Servicer(inference_pb2_grpc.GRPCInferenceServiceServicer):
 
     def __init__(self, agent: EdgeAgent) -> None:
         self.agent = agent
+        self.busy: collections.Counter[EdgeAgent] = collections.Counter()  # requests in flight per agent
 
     def _known(self, name: str) -> bool:
         return name in ("", self.agent.model_name)
@@ -101,8 +117,18 @@ class _Servicer(inference_pb2_grpc.GRPCInferenceServiceServicer):
 
     async def ModelInfer(self, request: inference_pb2.ModelInferRequest,
                          context: grpc.aio.ServicerContext) -> inference_pb2.ModelInferResponse:
-        agent = self.agent
-        if not self._known(request.model_name):
+        agent = self.agent  # the whole request runs on this agent, even if a model swap replaces it meanwhile
+        self.busy[agent] += 1
+        try:
+            return await self._infer(agent, request, context)
+        finally:
+            self.busy[agent] -= 1
+            if not self.busy[agent]:
+                del self.busy[agent]
+
+    async def _infer(self, agent: EdgeAgent, request: inference_pb2.ModelInferRequest,
+                     context: grpc.aio.ServicerContext) -> inference_pb2.ModelInferResponse:
+        if request.model_name not in ("", agent.model_name):
             await context.abort(grpc.StatusCode.NOT_FOUND, f"model {request.model_name[:200]!r} is not served here; "
                                                            f"this agent serves {agent.model_name!r}")
         try:
@@ -139,24 +165,98 @@ class AgentDaemon:
     def __init__(self, config: AgentConfig) -> None:
         self.config = config
         opts = config.options
-        self.agent = EdgeAgent(config.model, cloud=config.cloud, budget=config.budget, policy=config.policy,
-                               controller=config.controller, options=opts, telemetry=self._publish_telemetry)
         self.device = opts.device_id
         self.port = 0
         self._server: grpc.aio.Server | None = None
+        self._servicer: _Servicer | None = None
         self._control: MqttSession | None = None
         self._telemetry_journal: Journal | None = None
         self._telemetry_seq = itertools.count(1)
         self.desired_applied = 0
-        # enrolled in a fleet: telemetry goes out as per-window aggregates, reports name version and digest
+        self._desired_budget: dict[str, Any] = {}  # what desired documents set: it overrides a release's
+        self._desired_threshold: tuple[float | None] | None = None
+        self._desired_version: int | None = None
+        self._tasks: list[asyncio.Task[None]] = []
+        self._report_lock = asyncio.Lock()
+        # enrolled in a fleet: telemetry goes out as per-window aggregates, reports name the release it runs
         self._windows: TelemetryWindows | None = None
+        self.slots: SlotStore | None = None
+        self.swapper: Swapper | None = None
+        self.release: Release | None = None
         self.model_digest = ""
-        if config.fleet is not None:
-            self.model_digest = model_digest(Path(config.model))
-            self._windows = TelemetryWindows(opts.boot_id, model_digest=self.model_digest)
+        self.agent: EdgeAgent
+        if config.fleet is None:
+            self.agent = self.build_agent(None)
+            return
+        self.slots = SlotStore(config.fleet.state_dir)
+        note = self.slots.recover()
+        if note:
+            logger.warning("swap journal: %s", note)
+        swap_opts = self._swap_options()
+        self.release, self.agent = self._boot(swap_opts)
+        self.model_digest = model_digest(self.release.variants_dir if self.release else Path(config.model))
+        self._windows = TelemetryWindows(opts.boot_id, model_digest=self.model_digest,
+                                         release=self.release.digest if self.release else None)
+        self.swapper = Swapper(self.slots, self, swap_opts, self.release)
+
+    def _swap_options(self) -> SwapOptions:
+        fleet = self.config.fleet
+        assert fleet is not None
+        keys = tuple(signing.load_public_key(p) for p in fleet.release_keys)
+        identity = load_identity(fleet.state_dir)
+        auth = (identity.mqtt_username, identity.mqtt_password) if identity else None
+        return SwapOptions(keys=keys, fleet_url=identity.fleet_url if identity else None, auth=auth,
+                           session=self.config.options.session)
+
+    def _boot(self, swap_opts: SwapOptions) -> tuple[Release | None, EdgeAgent]:
+        """The committed release, verified, and its agent; the configured model when there is none or it fails."""
+        assert self.slots is not None
+        slot, digest = self.slots.state.committed, self.slots.committed_release()
+        if slot is not None and digest is not None:
+            try:
+                release = open_release(self.slots.slot_dir(slot), trusted_keys=list(swap_opts.keys),
+                                       expect_digest=digest)
+                return release, self.build_agent(release)
+            except TierkitError as exc:
+                logger.error("the committed release %s does not open (%s); running the configured model %s",
+                             digest, exc, self.config.model)
+        return None, self.build_agent(None)
+
+    def build_agent(self, release: Release | None, *, successor_of: EdgeAgent | None = None) -> EdgeAgent:
+        """An agent for `release` (None: the configured model), with the desired overrides (any thread)."""
+        cfg = self.config
+        policy, budget, opts = cfg.policy, cfg.budget, cfg.options
+        if successor_of is not None:
+            opts = successor_of.options  # telemetry_interval_s may have been changed by a desired document
+        if release is not None:
+            settings = release.policy  # over the configured policy: keep, cache_size... stay unless it sets them
+            if release.threshold is not None:
+                settings["threshold"] = release.threshold
+            if settings.keys() & _THRESHOLDS:
+                settings = {**dict.fromkeys(_THRESHOLDS), **settings}
+            try:
+                policy = dataclasses.replace(policy, **settings)
+                budget = dataclasses.replace(budget, **release.budget)
+            except TypeError as exc:
+                msg = f"release {release.digest}: its policy or budget does not fit this agent ({exc})"
+                raise ConfigError(msg) from None
+            opts = dataclasses.replace(opts, power=_power(release.energy_profile, opts.power))
+        agent = EdgeAgent(release.variants_dir if release else cfg.model, cloud=cfg.cloud, budget=budget,
+                          policy=policy, controller=cfg.controller, options=opts, telemetry=self._publish_telemetry,
+                          successor_of=successor_of)
+        if self._desired_budget:
+            b = dataclasses.replace(agent.budget, **self._desired_budget)
+            agent.set_budget(Budget(b.latency_ms, b.energy_mj, b.max_escalations_per_s))
+        if self._desired_threshold is not None:
+            agent.set_threshold(self._desired_threshold[0])
+        return agent
 
     async def start(self) -> AgentDaemon:
         """Start the agent, bind the local endpoint, connect the control channel."""
+        if self.slots is not None and await asyncio.to_thread(self.slots.mark_running):
+            logger.warning("the agent did not stop cleanly last time (crashes so far: %d)", self.slots.state.crashes)
+            if self._windows is not None:
+                self._windows.crashes += 1
         await self.agent.start()
         if self.config.options.journal_path is not None:
             path = Path(self.config.options.journal_path)
@@ -165,8 +265,9 @@ class AgentDaemon:
                                                               max_bytes=self.config.options.journal_max_bytes)
         server = grpc.aio.server(options=[("grpc.max_receive_message_length", _MAX_MESSAGE),
                                           ("grpc.max_send_message_length", _MAX_MESSAGE)])
+        self._servicer = _Servicer(self.agent)
         inference_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(  # type: ignore[no-untyped-call]
-            _Servicer(self.agent), server)
+            self._servicer, server)
         host, port = self.config.listen
         try:
             self.port = server.add_insecure_port(f"{host}:{port}")
@@ -177,6 +278,8 @@ class AgentDaemon:
         await server.start()
         self._server = server
         self._start_control()
+        if self.swapper is not None:
+            self._tasks.append(asyncio.create_task(self.swapper.run(), name="tierkit-swap"))
         return self
 
     def _control_broker(self) -> tuple[str, int] | None:
@@ -201,6 +304,11 @@ class AgentDaemon:
         self._control.start()
 
     async def aclose(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
         if self._server is not None:
             await self._server.stop(grace=0.5)
         if self._control is not None:
@@ -208,6 +316,53 @@ class AgentDaemon:
         await self.agent.aclose()
         if self._telemetry_journal is not None:
             self._telemetry_journal.close()
+        if self.slots is not None:
+            self.slots.clear_running()
+
+    # -- model swaps (edge_agent.swap calls these) -------------------------------------------------
+
+    async def switch(self, agent: EdgeAgent, release: Release | None) -> None:
+        """Serve from `agent` (built with `successor_of=` the running one) from now on; requests in flight
+        finish on the old agent, which is closed once they have (bounded by the drain timeout)."""
+        old = self.agent
+        agent.take_over()
+        await agent.start()
+        old.telemetry = None
+        last = self._windows.window(old.snapshot()) if self._windows is not None else None
+        self.agent = agent
+        if self._servicer is not None:
+            self._servicer.agent = agent
+        self.release = release
+        self.model_digest = model_digest(release.variants_dir if release else Path(self.config.model))
+        if self._windows is not None:
+            self._windows.restart(model_digest=self.model_digest, release=release.digest if release else None)
+        if last is not None:
+            await self._send_window(last)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + max(self.config.budget.latency_ms / 1e3, old.options.drain_timeout_s)
+        while self._servicer is not None and self._servicer.busy.get(old) and loop.time() < deadline:
+            await asyncio.sleep(0.005)
+        await old.aclose()
+
+    def report(self) -> None:
+        """Publish the reported document now (retained), in the order of the calls."""
+        doc = self._report_doc()
+        task = asyncio.get_running_loop().create_task(self._report(doc))
+        task.add_done_callback(lambda t: t.cancelled() or t.exception())
+
+    def _report_doc(self, **extra: Any) -> dict[str, Any]:
+        agent = self.agent
+        report: dict[str, Any] = {"device": self.device, "boot_id": agent.options.boot_id}
+        if self._desired_version is not None:
+            report["desired_version"] = self._desired_version
+        report.update(extra)
+        report.update(budget=dataclasses.asdict(agent.budget), threshold=agent.threshold, variant=agent.variant)
+        if self.model_digest:
+            report["model_digest"] = self.model_digest
+        if self.slots is not None:
+            report.update(self.slots.report())
+            report["release"] = self.release.digest if self.release else None  # what actually runs
+        return report
 
     async def __aenter__(self) -> AgentDaemon:
         return await self.start()
@@ -230,8 +385,9 @@ class AgentDaemon:
         await control.acknowledged(info, 5.0)
 
     async def _publish_telemetry(self, doc: dict[str, Any]) -> None:
-        if self._windows is not None:
-            doc = self._windows.window(doc)
+        await self._send_window(self._windows.window(doc) if self._windows is not None else doc)
+
+    async def _send_window(self, doc: dict[str, Any]) -> None:
         payload = json.dumps(doc, default=str).encode()
         topic = topics.telemetry_topic(self.device)
         journal = self._telemetry_journal
@@ -257,44 +413,64 @@ class AgentDaemon:
     def _on_desired(self, topic: str, payload: bytes, props: Any) -> None:
         if not payload:  # a cleared retained message
             return
-        report: dict[str, Any] = {"device": self.device, "boot_id": self.agent.options.boot_id}
+        report: dict[str, Any] = {}
         try:
             desired = json.loads(payload)
             if not isinstance(desired, dict) or set(desired) - {"budget", "threshold", "version",
-                                                                 "telemetry_interval_s"}:
-                msg = ('desired state must be a JSON object with "budget", "threshold" and/or '
-                       '"telemetry_interval_s" (and the fleet\'s "version")')
+                                                                 "telemetry_interval_s", "release", "soak",
+                                                                 "rollback"}:
+                msg = ('desired state must be a JSON object with "budget", "threshold", "telemetry_interval_s" '
+                       'and/or "release", "soak", "rollback" (and the fleet\'s "version")')
                 raise ConfigError(msg)
+            if "release" in desired and self.swapper is None:
+                msg = "this agent has no fleet section (agent.yaml fleet:), so it cannot take releases"
+                raise ConfigError(msg)
+            parse_desired(desired)  # a malformed release or soak changes nothing
             if "budget" in desired:
                 budget = dataclasses.replace(self.agent.budget, **desired["budget"])
                 self.agent.set_budget(Budget(budget.latency_ms, budget.energy_mj, budget.max_escalations_per_s))
+                self._desired_budget.update(desired["budget"])
             if "threshold" in desired:
                 value = desired["threshold"]
-                self.agent.set_threshold(None if value is None else float(value))
+                self._desired_threshold = (None if value is None else float(value),)
+                self.agent.set_threshold(self._desired_threshold[0])
             if "telemetry_interval_s" in desired:
                 interval = float(desired["telemetry_interval_s"])
                 if not interval >= 1:
                     msg = f"telemetry_interval_s must be at least 1 s, got {interval}"
                     raise ConfigError(msg)
                 self.agent.options = dataclasses.replace(self.agent.options, telemetry_interval_s=interval)
+            if self.swapper is not None:
+                self.swapper.want(desired)  # checks "release" and "soak"; the swap runs in the background
             if isinstance(desired.get("version"), int):
-                report["desired_version"] = desired["version"]  # only once it has taken effect
+                self._desired_version = desired["version"]  # only once it has taken effect
             self.desired_applied += 1
         except (ValueError, TypeError, ConfigError) as exc:
             report["error"] = f"desired state not applied: {exc}"
             logger.warning("%s", report["error"])
-        report.update(budget=dataclasses.asdict(self.agent.budget), threshold=self.agent.threshold,
-                      variant=self.agent.variant)
-        if self.model_digest:
-            report["model_digest"] = self.model_digest
-        task = asyncio.get_running_loop().create_task(self._report(report))
+        doc = self._report_doc(**report)
+        task = asyncio.get_running_loop().create_task(self._report(doc))
         task.add_done_callback(lambda t: t.cancelled() or t.exception())
 
     async def _report(self, report: dict[str, Any]) -> None:
+        async with self._report_lock:  # reports go out in the order they were made
+            try:
+                await self._publish(topics.reported_topic(self.device), json.dumps(report).encode(), retain=True)
+            except (TierkitError, TimeoutError, ConnectionError) as exc:
+                logger.info("could not report the applied state: %s", exc)
+
+
+def _power(profile: str | dict[str, Any] | None, current: PowerProfile) -> PowerProfile:
+    """A release's energy profile: a full `PowerProfile` mapping, or the name of the default one."""
+    if isinstance(profile, dict):
         try:
-            await self._publish(topics.reported_topic(self.device), json.dumps(report).encode(), retain=True)
-        except (TierkitError, TimeoutError, ConnectionError) as exc:
-            logger.info("could not report the applied state: %s", exc)
+            return PowerProfile(**profile)
+        except TypeError as exc:
+            msg = f"the release's energy_profile is not a power profile ({exc})"
+            raise ConfigError(msg) from None
+    if profile is not None and profile not in (current.name, DEFAULT_POWER.name):
+        logger.warning("the release names energy profile %r, unknown here; keeping %r", profile, current.name)
+    return DEFAULT_POWER if profile == DEFAULT_POWER.name else current
 
 
 async def run_daemon(config: AgentConfig, *, stop: asyncio.Event, ready: Any = None) -> None:

@@ -168,16 +168,25 @@ class TelemetryWindows:
     Args:
         boot_id: this run's id; with `seq` it makes every window unique, so redeliveries dedupe.
         model_digest: the digest of the model the agent actually runs.
+        release: the digest of the release it runs (None: its configured model).
+
+    `crashes` counts unclean stops found since the last window (the daemon adds them); each window
+    carries and resets it.
     """
 
     _COUNTERS = ("requests", "escalations_sent", "cloud_answers", "degraded", "cache_hits", "escalations_compared",
                  "escalations_agreed")
 
-    def __init__(self, boot_id: str, *, model_digest: str = "") -> None:
-        self.boot_id, self.model_digest = boot_id, model_digest
+    def __init__(self, boot_id: str, *, model_digest: str = "", release: str | None = None) -> None:
+        self.boot_id, self.model_digest, self.release = boot_id, model_digest, release
         self.seq = 0
+        self.crashes = 0
         self._last: dict[str, Any] = {}
         self._last_ts = time.time()
+
+    def restart(self, *, model_digest: str, release: str | None) -> None:
+        """A new agent (a model swap): its counters start at zero; the sequence numbers go on."""
+        self.model_digest, self.release, self._last = model_digest, release, {}
 
     def window(self, snap: dict[str, Any]) -> dict[str, Any]:
         prev = self._last
@@ -193,6 +202,7 @@ class TelemetryWindows:
         # (classification outputs only); None when none was compared
         compared = d["escalations_compared"]
         agreement = min(1.0, max(0.0, d["escalations_agreed"] / compared)) if compared > 0 else None
+        crashes, self.crashes = self.crashes, 0
         return {"device": snap.get("device"), "boot_id": self.boot_id, "seq": self.seq, "ts": now,
                 "window_s": window_s, "requests": n,
                 "tiers": {"edge": n - d["cloud_answers"], "cloud": d["cloud_answers"]},
@@ -203,4 +213,4 @@ class TelemetryWindows:
                 "energy_label": str(snap.get("energy_label") or "unknown"),
                 "degraded": d["degraded"], "degraded_reasons": {k: v for k, v in reasons.items() if v > 0},
                 "variant": str(snap.get("variant", "")), "threshold": snap.get("threshold"),
-                "model_digest": self.model_digest}
+                "model_digest": self.model_digest, "release": self.release, "crashes": crashes}
