@@ -46,8 +46,7 @@ from typing import Any
 
 import numpy as np
 
-from cloud_service.protocol import decode_outputs, inference_pb2, topics
-from cloud_service.protocol.codec import CodecError
+from cloud_service.protocol import inference_pb2, topics
 from cloud_service.protocol.preprocess import Preprocess
 from cloud_service.protocol.wire import Request, raw_request, serialize_request, wire_size
 from compilers.package import ModelPackage
@@ -64,6 +63,7 @@ from edge_agent.ladder import Variant, load_packages, open_variants
 from edge_agent.options import AgentOptions
 from edge_agent.policy import Policy
 from edge_agent.prediction import Prediction, make_prediction
+from edge_agent.replies import check_reply, decode_reply
 from edge_agent.stats import RttEstimator, Stats, TimerLateness, feed_controller, top1_agreed
 from edge_agent.transports.base import Transport, open_transport
 from runtimes.errors import (
@@ -102,26 +102,6 @@ class Pending:
     key: bytes | None
     seq: int
     frame: np.ndarray | None = None  # the raw [N, H, W, C] uint8 frame the inputs were made from
-
-
-def _check_reply(response: inference_pb2.ModelInferResponse, model: str,
-                 expected: Mapping[str, np.ndarray]) -> dict[str, np.ndarray] | str:
-    """The cloud's outputs shaped and typed like `expected`, or why the reply is unusable."""
-    if response.model_name != model:
-        return f"reply for model {response.model_name!r}, asked {model!r}"
-    try:
-        got = decode_outputs(response)
-    except CodecError as exc:
-        return f"malformed reply: {exc}"
-    out = {}
-    for name, edge in expected.items():
-        cloud = got.get(name)
-        if cloud is None:
-            return f"reply lacks output {name!r} (has {sorted(got)})"
-        if cloud.shape != edge.shape:
-            return f"reply output {name!r} has shape {list(cloud.shape)}, expected {list(edge.shape)}"
-        out[name] = cloud.astype(edge.dtype)  # a copy: decoded arrays are read-only views of the reply
-    return out
 
 
 class EdgeAgent:
@@ -451,7 +431,7 @@ class EdgeAgent:
                 self.lateness.add((perf_counter() - due) * 1e3)
             return pred
         self._settle(p.seq, answered=True)  # answered (even unusably): sending it again would not help
-        cloud = _check_reply(response, self.cloud_model, expected)
+        cloud = check_reply(response, self.cloud_model, expected)
         if isinstance(cloud, str):
             self.breaker.record_failure()
             logger.warning("ignoring the cloud's answer to request %d: %s", p.seq, cloud)
@@ -791,13 +771,7 @@ class EdgeAgent:
         self.stats.late_replies += 1
         if self.on_late_reply is not None:
             try:
-                self.on_late_reply(entry.seq, _decode(response))
+                self.on_late_reply(entry.seq, decode_reply(response))
             except Exception:
                 logger.exception("the late-reply callback failed for seq %d", entry.seq)
 
-
-def _decode(response: inference_pb2.ModelInferResponse) -> dict[str, np.ndarray] | None:
-    try:
-        return decode_outputs(response)
-    except CodecError:
-        return None
