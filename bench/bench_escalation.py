@@ -193,6 +193,7 @@ class RawMqtt:
     def close(self) -> None:
         self.client.disconnect()
         self.client.loop_stop()
+        self.client._reset_sockets()  # paho leaves its socket pair (and a late connection) to gc
 
 
 async def measure(pair: dict[str, Callable[[], Awaitable[None] | None]], n: int, rounds: int) -> dict[str, list[float]]:

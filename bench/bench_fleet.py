@@ -115,6 +115,7 @@ def publish(port: int, devices: list[str], rate: float, seconds: float, seq0: in
         c.publish(f"tierkit/v1/{dev}/telemetry", window(dev, seq0 + i, time.time()), qos=1)
     c.loop_stop()
     c.disconnect()
+    c._reset_sockets()  # paho leaves its socket pair (and a late connection) to gc
     done.put(total)
 
 

@@ -60,6 +60,7 @@ def main(argv: list[str]) -> int:
     stop.wait()
     client.disconnect()
     client.loop_stop()
+    client._reset_sockets()  # paho leaves its socket pair (and a late connection) to gc
     channel.close()
     return 0
 

@@ -85,6 +85,7 @@ class DynsecAdmin:
         if not self._subscribed.wait(o.timeout_s):
             c.disconnect()
             c.loop_stop()
+            c._reset_sockets()  # paho leaves its socket pair (and a late connection) to gc
             msg = (f"the broker at {o.host}:{o.port} did not accept the fleet's admin login ({o.username!r}) or its "
                    f"subscription to {RESPONSE_TOPIC}; check the fleet's broker password and role")
             raise BrokerUnavailable(msg)
@@ -164,3 +165,4 @@ class DynsecAdmin:
         if c is not None:
             c.disconnect()
             c.loop_stop()
+            c._reset_sockets()  # paho leaves its socket pair (and a late connection) to gc

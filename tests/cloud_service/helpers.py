@@ -247,6 +247,7 @@ class Device:
     def close(self) -> None:
         self.client.disconnect()
         self.client.loop_stop()
+        self.client._reset_sockets()  # paho leaves its socket pair (and a late connection) to gc
 
 
 class ServeProcess:

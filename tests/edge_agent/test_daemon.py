@@ -149,6 +149,7 @@ def test_desired_state_and_telemetry_over_a_real_broker(package: ModelPackage, d
     finally:
         client.loop_stop()
         client.disconnect()
+        client._reset_sockets()  # paho leaves its socket pair (and a late connection) to gc
     assert (latency, threshold) == (25, 0.5)
     reported = seen[topics.reported_topic(device)][-1]
     assert reported["budget"]["latency_ms"] == 25
@@ -217,6 +218,7 @@ def test_mqtt_cloud_link_carries_telemetry_and_desired(package: ModelPackage, di
     finally:
         client.loop_stop()
         client.disconnect()
+        client._reset_sockets()  # paho leaves its socket pair (and a late connection) to gc
     assert threshold == 0.25
     assert topics.telemetry_topic(device) in topics_seen
     assert topics.reported_topic(device) in topics_seen

@@ -144,6 +144,7 @@ def test_swap_reports_every_state_and_rolls_back_by_pointer_flip(kit: Kit, digit
     finally:
         client.loop_stop()
         client.disconnect()
+        client._reset_sockets()  # paho leaves its socket pair (and a late connection) to gc
     assert not errors, errors[:3]
     assert downloads == {kit.digests["r1"]: 1, kit.digests["r2"]: 1}  # the rollback downloaded nothing
     reports = []

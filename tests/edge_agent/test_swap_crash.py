@@ -188,6 +188,7 @@ def _crash_at(state: str, kit: Kit, server: ReleaseServer, broker: Any, digits: 
     finally:
         client.loop_stop()
         client.disconnect()
+        client._reset_sockets()  # paho leaves its socket pair (and a late connection) to gc
 
 
 @pytest.mark.parametrize("state", ["staged", "soaking", "committed"])

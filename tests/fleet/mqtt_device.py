@@ -38,6 +38,7 @@ class Device:
         rc = self._connack.get(timeout=timeout)
         if rc.is_failure:
             self.client.loop_stop()
+            self.client._reset_sockets()  # paho leaves its socket pair (and a late connection) to gc
         return rc
 
     def publish(self, topic: str, payload: bytes | str | dict[str, Any], *, retain: bool = False,
@@ -54,3 +55,4 @@ class Device:
     def close(self) -> None:
         self.client.disconnect()
         self.client.loop_stop()
+        self.client._reset_sockets()  # paho leaves its socket pair (and a late connection) to gc

@@ -96,6 +96,7 @@ class SimDevice:
         c.loop_start()
         if not connected.wait(10):
             c.loop_stop()
+            c._reset_sockets()  # paho leaves its socket pair (and a late connection) to gc
             msg = f"{self.device_id} could not connect to the broker"
             raise RuntimeError(msg)
         self._client = c
@@ -112,6 +113,7 @@ class SimDevice:
         if self._client is not None:
             self._client.disconnect()
             self._client.loop_stop()
+            self._client._reset_sockets()  # paho leaves its socket pair (and a late connection) to gc
             self._client = None
 
     # -- the loop ------------------------------------------------------------------------------

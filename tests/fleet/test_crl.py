@@ -50,6 +50,7 @@ def _connects(port: int, ca: Path, cert: Path, key: Path, timeout: float = 5.0) 
     finally:
         c.disconnect()
         c.loop_stop()
+        c._reset_sockets()  # paho leaves its socket pair (and a late connection) to gc
 
 
 def test_a_revoked_certificate_is_listed_and_refused_by_the_broker(tmp_path: Path) -> None:

@@ -87,5 +87,6 @@ def test_enrolled_certificate_is_the_mqtt_identity(tmp_path: Path) -> None:
         assert acks[other.mid].is_failure  # type: ignore[attr-defined]
         c.disconnect()
         c.loop_stop()
+        c._reset_sockets()  # paho leaves its socket pair (and a late connection) to gc
     finally:
         broker.stop()

@@ -66,6 +66,7 @@ class Probe:
     def close(self) -> None:
         self.client.disconnect()
         self.client.loop_stop()
+        self.client._reset_sockets()  # paho leaves its socket pair (and a late connection) to gc
 
 
 def _tls(pki: Pki, cert: tuple[Path, Path] | None) -> ssl.SSLContext:
@@ -142,6 +143,7 @@ def test_devices_cannot_log_in_on_the_password_listener(deploy: DeployBroker, pk
         assert reasons.get(timeout=5).is_failure
     finally:
         client.loop_stop()
+        client._reset_sockets()  # paho leaves its socket pair (and a late connection) to gc
 
 
 def test_issuing_refuses_names_that_are_topics_or_reserved_accounts() -> None:
