@@ -2,15 +2,22 @@
 
 (a) direct: tierkit's gRPC transport -> Triton Inference Server (PyTriton's `tritonserver`)
 (b) bridge: tierkit's MQTT transport -> Mosquitto -> `tierkit serve --mqtt ... --forward grpc://TRITON`
-    (its own process) -> the same Triton
-(c) relay, the floor under (b): the same MQTT transport -> a second Mosquitto -> `paho_grpc_relay.py`, a
-    bare paho -> gRPC relay of the same bytes with no tierkit code (no checks, cache, deadlines, metrics,
-    limits; acknowledged on arrival) -> the same Triton. A broker of its own, since a second shared-
-    subscription group on one broker would receive every escalation too.
+    (its own process, default options: `--forward-mode unary`, one ModelInfer call per escalation)
+    -> the same Triton
+(c) bridge-stream: the same with `--forward-mode stream --forward-streams N` (requests over N
+    long-lived ModelStreamInfer streams, answers matched by id)
+(d) relay, the floor under (b): the same MQTT transport -> `paho_grpc_relay.py`, a bare paho -> unary
+    gRPC relay of the same bytes with no tierkit code (no checks, cache, deadlines, metrics, limits;
+    acknowledged on arrival) -> the same Triton
+(e) stream-relay, the floor under (c): `paho_grpc_stream_relay.py`, the same over one ModelStreamInfer
+    stream, answers matched by id
+Each MQTT path has a Mosquitto of its own, since a second shared-subscription group on one broker
+would receive every escalation too.
 
-Throughput (answers/s) and p50 at each concurrency, for the digits CNN; blocks of (a), (b) and (c)
+Throughput (answers/s) and p50 at each concurrency, for the digits CNN; blocks of the paths
 alternate so that drift on a shared host hits them alike. Target: (b)/(a) >= 0.9 at concurrency 32;
-(b)/(c) is what tierkit's bridge costs over the bare relay.
+(b)/(d) and (c)/(e) are what tierkit's bridge costs over the bare relays. CPU ms per answer by process
+(the bench client, the brokers, the bridge or relay, Triton) says where a path's work goes.
 PyTriton lives in a virtual environment of its own (its pins conflict with tierkit's):
 
     python3.11 -m venv /tmp/pytriton-venv && /tmp/pytriton-venv/bin/pip install nvidia-pytriton onnxruntime
@@ -42,6 +49,7 @@ from bench.bench_escalation import start_mosquitto
 from cloud_service.protocol import encode_request, topics
 
 TARGET = 0.9
+PATHS = ("bridge", "bridge-stream", "relay", "stream-relay")  # the MQTT paths, each with a broker of its own
 _SEQ = itertools.count(1)  # unique: a repeated seq would be answered from the bridge's duplicate cache
 
 
@@ -49,9 +57,9 @@ def _wait_ready(proc: subprocess.Popen[str], log: Path, seconds: float) -> str:
     """The `grpc HOST:PORT` the process printed (may be empty) once it printed `ready`."""
     for _ in range(int(seconds / 0.2)):
         text = log.read_text(errors="replace")
-        if "ready" in text.splitlines():
+        if re.search(r"(?m)^ready", text):  # the server's log may run into the line's end
             # the server's own log lines share the file and may run into ours: search, not split
-            found = re.search(r"\bgrpc (127\.0\.0\.1:\d+)\s", text)
+            found = re.search(r"grpc (127\.0\.0\.1:\d+)\s", text)
             return found.group(1) if found else ""
         if proc.poll() is not None:
             break
@@ -93,30 +101,65 @@ async def _drive(cloud: Any, x: np.ndarray, concurrency: int, seconds: float) ->
     return len(latencies) / (time.perf_counter() - started), latencies
 
 
-async def run(triton: str, broker_url: str, relay_url: str, x: np.ndarray, levels: tuple[int, ...], seconds: float,
-              rounds: int) -> dict[str, Any]:
+def _cpu_s(groups: dict[str, list[int]]) -> dict[str, float]:
+    """CPU seconds (user + system, all threads) used so far by each named group of processes ("client": this one).
+
+    A process belongs to a group holding its pid or its process group id (the servers and relays start
+    sessions of their own, so Triton's child processes count with it).
+    """
+    tick = os.sysconf("SC_CLK_TCK")
+    used = dict.fromkeys(groups, 0.0)
+    owner = {pgid: name for name, pgids in groups.items() for pgid in pgids}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rpartition(")")[2].split()
+        except OSError:  # exited meanwhile
+            continue
+        name = owner.get(int(stat.parent.name)) or owner.get(int(fields[2]))  # pid, process group (stat field 5)
+        if name is not None:
+            used[name] += (int(fields[11]) + int(fields[12])) / tick  # utime, stime (fields 14, 15)
+    times = os.times()
+    used["client"] = times.user + times.system
+    return used
+
+
+async def run(triton: str, brokers: dict[str, str], x: np.ndarray, levels: tuple[int, ...], seconds: float,
+              rounds: int, groups: dict[str, list[int]]) -> dict[str, Any]:
+    from contextlib import AsyncExitStack
+
     from edge_agent.transports import open_transport
 
     results: dict[str, Any] = {}
-    async with open_transport(f"grpc://{triton}/digits", device_id="bench-direct") as direct, \
-            open_transport(f"{broker_url}/digits", device_id="bench-device", boot_id="b") as device, \
-            open_transport(f"{relay_url}/digits", device_id="bench-relayed", boot_id="b") as relayed:
-        paths = (("direct", direct), ("bridge", device), ("relay", relayed))
+    async with AsyncExitStack() as stack:
+        paths = [("direct", await stack.enter_async_context(open_transport(f"grpc://{triton}/digits",
+                                                                          device_id="bench-direct")))]
+        for name, url in brokers.items():
+            paths.append((name, await stack.enter_async_context(
+                open_transport(f"{url}/digits", device_id=f"bench-device-{name}", boot_id="b"))))
         for _, cloud in paths:  # warm-up
             await _drive(cloud, x, 4, 0.5)
         for level in levels:
             rates: dict[str, list[float]] = {name: [] for name, _ in paths}
             lats: dict[str, list[float]] = {name: [] for name, _ in paths}
+            # CPU per answer by process while a path runs (the other paths' processes sit idle meanwhile):
+            # unlike answers/s, it does not depend on what else shares the cores
+            cpu: dict[str, dict[str, float]] = {name: dict.fromkeys([*groups, "client"], 0.0) for name, _ in paths}
             for _ in range(rounds):
                 for name, cloud in paths:
+                    before = _cpu_s(groups)
                     rate, latency = await _drive(cloud, x, level, seconds / rounds)
+                    after = _cpu_s(groups)
+                    for part in after:
+                        cpu[name][part] += after[part] - before[part]
                     rates[name].append(rate)
                     lats[name] += latency
-            entry = {name: {"per_s": float(np.mean(rates[name])), "p50_ms": float(np.median(lats[name]) * 1e3)}
-                     for name in rates}
-            entry["ratio"] = entry["bridge"]["per_s"] / entry["direct"]["per_s"]
-            entry["relay_ratio"] = entry["relay"]["per_s"] / entry["direct"]["per_s"]
-            results[str(level)] = entry
+            direct_rate = float(np.mean(rates["direct"]))
+            results[str(level)] = {name: {"per_s": float(np.mean(rates[name])),
+                                          "p50_ms": float(np.median(lats[name]) * 1e3),
+                                          "ratio": float(np.mean(rates[name])) / direct_rate,
+                                          "cpu_ms": {part: 1e3 * used / max(len(lats[name]), 1)
+                                                     for part, used in cpu[name].items()}}
+                                   for name in rates}
     return results
 
 
@@ -125,18 +168,25 @@ def main() -> int:
     parser.add_argument("--pytriton-python", required=True, help="a Python with nvidia-pytriton and onnxruntime")
     parser.add_argument("--quick", action="store_true", help="short runs: checks that the bench works")
     parser.add_argument("--json", action="store_true")
+    parser.add_argument("--forward-streams", type=int, default=1, metavar="N",
+                        help="streams of the bridge in stream mode (default 1)")
     args = parser.parse_args()
     levels = (1, 32)
     seconds, rounds = (2.0, 2) if args.quick else (20.0, 4)
     with tempfile.TemporaryDirectory(prefix="bench-forward-") as tmp:
         work = Path(tmp)
         model = digits_cnn(work)
-        broker = start_mosquitto(work)
-        (work / "relay").mkdir()
-        relay_broker = start_mosquitto(work / "relay")
-        if broker is None or relay_broker is None:
-            print("mosquitto not found (apt-get install mosquitto)", file=sys.stderr)
-            return 1
+        brokers: dict[str, tuple[subprocess.Popen[bytes], int]] = {}
+        for name in PATHS:
+            (work / name).mkdir()
+            started = start_mosquitto(work / name)
+            if started is None:
+                print("mosquitto not found (apt-get install mosquitto)", file=sys.stderr)
+                for proc, _ in brokers.values():
+                    proc.terminate()
+                    proc.wait(10)
+                return 1
+            brokers[name] = started
         env = dict(os.environ)
         probe = "import sysconfig; print(sysconfig.get_config_var('LIBDIR'))"
         libdir = subprocess.run([args.pytriton_python, "-c", probe], capture_output=True, text=True,
@@ -144,37 +194,52 @@ def main() -> int:
         env["LD_LIBRARY_PATH"] = ":".join(p for p in (libdir, env.get("LD_LIBRARY_PATH", "")) if p)
         triton_proc = _start([args.pytriton_python, str(Path(__file__).with_name("pytriton_server.py")),
                               str(model.onnx), "digits", "1"], work / "triton.log", env)
-        procs = [broker[0], relay_broker[0], triton_proc]
+        procs: list[subprocess.Popen[str]] = [triton_proc]
         try:
             triton = _wait_ready(triton_proc, work / "triton.log", 180)
-            broker_url = f"mqtt://127.0.0.1:{broker[1]}"
-            bridge = _start([sys.executable, "-m", "sdk.cli", "serve", "--mqtt", broker_url, "--forward",
-                             f"grpc://{triton}", "--mqtt-client-id", "bench-bridge"], work / "bridge.log")
-            procs.append(bridge)
-            _wait_ready(bridge, work / "bridge.log", 60)
-            relay = _start([sys.executable, str(Path(__file__).with_name("paho_grpc_relay.py")), str(relay_broker[1]),
-                            triton], work / "relay.log")
-            procs.append(relay)
-            _wait_ready(relay, work / "relay.log", 60)
-            results = asyncio.run(run(triton, broker_url, f"mqtt://127.0.0.1:{relay_broker[1]}", model.feed["x"],
-                                      levels, seconds, rounds))
+            urls = {name: f"mqtt://127.0.0.1:{port}" for name, (_, port) in brokers.items()}
+            here = Path(__file__).parent
+            # one bench device stands for many: lift the per-device rate limit (default 500/s), which it would hit
+            lifted = ["--mqtt-device-rate", "1000000"]
+            argvs = {
+                "bridge": [sys.executable, "-m", "sdk.cli", "serve", "--mqtt", urls["bridge"], "--forward",
+                           f"grpc://{triton}", "--mqtt-client-id", "bench-bridge", *lifted],
+                "bridge-stream": [sys.executable, "-m", "sdk.cli", "serve", "--mqtt", urls["bridge-stream"],
+                                  "--forward", f"grpc://{triton}", "--mqtt-client-id", "bench-bridge-s",
+                                  "--forward-mode", "stream", "--forward-streams", str(args.forward_streams), *lifted],
+                "relay": [sys.executable, str(here / "paho_grpc_relay.py"), str(brokers["relay"][1]), triton],
+                "stream-relay": [sys.executable, str(here / "paho_grpc_stream_relay.py"),
+                                 str(brokers["stream-relay"][1]), triton],
+            }
+            for name in PATHS:
+                procs.append(_start(argvs[name], work / f"{name}.log"))
+                _wait_ready(procs[-1], work / f"{name}.log", 60)
+            groups = {"triton": [triton_proc.pid], "brokers": [proc.pid for proc, _ in brokers.values()],
+                      "forwarder": [proc.pid for proc in procs[1:]]}
+            results = asyncio.run(run(triton, urls, model.feed["x"], levels, seconds, rounds, groups))
         finally:
             for proc in reversed(procs):
-                if proc in (broker[0], relay_broker[0]):
-                    proc.terminate()
-                    proc.wait(10)
-                else:
-                    _stop(proc)
+                _stop(proc)
+            for proc, _ in brokers.values():
+                proc.terminate()
+                proc.wait(10)
     if args.json:
         print(json.dumps({"target": TARGET, "quick": args.quick, "results": results}, indent=2))
         return 0
-    print(f"{'concurrency':>11} {'direct /s':>10} {'p50 ms':>7} {'bridge /s':>10} {'p50 ms':>7} {'ratio':>6} "
-          f"{'relay /s':>9} {'p50 ms':>7} {'ratio':>6}")
+    names = ("direct", *PATHS)
+    print(f"{'concurrency':>11} " + " ".join(f"{name + ' /s':>16} {'p50 ms':>7} {'ratio':>5}" for name in names))
     for level, e in results.items():
-        print(f"{level:>11} {e['direct']['per_s']:10.0f} {e['direct']['p50_ms']:7.2f} "
-              f"{e['bridge']['per_s']:10.0f} {e['bridge']['p50_ms']:7.2f} {e['ratio']:6.2f} "
-              f"{e['relay']['per_s']:9.0f} {e['relay']['p50_ms']:7.2f} {e['relay_ratio']:6.2f}")
-    top = results[str(levels[-1])]["ratio"]
+        print(f"{level:>11} " + " ".join(f"{e[n]['per_s']:16.0f} {e[n]['p50_ms']:7.2f} {e[n]['ratio']:5.2f}"
+                                         for n in names))
+    top_level = str(levels[-1])
+    print(f"\nCPU ms per answer at concurrency {top_level} (user + system, all threads; the bench client, "
+          "the brokers, the bridge or relay, Triton):")
+    parts = ("client", "brokers", "forwarder", "triton")
+    print(f"{'path':>13} " + " ".join(f"{part:>9}" for part in parts) + f" {'total':>7}")
+    for name in names:
+        used = results[top_level][name]["cpu_ms"]
+        print(f"{name:>13} " + " ".join(f"{used[part]:9.2f}" for part in parts) + f" {sum(used.values()):7.2f}")
+    top = results[top_level]["bridge"]["ratio"]
     print(f"bridge/direct at concurrency {levels[-1]}: {top:.2f} (target >= {TARGET}: "
           f"{'ok' if top >= TARGET else 'UNDER TARGET'})")
     return 0

@@ -41,6 +41,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[
     p.add_argument("--mqtt", metavar="URL", help="MQTT broker, mqtt://HOST:PORT or mqtts://HOST:PORT")
     p.add_argument("--forward", metavar="URL", help="answer MQTT escalations with this Open Inference Protocol "
                    "server, grpc://HOST:PORT (Triton, KServe) instead of local models")
+    p.add_argument("--forward-mode", choices=("unary", "stream"), default="unary",
+                   help="unary: one ModelInfer call per escalation (default); stream: requests over long-lived "
+                        "ModelStreamInfer streams, matched by id (unary if the server lacks the stream RPC)")
+    p.add_argument("--forward-streams", type=int, default=1, metavar="N",
+                   help="streams to spread forwarded requests over in stream mode (default 1)")
     p.add_argument("--metrics", metavar="HOST:PORT", help="Prometheus endpoint address")
     p.add_argument("--trusted-key", action="append", type=Path, default=[], metavar="PUB",
                    help="Ed25519 public key; packages must be signed by one (repeatable)")
@@ -153,7 +158,8 @@ def build_config(args: argparse.Namespace, env: dict[str, str]) -> ServerConfig:
                         version_floor=args.version_floor,
                         defaults=defaults, models=models, max_message_bytes=int(args.max_message_mb * 1024 * 1024),
                         poll_interval_s=args.poll_s, drain_timeout_s=args.drain_s,
-                        grpc_workers=args.grpc_workers, forward=args.forward)
+                        grpc_workers=args.grpc_workers, forward=args.forward,
+                        forward_mode=args.forward_mode, forward_streams=args.forward_streams)
 
 
 async def serve(config: ServerConfig) -> None:

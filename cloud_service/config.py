@@ -188,6 +188,9 @@ class ServerConfig:
             unmapping it (`protocol.memory.keep_freed_memory`); 0 leaves the allocator alone.
         forward: `grpc://HOST:PORT` of an Open Inference Protocol server (Triton, KServe) that answers
             the MQTT bridge's escalations instead of the local models (`cloud_service.forward`).
+        forward_mode: "stream" (requests over long-lived ModelStreamInfer streams, matched by id) or
+            "unary" (one ModelInfer call per request).
+        forward_streams: how many streams the stream mode spreads requests over.
     """
 
     models_dir: Path
@@ -204,12 +207,18 @@ class ServerConfig:
     grpc_workers: int = 128
     kept_memory_bytes: int = 64 << 20
     forward: str | None = None
+    forward_mode: str = "unary"
+    forward_streams: int = 1
     version_floor: Path | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "models_dir", Path(self.models_dir))
         if self.forward is not None:
             split_forward_url(self.forward)
+        if self.forward_mode not in ("stream", "unary") or self.forward_streams < 1:
+            msg = (f"forward mode must be stream or unary with forward_streams >= 1, got {self.forward_mode!r} "
+                   f"and {self.forward_streams}")
+            raise ConfigError(msg)
         object.__setattr__(self, "trusted_keys", tuple(Path(k) for k in self.trusted_keys))
         object.__setattr__(self, "models", MappingProxyType(dict(self.models)))
         for address in (self.grpc_address, self.metrics_address):

@@ -4,11 +4,18 @@
 
 The MQTT bridge keeps what it does for every escalation (the device's topic checks, the duplicate
 cache, per-request metrics, acknowledging after the reply) and, instead of running a local model,
-hands the request to a `ForwardBackend`: one grpc.aio channel, a unary `ModelInfer` per request
-with the request's remaining deadline as the gRPC deadline, the upstream's status passed back to
-the device as its status name. Requests in a tierkit wire encoding (fp16, zstd) are decoded to
-plain tensors first, since a stock server does not know them; a raw frame is refused, as only a
-package's manifest says how to preprocess it.
+hands the request to a `ForwardBackend`: one grpc.aio channel and, by default (`mode="stream"`),
+long-lived `ModelStreamInfer` streams carrying the requests, answers matched by id
+(`cloud_service.forward_stream`); grpcio's per-message work on a stream is a fraction of a unary
+call's. The request's remaining deadline bounds the wait for its answer (a late answer is dropped).
+An error answer on a stream carries only a message, so that request is asked again as one unary
+`ModelInfer`, whose status the device gets; a stream that breaks fails the requests waiting on it
+(UNAVAILABLE) and is reopened; an upstream without the stream RPC (UNIMPLEMENTED) is served by
+unary calls from then on. `mode="unary"` sends one `ModelInfer` per request, with the remaining
+deadline as the gRPC deadline. The upstream's status is passed back to the device as its status name.
+Requests in a tierkit wire encoding (fp16, zstd) are decoded to plain tensors first, since a stock
+server does not know them; a raw frame is refused, as only a package's manifest says how to
+preprocess it.
 
 Metrics label a request by its model name once the upstream has answered that name; other names
 share the unknown-model label, so a device cannot grow the label set without bound.
@@ -24,6 +31,7 @@ import grpc
 import grpc.aio
 
 from cloud_service.config import split_forward_url
+from cloud_service.forward_stream import StreamBroken, StreamForwarder, StreamUnimplemented
 from cloud_service.metrics import UNKNOWN_MODEL
 from cloud_service.protocol import CodecError, decode_inputs
 from cloud_service.protocol import inference_pb2 as pb
@@ -32,7 +40,9 @@ from runtimes.errors import CloudTimeout, TierkitError
 
 log = logging.getLogger(__name__)
 
-__all__ = ["ForwardBackend", "UpstreamError"]
+__all__ = ["FORWARD_MODES", "ForwardBackend", "UpstreamError"]
+
+FORWARD_MODES = ("stream", "unary")
 
 MODEL_INFER = "/inference.GRPCInferenceService/ModelInfer"
 SERVER_LIVE = "/inference.GRPCInferenceService/ServerLive"
@@ -56,19 +66,26 @@ class ForwardBackend:
     Args:
         url: `grpc://HOST:PORT` (or `grpcs://` with the system's roots).
         max_message_bytes: largest message sent or received.
+        mode: "stream" (requests over long-lived ModelStreamInfer streams) or "unary" (a ModelInfer each).
+        streams: how many streams to spread requests over in stream mode.
 
     Example:
-        >>> backend = ForwardBackend("grpc://127.0.0.1:8001", max_message_bytes=16 << 20)
+        >>> backend = ForwardBackend("grpc://127.0.0.1:8001", max_message_bytes=16 << 20, mode="stream")
         >>> await backend.start()
         >>> response = await backend.infer(request, deadline=None)
     """
 
-    def __init__(self, url: str, *, max_message_bytes: int) -> None:
+    def __init__(self, url: str, *, max_message_bytes: int, mode: str = "unary", streams: int = 1) -> None:
+        if mode not in FORWARD_MODES or streams < 1:
+            msg = f"forward mode must be one of {', '.join(FORWARD_MODES)} with streams >= 1, got {mode!r}, {streams}"
+            raise ValueError(msg)
         self.url = url
         self.target, self.tls = split_forward_url(url)
         self.max_message_bytes = max_message_bytes
+        self.mode, self.streams = mode, streams
         self._channel: grpc.aio.Channel | None = None
         self._infer: grpc.aio.UnaryUnaryMultiCallable | None = None
+        self._stream: StreamForwarder | None = None
         self._labels: set[str] = set()
 
     async def start(self) -> None:
@@ -79,6 +96,8 @@ class ForwardBackend:
                          if self.tls else grpc.aio.insecure_channel(self.target, options=options))
         self._infer = self._channel.unary_unary(MODEL_INFER, request_serializer=pb.ModelInferRequest.SerializeToString,
                                                 response_deserializer=pb.ModelInferResponse.FromString)
+        if self.mode == "stream":
+            self._stream = StreamForwarder(self._channel, self.url, count=self.streams)
         live = self._channel.unary_unary(SERVER_LIVE, request_serializer=pb.ServerLiveRequest.SerializeToString,
                                          response_deserializer=pb.ServerLiveResponse.FromString)
         try:
@@ -89,8 +108,16 @@ class ForwardBackend:
 
     async def aclose(self) -> None:
         channel, self._channel, self._infer = self._channel, None, None
+        stream, self._stream = self._stream, None
+        if stream is not None:
+            await stream.aclose()
         if channel is not None:
             await channel.close()
+
+    @property
+    def streaming(self) -> bool:
+        """Whether requests go over streams (False in unary mode or once the upstream lacked the stream RPC)."""
+        return self._stream is not None
 
     def label(self, model_name: str) -> str:
         """The metrics label of a requested model name."""
@@ -108,13 +135,56 @@ class ForwardBackend:
             msg = f"the forward backend to {self.url} is not started"
             raise UpstreamError(msg, status="UNAVAILABLE")
         timeout = DEFAULT_TIMEOUT_S
+        loop = asyncio.get_running_loop()
         if deadline is not None:
-            timeout = deadline - asyncio.get_running_loop().time()
+            timeout = deadline - loop.time()
             if timeout <= 0:
                 msg = "the request's deadline passed before it could be forwarded"
                 raise CloudTimeout(msg)
+        plain, until = plain_request(request), loop.time() + timeout
+        response = None
+        if self._stream is not None:
+            response = await self._over_stream(plain, until)
+        if response is None:
+            response = await self._unary(plain, until)
+        if len(self._labels) < MAX_LABELS:
+            self._labels.add(request.model_name)
+        return response
+
+    async def _over_stream(self, request: pb.ModelInferRequest, deadline: float) -> pb.ModelInferResponse | None:
+        """The answer over a stream; None when it must be asked by a unary call (an error answer, no stream RPC)."""
+        assert self._stream is not None
+        future = self._stream.send(request.SerializeToString())
         try:
-            response: pb.ModelInferResponse = await self._infer(plain_request(request), timeout=timeout)
+            async with asyncio.timeout_at(deadline):
+                answer = await future
+        except TimeoutError:
+            msg = f"{self.url} did not answer within the request's deadline"
+            raise CloudTimeout(msg) from None
+        except StreamUnimplemented as exc:
+            if self._stream is not None:
+                log.warning("%s; forwarding with unary calls from now on", exc)
+                stream, self._stream = self._stream, None
+                await stream.aclose()
+            return None
+        except StreamBroken as exc:
+            raise UpstreamError(str(exc), status="UNAVAILABLE") from None
+        if answer.error_message:  # a message without a status: the unary call says which
+            log.debug("%s answered an error on the stream (%s); asking again by a unary call", self.url,
+                      answer.error_message[:200])
+            return None
+        response = answer.infer_response
+        response.id = request.id
+        return response
+
+    async def _unary(self, request: pb.ModelInferRequest, deadline: float) -> pb.ModelInferResponse:
+        assert self._infer is not None
+        timeout = deadline - asyncio.get_running_loop().time()
+        if timeout <= 0:
+            msg = f"{self.url} did not answer within the request's deadline"
+            raise CloudTimeout(msg)
+        try:
+            response: pb.ModelInferResponse = await self._infer(request, timeout=timeout)
         except grpc.aio.AioRpcError as exc:
             code = exc.code()
             if code == grpc.StatusCode.DEADLINE_EXCEEDED:
@@ -122,8 +192,6 @@ class ForwardBackend:
                 raise CloudTimeout(msg) from None
             msg = f"{self.url} answered {code.name}: {exc.details() or 'no details'}"
             raise UpstreamError(msg, status=code.name) from None
-        if len(self._labels) < MAX_LABELS:
-            self._labels.add(request.model_name)
         return response
 
 

@@ -31,7 +31,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection, reflection_pb2
 
 from cloud_service.errors import MessageTooLarge
-from cloud_service.infer import infer_blocking, model_label, status_of
+from cloud_service.infer import clip, infer_blocking, model_label, status_of
 from cloud_service.metrics import UNKNOWN_MODEL, Metrics
 from cloud_service.models import ServedModel
 from cloud_service.protocol import CodecError
@@ -183,7 +183,11 @@ class InferenceServicer:
         except Exception as exc:
             code, message = status_of(exc)
             self.metrics.request_done(label, "grpc", time.perf_counter() - started, code=code)
-            return pb.ModelStreamInferResponse(error_message=f"{code}: {message}")
+            # the request's id and model name, so a client with many requests on the stream knows which failed
+            named = (pb.ModelInferResponse(model_name=clip(request.message.model_name, 256),
+                                           id=clip(request.message.id, 256))
+                     if isinstance(request, RawRequest) else None)
+            return pb.ModelStreamInferResponse(error_message=f"{code}: {message}", infer_response=named)
         self.metrics.request_done(label, "grpc", time.perf_counter() - started, code=None)
         return pb.ModelStreamInferResponse(infer_response=response.to_message())
 

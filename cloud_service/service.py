@@ -93,7 +93,8 @@ class CloudService:
                 if config.forward is not None:
                     from cloud_service.forward import ForwardBackend
 
-                    self._forward = ForwardBackend(config.forward, max_message_bytes=config.max_message_bytes)
+                    self._forward = ForwardBackend(config.forward, max_message_bytes=config.max_message_bytes,
+                                                   mode=config.forward_mode, streams=config.forward_streams)
                     await self._forward.start()
                 self._bridge = MqttBridge(config.mqtt, self.repository, self.metrics,
                                           max_message_bytes=config.max_message_bytes, backend=self._forward)

@@ -257,7 +257,9 @@ def test_stream_infer_answers_each_request(stub: pbg.GRPCInferenceServiceStub, d
                 encode_request("nope", {"x": digits_x[:1]}, request_id="b"),
                 encode_request("digits", {"x": digits_x[:2]}, request_id="c")]
     replies = list(stub.ModelStreamInfer(iter(requests)))
-    assert [r.infer_response.id for r in replies] == ["a", "", "c"]
+    # an error answer names its request too (as Triton's do), so a client with many in flight knows which failed
+    assert [r.infer_response.id for r in replies] == ["a", "b", "c"]
+    assert replies[1].infer_response.model_name == "nope"
     assert replies[1].error_message.startswith("NOT_FOUND")
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -25,6 +26,7 @@ import pytest
 
 from cloud_service.protocol import decode_outputs, encode_request, topics
 from edge_agent.transports import Transport, open_transport
+from runtimes.errors import EscalationError
 
 pytestmark = pytest.mark.slow
 
@@ -50,12 +52,14 @@ def triton(digits_cnn_onnx: Path, tmp_path: Path) -> Iterator[str]:
                                 stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True)
     address = ""
     for _ in range(900):  # up to 180 s
-        lines = log.read_text(errors="replace").splitlines()
-        address = next((ln.split()[1] for ln in lines if ln.startswith("grpc ")), "")
-        if "ready" in lines or proc.poll() is not None:
+        text = log.read_text(errors="replace")
+        # the server's own log lines share the file and may run into ours: search, not split
+        found = re.search(r"grpc (127\.0\.0\.1:\d+)\s", text)
+        address = found.group(1) if found else ""
+        if re.search(r"(?m)^ready", text) or proc.poll() is not None:
             break
         time.sleep(0.2)
-    if not address or "ready" not in log.read_text(errors="replace").splitlines():
+    if not address or not re.search(r"(?m)^ready", log.read_text(errors="replace")):
         proc.kill()
         pytest.fail(f"PyTriton's server did not become ready:\n{log.read_text(errors='replace')[-2000:]}")
     try:
@@ -87,12 +91,15 @@ async def _throughput(cloud: Transport, x: np.ndarray, seconds: float) -> float:
 
 
 @pytest.fixture
-def bridge(triton: str, broker, tmp_path: Path) -> Iterator[None]:  # type: ignore[no-untyped-def]
-    """`tierkit serve --mqtt ... --forward grpc://TRITON` in its own process, as an operator runs it."""
+def bridge(triton: str, broker, tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[None]:  # type: ignore[no-untyped-def]
+    """`tierkit serve --mqtt ... --forward grpc://TRITON` in its own process, as an operator runs it
+    (with `--forward-mode` from an indirect parameter, else the default)."""
     log = tmp_path / "bridge.log"
+    mode = getattr(request, "param", None)
     with log.open("w") as out:
         proc = subprocess.Popen([sys.executable, "-m", "sdk.cli", "serve", "--mqtt", broker.url, "--forward",
-                                 f"grpc://{triton}", "--mqtt-client-id", "bridge-triton"],
+                                 f"grpc://{triton}", "--mqtt-client-id", "bridge-triton",
+                                 *(["--forward-mode", mode] if mode else [])],
                                 stdout=out, stderr=subprocess.STDOUT, text=True)
     for _ in range(300):  # up to 60 s
         if "ready" in log.read_text().splitlines() or proc.poll() is not None:
@@ -108,6 +115,7 @@ def bridge(triton: str, broker, tmp_path: Path) -> Iterator[None]:  # type: igno
         proc.wait(30)
 
 
+@pytest.mark.parametrize("bridge", ["unary", "stream"], indirect=True)
 def test_mqtt_answers_through_the_bridge_equal_triton_direct(triton: str, bridge: None, digits,  # type: ignore[no-untyped-def]
                                                              broker) -> None:
     x = np.ascontiguousarray(digits.x_test[:8])
@@ -121,6 +129,16 @@ def test_mqtt_answers_through_the_bridge_equal_triton_direct(triton: str, bridge
                     encode_request("digits", {"x": x[i:i + 1]}, parameters={topics.PARAM_SEQ: next(_SEQ)}),
                     timeout_s=10))
                 np.testing.assert_allclose(got["logits"], want["logits"], rtol=1e-5, atol=1e-6)
+            # Triton's own error for one request, among others in flight (on a stream: matched to its
+            # request, then asked again by a unary call for the status)
+            answers = await asyncio.gather(
+                device.escalate(encode_request("nope", {"x": x[:1]}), timeout_s=10),
+                *(device.escalate(encode_request("digits", {"x": x[i:i + 1]},
+                                                 parameters={topics.PARAM_SEQ: next(_SEQ)}), timeout_s=10)
+                  for i in range(4)), return_exceptions=True)
+            assert isinstance(answers[0], EscalationError)
+            assert answers[0].code == "NOT_FOUND"
+            assert all(not isinstance(a, BaseException) for a in answers[1:]), answers
 
     asyncio.run(main())
 
