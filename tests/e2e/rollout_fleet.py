@@ -110,7 +110,7 @@ def layer_ms(models: DigitsModels, tmp: Path, layers: int = 20) -> float:
     from runtimes.session import SessionOptions
 
     times = []
-    with open_session(models.heavy(tmp / "probe.onnx", layers), SessionOptions(intra_op_threads=1)) as session:
+    with open_session(models.heavy(tmp / "probe.onnx", layers), options=SessionOptions(intra_op_threads=1)) as session:
         x = {"x": models.cycle[:1]}
         for _ in range(35):
             t = time.perf_counter()
@@ -145,7 +145,7 @@ class Agents:
             self.device_ids.append(ident.device_id)
             (d / "agent.yaml").write_text(
                 f"model: {model}\nlisten: 127.0.0.1:{self.ports[i]}\nbroker: mqtt://{broker[0]}:{broker[1]}\n"
-                f"cloud: {cloud}\ntelemetry_interval_s: 1\nthreads: 1\n"
+                f"cloud: {cloud}\npolicy: {{threshold: {THRESHOLD}}}\ntelemetry_interval_s: 1\nthreads: 1\n"
                 f"fleet: {{url: '{fleet_url}', state_dir: '{d / 'state'}', release_keys: ['{release_key}']}}\n")
 
     def start(self, indices: list[int] | None = None, *, timeout: float = 90.0) -> None:
@@ -224,6 +224,7 @@ class LoadDriver:
         self.active = set(range(len(ports)))
         self.sent = [0] * len(ports)
         self.failed = [0] * len(ports)
+        self.errors: dict[tuple[int, str], str] = {}  # (agent, status code) -> the first message
         self._generation = [0] * len(ports)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=lambda: asyncio.run(self._main()), name="load-driver", daemon=True)
@@ -271,8 +272,9 @@ class LoadDriver:
                 try:
                     await stub.ModelInfer(encode_request("digits", {"x": x}, request_id=str(k)), timeout=5)
                     self.sent[i] += 1
-                except grpc.aio.AioRpcError:
+                except grpc.aio.AioRpcError as exc:
                     self.failed[i] += 1
+                    self.errors.setdefault((i, exc.code().name), f"{time.time():.2f} {exc.details()}"[:300])
                     await asyncio.sleep(0.2)
                 next_at = max(next_at + 1 / self.rate, time.monotonic())
                 await asyncio.sleep(next_at - time.monotonic())

@@ -151,7 +151,8 @@ def _fleet_run(tmp: Path, n: int, models: DigitsModels, cloud_models: Path, digi
                     run = _Run(fleet, agents, load, models, digits, tmp, soak=soak)
                     _scenario(run, bad=bad, offline=offline)
                     assert sum(load.sent) > 0
-                    run.timings["requests"] = {"sent": sum(load.sent), "failed": sum(load.failed)}
+                    run.timings["requests"] = {"sent": sum(load.sent), "failed": sum(load.failed),
+                                               "errors": {f"{i}/{c}": m for (i, c), m in load.errors.items()}}
             finally:
                 codes = agents.stop()
         finally:
