@@ -151,6 +151,7 @@ class Agents:
     def start(self, indices: list[int] | None = None, *, timeout: float = 90.0) -> None:
         indices = list(range(self.n)) if indices is None else indices
         env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+        seen = {i: len(self.log_text(i)) for i in indices}  # a restart appends: look past the last run's lines
         for i in indices:
             d = self.tmp / f"agent{i}"
             log = (d / "agent.log").open("ab")
@@ -161,7 +162,7 @@ class Agents:
         deadline = time.monotonic() + timeout
         for i in indices:
             want = re.compile(rf"serving .* on 127\.0\.0\.1:{self.ports[i]}")
-            while not want.search(self.log_text(i)):
+            while not want.search(self.log_text(i)[seen[i]:]):
                 proc = self.procs[i]
                 if proc is None or proc.poll() is not None or time.monotonic() > deadline:
                     msg = f"agent {i} did not start: {self.log_text(i)[-2000:]}"

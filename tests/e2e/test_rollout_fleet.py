@@ -8,8 +8,8 @@ within a bound measured here: (a) golden inputs that do not reproduce, (b) an ed
 confidence (+20 points of escalations), (c) a model whose p95 latency is about three times the control's.
 The slow version also stops a quarter of the fleet before a rollout and restarts it afterwards.
 
-The p95 and energy margins are loosened to 2x control for every deployment (a shared 2-core host makes
-one device's p95 noisy against the cohort's); the heavy release is sized at about 3x the control's p95.
+The p95 and energy margins are loosened to 2.5x control for every deployment (MARGINS says why); the heavy
+release is sized at about 3.5x the control's p95.
 """
 
 from __future__ import annotations
@@ -34,7 +34,10 @@ from tests.sdk.packages import make_package
 pytestmark = pytest.mark.mqtt
 
 WAVES = "1,5%,25%,100%"
-MARGINS = {"p95_ratio": 1.0, "energy_ratio": 1.0}  # escalation, agreement, degraded: the defaults
+# p95 and energy (modelled from time) at most 2.5x control; escalation, agreement, degraded: the defaults. On
+# this shared 2-core host, the last wave's 15 agents activating a release at once raise its p95 to ~2x their
+# baseline's (each device has its own CPU in the field).
+MARGINS = {"p95_ratio": 1.5, "energy_ratio": 1.5}
 RESTORE_BOUND_S = 20.0  # failed gate -> every agent that took the release back on the previous one
 
 
@@ -115,8 +118,10 @@ class _Run:
                 break
             time.sleep(0.1)
         assert fail is not None
+        # on SQLite, one `show` is not one snapshot (its SELECTs run outside a transaction): it may list the
+        # restore decision beside a device still in "rollback"; wait until both say so
         shown = self.fleet.wait("the fleet to record the restore", lambda: (
-            s := self.fleet.show(rid))["state"] == "rolled_back" and any(
+            s := self.fleet.show(rid))["state"] == "rolled_back" and "rollback" not in s["states"] and any(
             d["kind"] == "restored" for d in s["decisions"]) and s, timeout=30)
         restored_at = next(float(d["at"]) for d in shown["decisions"] if d["kind"] == "restored")
         failed = {g["gate"]: g for g in fail["figures"]["gates"] if g["ok"] is False}
@@ -151,6 +156,7 @@ def _fleet_run(tmp: Path, n: int, models: DigitsModels, cloud_models: Path, digi
                     run = _Run(fleet, agents, load, models, digits, tmp, soak=soak)
                     _scenario(run, bad=bad, offline=offline)
                     assert sum(load.sent) > 0
+                    assert not load.errors, load.errors  # no request failed, through every swap and rollback
                     run.timings["requests"] = {"sent": sum(load.sent), "failed": sum(load.failed),
                                                "errors": {f"{i}/{c}": m for (i, c), m in load.errors.items()}}
             finally:
@@ -203,13 +209,13 @@ def _scenario(run: _Run, *, bad: tuple[str, ...], offline: bool) -> None:
                        if w.get("requests") and w.get("p95_ms")]
             control_ms = float(np.median([w["p95_ms"] for w in windows]))
             per_layer = layer_ms(run.models, run.tmp)
-            layers = min(400, max(4, math.ceil(2 * control_ms / per_layer)))  # edge time ~2x: p95 ~3x
+            layers = min(400, max(4, math.ceil(2.5 * control_ms / per_layer)))  # edge time ~2.5x: p95 ~3.5x
             release = run.release("heavy", str(next(version)), [r2], layers=layers)
             run.stop_bad(kind, release, r2, "p95_vs_control")
             g = run.timings["restore_s"][kind]["gate"]
             g["ratio"] = round(g["wave"] / g["control"], 2)
             g["layers"], g["control_p95_before_ms"] = layers, round(control_ms, 2)
-            assert g["ratio"] >= 2.0, g
+            assert g["ratio"] >= 1 + MARGINS["p95_ratio"], g
         assert run.on(r2)
 
     if offline:
