@@ -328,7 +328,8 @@ class AgentDaemon:
         agent.take_over()
         await agent.start()
         old.telemetry = None
-        last = self._windows.window(old.snapshot()) if self._windows is not None else None
+        last = (self._windows.window(old.snapshot(), old.stats.recent_latencies) if self._windows is not None
+                else None)
         self.agent = agent
         if self._servicer is not None:
             self._servicer.agent = agent
@@ -385,7 +386,8 @@ class AgentDaemon:
         await control.acknowledged(info, 5.0)
 
     async def _publish_telemetry(self, doc: dict[str, Any]) -> None:
-        await self._send_window(self._windows.window(doc) if self._windows is not None else doc)
+        await self._send_window(self._windows.window(doc, self.agent.stats.recent_latencies)
+                                if self._windows is not None else doc)
 
     async def _send_window(self, doc: dict[str, Any]) -> None:
         payload = json.dumps(doc, default=str).encode()

@@ -26,10 +26,12 @@ import os
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
@@ -162,6 +164,10 @@ def enrolled_config(config: AgentConfig) -> AgentConfig:
     return dataclasses.replace(config, options=options)
 
 
+# upper bounds (ms) of a window's latency histogram buckets; the last bucket counts what is above them
+LATENCY_BOUNDS_MS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000)
+
+
 class TelemetryWindows:
     """Turns cumulative agent snapshots into per-window telemetry documents with (boot id, seq).
 
@@ -188,7 +194,10 @@ class TelemetryWindows:
         """A new agent (a model swap): its counters start at zero; the sequence numbers go on."""
         self.model_digest, self.release, self._last = model_digest, release, {}
 
-    def window(self, snap: dict[str, Any]) -> dict[str, Any]:
+    def window(self, snap: dict[str, Any], recent: Callable[[int], np.ndarray] | None = None) -> dict[str, Any]:
+        """The window since the last call. `recent(n)` gives the last n request latencies (the agent's
+        `stats.recent_latencies`): with it, p50, p95 and the histogram are this window's own; without,
+        the snapshot's quantiles over its recent requests stand in."""
         prev = self._last
         d = {k: int(snap.get(k, 0)) - int(prev.get(k, 0)) for k in self._COUNTERS}
         reasons = {k: v - prev.get("reasons", {}).get(k, 0) for k, v in snap.get("reasons", {}).items()}
@@ -203,10 +212,18 @@ class TelemetryWindows:
         compared = d["escalations_compared"]
         agreement = min(1.0, max(0.0, d["escalations_agreed"] / compared)) if compared > 0 else None
         crashes, self.crashes = self.crashes, 0
+        p50, p95 = float(snap.get("p50_ms", 0.0)), float(snap.get("p95_ms", 0.0))
+        hist = None
+        lat = recent(n) if recent is not None and n > 0 else None
+        if lat is not None and len(lat):  # a window longer than the latencies kept uses the newest ones
+            p50, p95 = (float(v) for v in np.percentile(lat, [50, 95]))
+            counts = np.bincount(np.searchsorted(LATENCY_BOUNDS_MS, lat, side="left"),
+                                 minlength=len(LATENCY_BOUNDS_MS) + 1)
+            hist = {"bounds_ms": list(LATENCY_BOUNDS_MS), "counts": counts.tolist()}
         return {"device": snap.get("device"), "boot_id": self.boot_id, "seq": self.seq, "ts": now,
                 "window_s": window_s, "requests": n,
                 "tiers": {"edge": n - d["cloud_answers"], "cloud": d["cloud_answers"]},
-                "p50_ms": float(snap.get("p50_ms", 0.0)), "p95_ms": float(snap.get("p95_ms", 0.0)),
+                "p50_ms": p50, "p95_ms": p95, "latency_hist": hist,
                 "escalation_rate": min(1.0, d["escalations_sent"] / n) if n else 0.0,
                 "agreement": agreement,
                 "energy_mj_per_request": max(0.0, energy_total - prev_energy) / n if n else 0.0,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 import time
@@ -205,6 +206,11 @@ class Stats:
         if reason:
             self.reasons[reason] = self.reasons.get(reason, 0) + 1
         self.latencies.append(total_ms)
+
+    def recent_latencies(self, n: int) -> np.ndarray:
+        """The last `n` request latencies (ms), newest first; at most the 2048 kept."""
+        k = max(0, min(n, len(self.latencies)))
+        return np.fromiter(itertools.islice(reversed(self.latencies), k), dtype=np.float64, count=k)
 
     def snapshot(self) -> dict[str, Any]:
         lat = np.fromiter(self.latencies, dtype=np.float64)
