@@ -4,15 +4,16 @@
 
 The MQTT bridge keeps what it does for every escalation (the device's topic checks, the duplicate
 cache, per-request metrics, acknowledging after the reply) and, instead of running a local model,
-hands the request to a `ForwardBackend`: one grpc.aio channel and, by default (`mode="stream"`),
-long-lived `ModelStreamInfer` streams carrying the requests, answers matched by id
-(`cloud_service.forward_stream`); grpcio's per-message work on a stream is a fraction of a unary
-call's. The request's remaining deadline bounds the wait for its answer (a late answer is dropped).
-An error answer on a stream carries only a message, so that request is asked again as one unary
-`ModelInfer`, whose status the device gets; a stream that breaks fails the requests waiting on it
-(UNAVAILABLE) and is reopened; an upstream without the stream RPC (UNIMPLEMENTED) is served by
-unary calls from then on. `mode="unary"` sends one `ModelInfer` per request, with the remaining
-deadline as the gRPC deadline. The upstream's status is passed back to the device as its status name.
+hands the request to a `ForwardBackend`: one grpc.aio channel and, by default (`mode="unary"`), one
+`ModelInfer` per request with the remaining deadline as the gRPC deadline. `mode="stream"` carries the
+requests over long-lived `ModelStreamInfer` streams instead, answers matched by id
+(`cloud_service.forward_stream`); measured against Triton on two cores it was no faster. The request's
+remaining deadline bounds the wait for its answer (a late answer is dropped). An error answer on a
+stream carries only a message, so that request is asked again as one unary `ModelInfer`, whose status
+the device gets; the requests a broken stream held unanswered are asked again by unary calls within
+their deadlines, and the stream is reopened; an upstream without the stream RPC (UNIMPLEMENTED, or a
+stream that fails before any answer) is served by unary calls from then on. The upstream's status is
+passed back to the device as its status name.
 Requests in a tierkit wire encoding (fp16, zstd) are decoded to plain tensors first, since a stock
 server does not know them; a raw frame is refused, as only a package's manifest says how to
 preprocess it.
@@ -167,8 +168,9 @@ class ForwardBackend:
                 stream, self._stream = self._stream, None
                 await stream.aclose()
             return None
-        except StreamBroken as exc:
-            raise UpstreamError(str(exc), status="UNAVAILABLE") from None
+        except StreamBroken as exc:  # not answered: asked again by a unary call within its deadline
+            log.info("%s; asking the requests it held by unary calls", exc)
+            return None
         if answer.error_message:  # a message without a status: the unary call says which
             log.debug("%s answered an error on the stream (%s); asking again by a unary call", self.url,
                       answer.error_message[:200])

@@ -63,6 +63,7 @@ class _Lane:
         self.waiting: collections.OrderedDict[str, asyncio.Future[pb.ModelStreamInferResponse]] = (
             collections.OrderedDict())
         self.broken = False
+        self.answered = False  # whether any answer came on this stream
         self._call = method(self._requests())
         self._reader = asyncio.get_running_loop().create_task(self._read())
 
@@ -84,7 +85,9 @@ class _Lane:
             error = StreamBroken(f"{self.url} ended the inference stream before answering", "UNAVAILABLE")
         except grpc.aio.AioRpcError as exc:
             code, details = exc.code(), exc.details() or "no details"
-            if code == grpc.StatusCode.UNIMPLEMENTED:
+            # a server without the stream RPC answers UNIMPLEMENTED, or INTERNAL when it closes the stream
+            # while the client is still sending; a stream that never answered anything is taken for that
+            if code == grpc.StatusCode.UNIMPLEMENTED or (code == grpc.StatusCode.INTERNAL and not self.answered):
                 error = StreamUnimplemented(f"{self.url} does not implement ModelStreamInfer: {details}", code.name)
             else:
                 error = StreamBroken(f"the inference stream to {self.url} broke ({code.name}: {details}); "
@@ -99,6 +102,7 @@ class _Lane:
         self.waiting.clear()
 
     def _answer(self, response: pb.ModelStreamInferResponse) -> None:
+        self.answered = True
         request_id = response.infer_response.id
         if request_id:
             future = self.waiting.pop(request_id, None)
