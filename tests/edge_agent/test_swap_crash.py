@@ -31,6 +31,7 @@ from edge_agent.daemon import AgentDaemon
 from edge_agent.slots import RESTARTED
 from edge_agent.swap import PAUSE_ENV
 from sdk import zoo
+from tests import waiting
 from tests.doubles.release_server import ReleaseServer
 from tests.edge_agent.releases import DEVICE, PASSWORD, USER, Kit, build_kit, device_config
 
@@ -51,14 +52,7 @@ def server(kit: Kit) -> Iterator[ReleaseServer]:
 
 
 def wait_for(what: str, check: Callable[[], Any], timeout: float = 30.0) -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        got = check()
-        if got:
-            return got
-        time.sleep(0.05)
-    msg = f"timed out waiting for {what}"
-    raise AssertionError(msg)
+    return waiting.wait_for(what, check, timeout, interval=0.05)
 
 
 class Agent:

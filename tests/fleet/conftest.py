@@ -3,10 +3,8 @@
 from __future__ import annotations
 
 import tempfile
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 
@@ -65,15 +63,6 @@ def store(db_url: str) -> Iterator[FleetStore]:
 FLEET_PASSWORD = "fleet-secret-for-tests"
 
 
-def wait_for(what: str, check: Callable[[], Any], timeout: float = 20.0) -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        got = check()
-        if got:
-            return got
-        time.sleep(0.1)
-    msg = f"timed out waiting for {what}"
-    raise AssertionError(msg)
 
 
 @pytest.fixture

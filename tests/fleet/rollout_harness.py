@@ -17,6 +17,7 @@ from edge_agent.fleet_sync import enroll
 from tests.broker import Broker, _free_port
 from tests.fleet.fleet_process import ROOT, FleetProcess
 from tests.fleet.rollout_device import Behaviour, SimDevice
+from tests.waiting import wait_for
 
 FLEET_PASSWORD = "fleet-secret-for-tests"
 
@@ -137,11 +138,4 @@ class RolloutFleet:
         return dict(self.api("GET", f"/v1/rollouts/{rollout_id}?decisions=50"))
 
     def wait(self, what: str, check: Callable[[], Any], timeout: float = 60.0) -> Any:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            got = check()
-            if got:
-                return got
-            time.sleep(0.2)
-        msg = f"timed out after {timeout} s waiting for {what}"
-        raise AssertionError(msg)
+        return wait_for(what, check, timeout, interval=0.2)

@@ -19,9 +19,9 @@ from compilers.package import ModelPackage
 from edge_agent.fleet_sync import model_digest
 from sdk import zoo
 from tests.broker import Broker
-from tests.fleet.conftest import wait_for
 from tests.fleet.fleet_process import ROOT, FleetProcess, cli
 from tests.sdk.packages import make_package
+from tests.waiting import wait_for
 
 pytestmark = pytest.mark.mqtt
 

@@ -16,10 +16,10 @@ from cloud_service.fleet.store import FleetStore
 from cloud_service.fleet.telemetry import TelemetryStore
 from edge_agent.fleet_sync import generate_key_and_csr
 from tests.broker import Broker
-from tests.fleet.conftest import wait_for
 from tests.fleet.fleet_process import FleetProcess, cli
 from tests.fleet.mqtt_device import Device
 from tests.fleet.postgres import Postgres
+from tests.waiting import wait_for
 
 pytestmark = pytest.mark.mqtt
 

@@ -17,9 +17,9 @@ from paho.mqtt.enums import CallbackAPIVersion
 from cloud_service.fleet.fleet import Fleet, FleetConfig
 from edge_agent.fleet_sync import generate_key_and_csr
 from tests.broker import Broker
-from tests.fleet.conftest import wait_for
 from tests.fleet.fleet_process import FleetProcess
 from tests.fleet.test_mtls import _server_cert
+from tests.waiting import wait_for
 
 pytestmark = pytest.mark.mqtt
 

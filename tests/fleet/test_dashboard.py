@@ -25,8 +25,8 @@ from cloud_service.fleet.store import FleetStore
 from cloud_service.fleet.telemetry import TelemetryLimits, TelemetryStore
 from compilers.signing import generate_keypair, load_private_key, load_public_key
 from edge_agent.fleet_sync import generate_key_and_csr
-from tests.fleet.conftest import wait_for
 from tests.fleet.fleet_process import FleetProcess
+from tests.waiting import wait_for
 
 CHROMIUM = "/usr/bin/chromium"
 FLAGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--no-first-run"]

@@ -13,10 +13,11 @@ import pytest
 from cloud_service import identity
 from edge_agent.fleet_sync import EnrollmentError, enroll
 from tests.broker import Broker
-from tests.fleet.conftest import FLEET_PASSWORD, wait_for
+from tests.fleet.conftest import FLEET_PASSWORD
 from tests.fleet.fleet_process import ROOT, FleetProcess, cli
 from tests.fleet.mqtt_device import Device
 from tests.security.deploy_broker import DEPLOY, dynsec_plugin
+from tests.waiting import wait_for
 
 pytestmark = pytest.mark.mqtt
 

@@ -19,9 +19,9 @@ from cloud_service.fleet.store import FleetStore
 from cloud_service.fleet.telemetry import TelemetryStore
 from edge_agent.fleet_sync import generate_key_and_csr
 from tests.broker import Broker
-from tests.fleet.conftest import wait_for
 from tests.fleet.mqtt_device import Device
 from tests.fleet.postgres import Postgres
+from tests.waiting import wait_for
 
 
 def _window(dev: str, seq: int) -> bytes:

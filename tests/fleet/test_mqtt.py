@@ -12,9 +12,9 @@ import pytest
 
 from edge_agent.fleet_sync import FleetIdentity, enroll
 from tests.broker import Broker
-from tests.fleet.conftest import wait_for
 from tests.fleet.fleet_process import FleetProcess, cli
 from tests.fleet.mqtt_device import Device
+from tests.waiting import wait_for
 
 pytestmark = pytest.mark.mqtt
 def _window(dev: str, seq: int, **kw: Any) -> dict[str, Any]:
