@@ -50,7 +50,7 @@ from compilers import signing
 from compilers.package import pack, sha256_file, unpack
 from compilers.variants import VariantSet, is_variant_set
 from compilers.version_floor import VersionFloor
-from runtimes.documents import read_document
+from runtimes.documents import read_document, validation_problems
 from runtimes.errors import ConfigError, IntegrityError, PackageError, SignatureError, UnsafeArchiveError
 
 RELEASE_FILE = "release.json"
@@ -139,8 +139,7 @@ def validate_policy(doc: Any, *, where: str = "release policy") -> dict[str, Any
     try:
         return ReleasePolicy.model_validate(doc).model_dump(exclude_none=True)
     except ValidationError as exc:
-        problems = "; ".join(f"{'.'.join(str(p) for p in e['loc']) or '(top)'}: {e['msg']}" for e in exc.errors())
-        msg = f"{where}: {problems}"
+        msg = f"{where}: {validation_problems(exc)}"
         raise ConfigError(msg) from None
 
 

@@ -35,3 +35,8 @@ def read_document(path: str | Path, what: str) -> Any:
     except yaml.YAMLError as exc:
         msg = f"the {what} {str(path)!r} is not valid YAML: {exc}"
         raise ConfigError(msg) from None
+
+
+def validation_problems(exc: Any) -> str:
+    """One line naming each problem of a pydantic `ValidationError`: `budget.latency_ms: ...; threshold: ...`."""
+    return "; ".join(f"{'.'.join(str(p) for p in e['loc']) or '(top)'}: {e['msg']}" for e in exc.errors())

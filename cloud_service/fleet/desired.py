@@ -33,6 +33,7 @@ from cloud_service.fleet import schema as t
 from cloud_service.fleet.errors import InvalidDocument
 from cloud_service.fleet.registry import parse_labels
 from cloud_service.fleet.store import FleetStore
+from runtimes.documents import validation_problems
 
 DEFAULT_PRIORITY = {"fleet": 0, "labels": 100, "rollout": 500, "device": 1000}
 ROLLOUT_PREFIX = "rollout/"
@@ -71,8 +72,7 @@ def validate_document(doc: Any) -> dict[str, Any]:
     try:
         return DesiredDocument.model_validate(doc).model_dump(exclude_unset=True)
     except ValidationError as exc:
-        problems = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
-        msg = f"desired document does not validate: {problems}"
+        msg = f"desired document does not validate: {validation_problems(exc)}"
         raise InvalidDocument(msg) from None
 
 

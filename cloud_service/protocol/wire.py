@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -152,13 +152,8 @@ class RawRequest:
     @classmethod
     def parse(cls, data: bytes) -> RawRequest:
         """Parse wire bytes; raises protobuf's `DecodeError` for bytes that are no ModelInferRequest."""
-        split = split_fields(data, RAW_INPUT_FIELD)
-        if split is None:
-            message = pb.ModelInferRequest.FromString(data)
-            raw = tuple(message.raw_input_contents)
-            del message.raw_input_contents[:]
-            return cls(message, raw)
-        return cls(pb.ModelInferRequest.FromString(split[0]), tuple(split[1]))
+        message, raw = _parse(pb.ModelInferRequest, data, RAW_INPUT_FIELD, "raw_input_contents")
+        return cls(message, raw)
 
     @classmethod
     def of(cls, request: pb.ModelInferRequest) -> RawRequest:
@@ -176,10 +171,7 @@ class RawRequest:
 
     def to_message(self) -> pb.ModelInferRequest:
         """The whole message (copies the tensors in)."""
-        whole = pb.ModelInferRequest()
-        whole.CopyFrom(self.message)
-        whole.raw_input_contents.extend(bytes(b) for b in self.raw)
-        return whole
+        return _whole(self.message, "raw_input_contents", self.raw)
 
 
 @dataclass(frozen=True, slots=True)
@@ -195,21 +187,36 @@ class RawResponse:
 
     def to_message(self) -> pb.ModelInferResponse:
         """The whole message (copies the outputs in)."""
-        whole = pb.ModelInferResponse()
-        whole.CopyFrom(self.message)
-        whole.raw_output_contents.extend(bytes(b) for b in self.raw)
-        return whole
+        return _whole(self.message, "raw_output_contents", self.raw)
 
     @classmethod
     def parse(cls, data: bytes) -> RawResponse:
         """Parse wire bytes; raises protobuf's `DecodeError` for bytes that are no ModelInferResponse."""
-        split = split_fields(data, RAW_OUTPUT_FIELD)
-        if split is None:
-            message = pb.ModelInferResponse.FromString(data)
-            raw = tuple(message.raw_output_contents)
-            del message.raw_output_contents[:]
-            return cls(message, raw)
-        return cls(pb.ModelInferResponse.FromString(split[0]), tuple(split[1]))
+        message, raw = _parse(pb.ModelInferResponse, data, RAW_OUTPUT_FIELD, "raw_output_contents")
+        return cls(message, raw)
+
+
+_M = TypeVar("_M", pb.ModelInferRequest, pb.ModelInferResponse)
+
+
+def _parse(kind: type[_M], data: bytes, field_number: int, name: str) -> tuple[_M, tuple[Buffer, ...]]:
+    """The message without its tensor field, and the tensors as views of `data` where the layout allows
+    (else as protobuf's copies)."""
+    split = split_fields(data, field_number)
+    if split is None:
+        message = kind.FromString(data)
+        raw = tuple(getattr(message, name))
+        del getattr(message, name)[:]
+        return message, raw
+    return kind.FromString(split[0]), tuple(split[1])
+
+
+def _whole(message: _M, name: str, raw: tuple[Buffer, ...]) -> _M:
+    """A copy of `message` with the tensors copied into its field `name`."""
+    whole = type(message)()
+    whole.CopyFrom(message)
+    getattr(whole, name).extend(bytes(b) for b in raw)
+    return whole
 
 
 def wire_array(array: Any) -> np.ndarray:
