@@ -78,6 +78,8 @@ def variant_profile(variant: Variant, power: PowerProfile, *, repeats: int = 20)
     session, feed = variant.session, zero_feed(variant.session)
     # the session was warmed when the agent opened it: every run here is timed
     profile.self_benchmark(lambda: session.run(feed), repeats=repeats, warmup=0)
+    # modeled as the agent models it (power x time), on the time measured here rather than the manifest's
+    profile.energy_mj = power.busy_watts * profile.baseline_p50_ms
     return profile
 
 

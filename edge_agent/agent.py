@@ -372,7 +372,11 @@ class EdgeAgent:
         rows = np.flatnonzero(p.mask)
         # capped at a quarter of the budget: a burst of load must not make every escalation look out of time
         guard_ms = self.options.margin_ms + min(self.lateness.margin_ms(), self.budget.latency_ms / 4)
-        left_ms = self.budget.latency_ms - (perf_counter() - p.t0) * 1e3 - guard_ms
+        budget_ms = self.budget.latency_ms
+        if (ctl := self.controller) is not None:  # it plans escalations to end where this timer ends them
+            ctl.deadline_guard_ms = guard_ms
+            budget_ms *= ctl.deadline_scale()
+        left_ms = budget_ms - (perf_counter() - p.t0) * 1e3 - guard_ms
         needed_ms = self._rtt_needed()
         reason = self._skip_reason(left_ms, needed_ms)
         if reason:
@@ -384,7 +388,7 @@ class EdgeAgent:
         kept: str | None = None  # with `keep`: "" once journaled ahead of the send, else why it could not be
         if p.keep and self.journal is not None:
             kept = await self._journal_ahead(p, request)
-            left_ms = self.budget.latency_ms - (perf_counter() - p.t0) * 1e3 - guard_ms
+            left_ms = budget_ms - (perf_counter() - p.t0) * 1e3 - guard_ms
             if left_ms < self.options.min_deadline_ms:  # the fsync took what was left: it is sent later
                 self._settle(p.seq, answered=False)
                 return await self._degrade(p, rows, kept or "budget", None, kept=kept)

@@ -19,11 +19,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
+from edge_agent.stats import TimeoutRuns
 from runtimes.errors import ConfigError
 
 logger = logging.getLogger(__name__)
 
 State = Literal["closed", "open", "half_open"]
+TIMEOUT_FLOOR = 20  # timeouts in a row that are news even after a link that answered every call in time
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,12 +38,15 @@ class BreakerConfig:
             opens it again for as long, so a link that comes back is found within about this long
             (plus the wait for the next request that escalates): half a second by default.
         half_open_max_calls: probes allowed at once while half-open.
-        timeout_threshold: consecutive failures that open it when they include deadline timeouts
-            (`record_failure(timeout=True)`). A call abandoned at its deadline says the link was
-            slower than what was left of the budget, not that the cloud is gone: on a jittered link
-            under a tight budget, a few in a row are common while the others are answered (with 70 %
-            missing, 10 in a row come about every hundred calls; 20, every few thousand). A partition,
-            where nothing is answered, still opens it after this many (never fewer than `failure_threshold`).
+        timeout_threshold, timeout_odds: when the failures in a row include deadline timeouts
+            (`record_failure(timeout=True)`), it opens once such a run is news (`stats.TimeoutRuns`):
+            less likely than `timeout_odds` by chance given the share of timeouts among the recent
+            calls, and at most `timeout_threshold` in a row. A call abandoned at its deadline says the
+            link was slower than what was left of the budget, not that the cloud is gone: on a
+            jittered link where 75 % miss a tight deadline, it takes 33 in a row (a fixed 20 come by
+            chance every few hundred calls there); after a link that answered nearly every call, or
+            one that just changed (the share lags), 20 do; never fewer than `failure_threshold`,
+            nor more than `timeout_threshold`.
 
     Example:
         >>> BreakerConfig(failure_threshold=3, reset_timeout_s=5.0)
@@ -50,7 +55,8 @@ class BreakerConfig:
     failure_threshold: int = 5
     reset_timeout_s: float = 0.5
     half_open_max_calls: int = 1
-    timeout_threshold: int = 20
+    timeout_threshold: int = 64
+    timeout_odds: float = 1e-4
 
     def __post_init__(self) -> None:
         if not (isinstance(self.failure_threshold, int) and self.failure_threshold >= 1):
@@ -64,6 +70,9 @@ class BreakerConfig:
             raise ConfigError(msg)
         if not (isinstance(self.timeout_threshold, int) and self.timeout_threshold >= 1):
             msg = f"BreakerConfig.timeout_threshold must be an integer >= 1, got {self.timeout_threshold!r}"
+            raise ConfigError(msg)
+        if not (0 < self.timeout_odds < 1):
+            msg = f"BreakerConfig.timeout_odds must be in (0, 1), got {self.timeout_odds!r}"
             raise ConfigError(msg)
 
 
@@ -94,6 +103,9 @@ class CircuitBreaker:
         self._state: State = "closed"
         self._failures = 0
         self._refusals = 0  # consecutive failures that were not timeouts
+        cfg = self.config
+        cap = max(cfg.timeout_threshold, cfg.failure_threshold)
+        self._timeouts = TimeoutRuns(min(max(TIMEOUT_FLOOR, cfg.failure_threshold), cap), cap, odds=cfg.timeout_odds)
         self._opened_at = 0.0
         self._probes = 0
         self._probe_started = 0.0
@@ -142,6 +154,7 @@ class CircuitBreaker:
             self._probes = 0
         if self._state == "closed":
             self._failures = self._refusals = 0
+            self._timeouts.record(timeout=False)
         # A late success of a call sent before the breaker opened leaves it open: the calls after it failed.
 
     def record_failure(self, *, timeout: bool = False) -> None:
@@ -153,9 +166,10 @@ class CircuitBreaker:
         elif state == "closed":
             self._failures += 1
             self._refusals = 0 if timeout else self._refusals + 1
-            cfg = self.config
-            if (self._refusals >= cfg.failure_threshold
-                    or self._failures >= max(cfg.timeout_threshold, cfg.failure_threshold)):
+            if timeout:
+                self._timeouts.record(timeout=True)
+            if (self._refusals >= self.config.failure_threshold
+                    or (self._refusals < self._failures and self._failures >= self._timeouts.threshold())):
                 self._open(f"{self._failures} consecutive cloud failures")
         # A late failure while open does not extend the timeout.
 

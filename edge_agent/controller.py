@@ -60,6 +60,10 @@ class ControllerConfig:
         tie_tolerance: accuracies closer than this are equal (then less energy wins).
         min_observations: requests (or samples) before a measured rate or latency is trusted.
         redecide_interval_s: re-decide at least this often while requests flow.
+        redecide_gap_s: a drift re-decides at most this often (the cloud going down or coming back,
+            and a budget change, at once): each re-decision evaluates every variant at every
+            threshold, ~10 ms of a core, and one per observation that flags a drift would take the
+            interpreter from the event loop the agent's escalation timers run on.
         rtt_drift: relative move of the RTT EWMA or high quantile that triggers a re-decision...
         rtt_drift_abs_ms: ...when it is also at least this many milliseconds.
         rtt_rebase_keep: round trips kept when the RTT EWMA drifted (the rest are forgotten, so
@@ -96,6 +100,7 @@ class ControllerConfig:
     tie_tolerance: float = 2e-4
     min_observations: int = 20
     redecide_interval_s: float = 1.0
+    redecide_gap_s: float = 0.25
     rtt_drift: float = 0.5
     rtt_drift_abs_ms: float = 2.0
     rtt_rebase_keep: int = 32
@@ -130,8 +135,9 @@ class ControllerConfig:
             msg = (f"ControllerConfig switch_headroom must be in [0, 1) and rtt_rebase_keep >= 0, got "
                    f"{self.switch_headroom!r}, {self.rtt_rebase_keep!r}")
             raise ConfigError(msg)
-        if self.min_observations < 1 or self.history < 1 or self.redecide_interval_s <= 0:
-            msg = "ControllerConfig min_observations and history must be >= 1 and redecide_interval_s > 0"
+        if self.min_observations < 1 or self.history < 1 or self.redecide_interval_s <= 0 or self.redecide_gap_s < 0:
+            msg = ("ControllerConfig min_observations and history must be >= 1, redecide_interval_s > 0 and "
+                   "redecide_gap_s >= 0")
             raise ConfigError(msg)
 
 
@@ -190,11 +196,22 @@ def _targets(budget: Budget, config: ControllerConfig, conditions: Conditions) -
     return latency, energy
 
 
+def _latency_limit(p: Predictions, budget: Budget, target: float, conditions: Conditions) -> float:
+    """The p95 a point may plan for. The headroom under the budget is for what the model cannot be
+    sure of, the edge's own latency and the round trips. Where the agent's timer ends every
+    escalation at a deadline inside the budget (`Conditions.deadline_guard_ms`), an escalation that
+    is not answered by then is abandoned and answered locally at that deadline: a tail made of such
+    escalations ends there, and it needs no further headroom, as long as the edge alone keeps its own."""
+    if conditions.deadline_guard_ms is None or p.edge_p95_ms > target:
+        return target
+    return max(target, conditions.deadline_ms(budget))
+
+
 def _assess(p: Predictions, budget: Budget, config: ControllerConfig,
             conditions: Conditions) -> tuple[np.ndarray, list[list[str]]]:
     """Shortfall (0 = feasible; else summed relative excess) and violated budget names per threshold."""
     target, energy_target = _targets(budget, config, conditions)
-    checks = [("latency", p.p95_ms, target)]
+    checks = [("latency", p.p95_ms, _latency_limit(p, budget, target, conditions))]
     if energy_target is not None:
         checks.append(("energy", p.energy_mj, energy_target))
     if budget.max_escalations_per_s is not None:
@@ -214,6 +231,8 @@ def _decision(p: Predictions, i: int, shortfall: float, violated: list[str], rea
               conditions: Conditions, **extra: Any) -> Decision:
     latency_target, energy_target = _targets(budget, config, conditions)
     inputs = {"budget": asdict(budget), "latency_target_ms": latency_target, "energy_target_mj": energy_target,
+              "latency_limit_ms": _latency_limit(p, budget, latency_target, conditions),
+              "deadline_ms": conditions.deadline_ms(budget),
               "link": link.to_json() if link is not None else None, "conditions": asdict(conditions),
               "variant": {"id": profile.id, "p50_ms": profile.latency.quantile(0.5),
                           "p95_ms": profile.latency.quantile(0.95), "energy_mj": profile.energy_mj,
@@ -328,9 +347,14 @@ class Controller:
         self._arrivals: deque[float] = deque(maxlen=256)
         self._last_inference_ms: float | None = None
         self._rtt_seen = 0  # answered escalations since the last decision
+        self._redecided_at, self.redecisions = -math.inf, 0
+        # set by an agent whose timer abandons escalations this long before the deadline (`Conditions`)
+        self.deadline_guard_ms: float | None = None
         # observed p95 latency and mean energy per window, against the budgets (`budget.BudgetWindows`)
         self.latency_windows = BudgetWindows("p95", window_s=self.config.window_s, calm=20)
-        self.energy_windows = BudgetWindows("mean", window_s=self.config.window_s, calm=20)
+        # energy is planned from a model of it (modeled figures, priors of variants not run yet): a cut made by
+        # its error comes back after a few calm windows, by the room they left
+        self.energy_windows = BudgetWindows("mean", window_s=self.config.window_s, calm=3, max_loosen=1.25)
         self.current = self._commit(self._choose(), "initial")
 
     # -- measurements ----------------------------------------------------------------------------
@@ -464,8 +488,12 @@ class Controller:
 
     def maybe_redecide(self) -> Decision | None:
         """Re-decide if a drift was flagged or the interval passed; the new decision if it changed."""
-        if not self._pending and (self._n == 0 or
-                                  self._clock() - self.current.at < self.config.redecide_interval_s):
+        now = self._clock()
+        if self._pending:
+            urgent = any(r.startswith("cloud ") for r in self._pending)
+            if not urgent and now - self._redecided_at < self.config.redecide_gap_s:
+                return None
+        elif self._n == 0 or now - self.current.at < self.config.redecide_interval_s:
             return None
         return self._redecide()
 
@@ -483,7 +511,12 @@ class Controller:
         return Conditions(request_rate=rate, edge_overhead_ms=overhead, slowdown=slowdown,
                           current_variant=current.variant if current is not None else None,
                           shift_error_scale=shift, latency_scale=self.latency_windows.scale,
-                          energy_scale=self.energy_windows.scale)
+                          energy_scale=self.energy_windows.scale, deadline_guard_ms=self.deadline_guard_ms)
+
+    def deadline_scale(self) -> float:
+        """The share of the latency budget the agent's escalation deadline is cut from: below 1 after
+        observed windows went over the budget (the plan and the timer tighten together)."""
+        return self.latency_windows.scale
 
     @property
     def _min_obs(self) -> int:
@@ -497,6 +530,7 @@ class Controller:
         return choose(self.profiles, link, self.budget, self.config, conditions=self.conditions())
 
     def _redecide(self) -> Decision | None:
+        self._redecided_at, self.redecisions = self._clock(), self.redecisions + 1
         trigger = ", ".join(self._pending) or "periodic"
         self._pending.clear()
         link = self.link.state() if self.link is not None else None
@@ -563,7 +597,10 @@ class Controller:
         """Whether `cand` fits the planned p95 latency and energy with `switch_headroom` to spare."""
         keep = 1 - self.config.switch_headroom
         latency, energy = (float(cand.inputs.get(k) or math.inf) for k in ("latency_target_ms", "energy_target_mj"))
-        return (cand.predicted_p95_ms <= latency * keep + 1e-9
+        # a tail the agent's timer ends (the limit above the target) is not noise: it needs no spare room
+        enforced = float(cand.inputs.get("latency_limit_ms") or 0.0) > latency
+        return ((cand.predicted_p95_ms <= latency * keep + 1e-9
+                 or (enforced and cand.predicted_p95_ms <= float(cand.inputs["latency_limit_ms"]) + 1e-9))
                 and (cand.inputs.get("energy_target_mj") is None or cand.predicted_energy_mj <= energy * keep + 1e-9))
 
     def _energy_evidence(self, current: str, other: str) -> bool:

@@ -53,6 +53,11 @@ class Conditions:
             so that all are compared on the same inputs.
         latency_scale, energy_scale: the share of the latency and energy budgets to plan for, below
             1 after observed windows went over them (`budget.BudgetWindows`).
+        deadline_guard_ms: None when nothing ends an escalation before the budget (a plan on paper:
+            an escalation not answered in time is priced at the whole budget). A number when the
+            agent's own timer abandons every escalation that long before the (scaled) budget ends,
+            its margin plus the timer lateness it measured: escalations then end by that point,
+            answered or not, whatever the link does.
     """
 
     request_rate: float | None = None
@@ -62,6 +67,13 @@ class Conditions:
     shift_error_scale: float = 1.0
     latency_scale: float = 1.0
     energy_scale: float = 1.0
+    deadline_guard_ms: float | None = None
+
+    def deadline_ms(self, budget: Budget) -> float:
+        """When an escalation ends at the latest, answered or not (ms after the request began)."""
+        if self.deadline_guard_ms is None:
+            return budget.latency_ms
+        return max(budget.latency_ms * self.latency_scale - self.deadline_guard_ms, 0.0)
 
 
 @dataclass(frozen=True)
@@ -77,6 +89,7 @@ class Predictions:
     energy_mj: np.ndarray
     escalations_per_s: np.ndarray
     edge_accuracy_escalated: np.ndarray
+    edge_p95_ms: float = 0.0
 
 
 def _cdf(points: np.ndarray, samples: np.ndarray) -> np.ndarray:
@@ -95,7 +108,7 @@ def predict(profile: VariantProfile, thresholds: np.ndarray, link: LinkState | N
     ratio = profile.latency.quantile(0.5) / max(profile.baseline_p50_ms, 1e-9)
     speed = min(max(conditions.slowdown / max(ratio, 1e-9), 0.25), 8.0)
     edge = profile.latency.samples() * speed + conditions.edge_overhead_ms
-    deadline = budget.latency_ms
+    deadline = conditions.deadline_ms(budget)
     med = float(np.median(edge))
     ok_rtt = np.zeros(1)
     if link is None:
@@ -116,14 +129,15 @@ def predict(profile: VariantProfile, thresholds: np.ndarray, link: LinkState | N
     edge_q = np.quantile(edge, (np.arange(32) + 0.5) / 32)
     answered = np.maximum(np.minimum(edge_q[:, None] + np.ravel(ok_rtt)[None, :], deadline), edge_q[:, None]).ravel()
     parts = (edge, answered, np.maximum(edge, deadline), capped(fail_ms))
-    weights = (1 - esc, esc * avail * timely, esc * avail * (1 - timely), esc * (1 - avail))
     points = np.unique(np.concatenate(parts))
-    mix = sum(w[:, None] * _cdf(points, p)[None, :] for w, p in zip(weights, parts, strict=True))
-    p95 = points[np.argmax(mix >= 0.95 - 1e-9, axis=1)]
+    # the mixture's CDF at threshold t is (1 - esc) F_edge + esc G, G the escalations' own mixture
+    f_edge, f_ans, f_late, f_fail = (_cdf(points, p) for p in parts)
+    g = avail * timely * f_ans + avail * (1 - timely) * f_late + (1 - avail) * f_fail
+    p95 = points[_first_at_least(f_edge, g, esc, 0.95 - 1e-9)]
     per_escalation = (avail * timely * (radio + rtt_mean * wait)
                       + avail * (1 - timely) * (radio + max(deadline - med, 0.0) * wait)
                       + (1 - avail) * ((radio if fail_ms > 0 else 0.0) + fail_ms * wait))
-    energy = profile.energy_mj + esc * per_escalation
+    energy = _inference_mj(profile, med) + esc * per_escalation
     success = avail * timely
     accuracy = (1 - esc) * acc_acc + esc * (success * (link.cloud_accuracy if link else 0.0)
                                             + (1 - success) * acc_esc)
@@ -135,7 +149,34 @@ def predict(profile: VariantProfile, thresholds: np.ndarray, link: LinkState | N
         rate = 1000.0 / np.maximum(mean_ms, 1e-3)
     label = profile.energy_label if link is None else f"{profile.energy_label} + radio {link.energy_label}"
     return Predictions(profile.id, label, t, esc, accuracy, p95, energy, esc * rate,
-                       validation_acc_esc)
+                       validation_acc_esc, float(np.quantile(edge, 0.95)))
+
+
+def _first_at_least(f: np.ndarray, g: np.ndarray, w: np.ndarray, level: float) -> np.ndarray:
+    """For each weight w_i, the first index x where (1 - w_i) f[x] + w_i g[x] >= level (f and g are CDFs
+    on the same points, so each mixture is non-decreasing): a bisection per weight, all at once, in
+    log2(len(f)) steps rather than a table of len(w) x len(f)."""
+    lo, hi = np.zeros(w.shape, dtype=np.intp), np.full(w.shape, f.size - 1, dtype=np.intp)
+    while np.any(lo < hi):
+        mid = (lo + hi) // 2
+        ok = (1 - w) * f[mid] + w * g[mid] >= level
+        hi, lo = np.where(ok, mid, hi), np.where(ok, lo, mid + 1)
+    return lo
+
+
+def _inference_mj(profile: VariantProfile, edge_ms: float) -> float:
+    """The energy of one inference of `profile` on this device now.
+
+    A measured figure, or a modeled one the agent reported for this variant (power x its live time,
+    overheads included), stands. A variant that has not run yet has only its self-benchmark's
+    modeled figure (power x the bare session time): it is scaled to the edge time predicted for it
+    here (device slowdown and the agent's overhead included), as the agent will model it, so that
+    it is not favoured over the running variant by what the benchmark left out.
+    """
+    if profile.energy_observed or str(profile.energy_label).startswith("measured"):
+        return profile.energy_mj
+    base = profile.baseline_p50_ms
+    return profile.energy_mj * (edge_ms / base) if base > 0 and math.isfinite(edge_ms) else profile.energy_mj
 
 
 def rows(predictions: Sequence[Predictions]) -> list[dict[str, Any]]:

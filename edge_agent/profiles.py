@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
+from edge_agent.stats import TimeoutRuns
 from runtimes.errors import ConfigError, PackageError
 
 if TYPE_CHECKING:
@@ -181,6 +182,11 @@ class VariantProfile:
     def accuracy_at(self, score: float) -> float:
         """The validation accuracy of inputs scored like `score` (its score bin: a twentieth of validation)."""
         return float(self._bin_accuracy[int(np.searchsorted(self._edges, score, side="right"))])
+
+    @property
+    def energy_observed(self) -> bool:
+        """Whether `energy_mj` comes from this variant's own live figures (8 or more), not a prior."""
+        return len(self._energies) >= 8
 
     def energy_stderr(self) -> float:
         """The standard error of the energy estimate from its recent figures (inf with fewer than 8)."""
@@ -368,12 +374,16 @@ class LinkProfile:
             (from a device power profile); `energy_label` says whether they are measured.
         cloud_accuracy: prior accuracy of the cloud on escalated inputs, with `cloud_prior_strength`
             pseudo-observations; edge/cloud agreement refines it (see `observe_agreement`).
-        down_after, up_after: consecutive failures that mark the cloud down, successes that bring it
-            back (several, so that one lucky answer on a flapping link does not).
-        down_after_timeouts: consecutive failures that mark it down when they include timeouts: a
-            timeout says the link is slow (the RTT window learns it), not that the cloud is gone,
-            unless it keeps happening (a partition). On a jittered link where 70 % of escalations miss
-            a tight deadline, 10 in a row come about every hundred escalations; 20, every few thousand.
+        down_after, up_after: consecutive refusals that mark the cloud down, and answers that bring
+            it back: `up_after` since it went down, with no refusal between them (several, so that one
+            lucky answer on a flapping link does not; not necessarily in a row, so that a link that
+            answers a quarter of the escalations in time comes back).
+        down_after_timeouts: the most consecutive failures that mark it down when they include
+            timeouts. A timeout says the link is slow (the RTT window learns it), not that the cloud
+            is gone, unless the run is news (`stats.TimeoutRuns`): less likely than 1e-4 by chance
+            given the share of recent escalations that timed out. After a link that answered nearly
+            every escalation (or one that just changed), 20 timeouts in a row mark it down; on a
+            jittered link where 75 % miss a tight deadline, 33 do.
 
     Example:
         >>> link = LinkProfile(rtt_ms=5.0)
@@ -385,7 +395,7 @@ class LinkProfile:
                  wait_power_w: float = 0.3, energy_label: str = "modeled:default-radio",
                  cloud_accuracy: float = DEFAULT_CLOUD_ACCURACY, cloud_prior_strength: float = 30.0,
                  edge_prior_strength: float = 50.0, high_quantile: float = 0.95, window: int = 256,
-                 alpha: float = 0.2, down_after: int = 3, up_after: int = 3, down_after_timeouts: int = 20,
+                 alpha: float = 0.2, down_after: int = 3, up_after: int = 3, down_after_timeouts: int = 64,
                  agreement_window: int = 256) -> None:
         if not (rtt_ms > 0 and 0 < cloud_accuracy <= 1 and 0 < high_quantile < 1 and down_after >= 1
                 and up_after >= 1 and down_after_timeouts >= down_after):
@@ -402,6 +412,7 @@ class LinkProfile:
         self.edge_prior_strength = edge_prior_strength
         self.up, self.down_after, self.up_after = True, down_after, up_after
         self.down_after_timeouts = down_after_timeouts
+        self._timeouts = TimeoutRuns(min(max(20, down_after), down_after_timeouts), down_after_timeouts)
         self._alpha, self._avail, self._fails, self._oks = alpha, 1.0, 0, 0
         self._fast_fails = 0
         self.failure_latency_ms = 0.0
@@ -422,6 +433,7 @@ class LinkProfile:
             self.bytes_per_escalation += self._alpha * (bytes_sent - self.bytes_per_escalation)
         if ok and rtt_ms is not None:
             self._fails, self._fast_fails, self._oks = 0, 0, self._oks + 1
+            self._timeouts.record(timeout=False)
             if not self.up and self._oks >= self.up_after:
                 self.up, self._avail = True, 1.0
                 self.rtt.rebase(0)
@@ -430,15 +442,25 @@ class LinkProfile:
             self.rtt.add(rtt_ms)
             self._avail += self._alpha * (1.0 - self._avail)
             return ()
-        self._fails, self._oks = self._fails + 1, 0
-        self._fast_fails = 0 if timeout else self._fast_fails + 1
-        self._avail -= self._alpha * self._avail
+        self._fails += 1
+        if timeout:
+            self._timeouts.record(timeout=True)
+            # while down, the answers since it went down keep counting: only a refusal restarts them
+            self._fast_fails, self._oks = 0, 0 if self.up else self._oks
+        else:
+            self._fast_fails, self._oks = self._fast_fails + 1, 0
         waited = elapsed_ms if elapsed_ms is not None else rtt_ms
         if waited is not None:
             self.rtt.add(math.inf)
-            self.failure_latency_ms += self._alpha * (float(waited) - self.failure_latency_ms)
-        if self.up and (self._fast_fails >= self.down_after or self._fails >= self.down_after_timeouts):
-            self.up = False
+        if not timeout:
+            # a refusal says the cloud is not there; a timeout says the answer was late, which the round-trip
+            # window (+inf above) already prices: counted here too, every timeout would count twice
+            self._avail -= self._alpha * self._avail
+            if waited is not None:
+                self.failure_latency_ms += self._alpha * (float(waited) - self.failure_latency_ms)
+        timeouts_news = self._fast_fails < self._fails and self._fails >= self._timeouts.threshold()
+        if self.up and (self._fast_fails >= self.down_after or timeouts_news):
+            self.up, self._oks = False, 0
             return ("down",)
         return ()
 

@@ -136,6 +136,59 @@ class TimerLateness:
         return len(self._samples)
 
 
+class TimeoutRuns:
+    """Whether the deadline timeouts in a row so far are news (a partition), not a slow link's bad luck.
+
+    Where a share p of the recent calls missed their deadline, n more in a row come by chance with
+    probability about p**n: a run is news once that is below `odds`, after ceil(log(odds) / log(p))
+    timeouts, at least `floor` and at most `cap`. A link that nearly always answers in time is judged
+    gone after `floor` (load bursts make several in a row late, and a link that just changed is
+    judged by a share that lags); a jittered link where 75 % miss a tight deadline, after 33 (with
+    `odds` 1e-4), where a fixed count of 20 comes by chance every few hundred calls and stops a
+    link that still answers a quarter of them.
+
+    Args:
+        floor, cap: the fewest and the most timeouts in a row that are news.
+        odds: how unlikely by chance a run must be.
+        window: the recent calls (answered or timed out) whose share of timeouts is the base rate;
+            the run being judged is left out of it.
+        min_calls: calls before the run needed to trust that share; `prior_share` until then.
+
+    Example:
+        >>> runs = TimeoutRuns(floor=20, cap=64)
+        >>> runs.record(timeout=True)
+        >>> partitioned = runs.news()
+    """
+
+    def __init__(self, floor: int, cap: int, *, odds: float = 1e-4, window: int = 200, min_calls: int = 20,
+                 prior_share: float = 0.5) -> None:
+        self.floor, self.cap = min(floor, cap), cap
+        self.odds, self.min_calls, self.prior_share = odds, min_calls, prior_share
+        self._calls: deque[bool] = deque(maxlen=window)
+        self._timeouts = 0
+        self.run = 0
+
+    def record(self, *, timeout: bool) -> None:
+        """One call answered (False) or abandoned at its deadline (True)."""
+        if len(self._calls) == self._calls.maxlen:
+            self._timeouts -= self._calls[0]
+        self._calls.append(timeout)
+        self._timeouts += timeout
+        self.run = self.run + 1 if timeout else 0
+
+    def threshold(self) -> int:
+        """The timeouts in a row that are news on this link now."""
+        before = len(self._calls) - self.run
+        # the share before the run, with Laplace's rule: never 0 nor 1
+        share = (self._timeouts - self.run + 1) / (before + 2) if before >= self.min_calls else self.prior_share
+        n = math.ceil(math.log(self.odds) / math.log(share))
+        return max(self.floor, min(self.cap, n))
+
+    def news(self) -> bool:
+        """Whether the current run of timeouts is too long to be the link's usual misses."""
+        return self.run >= self.threshold()
+
+
 # An observation, one per request, in this order (a plain tuple: the hot path appends it):
 # variant, edge_ms, edge_mj, energy_mj, energy_label, rows, wanted_rows, tier, degraded, reason, rtt_ms,
 # bytes_sent, agreed, total_ms, cached, score

@@ -50,6 +50,9 @@ class Scripted:
     def maybe_redecide(self) -> None:
         return None
 
+    def deadline_scale(self) -> float:
+        return 1.0  # a fixed strategy: escalations get the whole budget less the agent's guard
+
     def set_budget(self, budget: Any) -> None:
         return None
 

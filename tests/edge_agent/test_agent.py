@@ -265,6 +265,9 @@ class FakeController:
     def set_budget(self, budget: Budget) -> None:
         self.seen.append(("budget", budget.latency_ms))
 
+    def deadline_scale(self) -> float:
+        return 1.0
+
     def maybe_redecide(self) -> None:
         self.redecided += 1
 

@@ -124,3 +124,28 @@ def test_deadline_timeouts_open_it_only_when_they_persist(clock: Clock) -> None:
     assert low.state == "closed"
     with pytest.raises(ConfigError, match="timeout_threshold"):
         BreakerConfig(timeout_threshold=0)
+    with pytest.raises(ConfigError, match="timeout_odds"):
+        BreakerConfig(timeout_odds=1.0)
+
+
+def test_a_run_of_timeouts_is_judged_against_the_links_usual_misses(clock: Clock) -> None:
+    jittered = CircuitBreaker(BreakerConfig(failure_threshold=3), clock=clock)
+    for i in range(200):  # a jittered link under a tight budget: one call in four answered in time
+        if i % 4 == 3:
+            jittered.record_success()
+        else:
+            jittered.record_failure(timeout=True)
+    for _ in range(25):  # 25 misses in a row come by chance on such a link about once in 1,300 calls
+        jittered.record_failure(timeout=True)
+    assert jittered.state == "closed"
+    for _ in range(15):  # 40 in a row (odds 1e-5): a partition
+        jittered.record_failure(timeout=True)
+    assert jittered.state == "open"
+    healthy = CircuitBreaker(BreakerConfig(failure_threshold=3), clock=clock)
+    for _ in range(200):
+        healthy.record_success()
+    for _ in range(19):  # a burst of load makes several late
+        healthy.record_failure(timeout=True)
+    assert healthy.state == "closed"
+    healthy.record_failure(timeout=True)  # the 20th: where nearly everything was answered, news
+    assert healthy.state == "open"

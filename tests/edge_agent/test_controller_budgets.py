@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 
 from edge_agent.budget import Budget, BudgetWindows
-from edge_agent.controller import Controller, ControllerConfig, evaluate
+from edge_agent.controller import Conditions, Controller, ControllerConfig, choose, evaluate
+from edge_agent.plan import predict
 from edge_agent.profiles import LinkProfile, VariantProfile
 from runtimes.errors import ConfigError
 
@@ -94,14 +95,31 @@ def test_modeled_energy_noise_never_switches_the_variant_and_a_measured_differen
     assert c.current.variant == other
 
 
-def test_timeouts_mark_the_link_down_only_when_they_persist() -> None:
+def test_timeouts_mark_the_link_down_only_when_they_are_news() -> None:
     link = LinkProfile(rtt_ms=5.0)
+    for _ in range(100):
+        link.observe(4.0, ok=True)
     events = [link.observe(None, ok=False, elapsed_ms=10.0, timeout=True) for _ in range(19)]
     assert link.up
     assert not any(events)
     assert link.observe(None, ok=False, elapsed_ms=10.0, timeout=True) == ("down",)
+    # a jittered link where three escalations in four miss the deadline: 25 in a row are its bad luck
+    jittered = LinkProfile(rtt_ms=5.0)
+    for i in range(200):
+        jittered.observe(9.0 if i % 4 == 3 else None, ok=i % 4 == 3, elapsed_ms=10.0, timeout=i % 4 != 3)
+    assert not any(jittered.observe(None, ok=False, elapsed_ms=10.0, timeout=True) for _ in range(25))
+    assert jittered.up
+    # down, it comes back after three answers, not necessarily in a row; a refusal restarts the count
+    for ok in (True, False, True, False):
+        link.observe(4.0 if ok else None, ok=ok, elapsed_ms=10.0, timeout=not ok)
+    assert not link.up
+    assert link.observe(4.0, ok=True) == ("up",)
     fast = LinkProfile(rtt_ms=5.0)
     assert [fast.observe(None, ok=False, elapsed_ms=0.5) for _ in range(3)][-1] == ("down",)
+    for _ in range(2):
+        fast.observe(4.0, ok=True)
+    fast.observe(None, ok=False, elapsed_ms=0.5)  # refused again
+    assert [fast.observe(4.0, ok=True) for _ in range(3)] == [(), (), ("up",)]
 
 
 def test_agreement_overrides_the_cloud_prior_within_a_few_hundred_escalations() -> None:
@@ -206,3 +224,101 @@ def test_a_switch_up_keeps_headroom_and_takes_the_best_point_that_has_it() -> No
     assert c.current.predicted_escalation_rate == pytest.approx(0.3)
     assert "to spare" in c.current.reason
     assert c.current.predicted_energy_mj <= 0.9 * c.current.inputs["energy_target_mj"]
+
+
+def test_escalations_the_agents_timer_ends_inside_the_budget_need_no_headroom() -> None:
+    """On a jittered link where 40 % of escalations miss a 15 ms budget, the agent abandons them at its own
+    deadline (budget less a 1 ms guard): the tail they make ends there, so escalating every edge error stays
+    inside the budget. Priced at the whole budget with no timer, the same link allows only a tenth."""
+    profile = VariantProfile("v", SCORES, SCORES >= 0.3, np.full(16, 0.5), 1.0, "modeled:test")
+    link = LinkProfile(rtt_ms=6.0)
+    for i in range(100):
+        if i % 5 < 2:
+            link.observe(None, ok=False, elapsed_ms=14.0, timeout=True)
+        else:
+            link.observe(6.0 + i % 3, ok=True, bytes_sent=100)
+    assert link.up
+    cfg, budget = ControllerConfig(escalation_grid=GRID, probe_escalation_rate=0.0), Budget(latency_ms=15)
+    paper = choose([profile], link.state(), budget, cfg)
+    assert paper.predicted_escalation_rate == pytest.approx(0.1)
+    timed = choose([profile], link.state(), budget, cfg, conditions=Conditions(deadline_guard_ms=1.0))
+    assert timed.predicted_escalation_rate == pytest.approx(0.3)
+    assert timed.feasible
+    assert timed.inputs["deadline_ms"] == pytest.approx(14.0)
+    assert timed.predicted_p95_ms <= 14.0 + 1e-9
+    assert timed.predicted_accuracy > paper.predicted_accuracy + 0.05
+    # windows over the budget tighten the timer with the plan
+    tight = choose([profile], link.state(), budget, cfg, conditions=Conditions(deadline_guard_ms=1.0,
+                                                                              latency_scale=0.8))
+    assert tight.inputs["deadline_ms"] == pytest.approx(11.0)
+    assert tight.predicted_p95_ms <= 11.0 + 1e-9
+
+
+def test_a_variant_not_run_yet_is_priced_at_the_edge_time_predicted_for_it() -> None:
+    """Its benchmark timed the bare session (0.04 ms, 0.6 mJ at 15 W); the agent's figures for the variant
+    running now include its own overhead (0.16 ms): the prior is scaled to the same edge time."""
+    fresh = VariantProfile("b", SCORES, SCORES >= 0.1, np.full(16, 0.04), 15 * 0.04, "modeled:test")
+    cond = Conditions(edge_overhead_ms=0.16)
+    p = predict(fresh, np.array([0.0]), None, Budget(latency_ms=50), cond)
+    assert p.energy_mj[0] == pytest.approx(15 * 0.2, rel=1e-6)
+    for _ in range(8):  # once it ran, its own figures stand
+        fresh.observe_energy(2.5, "modeled:test")
+    assert predict(fresh, np.array([0.0]), None, Budget(latency_ms=50), cond).energy_mj[0] == pytest.approx(2.5)
+
+
+def test_energy_windows_cut_by_a_model_error_come_back_by_the_room_calm_windows_leave() -> None:
+    held = BudgetWindows("mean", window_s=1.0, calm=3, max_loosen=1.25)
+    t = 0.0
+    for value in (12.0, 12.0, 5.0, 5.0, 5.0, 5.0):  # two windows over a budget of 8, then calm ones at 5
+        for _ in range(10):
+            held.add(t, value, 8.0)
+            t += 0.1
+    assert held.scale == pytest.approx(0.85 * 0.85 * 1.25)  # the room (0.9 x 8 / 5 = 1.44) capped at 1.25
+    for _ in range(40):
+        held.add(t, 5.0, 8.0)
+        t += 0.1
+    assert held.scale == 1.0
+    slow = BudgetWindows("mean", window_s=1.0, calm=3)  # without max_loosen: the fixed 5 % step
+    for value in (12.0, 5.0, 5.0, 5.0, 5.0):
+        for _ in range(10):
+            slow.add(t, value, 8.0)
+            t += 0.1
+    assert slow.scale == pytest.approx(0.85 * 1.05)
+
+
+def test_the_p95_bisection_finds_what_a_full_cdf_table_finds() -> None:
+    from edge_agent.plan import _cdf, _first_at_least
+
+    rng = np.random.default_rng(3)
+    for _ in range(100):  # mixtures of an edge CDF with an escalation CDF, at 40 escalation rates each
+        edge, esc_ms = rng.lognormal(0.0, 0.4, rng.integers(3, 200)), rng.lognormal(2.0, 0.6, rng.integers(3, 400))
+        points = np.unique(np.concatenate([edge, esc_ms]))
+        f, g = _cdf(points, edge), _cdf(points, esc_ms)
+        w = np.concatenate([[0.0, 1.0], rng.random(38)])
+        table = (1 - w)[:, None] * f[None, :] + w[:, None] * g[None, :]
+        expected = np.argmax(table >= 0.95 - 1e-9, axis=1)
+        np.testing.assert_array_equal(_first_at_least(f, g, w, 0.95 - 1e-9), expected)
+
+
+def test_drifts_redecide_at_most_once_per_gap_but_the_cloud_going_down_at_once() -> None:
+    profile = VariantProfile("v", SCORES, SCORES >= 0.1, np.full(16, 1.0), 1.0, "modeled:test")
+    clock = Clock()
+    cfg = ControllerConfig(escalation_grid=GRID, probe_escalation_rate=0.0, redecide_gap_s=0.25)
+    c = Controller([profile], Budget(latency_ms=50), link=LinkProfile(rtt_ms=2.0), config=cfg, clock=clock)
+    c._flag("round trip")
+    c.maybe_redecide()
+    assert c.redecisions == 1
+    clock.t = 0.1
+    c._flag("round trip")  # a drift 0.1 s later waits for the gap...
+    c.maybe_redecide()
+    assert c.redecisions == 1
+    clock.t = 0.3
+    c.maybe_redecide()  # ...and is decided once it has passed
+    assert c.redecisions == 2
+    clock.t = 0.35
+    for _ in range(3):  # refusals: the cloud is down, which is decided at once
+        c.observe_escalation(None, ok=False, elapsed_ms=0.3)
+    c.maybe_redecide()
+    assert c.redecisions == 3
+    with pytest.raises(ConfigError, match="redecide_gap_s"):
+        ControllerConfig(redecide_gap_s=-1.0)
