@@ -68,7 +68,8 @@ def replay(controller: Any, models: Models, phases: list[Phase], trace: np.ndarr
     n = sum(p.requests for p in phases)
     rec = {k: np.zeros(n, dtype=t) for k, t in (("phase", int), ("t", float), ("latency_ms", float),
                                                  ("energy_mj", float), ("cloud", bool), ("degraded", bool),
-                                                 ("wanted", bool), ("correct", bool), ("threshold", float))}
+                                                 ("wanted", bool), ("correct", bool), ("threshold", float),
+                                                 ("guard_ms", float), ("deadline_scale", float))}
     variants: list[str] = []
     reasons: list[str] = []
     labels: set[str] = set()
@@ -98,6 +99,9 @@ def replay(controller: Any, models: Models, phases: list[Phase], trace: np.ndarr
                     time.sleep(wait)
                 i = trace[k]
                 threshold = float(controller.current.threshold)
+                # what the agent's timer ends escalations by: its learned lateness, and the share of the budget
+                rec["guard_ms"][k] = model.agent.lateness.margin_ms()
+                rec["deadline_scale"][k] = controller.deadline_scale()
                 pred = model.predict(x[i][None])
                 rec["phase"][k], rec["t"][k] = pi, time.perf_counter() - start
                 rec["latency_ms"][k], rec["energy_mj"][k] = pred.latency_ms, pred.energy_mj
@@ -113,4 +117,5 @@ def replay(controller: Any, models: Models, phases: list[Phase], trace: np.ndarr
     finally:
         model.close()
     return {**rec, "variant": np.array(variants), "reason": np.array(reasons),
-            "energy_label": ", ".join(sorted(labels)), "decisions": decisions}
+            "energy_label": ", ".join(sorted(labels)), "decisions": decisions,
+            "redecisions": getattr(controller, "redecisions", 0)}

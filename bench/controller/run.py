@@ -217,9 +217,11 @@ def main(argv: list[str] | None = None) -> int:
     results = {k: metrics(records[k], plan, adaptive=k == "controller") for k in order}
     labels = {k: records[k]["energy_label"] for k in order}
     print(table(results, plan, labels))
+    print(f"\ncontroller: {records['controller']['redecisions']} re-decisions, "
+          f"{len(records['controller']['decisions'])} recorded decisions")
     ctl, oracle = results["controller"], results["oracle"]
     if binding:
-        check_binding(ctl, oracle, plan)
+        check_binding(ctl, results, plan)
     else:
         check_adapt(ctl, oracle, plan)
     png = plot({k: records[k] for k in order}, plan, args.png)
@@ -239,17 +241,26 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def check_binding(ctl: list[dict[str, Any]], oracle: list[dict[str, Any]], plan: list[Phase]) -> None:
-    """The checks of phases where budgets bind, over each whole phase."""
+def meets(row: dict[str, Any], phase: Phase) -> bool:
+    """Whether a strategy kept a phase's budgets: <= 5 % of windows over them, mean energy within its budget."""
+    return row["violating"] <= 0.05 and (phase.energy_mj is None or row["energy_mj"] <= phase.energy_mj)
+
+
+def check_binding(ctl: list[dict[str, Any]], results: dict[str, list[dict[str, Any]]], plan: list[Phase]) -> None:
+    """The checks of phases where budgets bind, over each whole phase. The accuracy is compared with the best
+    fixed strategy of the phase that kept the same budgets, chosen with hindsight: the oracle (the best static
+    point by the model fitted to the cloud-only run) or a fixed threshold that did better in the same run."""
     print("\ntargets, every phase: <= 5% of 1-second windows over the latency budget; mean energy within the "
-          "budget; accuracy within 1 point of the oracle's (same budgets); settled within 300 requests:")
+          "budget; accuracy within 1 point of the best fixed strategy that kept the same budgets (hindsight); "
+          "settled within 300 requests:")
     for pi, phase in enumerate(plan):
-        c, o = ctl[pi], oracle[pi]
-        gap = 100 * (c["accuracy"] - o["accuracy"])
-        energy_ok = phase.energy_mj is None or c["energy_mj"] <= phase.energy_mj
-        ok = (c["violating"] <= 0.05, energy_ok, gap >= -1.0, c["converge_requests"] <= 300)
+        c = ctl[pi]
+        fair = {k: rows[pi] for k, rows in results.items() if k != "controller" and meets(rows[pi], phase)}
+        best = max(fair, key=lambda k: fair[k]["accuracy"]) if fair else None
+        gap = 100 * (c["accuracy"] - fair[best]["accuracy"]) if best is not None else 0.0
+        ok = (meets(c, phase), gap >= -1.0, c["converge_requests"] <= 300)
         print(f"  {phase.name:<18} windows violating {100 * c['violating']:.1f}%  energy {c['energy_mj']:.3f} mJ"
-              f"{'' if phase.energy_mj is None else f' (budget {phase.energy_mj:.3f})'}  accuracy vs oracle "
+              f"{'' if phase.energy_mj is None else f' (budget {phase.energy_mj:.3f})'}  accuracy vs {best} "
               f"{gap:+.2f} points  settled after {c['converge_requests']} requests  {'ok' if all(ok) else 'MISSED'}")
 
 
