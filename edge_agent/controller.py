@@ -213,7 +213,7 @@ def _assess(p: Predictions, budget: Budget, config: ControllerConfig,
     target, energy_target = _targets(budget, config, conditions)
     checks = [("latency", p.p95_ms, _latency_limit(p, budget, target, conditions))]
     if energy_target is not None:
-        checks.append(("energy", p.energy_mj, energy_target))
+        checks.append(("energy", p.energy_held_mj, energy_target))
     if budget.max_escalations_per_s is not None:
         checks.append(("escalations", p.escalations_per_s, budget.max_escalations_per_s))
     shortfall = np.zeros_like(p.accuracy)
@@ -232,7 +232,7 @@ def _decision(p: Predictions, i: int, shortfall: float, violated: list[str], rea
     latency_target, energy_target = _targets(budget, config, conditions)
     inputs = {"budget": asdict(budget), "latency_target_ms": latency_target, "energy_target_mj": energy_target,
               "latency_limit_ms": _latency_limit(p, budget, latency_target, conditions),
-              "deadline_ms": conditions.deadline_ms(budget),
+              "deadline_ms": conditions.deadline_ms(budget), "energy_held_mj": float(p.energy_held_mj[i]),
               "link": link.to_json() if link is not None else None, "conditions": asdict(conditions),
               "variant": {"id": profile.id, "p50_ms": profile.latency.quantile(0.5),
                           "p95_ms": profile.latency.quantile(0.95), "energy_mj": profile.energy_mj,
@@ -511,7 +511,8 @@ class Controller:
         return Conditions(request_rate=rate, edge_overhead_ms=overhead, slowdown=slowdown,
                           current_variant=current.variant if current is not None else None,
                           shift_error_scale=shift, latency_scale=self.latency_windows.scale,
-                          energy_scale=self.energy_windows.scale, deadline_guard_ms=self.deadline_guard_ms)
+                          energy_scale=self.energy_windows.scale, deadline_guard_ms=self.deadline_guard_ms,
+                          window_requests=rate * self.config.window_s if rate is not None else None)
 
     def deadline_scale(self) -> float:
         """The share of the latency budget the agent's escalation deadline is cut from: below 1 after

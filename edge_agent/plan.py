@@ -39,6 +39,9 @@ if TYPE_CHECKING:
 __all__ = ["Conditions", "PlanReport", "Predictions", "format_table", "pareto_front", "plot_frontier",
            "predict", "what_if"]
 
+WINDOW_Z = 1.645  # one-sided 95 %: a window's mean energy over its budget in one window in twenty
+
+
 @dataclass(frozen=True)
 class Conditions:
     """Measured runtime conditions a decision also depends on (besides profiles and link).
@@ -58,6 +61,9 @@ class Conditions:
             agent's own timer abandons every escalation that long before the (scaled) budget ends,
             its margin plus the timer lateness it measured: escalations then end by that point,
             answered or not, whatever the link does.
+        window_requests: requests in one of the windows the energy budget is held per (None: not
+            held per window). A window's mean energy varies with how many of its requests escalate:
+            planned so that 95 % of windows stay under the budget, not only the long-run mean.
     """
 
     request_rate: float | None = None
@@ -68,6 +74,7 @@ class Conditions:
     latency_scale: float = 1.0
     energy_scale: float = 1.0
     deadline_guard_ms: float | None = None
+    window_requests: float | None = None
 
     def deadline_ms(self, budget: Budget) -> float:
         """When an escalation ends at the latest, answered or not (ms after the request began)."""
@@ -90,6 +97,12 @@ class Predictions:
     escalations_per_s: np.ndarray
     edge_accuracy_escalated: np.ndarray
     edge_p95_ms: float = 0.0
+    energy_window_mj: np.ndarray | None = None  # the 95th percentile of a window's mean (`Conditions`)
+
+    @property
+    def energy_held_mj(self) -> np.ndarray:
+        """The energy figure held against the budget: per window where windows are known, else the mean."""
+        return self.energy_mj if self.energy_window_mj is None else self.energy_window_mj
 
 
 def _cdf(points: np.ndarray, samples: np.ndarray) -> np.ndarray:
@@ -148,8 +161,12 @@ def predict(profile: VariantProfile, thresholds: np.ndarray, link: LinkState | N
                                                + (1 - avail) * fail_ms)
         rate = 1000.0 / np.maximum(mean_ms, 1e-3)
     label = profile.energy_label if link is None else f"{profile.energy_label} + radio {link.energy_label}"
+    window = None
+    if conditions.window_requests is not None:  # binomial spread of the escalations a window holds
+        n = max(conditions.window_requests, 1.0)
+        window = energy + WINDOW_Z * np.sqrt(esc * (1 - esc) / n) * per_escalation
     return Predictions(profile.id, label, t, esc, accuracy, p95, energy, esc * rate,
-                       validation_acc_esc, float(np.quantile(edge, 0.95)))
+                       validation_acc_esc, float(np.quantile(edge, 0.95)), window)
 
 
 def _first_at_least(f: np.ndarray, g: np.ndarray, w: np.ndarray, level: float) -> np.ndarray:

@@ -322,3 +322,25 @@ def test_drifts_redecide_at_most_once_per_gap_but_the_cloud_going_down_at_once()
     assert c.redecisions == 3
     with pytest.raises(ConfigError, match="redecide_gap_s"):
         ControllerConfig(redecide_gap_s=-1.0)
+
+
+def test_energy_is_held_per_window_the_binomial_spread_of_escalations_included() -> None:
+    profile = VariantProfile("v", SCORES, SCORES >= 0.1, np.full(16, 1.0), 1.0, "modeled:test")
+    link = LinkProfile(rtt_ms=2.0, energy_per_byte_mj=0.01, wait_power_w=1.0)
+    grid = profile.thresholds((0.0, 0.5, 1.0))
+    mean = predict(profile, grid, link.state(), Budget(latency_ms=50), Conditions())
+    held = predict(profile, grid, link.state(), Budget(latency_ms=50), Conditions(window_requests=100))
+    np.testing.assert_allclose(held.energy_mj, mean.energy_mj)
+    spread = held.energy_held_mj - held.energy_mj
+    per_escalation = (mean.energy_mj[2] - mean.energy_mj[0]) / mean.escalation[2]
+    # nothing or everything escalated: every window alike; half: 1.645 x sqrt(0.25 / 100) of an escalation
+    assert spread[0] == pytest.approx(0.0, abs=1e-9)
+    assert spread[2] == pytest.approx(0.0, abs=1e-6)
+    assert spread[1] == pytest.approx(1.645 * 0.05 * per_escalation, rel=0.05)
+    # the controller holds that figure against the energy budget: a mean just inside it is not enough
+    budget = Budget(latency_ms=50, energy_mj=float(mean.energy_mj[1] + spread[1] / 2) / 0.92)
+    cfg = ControllerConfig(escalation_grid=(0.0, 0.5, 1.0), probe_escalation_rate=0.0)
+    loose = choose([profile], link.state(), budget, cfg, conditions=Conditions())
+    tight = choose([profile], link.state(), budget, cfg, conditions=Conditions(window_requests=100))
+    assert loose.predicted_escalation_rate == pytest.approx(0.5, abs=0.02)
+    assert tight.predicted_escalation_rate < 0.4
