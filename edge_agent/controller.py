@@ -233,6 +233,7 @@ def _decision(p: Predictions, i: int, shortfall: float, violated: list[str], rea
     inputs = {"budget": asdict(budget), "latency_target_ms": latency_target, "energy_target_mj": energy_target,
               "latency_limit_ms": _latency_limit(p, budget, latency_target, conditions),
               "deadline_ms": conditions.deadline_ms(budget), "energy_held_mj": float(p.energy_held_mj[i]),
+              "escalations_answered": p.answered,
               "link": link.to_json() if link is not None else None, "conditions": asdict(conditions),
               "variant": {"id": profile.id, "p50_ms": profile.latency.quantile(0.5),
                           "p95_ms": profile.latency.quantile(0.95), "energy_mj": profile.energy_mj,
@@ -242,6 +243,21 @@ def _decision(p: Predictions, i: int, shortfall: float, violated: list[str], rea
                     float(p.energy_mj[i]), float(p.escalation[i]), not violated, tuple(violated), reason,
                     inputs, p.energy_label, float(p.escalations_per_s[i]), float(p.edge_accuracy_escalated[i]),
                     float(shortfall))
+
+
+def _proven_saving(preds: Sequence[Predictions], near: np.ndarray, best: int) -> int:
+    """`best`, or the tied point of its variant that escalates most where escalations answer: a band
+    of validation inputs the edge got right is no evidence that it never errs there (a thousand inputs
+    cannot show a 0.1 % difference), so escalating less for energy alone is a saving not proven free.
+    When escalations win nothing (the cloud down, every answer late) accuracy is equal in fact."""
+    start = 0
+    for p in preds:
+        end = start + p.thresholds.size
+        if start <= best < end and p.answered > 0.01:
+            tied = np.flatnonzero(near[start:end])
+            return start + int(tied[np.argmax(p.escalation[tied])])
+        start = end
+    return best
 
 
 def choose(profiles: Sequence[VariantProfile], link: LinkState | None, budget: Budget,
@@ -280,7 +296,7 @@ def choose(profiles: Sequence[VariantProfile], link: LinkState | None, budget: B
     if pool.any():
         near = pool & (acc >= acc[pool].max() - config.tie_tolerance)
         cands = np.flatnonzero(near)
-        best = int(cands[np.lexsort((p95[cands], energy[cands]))[0]])
+        best = _proven_saving(preds, near, int(cands[np.lexsort((p95[cands], energy[cands]))[0]]))
     else:
         least = short.min()
         cands = np.flatnonzero(short <= least + 1e-9)
@@ -587,6 +603,9 @@ class Controller:
             return f"accuracy {cur.predicted_accuracy:.4f} -> {cand.predicted_accuracy:.4f}"
         if cand.predicted_accuracy < cur.predicted_accuracy - cfg.tie_tolerance:
             return ""
+        if (cand.variant == cur.variant and cand.predicted_escalation_rate < cur.predicted_escalation_rate
+                and float(cand.inputs.get("escalations_answered", 0.0)) > 0.01):
+            return ""  # escalating less for energy alone: not proven free (`_proven_saving`)
         if (cand.predicted_energy_mj < cur.predicted_energy_mj * (1 - cfg.energy_margin)
                 and self._energy_evidence(cur.variant, cand.variant)):
             return f"same accuracy, energy {cur.predicted_energy_mj:.3g} -> {cand.predicted_energy_mj:.3g} mJ"

@@ -98,6 +98,7 @@ class Predictions:
     edge_accuracy_escalated: np.ndarray
     edge_p95_ms: float = 0.0
     energy_window_mj: np.ndarray | None = None  # the 95th percentile of a window's mean (`Conditions`)
+    answered: float = 0.0  # the share of escalations the cloud answers in time (0 without a link)
 
     @property
     def energy_held_mj(self) -> np.ndarray:
@@ -166,7 +167,7 @@ def predict(profile: VariantProfile, thresholds: np.ndarray, link: LinkState | N
         n = max(conditions.window_requests, 1.0)
         window = energy + WINDOW_Z * np.sqrt(esc * (1 - esc) / n) * per_escalation
     return Predictions(profile.id, label, t, esc, accuracy, p95, energy, esc * rate,
-                       validation_acc_esc, float(np.quantile(edge, 0.95)), window)
+                       validation_acc_esc, float(np.quantile(edge, 0.95)), window, float(success))
 
 
 def _first_at_least(f: np.ndarray, g: np.ndarray, w: np.ndarray, level: float) -> np.ndarray:

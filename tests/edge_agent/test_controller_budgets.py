@@ -344,3 +344,29 @@ def test_energy_is_held_per_window_the_binomial_spread_of_escalations_included()
     tight = choose([profile], link.state(), budget, cfg, conditions=Conditions(window_requests=100))
     assert loose.predicted_escalation_rate == pytest.approx(0.5, abs=0.02)
     assert tight.predicted_escalation_rate < 0.4
+
+
+def test_escalating_less_for_energy_alone_needs_escalations_that_win_nothing() -> None:
+    # validation: the edge is right on every input scored 0.1 or more, so 0.1, 0.3 and 0.5 predict the
+    # same accuracy with a perfect cloud; forty inputs right are no proof the edge never errs there
+    profile = VariantProfile("v", SCORES, SCORES >= 0.1, np.full(16, 1.0), 1.0, "modeled:test")
+    cfg = ControllerConfig(escalation_grid=GRID, probe_escalation_rate=0.0)
+    link = LinkProfile(rtt_ms=2.0, cloud_accuracy=1.0, energy_per_byte_mj=0.01)
+    roomy = choose([profile], link.state(), Budget(latency_ms=50), cfg)
+    assert roomy.predicted_escalation_rate == pytest.approx(0.5)
+    assert roomy.inputs["escalations_answered"] == pytest.approx(1.0)
+    # an energy budget that binds still buys the saving
+    tight = Budget(latency_ms=50, energy_mj=float(predict(profile, np.array([0.2]), link.state(), Budget(50),
+                                                           Conditions()).energy_mj[0]))
+    assert choose([profile], link.state(), tight, cfg).predicted_escalation_rate <= 0.2
+    # every escalation past its deadline: escalating wins nothing and the least is the same in fact
+    late = LinkProfile(rtt_ms=80.0, rtt_high_ms=90.0, cloud_accuracy=1.0, energy_per_byte_mj=0.01)
+    dead = choose([profile], late.state(), Budget(latency_ms=50), cfg)
+    assert (dead.predicted_escalation_rate, dead.inputs["escalations_answered"]) == (0.0, 0.0)
+    # the running controller keeps the higher escalation rather than drifting down for energy
+    c = Controller([profile], Budget(latency_ms=50), link=link, config=cfg, clock=Clock())
+    assert c.current.predicted_escalation_rate == pytest.approx(0.5)
+    lower = evaluate(profile, 0.1, link.state(), Budget(latency_ms=50), cfg)
+    assert lower.predicted_accuracy == pytest.approx(c.current.predicted_accuracy)
+    assert lower.predicted_energy_mj < c.current.predicted_energy_mj / 2
+    assert c._why_switch(c.current, lower) == ""
