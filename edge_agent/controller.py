@@ -81,6 +81,9 @@ class ControllerConfig:
             many standard errors (modeled energy never switches a variant on its own).
         accuracy_margin_rel: ...or better by this share of the current error rate, if less...
         accuracy_margin_min: ...but never by less than this (predicted accuracies carry noise).
+        accuracy_z: a threshold move for accuracy alone needs its predicted gain to exceed this many
+            standard errors of the fitted cloud accuracy over the escalations it adds or removes: a
+            refit that moves the cloud by its own noise is not a reason to switch.
         window_s: observed p95 latency and mean energy are held per window of this many seconds.
         escalation_z: binomial tolerance (in standard deviations) on the observed escalation rate
             and on the edge/cloud agreement rate.
@@ -112,6 +115,7 @@ class ControllerConfig:
     energy_z: float = 3.0
     accuracy_margin_rel: float = 0.1
     accuracy_margin_min: float = 5e-4
+    accuracy_z: float = 2.0
     window_s: float = 1.0
     escalation_z: float = 3.0
     probe_escalation_rate: float = 0.03
@@ -128,8 +132,8 @@ class ControllerConfig:
             msg = (f"ControllerConfig latency_headroom and energy_headroom must be in (0, 1], got "
                    f"{self.latency_headroom!r}, {self.energy_headroom!r}")
             raise ConfigError(msg)
-        if not (self.window_s > 0 and self.energy_z >= 0 and self.accuracy_margin_rel >= 0):
-            msg = "ControllerConfig window_s must be > 0, energy_z and accuracy_margin_rel >= 0"
+        if not (self.window_s > 0 and self.energy_z >= 0 and self.accuracy_z >= 0 and self.accuracy_margin_rel >= 0):
+            msg = "ControllerConfig window_s must be > 0, energy_z, accuracy_z and accuracy_margin_rel >= 0"
             raise ConfigError(msg)
         if not (0 <= self.switch_headroom < 1 and self.rtt_rebase_keep >= 0):
             msg = (f"ControllerConfig switch_headroom must be in [0, 1) and rtt_rebase_keep >= 0, got "
@@ -599,7 +603,7 @@ class Controller:
             return ""
         margin = max(min(cfg.accuracy_margin, cfg.accuracy_margin_rel * (1 - cur.predicted_accuracy)),
                      min(cfg.accuracy_margin_min, cfg.accuracy_margin), cfg.tie_tolerance)
-        if cand.predicted_accuracy > cur.predicted_accuracy + margin:
+        if cand.predicted_accuracy > cur.predicted_accuracy + margin + self._cloud_noise(cur, cand):
             return f"accuracy {cur.predicted_accuracy:.4f} -> {cand.predicted_accuracy:.4f}"
         if cand.predicted_accuracy < cur.predicted_accuracy - cfg.tie_tolerance:
             return ""
@@ -612,6 +616,18 @@ class Controller:
         if cand.predicted_p95_ms < cur.predicted_p95_ms * (1 - cfg.energy_margin):
             return f"same accuracy, p95 {cur.predicted_p95_ms:.3g} -> {cand.predicted_p95_ms:.3g} ms"
         return ""
+
+    def _cloud_noise(self, cur: Decision, cand: Decision) -> float:
+        """How much two thresholds of one variant may differ in predicted accuracy by the fitted cloud
+        accuracy's own uncertainty alone: `accuracy_z` standard errors (its agreements and prior) over
+        the escalations one point adds to the other, the share the cloud answers in time."""
+        link = cand.inputs.get("link")
+        if cand.variant != cur.variant or self.link is None or not link:
+            return 0.0
+        c, n = float(link["cloud_accuracy"]), float(link["agreement_n"]) + self.link.cloud_prior_strength
+        moved = abs(cand.predicted_escalation_rate - cur.predicted_escalation_rate)
+        answered = float(cand.inputs.get("escalations_answered", 0.0))
+        return self.config.accuracy_z * moved * answered * math.sqrt(c * (1 - c) / max(n, 1.0))
 
     def _spare(self, cand: Decision) -> bool:
         """Whether `cand` fits the planned p95 latency and energy with `switch_headroom` to spare."""

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 
 from edge_agent.budget import Budget, BudgetWindows
-from edge_agent.controller import Conditions, Controller, ControllerConfig, choose, evaluate
+from edge_agent.controller import Conditions, Controller, ControllerConfig, Decision, choose, evaluate
 from edge_agent.plan import predict
 from edge_agent.profiles import LinkProfile, VariantProfile
 from runtimes.errors import ConfigError
@@ -370,3 +372,30 @@ def test_escalating_less_for_energy_alone_needs_escalations_that_win_nothing() -
     assert lower.predicted_accuracy == pytest.approx(c.current.predicted_accuracy)
     assert lower.predicted_energy_mj < c.current.predicted_energy_mj / 2
     assert c._why_switch(c.current, lower) == ""
+
+
+def test_a_threshold_move_for_accuracy_must_beat_the_noise_of_the_fitted_cloud() -> None:
+    profile = VariantProfile("v", SCORES, SCORES >= 0.1, np.full(16, 1.0), 1.0, "modeled:test")
+    link = LinkProfile(rtt_ms=2.0, cloud_accuracy=0.95)
+    cfg = ControllerConfig(escalation_grid=GRID, probe_escalation_rate=0.0)
+    budget = Budget(latency_ms=50)
+    c = Controller([profile], budget, link=link, config=cfg, clock=Clock())
+
+    def wide_and_narrow() -> tuple[Decision, Decision]:
+        state = link.state()
+        return evaluate(profile, 0.5, state, budget, cfg), evaluate(profile, 0.1, state, budget, cfg)
+
+    wide, narrow = wide_and_narrow()
+    # escalating the forty inputs the edge gets right to a 95 % cloud loses 2 points; but the prior's
+    # 30 pseudo-observations alone leave the cloud's accuracy uncertain by 4 points
+    assert narrow.predicted_accuracy - wide.predicted_accuracy == pytest.approx(0.4 * 0.05, abs=2e-3)
+    assert c._why_switch(wide, narrow) == ""
+    blind = Controller([profile], budget, link=link, config=replace(cfg, accuracy_z=0.0), clock=Clock())
+    assert blind._why_switch(wide, narrow).startswith("accuracy")
+    for i in range(256):  # escalations the edge is sure of: the cloud disagrees on one in twenty
+        link.observe_agreement(i % 20 != 0, 0.999)
+    wide, narrow = wide_and_narrow()
+    assert link.state().cloud_accuracy == pytest.approx(0.95, abs=0.01)
+    assert c._why_switch(wide, narrow).startswith("accuracy")
+    with pytest.raises(ConfigError, match="accuracy_z"):
+        ControllerConfig(accuracy_z=-1.0)
