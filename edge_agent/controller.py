@@ -610,7 +610,10 @@ class Controller:
         if (cand.variant == cur.variant and cand.predicted_escalation_rate < cur.predicted_escalation_rate
                 and float(cand.inputs.get("escalations_answered", 0.0)) > 0.01):
             return ""  # escalating less for energy alone: not proven free (`_proven_saving`)
-        if (cand.predicted_energy_mj < cur.predicted_energy_mj * (1 - cfg.energy_margin)
+        # the cloud down: escalations win nothing, every point is as accurate in fact, and no noise in
+        # the predictions can bring back a point that escalates more; the saving needs no margin
+        down = self.link is not None and not self.link.up and cand.variant == cur.variant
+        if (cand.predicted_energy_mj < cur.predicted_energy_mj * (1 - (0.0 if down else cfg.energy_margin))
                 and self._energy_evidence(cur.variant, cand.variant)):
             return f"same accuracy, energy {cur.predicted_energy_mj:.3g} -> {cand.predicted_energy_mj:.3g} mJ"
         if cand.predicted_p95_ms < cur.predicted_p95_ms * (1 - cfg.energy_margin):

@@ -399,3 +399,21 @@ def test_a_threshold_move_for_accuracy_must_beat_the_noise_of_the_fitted_cloud()
     assert c._why_switch(wide, narrow).startswith("accuracy")
     with pytest.raises(ConfigError, match="accuracy_z"):
         ControllerConfig(accuracy_z=-1.0)
+
+
+def test_with_the_cloud_down_a_small_energy_saving_is_taken_at_once() -> None:
+    profile = VariantProfile("v", SCORES, SCORES >= 0.1, np.full(16, 1.0), 1.0, "modeled:test")
+    # refusals cost little (0.3 ms at 1 W): 30 % instead of 10 % escalated while down is ~5 % more energy
+    link = LinkProfile(rtt_ms=2.0, cloud_accuracy=1.0, wait_power_w=1.0, energy_per_byte_mj=1e-7)
+    cfg = ControllerConfig(escalation_grid=(0.0, 0.1, 0.3), probe_escalation_rate=0.03)
+    c = Controller([profile], Budget(latency_ms=50), link=link, config=cfg, clock=Clock())
+    assert c.current.predicted_escalation_rate == pytest.approx(0.3)  # tied with 0.1, not proven free
+    for _ in range(3):
+        c.observe_escalation(None, ok=False, elapsed_ms=0.3)
+    d = c.maybe_redecide()
+    assert not link.up
+    assert d is not None
+    assert d.predicted_escalation_rate == pytest.approx(0.1)
+    assert "same accuracy, energy" in d.reason
+    kept = evaluate(profile, profile.thresholds((0.3,))[0], link.state(), Budget(latency_ms=50), cfg)
+    assert 0.9 < d.predicted_energy_mj / kept.predicted_energy_mj < 1.0  # under the 10 % margin
