@@ -610,9 +610,11 @@ class Controller:
         if (cand.variant == cur.variant and cand.predicted_escalation_rate < cur.predicted_escalation_rate
                 and float(cand.inputs.get("escalations_answered", 0.0)) > 0.01):
             return ""  # escalating less for energy alone: not proven free (`_proven_saving`)
-        # the cloud down: escalations win nothing, every point is as accurate in fact, and no noise in
-        # the predictions can bring back a point that escalates more; the saving needs no margin
-        down = self.link is not None and not self.link.up and cand.variant == cur.variant
+        # the cloud down: escalations win nothing and every point is as accurate in fact; one that
+        # escalates well beyond what probing needs gives way at once (near the probe rate, where the
+        # predicted rates move with the live scores, the margin still keeps it from flapping)
+        down = (self.link is not None and not self.link.up and cand.variant == cur.variant
+                and cur.predicted_escalation_rate > 1.5 * probe >= cand.predicted_escalation_rate)
         if (cand.predicted_energy_mj < cur.predicted_energy_mj * (1 - (0.0 if down else cfg.energy_margin))
                 and self._energy_evidence(cur.variant, cand.variant)):
             return f"same accuracy, energy {cur.predicted_energy_mj:.3g} -> {cand.predicted_energy_mj:.3g} mJ"
