@@ -597,6 +597,9 @@ class Controller:
             # down, every point predicts the same accuracy and the current one would be kept: but only
             # escalations bring the answers in a row that mark the cloud up again
             return "the cloud is down: probe it more"
+        if (self.link is not None and not self.link.up
+                and cand.predicted_escalation_rate < min(probe, cur.predicted_escalation_rate) - 1e-9):
+            return ""  # under the probes the rule above would ask for again at the next re-decision
         if not cur.feasible and cand.predicted_accuracy >= cur.predicted_accuracy - cfg.accuracy_margin:
             return f"current point is over the {' and '.join(cur.violated)} budget (within tolerance)"
         if not self._spare(cand):

@@ -417,8 +417,8 @@ def test_with_the_cloud_down_a_small_energy_saving_is_taken_at_once() -> None:
     assert "same accuracy, energy" in d.reason
     kept = evaluate(profile, profile.thresholds((0.3,))[0], link.state(), Budget(latency_ms=50), cfg)
     assert 0.9 < d.predicted_energy_mj / kept.predicted_energy_mj < 1.0  # under the 10 % margin
-    # near the probe rate the margin holds: predicted rates move with the live scores, and without it
-    # the point would flap between "save energy" and "probe it more"
+    # nor does it go under the probe rate for energy or p95: "probe it more" would ask for it back, and
+    # predicted rates move with the live scores, so the point would flap between the two
     fewer = evaluate(profile, profile.thresholds((0.05,))[0], link.state(), Budget(latency_ms=50), cfg)
     assert fewer.predicted_energy_mj < d.predicted_energy_mj
     assert c._why_switch(d, fewer) == ""
