@@ -249,6 +249,9 @@ def _decision(p: Predictions, i: int, shortfall: float, violated: list[str], rea
                     float(shortfall))
 
 
+ANSWERED_MIN = 0.01  # escalations answered less often than this win nothing worth pricing
+
+
 def _proven_saving(preds: Sequence[Predictions], near: np.ndarray, best: int) -> int:
     """`best`, or the tied point of its variant that escalates most where escalations answer: a band
     of validation inputs the edge got right is no evidence that it never errs there (a thousand inputs
@@ -257,7 +260,7 @@ def _proven_saving(preds: Sequence[Predictions], near: np.ndarray, best: int) ->
     start = 0
     for p in preds:
         end = start + p.thresholds.size
-        if start <= best < end and p.answered > 0.01:
+        if start <= best < end and p.answered > ANSWERED_MIN:
             tied = np.flatnonzero(near[start:end])
             return start + int(tied[np.argmax(p.escalation[tied])])
         start = end
@@ -592,13 +595,13 @@ class Controller:
         if not cand.feasible:
             return ""
         probe = max(cfg.probe_escalation_rate, cfg.down_probe_escalation_rate)
-        if (self.link is not None and not self.link.up and cur.predicted_escalation_rate < probe - 1e-9
+        cloud_down = self.link is not None and not self.link.up
+        if (cloud_down and cur.predicted_escalation_rate < probe - 1e-9
                 and cand.predicted_escalation_rate > cur.predicted_escalation_rate + 1e-9):
             # down, every point predicts the same accuracy and the current one would be kept: but only
             # escalations bring the answers in a row that mark the cloud up again
             return "the cloud is down: probe it more"
-        if (self.link is not None and not self.link.up
-                and cand.predicted_escalation_rate < min(probe, cur.predicted_escalation_rate) - 1e-9):
+        if cloud_down and cand.predicted_escalation_rate < min(probe, cur.predicted_escalation_rate) - 1e-9:
             return ""  # under the probes the rule above would ask for again at the next re-decision
         if not cur.feasible and cand.predicted_accuracy >= cur.predicted_accuracy - cfg.accuracy_margin:
             return f"current point is over the {' and '.join(cur.violated)} budget (within tolerance)"
@@ -611,12 +614,12 @@ class Controller:
         if cand.predicted_accuracy < cur.predicted_accuracy - cfg.tie_tolerance:
             return ""
         if (cand.variant == cur.variant and cand.predicted_escalation_rate < cur.predicted_escalation_rate
-                and float(cand.inputs.get("escalations_answered", 0.0)) > 0.01):
+                and float(cand.inputs.get("escalations_answered", 0.0)) > ANSWERED_MIN):
             return ""  # escalating less for energy alone: not proven free (`_proven_saving`)
         # the cloud down: escalations win nothing and every point is as accurate in fact; one that
         # escalates well beyond what probing needs gives way at once (near the probe rate, where the
         # predicted rates move with the live scores, the margin still keeps it from flapping)
-        down = (self.link is not None and not self.link.up and cand.variant == cur.variant
+        down = (cloud_down and cand.variant == cur.variant
                 and cur.predicted_escalation_rate > 1.5 * probe >= cand.predicted_escalation_rate)
         if (cand.predicted_energy_mj < cur.predicted_energy_mj * (1 - (0.0 if down else cfg.energy_margin))
                 and self._energy_evidence(cur.variant, cand.variant)):
