@@ -78,8 +78,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[
     t.add_argument("--mqtt-key", type=Path, help="client key for the broker")
     t.add_argument("--mqtt-username", help="broker user name (password from TIERKIT_MQTT_PASSWORD)")
     m = p.add_argument_group("MQTT")
-    m.add_argument("--mqtt-group", default="tierkit", help="shared-subscription group of the replicas")
-    m.add_argument("--mqtt-client-id", help="stable per replica (default: tierkit-HOSTNAME-PORT)")
+    m.add_argument("--mqtt-group", default="tierkit", help="shared-subscription group of the replicas "
+                   "(a group other than tierkit: tierkit broker init --cloud-group)")
+    m.add_argument("--mqtt-client-id", help="stable per replica (default: the --mqtt-username account, "
+                   "whose client id the broker pins; without one, tierkit-HOSTNAME-PORT)")
     m.add_argument("--mqtt-session-expiry", type=int, default=5, metavar="S",
                    help="keep this replica's broker session S seconds after a disconnect, so escalations "
                         "queue across a broker restart (default 5)")
@@ -146,7 +148,8 @@ def build_config(args: argparse.Namespace, env: dict[str, str]) -> ServerConfig:
             args.mqtt_ca or args.mqtt_cert or args.mqtt_key) else None
         port = grpc_address.rpartition(":")[2] if grpc_address and not args.no_grpc else ""
         suffix = port if port not in ("", "0") else str(os.getpid())
-        client_id = args.mqtt_client_id or f"tierkit-{socket.gethostname()}-{suffix}"
+        # a broker account's client id is pinned to its name (tierkit broker init): log in under it by default
+        client_id = args.mqtt_client_id or args.mqtt_username or f"tierkit-{socket.gethostname()}-{suffix}"
         mqtt = MqttConfig(url=args.mqtt, group=args.mqtt_group, client_id=client_id,
                           session_expiry_s=args.mqtt_session_expiry, username=args.mqtt_username,
                           device_max_inflight=args.mqtt_device_inflight, device_rate_per_s=args.mqtt_device_rate,

@@ -29,6 +29,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[
     p.add_argument("--enroll", metavar="URL", help="enroll in the fleet at URL (once; the identity is kept)")
     p.add_argument("--token", help="the one-time enrollment token for --enroll")
     p.add_argument("--fleet-state", metavar="DIR", help="where the fleet identity is kept (default ./fleet-state)")
+    p.add_argument("--fleet-ca", metavar="PEM", help="CA of an https:// fleet's certificate (default: the system's)")
     p.set_defaults(func=run)
 
 
@@ -47,7 +48,8 @@ def run(args: argparse.Namespace) -> int:
         state = Path(args.fleet_state) if args.fleet_state else (
             config.fleet.state_dir if config.fleet else Path("fleet-state"))
         keys = config.fleet.release_keys if config.fleet else ()
-        config = dataclasses.replace(config, fleet=FleetEnrollment(args.enroll, args.token or "", state, keys))
+        ca = Path(args.fleet_ca) if args.fleet_ca else (config.fleet.ca_file if config.fleet else None)
+        config = dataclasses.replace(config, fleet=FleetEnrollment(args.enroll, args.token or "", state, keys, ca))
     if config.fleet is not None:
         from edge_agent.fleet_sync import enrolled_config
 

@@ -3,9 +3,11 @@
 ```yaml
 model: ./variants                   # a variant set, package directory or .tkpkg (relative to this file)
 device_id: cam-7
-cloud: grpc://127.0.0.1:8001/cnn    # or mqtt://BROKER:PORT/MODEL; omit for edge only
+cloud: grpc://127.0.0.1:8001/cnn    # or mqtts://BROKER:PORT/MODEL (mqtt:// without TLS); omit for edge only
 listen: 127.0.0.1:8500              # the local Open Inference Protocol endpoint
-broker: mqtt://127.0.0.1:1883       # optional: telemetry, desired and reported state
+broker: mqtts://127.0.0.1:8883      # optional: telemetry, desired and reported state
+tls: {ca_file: broker-ca.pem, cert_file: fleet-state/device.pem, key_file: fleet-state/device.key}
+                                    # grpcs:// and mqtts:// (client certificate optional; server_name too)
 budget: {latency_ms: 30, energy_mj: 5}
 policy: {score: calibrated, target_accuracy: 0.995, max_rate: 0.25, ood: true, keep: true, cache_size: 0}
 breaker: {failure_threshold: 5, reset_timeout_s: 2}
@@ -43,7 +45,8 @@ from runtimes.errors import ConfigError
 from runtimes.session import SessionOptions
 
 _KEYS = {"model", "device_id", "cloud", "listen", "broker", "budget", "policy", "breaker", "journal",
-         "telemetry_interval_s", "threads", "margin_ms", "controller", "fleet"}
+         "telemetry_interval_s", "threads", "margin_ms", "controller", "fleet", "tls"}
+_TLS_KEYS = ("ca_file", "cert_file", "key_file", "server_name")
 
 
 @dataclass(frozen=True)
@@ -57,12 +60,15 @@ class FleetEnrollment:
             A/B release slots, the swap journal and the version floor of releases).
         release_keys: Ed25519 public key files releases must be signed with; with none, the device
             refuses every release the fleet sends (`edge_agent.swap`).
+        ca_file: the CA of the fleet API's certificate for an `https://` url (None: the system's CAs);
+            enrollment and release downloads carry credentials, so give the fleet HTTPS outside a lab.
     """
 
     url: str
     token: str = ""
     state_dir: Path = Path("fleet-state")
     release_keys: tuple[Path, ...] = ()
+    ca_file: Path | None = None
 
 
 @dataclass(frozen=True)
@@ -73,6 +79,7 @@ class AgentConfig:
     cloud: str | None = None
     listen: tuple[str, int] = ("127.0.0.1", 8500)
     broker: tuple[str, int] | None = None
+    broker_tls: bool = False
     budget: Budget = field(default_factory=Budget)
     policy: Policy = field(default_factory=Policy)
     options: AgentOptions = field(default_factory=AgentOptions)
@@ -145,6 +152,10 @@ def parse_config(doc: Mapping[str, Any], *, base: Path = Path(), where: str = "a
             raise ConfigError(msg)
         broker = url.targets[0]
     journal = doc.get("journal") or {}
+    tls = doc.get("tls") or {}
+    if not isinstance(tls, Mapping) or set(tls) - set(_TLS_KEYS):
+        msg = f"{where}: 'tls' takes {', '.join(_TLS_KEYS)}, got {tls!r}"
+        raise ConfigError(msg)
     if not isinstance(journal, Mapping) or set(journal) - {"path", "max_bytes"}:
         msg = f"{where}: 'journal' takes 'path' and 'max_bytes', got {journal!r}"
         raise ConfigError(msg)
@@ -154,6 +165,15 @@ def parse_config(doc: Mapping[str, Any], *, base: Path = Path(), where: str = "a
     }
     if doc.get("device_id"):
         opts["device_id"] = str(doc["device_id"])
+    if tls:
+        from edge_agent.transports.base import TransportOptions
+
+        def path(key: str) -> str | None:
+            return str(base / str(tls[key])) if tls.get(key) else None
+
+        opts["transport"] = TransportOptions(ca_file=path("ca_file"), cert_file=path("cert_file"),
+                                             key_file=path("key_file"),
+                                             server_name=str(tls["server_name"]) if tls.get("server_name") else None)
     if journal.get("path"):
         opts["journal_path"] = base / str(journal["path"])
     if journal.get("max_bytes"):
@@ -164,8 +184,10 @@ def parse_config(doc: Mapping[str, Any], *, base: Path = Path(), where: str = "a
     fleet = None
     if doc.get("fleet"):
         f = doc["fleet"]
-        if not isinstance(f, Mapping) or not f.get("url") or set(f) - {"url", "token", "state_dir", "release_keys"}:
-            msg = f"{where}: 'fleet' takes 'url' (required), 'token', 'state_dir' and 'release_keys', got {f!r}"
+        if (not isinstance(f, Mapping) or not f.get("url")
+                or set(f) - {"url", "token", "state_dir", "release_keys", "ca_file"}):
+            msg = (f"{where}: 'fleet' takes 'url' (required), 'token', 'state_dir', 'release_keys' and 'ca_file', "
+                   f"got {f!r}")
             raise ConfigError(msg)
         keys = f.get("release_keys") or []
         if isinstance(keys, str):
@@ -175,12 +197,14 @@ def parse_config(doc: Mapping[str, Any], *, base: Path = Path(), where: str = "a
             raise ConfigError(msg)
         fleet = FleetEnrollment(url=str(f["url"]), token=str(f.get("token") or ""),
                                 state_dir=base / str(f.get("state_dir") or "fleet-state"),
-                                release_keys=tuple(base / k for k in keys))
+                                release_keys=tuple(base / k for k in keys),
+                                ca_file=base / str(f["ca_file"]) if f.get("ca_file") else None)
     controller, adaptive = _controller(doc.get("controller"), where)
     if adaptive is not None:
         opts["adaptive"] = adaptive
     return AgentConfig(model=base / str(doc["model"]), cloud=str(cloud) if cloud else None,
                        listen=parse_listen(doc.get("listen", "127.0.0.1:8500")), broker=broker,
+                       broker_tls=broker is not None and parse_cloud_url(str(doc["broker"])).tls,
                        budget=_section(doc, "budget", Budget, where), policy=_section(doc, "policy", Policy, where),
                        options=AgentOptions(**opts), controller=controller, fleet=fleet)
 

@@ -206,7 +206,7 @@ class AgentDaemon:
         identity = load_identity(fleet.state_dir)
         auth = (identity.mqtt_username, identity.mqtt_password) if identity else None
         return SwapOptions(keys=keys, fleet_url=identity.fleet_url if identity else None, auth=auth,
-                           session=self.config.options.session)
+                           session=self.config.options.session, ca_file=str(fleet.ca_file) if fleet.ca_file else None)
 
     def _boot(self, swap_opts: SwapOptions) -> tuple[Release | None, EdgeAgent]:
         """The committed release, verified, and its agent; the configured model when there is none or it fails."""
@@ -298,7 +298,8 @@ class AgentDaemon:
         broker = self._control_broker()
         if broker is None:
             return
-        self._control = MqttSession(broker[0], broker[1], client_id=self.device, subscribe=desired, tls=False,
+        tls = self.config.broker_tls if self.config.broker is not None else False
+        self._control = MqttSession(broker[0], broker[1], client_id=self.device, subscribe=desired, tls=tls,
                                     options=self.agent.options.transport or TransportOptions(),
                                     on_message=self._on_desired, on_down=lambda why: None)
         self._control.start()

@@ -23,6 +23,7 @@ import hashlib
 import importlib.metadata
 import json
 import os
+import ssl
 import time
 import urllib.error
 import urllib.request
@@ -83,9 +84,21 @@ def load_identity(state_dir: Path) -> FleetIdentity | None:
         raise ConfigError(msg) from None
 
 
+def https_context(url: str, ca_file: str | Path | None) -> ssl.SSLContext | None:
+    """The TLS context for an `https://` fleet url (verifying against `ca_file`, else the system's CAs)."""
+    if not url.startswith("https://"):
+        return None
+    try:
+        return ssl.create_default_context(cafile=str(ca_file) if ca_file else None)
+    except (OSError, ssl.SSLError) as exc:
+        msg = f"cannot load the fleet's CA file {str(ca_file)!r}: {exc}; check fleet.ca_file (--fleet-ca)"
+        raise ConfigError(msg) from None
+
+
 def enroll(fleet_url: str, token: str, state_dir: Path, *, hardware: dict[str, Any] | None = None,
-           agent_version: str = "", timeout_s: float = 10.0) -> FleetIdentity:
-    """Enroll once: reuse the identity in `state_dir` when there is one, else exchange `token` for one."""
+           agent_version: str = "", timeout_s: float = 10.0, ca_file: str | Path | None = None) -> FleetIdentity:
+    """Enroll once: reuse the identity in `state_dir` when there is one, else exchange `token` for one
+    (over HTTPS verified against `ca_file` for an `https://` url)."""
     existing = load_identity(state_dir)
     if existing is not None:
         return existing
@@ -96,7 +109,7 @@ def enroll(fleet_url: str, token: str, state_dir: Path, *, hardware: dict[str, A
     req = urllib.request.Request(fleet_url.rstrip("/") + "/v1/enroll", data=body, method="POST",
                                  headers={"Content-Type": "application/json"})
     try:
-        with urllib.request.urlopen(req, timeout=timeout_s) as resp:
+        with urllib.request.urlopen(req, timeout=timeout_s, context=https_context(fleet_url, ca_file)) as resp:
             got = json.loads(resp.read())
     except urllib.error.HTTPError as exc:
         detail = exc.read().decode(errors="replace")[:500]
@@ -155,7 +168,8 @@ def enrolled_config(config: AgentConfig) -> AgentConfig:
         version = importlib.metadata.version("tierkit")
     except importlib.metadata.PackageNotFoundError:
         version = "unknown"
-    ident = enroll(fleet.url, fleet.token, fleet.state_dir, hardware=_hardware(), agent_version=version)
+    ident = enroll(fleet.url, fleet.token, fleet.state_dir, hardware=_hardware(), agent_version=version,
+                   ca_file=fleet.ca_file)
     from edge_agent.transports.base import TransportOptions
 
     transport = dataclasses.replace(config.options.transport or TransportOptions(),

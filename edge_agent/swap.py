@@ -46,6 +46,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from compilers.golden import check_golden
 from compilers.release import Release, open_release, unpack_release
+from edge_agent.fleet_sync import https_context
 from edge_agent.slots import SlotStore
 from runtimes.errors import ConfigError, TierkitError
 from runtimes.session import SessionOptions
@@ -82,6 +83,7 @@ class SwapOptions:
         max_bytes: the largest archive downloaded.
         timeout_s: the socket timeout of a download.
         session: session options of the golden check.
+        ca_file: the CA of an `https://` fleet's certificate (None: the system's CAs).
     """
 
     keys: tuple[Ed25519PublicKey, ...] = ()
@@ -90,6 +92,7 @@ class SwapOptions:
     max_bytes: int = 2 * 1024**3
     timeout_s: float = 30.0
     session: SessionOptions | None = None
+    ca_file: str | None = None
 
 
 class SwapHost(Protocol):
@@ -121,7 +124,8 @@ def parse_desired(desired: Mapping[str, Any]) -> tuple[str | None, dict[str, flo
     return target, {k: float(v) for k, v in soak.items()}, bool(desired.get("rollback", False))
 
 
-def download(url: str, dest: Path, auth: tuple[str, str] | None, *, max_bytes: int, timeout_s: float) -> int:
+def download(url: str, dest: Path, auth: tuple[str, str] | None, *, max_bytes: int, timeout_s: float,
+             ca_file: str | None = None) -> int:
     """Stream `url` into `dest` (fsynced), at most `max_bytes`; returns the size."""
     headers = {}
     if auth is not None:
@@ -129,7 +133,8 @@ def download(url: str, dest: Path, auth: tuple[str, str] | None, *, max_bytes: i
     request = urllib.request.Request(url, headers=headers)
     size = 0
     try:
-        with urllib.request.urlopen(request, timeout=timeout_s) as resp, dest.open("wb") as out:
+        context = https_context(url, ca_file)
+        with urllib.request.urlopen(request, timeout=timeout_s, context=context) as resp, dest.open("wb") as out:
             declared = resp.headers.get("Content-Length")
             if declared is not None and declared.isdigit() and int(declared) > max_bytes:
                 msg = f"the release archive at {url} is {int(declared)} bytes, over the {max_bytes}-byte cap"
@@ -324,7 +329,7 @@ class Swapper:
         self.store.incoming.mkdir(parents=True)
         archive = self.store.incoming / "release.tar"
         size = download(url, archive, self.options.auth, max_bytes=self.options.max_bytes,
-                        timeout_s=self.options.timeout_s)
+                        timeout_s=self.options.timeout_s, ca_file=self.options.ca_file)
         unpack_release(archive, self.store.incoming / "release")
         archive.unlink()
         self.store.end("downloading")

@@ -16,6 +16,7 @@ _COMMAND_MODULES = (
     "compilers.cli",       # compile
     "compilers.package_cli",  # keygen, inspect, verify, run
     "cloud_service.cli",   # serve
+    "cloud_service.broker_setup",  # broker init
     "cloud_service.fleet.cli",  # fleet
     "cloud_service.export",  # export
     "edge_agent.cli",      # agent

@@ -1,6 +1,6 @@
 """`tierkit fleet ...`: run the fleet service and manage it from the shell.
 
-    tierkit fleet serve [--db URL] [--http HOST:PORT] [--mqtt mqtt://BROKER]
+    tierkit fleet serve [--db URL] [--http HOST:PORT] [--http-cert PEM --http-key PEM] [--mqtt mqtts://BROKER]
     tierkit fleet token create --labels site=berlin,kind=cam [--expires 24h]
     tierkit fleet operator create NAME [--role read|admin]
     tierkit fleet devices [--label k=v] [--json]
@@ -59,10 +59,18 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[
 
     s = sub.add_parser("serve", parents=[common], help="run the HTTP API and MQTT ingestion")
     s.add_argument("--http", default="127.0.0.1:8080", metavar="HOST:PORT", help="API address (port 0: any free)")
-    s.add_argument("--mqtt", metavar="URL", help="broker to ingest from and publish desired state to")
-    s.add_argument("--mqtt-user", help="the fleet's broker user (password: $TIERKIT_FLEET_MQTT_PASSWORD)")
-    s.add_argument("--group", default="tierkit-fleet", help="shared-subscription group of all fleet processes")
-    s.add_argument("--client-id", default="", help="MQTT client id, stable across restarts (default: host-pid)")
+    s.add_argument("--http-cert", type=Path, metavar="PEM", help="serve the API over HTTPS with this certificate")
+    s.add_argument("--http-key", type=Path, metavar="PEM", help="the key of --http-cert")
+    s.add_argument("--mqtt", metavar="URL", help="broker to ingest from and publish desired state to: "
+                   "mqtts://HOST[:8883] (TLS) or mqtt://HOST[:1883]")
+    s.add_argument("--mqtt-ca", type=Path, help="CA of the broker's certificate (default: the system's)")
+    s.add_argument("--mqtt-cert", type=Path, help="client certificate for the broker, if it asks for one")
+    s.add_argument("--mqtt-key", type=Path, help="the key of --mqtt-cert")
+    s.add_argument("--mqtt-user", help="the fleet's broker account (password: $TIERKIT_FLEET_MQTT_PASSWORD)")
+    s.add_argument("--group", default="tierkit-fleet", help="shared-subscription group of all fleet processes "
+                   "(a group other than tierkit-fleet: tierkit broker init --fleet-group)")
+    s.add_argument("--client-id", default="", help="MQTT client id, stable across restarts (default: the "
+                   "--mqtt-user account, whose client id the broker pins; without one, host-pid)")
     s.add_argument("--broker-passwd", type=Path, help="Mosquitto password file to keep in sync with the registry")
     s.add_argument("--broker-reload", metavar="CMD", help="command that makes the broker reread that file")
     s.add_argument("--crl-file", type=Path, help="write the CA's revocation list (PEM) here for a broker's crlfile; "
@@ -139,8 +147,6 @@ def _fleet(args: argparse.Namespace, **overrides: Any) -> Any:
 def _serve(args: argparse.Namespace) -> int:
     _need_extra()
     from cloud_service.fleet.dynsec import DynsecOptions
-    from cloud_service.fleet.errors import FleetError
-    from cloud_service.fleet.ingest import IngestOptions
     from cloud_service.fleet.service import serve_fleet
     from cloud_service.fleet.telemetry import TelemetryLimits
     host, _, port = str(args.http).rpartition(":")
@@ -148,14 +154,10 @@ def _serve(args: argparse.Namespace) -> int:
         msg = f"--http {args.http!r} must be HOST:PORT, e.g. 127.0.0.1:8080"
         raise ConfigError(msg)
     http = (host.strip("[]"), int(port))
-    mqtt = None
-    if args.mqtt:
-        m = re.fullmatch(r"mqtt://([^:/]+)(?::(\d+))?/?", args.mqtt)
-        if not m:
-            msg = f"--mqtt {args.mqtt!r} must be mqtt://HOST[:PORT]"
-            raise ConfigError(msg)
-        mqtt = IngestOptions(host=m.group(1), port=int(m.group(2) or 1883), group=args.group, client_id=args.client_id,
-                             username=args.mqtt_user, password=os.environ.get("TIERKIT_FLEET_MQTT_PASSWORD"))
+    if (args.http_cert is None) != (args.http_key is None):
+        msg = "HTTPS needs both --http-cert and --http-key"
+        raise ConfigError(msg)
+    mqtt = _ingest_options(args) if args.mqtt else None
     limits = TelemetryLimits(daily_bytes=args.daily_bytes, retention_s=parse_duration(args.retention))
     users = {args.mqtt_user: mqtt.password} if mqtt is not None and args.mqtt_user and mqtt.password else {}
     dynsec = None
@@ -165,14 +167,12 @@ def _serve(args: argparse.Namespace) -> int:
                    "and replaces --broker-passwd: give one of the two")
             raise ConfigError(msg)
         dynsec = DynsecOptions(host=mqtt.host, port=mqtt.port, username=args.mqtt_user, password=mqtt.password,
-                               client_id=f"{args.client_id}-admin" if args.client_id else "")
+                               client_id=mqtt.client_id, tls=mqtt.tls)
     fleet = _fleet(args, broker_passwd=args.broker_passwd, broker_reload=args.broker_reload, broker_users=users,
                    drift_after_s=parse_duration(args.drift_after), limits=limits, dynsec=dynsec,
                    crl_file=args.crl_file, online_after_s=parse_duration(args.online_after),
                    release_keys=tuple(args.release_key), cloud_capacity_rps=args.cloud_capacity)
-    fleet.sync_broker()
-    with contextlib.suppress(FleetError):  # an unreachable broker: the periodic reconcile tries again
-        fleet.reconcile_broker()
+    fleet.sync_broker()  # with --broker-dynsec, serve_fleet reconciles once its broker connection is up
 
     async def main() -> None:
         stop = asyncio.Event()
@@ -180,8 +180,10 @@ def _serve(args: argparse.Namespace) -> int:
         for sig in (signal.SIGINT, signal.SIGTERM):
             with contextlib.suppress(NotImplementedError):
                 loop.add_signal_handler(sig, stop.set)
-        await serve_fleet(fleet, http=http, mqtt=mqtt, stop=stop,
-                          ready=lambda port: print(f"tierkit fleet: API on http://{http[0]}:{port}, "
+        scheme = "https" if args.http_cert else "http"
+        await serve_fleet(fleet, http=http, mqtt=mqtt, stop=stop, https=(args.http_cert, args.http_key)
+                          if args.http_cert else None,
+                          ready=lambda port: print(f"tierkit fleet: API on {scheme}://{http[0]}:{port}, "
                                                    f"database {fleet.store.dialect}, mqtt {args.mqtt or 'off'}",
                                                    flush=True))
 
@@ -190,6 +192,20 @@ def _serve(args: argparse.Namespace) -> int:
     finally:
         fleet.close()
     return 0
+
+
+def _ingest_options(args: argparse.Namespace) -> Any:
+    from cloud_service.config import MqttConfig
+    from cloud_service.fleet.ingest import IngestOptions
+    from cloud_service.security import MqttTls
+
+    tls = MqttTls(args.mqtt_ca, args.mqtt_cert, args.mqtt_key) if (args.mqtt_ca or args.mqtt_cert or
+                                                                   args.mqtt_key) else None
+    host, port, secure = MqttConfig(url=args.mqtt, tls=tls).endpoint
+    if secure and tls is None:
+        tls = MqttTls()  # mqtts:// with the system's CAs
+    return IngestOptions(host=host, port=port, group=args.group, client_id=args.client_id or args.mqtt_user or "",
+                         username=args.mqtt_user, password=os.environ.get("TIERKIT_FLEET_MQTT_PASSWORD"), tls=tls)
 
 
 def _token_create(args: argparse.Namespace) -> int:

@@ -1,11 +1,13 @@
 """Device accounts on a Mosquitto that runs the dynamic-security plugin, kept by the fleet as it enrolls and revokes.
 
-Enrolling a device creates its broker client (username = device id, the password the fleet issued) with a role
-of its own (`cloud_service.identity.device_role`: its own telemetry, reported and escalate topics to write,
-its desired and reply topics to read); revoking deletes both, and the plugin disconnects the client at once.
+Enrolling a device creates its broker logins (username = device id with the password the fleet issued, and
+`CN=<device id>` for its certificate on a `use_subject_as_username` listener) with a role of its own
+(`cloud_service.identity.device_role`: its own telemetry, reported and escalate topics to write, its desired
+and reply topics to read); revoking deletes them, and the plugin disconnects the device at once.
 Commands go to `$CONTROL/dynamic-security/v1` over the fleet's own broker login (its role must allow that topic,
-as `deploy/mosquitto/dynamic-security.json` does); each command carries correlation data, so several fleet
-processes can share the response topic.
+as `tierkit broker init` writes it); each command carries correlation data, so several fleet processes can
+share the response topic. Inside `tierkit fleet serve` the commands travel on the ingest connection (`attach`):
+the fleet's account has its client id pinned, so it holds one connection.
 
 An enrollment whose broker account cannot be created fails (503) and leaves its token unused: the device
 retries. A revocation the broker misses is caught up by `reconcile()`, which every fleet process runs
@@ -29,9 +31,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from cloud_service.fleet.errors import FleetError
-from cloud_service.identity import ROLE_PREFIX, dynsec_commands
+from cloud_service.identity import CONTROL_TOPIC, device_from_username, dynsec_commands, remove_commands
+from cloud_service.security import MqttTls
 
-CONTROL_TOPIC = "$CONTROL/dynamic-security/v1"
 RESPONSE_TOPIC = CONTROL_TOPIC + "/response"
 _ABSENT = ("not found",)  # "Client not found", "Role not found": already gone
 
@@ -53,6 +55,7 @@ class DynsecOptions:
     password: str | None = None
     client_id: str = ""
     timeout_s: float = 5.0
+    tls: MqttTls | None = None
 
 
 class DynsecAdmin:
@@ -64,6 +67,17 @@ class DynsecAdmin:
         self._pending: dict[str, tuple[threading.Event, list[dict[str, Any]]]] = {}
         self._client: Any = None
         self._subscribed = threading.Event()
+        self._shared: tuple[Any, threading.Event] | None = None
+
+    def attach(self, client: Any, connected: threading.Event) -> None:
+        """Send commands on `client` (a running paho client that subscribes to `RESPONSE_TOPIC` on every connect
+        and hands its messages to `on_response`) instead of a connection of its own."""
+        self.close()
+        self._shared = (client, connected)
+
+    def on_response(self, msg: Any) -> None:
+        """A message on `RESPONSE_TOPIC` from an attached client."""
+        self._on_message(None, None, msg)
 
     def _connect(self) -> Any:
         import paho.mqtt.client as paho
@@ -73,6 +87,8 @@ class DynsecAdmin:
         c = paho.Client(CallbackAPIVersion.VERSION2, protocol=paho.MQTTv5,
                         client_id=o.client_id or f"tierkit-fleet-admin-{socket.gethostname()}-{os.getpid()}")
         c.username_pw_set(o.username, o.password)
+        if o.tls is not None:
+            c.tls_set_context(o.tls.context())
         c.on_connect = lambda cl, _u, _f, rc, _p=None: None if rc.is_failure else cl.subscribe(RESPONSE_TOPIC, qos=1)
         c.on_subscribe = lambda *_a: self._subscribed.set()
         c.on_message = self._on_message
@@ -110,7 +126,13 @@ class DynsecAdmin:
         for i, c in enumerate(cmds):
             c["correlationData"] = f"{tag}-{i}"
         with self._lock:
-            if self._client is None or not self._client.is_connected():
+            if self._shared is not None:
+                if not self._shared[1].is_set():
+                    msg = (f"the broker at {self.options.host}:{self.options.port} is unreachable for account "
+                           "changes (the fleet is not connected to it)")
+                    raise BrokerUnavailable(msg)
+                self._client = self._shared[0]
+            elif self._client is None or not self._client.is_connected():
                 self.close()
                 self._subscribed.clear()
                 self._client = self._connect()
@@ -136,17 +158,13 @@ class DynsecAdmin:
         return out
 
     def add_device(self, device: str, password: str) -> None:
-        """Create the device's role and its client with `password` (client id = device id)."""
-        cmds = dynsec_commands(device)
-        # createClient: the client id is pinned to the device id, so no other login can take over its session,
-        # without `use_username_as_clientid` on the listener (which would give every fleet process one client id)
-        cmds[-1].update(password=password, clientid=device)
-        self.execute(cmds)
+        """Create the device's role, its password login (client id pinned to the device id, so no other login
+        can take over its session) and its certificate login `CN=<device>`."""
+        self.execute(dynsec_commands(device, password=password))
 
     def remove_device(self, device: str) -> None:
-        """Delete the device's client (the broker disconnects it at once) and its role; absent ones are fine."""
-        self.execute([{"command": "deleteClient", "username": device},
-                      {"command": "deleteRole", "rolename": ROLE_PREFIX + device}], ignore=_ABSENT)
+        """Delete the device's logins (the broker disconnects them at once) and its role; absent ones are fine."""
+        self.execute(remove_commands(device), ignore=_ABSENT)
 
     def clients(self) -> list[str]:
         """Every client username the plugin holds."""
@@ -154,15 +172,15 @@ class DynsecAdmin:
         return [str(u) for u in r.get("data", {}).get("clients", [])]
 
     def reconcile(self, revoked: set[str]) -> list[str]:
-        """Delete the broker clients of revoked devices that are still there; returns those removed."""
-        gone = [u for u in self.clients() if u in revoked]
+        """Delete the broker logins of revoked devices that are still there; returns those devices."""
+        gone = sorted({d for d in map(device_from_username, self.clients()) if d is not None and d in revoked})
         for device in gone:
             self.remove_device(device)
         return gone
 
     def close(self) -> None:
         c, self._client = self._client, None
-        if c is not None:
+        if c is not None and self._shared is None:
             c.disconnect()
             c.loop_stop()
             c._reset_sockets()  # paho leaves its socket pair (and a late connection) to gc

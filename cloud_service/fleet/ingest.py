@@ -35,15 +35,18 @@ from cloud_service.fleet.errors import FleetError, StoreUnavailable
 from cloud_service.fleet.registry import Registry
 from cloud_service.fleet.telemetry import TelemetryStore
 from cloud_service.protocol import topics
+from cloud_service.security import MqttTls
 
 logger = logging.getLogger(__name__)
+CONTROL_RESPONSE_TOPIC = "$CONTROL/dynamic-security/v1/response"
 
 
 @dataclass(frozen=True)
 class IngestOptions:
     """Args: host/port: the broker; group: the shared-subscription group all fleet processes use;
-    username/password: the fleet's own broker account; session_expiry_s: how long the broker queues
-    for this client id while it is away; batch_max: windows per transaction;
+    username/password: the fleet's own broker account; tls: TLS to the broker (`mqtts://`);
+    session_expiry_s: how long the broker queues for this client id while it is away;
+    batch_max: windows per transaction;
     batch_wait_s: how long a batch waits to fill; queue_max: messages held while the store is slow."""
 
     host: str = "127.0.0.1"
@@ -52,6 +55,7 @@ class IngestOptions:
     client_id: str = ""
     username: str | None = None
     password: str | None = None
+    tls: MqttTls | None = None
     session_expiry_s: int = 3600
     batch_max: int = 1000
     batch_wait_s: float = 0.05
@@ -68,14 +72,22 @@ class MqttIngest:
         self.stats: Counter[str] = Counter()
         self.connected = threading.Event()
         self._stop = threading.Event()
+        self.admin: Any = None  # a DynsecAdmin attached to this connection (`attach_admin`)
         client_id = options.client_id or f"tierkit-fleet-{socket.gethostname()}-{os.getpid()}"
         c = paho.Client(CallbackAPIVersion.VERSION2, client_id=client_id, protocol=paho.MQTTv5)
         if options.username is not None:
             c.username_pw_set(options.username, options.password)
+        if options.tls is not None:
+            c.tls_set_context(options.tls.context())
         c.max_inflight_messages_set(1000)
         c.on_connect, c.on_message, c.on_disconnect = self._on_connect, self._on_message, self._on_disconnect
         self.client = c
         self._writer = threading.Thread(target=self._write_loop, name="fleet-ingest", daemon=True)
+
+    def attach_admin(self, admin: Any) -> None:
+        """Carry the dynamic-security commands of `admin` (a DynsecAdmin) on this connection; before `start`."""
+        self.admin = admin
+        admin.attach(self.client, self.connected)
 
     def start(self) -> MqttIngest:
         # a persistent session: QoS 1 windows queue at the broker while this process restarts (same client id)
@@ -99,13 +111,20 @@ class MqttIngest:
             logger.warning("the broker refused the fleet's connection: %s", rc)
             return
         g = self.options.group
-        client.subscribe([(f"$share/{g}/{topics.ROOT}/+/telemetry", 1), (f"$share/{g}/{topics.ROOT}/+/reported", 1)])
+        subs = [(f"$share/{g}/{topics.ROOT}/+/telemetry", 1), (f"$share/{g}/{topics.ROOT}/+/reported", 1)]
+        if self.admin is not None:
+            subs.append((CONTROL_RESPONSE_TOPIC, 1))
+        client.subscribe(subs)
         self.connected.set()
 
     def _on_disconnect(self, *_a: Any) -> None:
         self.connected.clear()
 
     def _on_message(self, _c: Any, _u: Any, msg: paho.MQTTMessage) -> None:
+        if msg.topic == CONTROL_RESPONSE_TOPIC:
+            if self.admin is not None:
+                self.admin.on_response(msg)
+            return
         kind = msg.topic.rsplit("/", 1)[-1]
         try:
             device = topics.device_from_topic(msg.topic)

@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 from cloud_service.fleet.api import create_app
@@ -25,8 +26,10 @@ logger = logging.getLogger(__name__)
 
 
 async def serve_fleet(fleet: Fleet, *, http: tuple[str, int], mqtt: IngestOptions | None, stop: asyncio.Event,
-                      ready: Callable[[int], None] | None = None, rollup_every_s: float = 60.0) -> None:
-    """Serve until `stop` is set; `ready(http_port)` once the API listens."""
+                      ready: Callable[[int], None] | None = None, rollup_every_s: float = 60.0,
+                      https: tuple[Path, Path] | None = None) -> None:
+    """Serve until `stop` is set; `ready(http_port)` once the API listens; over HTTPS with `https`
+    (certificate, key)."""
     import uvicorn
 
     class _Server(uvicorn.Server):
@@ -35,12 +38,16 @@ async def serve_fleet(fleet: Fleet, *, http: tuple[str, int], mqtt: IngestOption
             yield
 
     server = _Server(uvicorn.Config(create_app(fleet), host=http[0], port=http[1], log_level="warning",
-                                    lifespan="off", access_log=False))
+                                    lifespan="off", access_log=False,
+                                    ssl_certfile=str(https[0]) if https else None,
+                                    ssl_keyfile=str(https[1]) if https else None))
     api = asyncio.create_task(server.serve())
     ingest = None
     if mqtt is not None:
-        ingest = MqttIngest(mqtt, fleet.registry, fleet.desired, fleet.telemetry).start()
-        fleet.ingest = ingest
+        ingest = MqttIngest(mqtt, fleet.registry, fleet.desired, fleet.telemetry)
+        if fleet.dynsec is not None:  # one connection: the fleet's broker account has its client id pinned
+            ingest.attach_admin(fleet.dynsec)
+        fleet.ingest = ingest.start()
     try:
         while not server.started:
             if api.done():
@@ -55,9 +62,14 @@ async def serve_fleet(fleet: Fleet, *, http: tuple[str, int], mqtt: IngestOption
         engine = RolloutEngine(fleet.store, fleet.desired, fleet.releases, online_after_s=fleet.config.online_after_s,
                                cloud_capacity_rps=fleet.config.cloud_capacity_rps)
         next_rollup = loop.time() + rollup_every_s
+        reconciled = fleet.dynsec is None
         while not stop.is_set():
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), 1.0)
+            if not reconciled and ingest is not None and ingest.connected.is_set():
+                reconciled = True  # revocations the broker missed while this process was away: at once
+                with contextlib.suppress(FleetError):
+                    await asyncio.to_thread(fleet.reconcile_broker)
             await _periodic(fleet, ingest, engine, roll_up=loop.time() >= next_rollup)
             if loop.time() >= next_rollup:
                 next_rollup = loop.time() + rollup_every_s

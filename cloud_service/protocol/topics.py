@@ -1,9 +1,11 @@
 """The MQTT topic scheme and the tierkit request parameters that ride in the Open Inference Protocol.
 
 A device publishes escalations on `tierkit/v1/{device}/escalate` with a Response Topic inside its
-own subtree (`tierkit/v1/{device}/reply`), so a broker ACL of `pattern readwrite tierkit/v1/%c/#`
-lets each device touch only its own topics. Cloud replicas share escalations through
-`$share/{group}/tierkit/v1/+/escalate`.
+own subtree (`tierkit/v1/{device}/reply`), so a broker role with the device's own literal topics lets
+it touch only those: publish `escalate`, `telemetry`, `reported`; subscribe to `reply` and `desired`
+(`cloud_service.identity.device_role` builds it for Mosquitto's dynamic-security plugin, which does not
+substitute `%c`; never `tierkit/v1/%c/#`, which would let a device write its own desired state). Cloud
+replicas share escalations through `$share/{group}/tierkit/v1/+/escalate`.
 """
 
 from __future__ import annotations

@@ -7,10 +7,13 @@ reply carries the user properties `tierkit.status` (a gRPC status name such as "
 `tierkit.error` (the message). MQTT has no deadlines, so the request carries its absolute deadline in
 the `tierkit.deadline_ms` parameter and the cloud drops it once past.
 
-The client id is the device id, so a broker ACL `pattern readwrite tierkit/v1/%c/#` confines a device to
-its own topics. Connection handling (TCP_NODELAY, persistent session, jittered reconnects) is in
-`mqtt_session`. While disconnected, `escalate` fails at once with `CloudUnavailable`, and requests
-awaiting replies fail too, rather than piling up in paho's memory.
+The client id is the device id. The broker confines a device to its own topics by a role of its own
+(Mosquitto's dynamic-security plugin, as `deploy/` ships it: publish `escalate`, `telemetry`, `reported`;
+subscribe to `reply` and `desired`), under its username: the device id for a password login, the
+certificate's subject `CN=<device id>` for a certificate login. Connection handling (TCP_NODELAY,
+persistent session, jittered reconnects) is in `mqtt_session`. While disconnected, `escalate` fails at
+once with `CloudUnavailable`, and requests awaiting replies fail too, rather than piling up in paho's
+memory.
 """
 
 from __future__ import annotations
@@ -186,8 +189,8 @@ class MqttTransport(Transport):
     def listen(self, topic: str, handler: MessageHandler) -> None:
         """Deliver messages on `topic` (e.g. the device's retained `desired` config) to `handler` on the loop.
 
-        The subscription shares this transport's session and client id, so one per-device broker ACL
-        (`pattern readwrite tierkit/v1/%c/#`) covers escalations, telemetry and configuration.
+        The subscription shares this transport's session and login, so the device's one broker role covers
+        escalations, telemetry and configuration.
         """
         self._listeners[topic] = handler
         self.session.add_subscription(topic)

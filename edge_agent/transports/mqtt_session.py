@@ -239,7 +239,8 @@ class MqttSession:
             return
         if reasons and reasons[0].is_failure:
             self.problem = f"broker refused the subscription to {self.subscribe}: {reasons[0]}"
-            logger.error("MQTT %s; check the broker ACL (pattern readwrite tierkit/v1/%%c/#)", self.problem)
+            logger.error("MQTT %s; check the device's broker role (it may subscribe to its own "
+                         "tierkit/v1/DEVICE/reply and desired)", self.problem)
             self._call_soon(self._set_up, False)
             return
         self._attempt, self._last_up = 0, time.monotonic()

@@ -63,7 +63,7 @@ def test_grpc_mutual_tls(serve: Callable[..., ServerThread], models_dir: Path, p
 @pytest.fixture
 def deploy_broker(tmp_path: Path, pki: Pki) -> Iterator[DeployBroker]:
     need_mosquitto()
-    broker = DeployBroker(tmp_path / "broker", pki, "s3cret-broker-password").start()
+    broker = DeployBroker(tmp_path / "broker", pki).start()
     yield broker
     broker.stop()
 
@@ -78,8 +78,9 @@ def _device_tls(pki: Pki, *, client_cert: bool = True) -> ssl.SSLContext:
 @pytest.mark.mqtt
 def test_shipped_mosquitto_config_tls_certificates_passwords_and_acls(
         deploy_broker: DeployBroker, serve: Callable[..., ServerThread], models_dir: Path, pki: Pki) -> None:
-    mqtt = MqttConfig(url=f"mqtts://127.0.0.1:{deploy_broker.cloud_port}", client_id="tierkit-cloud-a",
-                      username="tierkit-cloud", password="s3cret-broker-password", tls=MqttTls(ca_file=pki.ca))
+    mqtt = MqttConfig(url=f"mqtts://127.0.0.1:{deploy_broker.cloud_port}", client_id="tierkit-cloud",
+                      username="tierkit-cloud", password=deploy_broker.passwords["tierkit-cloud"],
+                      tls=MqttTls(ca_file=pki.ca))
     server = serve(models_dir, grpc_address=None, mqtt=mqtt)
     device = Device("127.0.0.1", deploy_broker.port, "cam-1", tls=_device_tls(pki))
     try:
@@ -103,7 +104,7 @@ def test_shipped_mosquitto_config_refuses_the_unauthenticated(deploy_broker: Dep
 
     with pytest.raises((RuntimeError, OSError)):  # device listener: no client certificate, no session
         Device("127.0.0.1", deploy_broker.port, "cam-1", tls=_device_tls(pki, client_cert=False), timeout=2)
-    wrong = MqttConfig(url=f"mqtts://127.0.0.1:{deploy_broker.cloud_port}", client_id="tierkit-cloud-b",
+    wrong = MqttConfig(url=f"mqtts://127.0.0.1:{deploy_broker.cloud_port}", client_id="tierkit-cloud",
                        username="tierkit-cloud", password="wrong", tls=MqttTls(ca_file=pki.ca))
     with pytest.raises(BackendUnavailable, match="refused the connection"):
         serve(models_dir, grpc_address=None, mqtt=wrong)

@@ -43,6 +43,22 @@ def test_config_parses_and_resolves_paths(tmp_path: Path) -> None:
     assert config.options.device_id == "cam-7"
     assert config.options.breaker.failure_threshold == 3
     assert config.options.journal_path == tmp_path / "j.db"
+    assert not config.broker_tls
+
+
+def test_config_tls_for_the_broker_and_the_fleet(tmp_path: Path) -> None:
+    (tmp_path / "agent.yaml").write_text(
+        "model: variants\ncloud: mqtts://broker:8883/cnn\nbroker: mqtts://broker:8883\n"
+        "tls: {ca_file: ca.pem, cert_file: state/device.pem, key_file: state/device.key, server_name: broker}\n"
+        "fleet: {url: 'https://fleet:8080', state_dir: state, ca_file: fleet-ca.pem}\n")
+    config = load_config(tmp_path / "agent.yaml")
+    assert config.broker_tls
+    transport = config.options.transport
+    assert transport is not None
+    assert (transport.ca_file, transport.cert_file, transport.key_file, transport.server_name) == (
+        str(tmp_path / "ca.pem"), str(tmp_path / "state/device.pem"), str(tmp_path / "state/device.key"), "broker")
+    assert config.fleet is not None
+    assert config.fleet.ca_file == tmp_path / "fleet-ca.pem"
 
 
 @pytest.mark.parametrize(("doc", "match"), [
@@ -54,6 +70,7 @@ def test_config_parses_and_resolves_paths(tmp_path: Path) -> None:
     ({"model": "m", "listen": "8500"}, "HOST:PORT"),
     ({"model": "m", "policy": {"score": "confidence"}}, "not one of"),
     ({"model": "m", "broker": "grpc://127.0.0.1:1/x"}, "mqtt://"),
+    ({"model": "m", "tls": {"cafile": "x"}}, "'tls' takes ca_file"),
     ({"model": "m", "controller": "yes"}, "true, false or a mapping"),
     ({"model": "m", "controller": {"cloud_acc": 0.9}}, "unknown key"),
     ({"model": "m", "controller": {"cloud_accuracy": 1.5}}, "cloud_accuracy"),

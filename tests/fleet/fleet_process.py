@@ -7,6 +7,7 @@ import io
 import json
 import os
 import re
+import ssl
 import subprocess
 import sys
 import time
@@ -42,8 +43,11 @@ def cli(*args: str, data_dir: Path, db: str | None = None, check: bool = True) -
 class FleetProcess:
     """Start `tierkit fleet serve --http 127.0.0.1:0 ...`; `url` once it printed its address."""
 
-    def __init__(self, data_dir: Path, db: str | None = None, *extra: str, env: dict[str, str] | None = None) -> None:
+    def __init__(self, data_dir: Path, db: str | None = None, *extra: str, env: dict[str, str] | None = None,
+                 ca: Path | None = None) -> None:
+        """`ca`: the CA of the API's certificate, when `extra` serves it over HTTPS (--http-cert)."""
         self.data_dir, self.db, self.extra, self.extra_env = data_dir, db, extra, env or {}
+        self.ca = ca
         self.proc: subprocess.Popen[str] | None = None
         self.url = ""
 
@@ -57,7 +61,7 @@ class FleetProcess:
         line = ""
         while time.monotonic() < deadline:
             line = self.proc.stdout.readline()
-            m = re.search(r"API on (http://\S+),", line)
+            m = re.search(r"API on (https?://\S+),", line)
             if m:
                 self.url = m.group(1)
                 return self
@@ -91,7 +95,8 @@ class FleetProcess:
             headers["Authorization"] = f"Bearer {token}"
         req = urllib.request.Request(self.url + path, data=data, method=method, headers=headers)
         try:
-            with urllib.request.urlopen(req, timeout=30) as resp:
+            context = ssl.create_default_context(cafile=str(self.ca)) if self.ca else None
+            with urllib.request.urlopen(req, timeout=30, context=context) as resp:
                 return resp.status, json.loads(resp.read())
         except urllib.error.HTTPError as exc:
             return exc.code, json.loads(exc.read() or b"null")

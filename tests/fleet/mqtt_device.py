@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import queue
+import ssl
 import threading
 from typing import Any
 
@@ -14,7 +15,7 @@ from paho.mqtt.enums import CallbackAPIVersion
 class Device:
     """Connect as `user`; `connect()` returns the CONNACK reason; `publish()` the PUBACK reason."""
 
-    def __init__(self, host: str, port: int, user: str, password: str) -> None:
+    def __init__(self, host: str, port: int, user: str, password: str, *, tls: ssl.SSLContext | None = None) -> None:
         self.host, self.port = host, port
         self.messages: queue.Queue[tuple[str, bytes, bool]] = queue.Queue()
         self._connack: queue.Queue[Any] = queue.Queue()
@@ -22,6 +23,8 @@ class Device:
         self._cond = threading.Condition()
         c = paho.Client(CallbackAPIVersion.VERSION2, client_id=user, protocol=paho.MQTTv5)
         c.username_pw_set(user, password)
+        if tls is not None:
+            c.tls_set_context(tls)
         c.on_connect = lambda _c, _u, _f, rc, _p=None: self._connack.put(rc)
         c.on_message = lambda _c, _u, m: self.messages.put((m.topic, bytes(m.payload), bool(m.retain)))
         c.on_publish = self._on_publish

@@ -5,38 +5,49 @@ from __future__ import annotations
 
 import json
 import os
+import ssl
 import time
 from pathlib import Path
 
 import pytest
 
-from cloud_service import identity
 from edge_agent.fleet_sync import EnrollmentError, enroll
 from tests.broker import Broker
-from tests.fleet.conftest import FLEET_PASSWORD
+from tests.cloud_service.helpers import Pki, write_pki
 from tests.fleet.fleet_process import ROOT, FleetProcess, cli
 from tests.fleet.mqtt_device import Device
-from tests.security.deploy_broker import DEPLOY, dynsec_plugin
+from tests.security.deploy_broker import broker_init, dynsec_plugin
 from tests.waiting import wait_for
 
 pytestmark = pytest.mark.mqtt
 
 
 class DynsecBroker(Broker):
-    """deploy/fleet/mosquitto-fleet.conf with the shipped roles (deploy/mosquitto/dynamic-security.json)."""
+    """deploy/fleet/mosquitto-fleet.conf as shipped (ports and paths rendered) with the dynamic-security file and
+    service passwords of `tierkit broker init`."""
+
+    def __init__(self, workdir: Path, pki: Pki) -> None:
+        super().__init__(workdir)
+        self.pki = pki
+        self.passwords: dict[str, str] = {}
+
+    @property
+    def url(self) -> str:
+        return f"mqtts://{self.host}:{self.port}"
+
+    def tls(self) -> ssl.SSLContext:
+        return ssl.create_default_context(cafile=str(self.pki.ca))
 
     def write_conf(self) -> None:
         self.workdir.mkdir(parents=True, exist_ok=True)
-        state = self.workdir / "dynamic-security.json"
-        if not state.exists():  # the plugin keeps its state there: a restart must not reset it
-            doc = json.loads((DEPLOY / "dynamic-security.json").read_text())
-            for client in doc["clients"]:
-                client.update(identity.password_fields(FLEET_PASSWORD))
-            state.write_text(json.dumps(doc))
+        if not (self.workdir / "dynamic-security.json").exists():  # the plugin keeps its state there
+            self.passwords = broker_init(self.workdir)
         text = (ROOT / "deploy" / "fleet" / "mosquitto-fleet.conf").read_text()  # as shipped, ports and paths rendered
         for old, new in {"/mosquitto/data/": f"{self.workdir}/",
                          "/usr/lib/mosquitto_dynamic_security.so": dynsec_plugin(),
-                         "\nlistener 1883\n": f"\nlistener {self.port} {self.host}\n",
+                         "/mosquitto/certs/server.pem": str(self.pki.server_cert),
+                         "/mosquitto/certs/server.key": str(self.pki.server_key),
+                         "\nlistener 8883\n": f"\nlistener {self.port} {self.host}\n",
                          "log_dest stdout": f"log_dest file {self.log}"}.items():
             assert old in text, old
             text = text.replace(old, new)
@@ -44,10 +55,13 @@ class DynsecBroker(Broker):
 
 
 def test_enroll_and_revoke_manage_the_broker_account(tmp_path: Path) -> None:
-    broker = DynsecBroker(tmp_path / "broker")
+    pki = write_pki(tmp_path / "pki")
+    broker = DynsecBroker(tmp_path / "broker", pki)
+    broker.write_conf()  # the passwords exist before the broker first starts (tierkit broker init)
     data = tmp_path / "fleet-data"
-    fleet = FleetProcess(data, None, "--mqtt", broker.url, "--mqtt-user", "tierkit-fleet", "--broker-dynsec",
-                         env={"TIERKIT_FLEET_MQTT_PASSWORD": FLEET_PASSWORD}).start()
+    fleet = FleetProcess(data, None, "--mqtt", broker.url, "--mqtt-ca", str(pki.ca), "--mqtt-user", "tierkit-fleet",
+                         "--broker-dynsec", env={"TIERKIT_FLEET_MQTT_PASSWORD": broker.passwords["tierkit-fleet"]}
+                         ).start()
     device = None
     try:
         token = cli("token", "create", "--labels", "site=x", data_dir=data).stdout.strip()
@@ -61,11 +75,15 @@ def test_enroll_and_revoke_manage_the_broker_account(tmp_path: Path) -> None:
         ident = enroll(fleet.url, token, tmp_path / "dev")
         dev = ident.device_id
         assert ident.mqtt_username == dev
-        assert Device(broker.host, broker.port, dev, "wrong-password-xyz").connect().is_failure
-        other_id = Device(broker.host, broker.port, dev, ident.mqtt_password)
-        other_id.client._client_id = b"not-" + dev.encode()  # the right login under another client id
-        assert other_id.connect().is_failure
-        device = Device(broker.host, broker.port, dev, ident.mqtt_password)
+        assert Device(broker.host, broker.port, dev, "wrong-password-xyz", tls=broker.tls()).connect().is_failure
+        # the device's login claiming the fleet's client id: the broker makes its client id its username, so the
+        # fleet's session is not taken over (Mosquitto logs a takeover as "already connected, closing old")
+        claim = Device(broker.host, broker.port, dev, ident.mqtt_password, tls=broker.tls())
+        claim.client._client_id = b"tierkit-fleet"
+        assert not claim.connect().is_failure
+        claim.close()
+        assert "already connected" not in broker.log.read_text()
+        device = Device(broker.host, broker.port, dev, ident.mqtt_password, tls=broker.tls())
         assert not device.connect().is_failure
         window = {"device": dev, "boot_id": "b", "seq": 1, "ts": time.time(), "window_s": 10, "requests": 3}
         assert not device.publish(f"tierkit/v1/{dev}/telemetry", json.dumps(window).encode()).is_failure
@@ -76,7 +94,7 @@ def test_enroll_and_revoke_manage_the_broker_account(tmp_path: Path) -> None:
         assert fleet.call("POST", f"/v1/devices/{dev}/revoke", token=admin)[0] == 200
         wait_for("the revoked device disconnected", lambda: not device.client.is_connected(), timeout=5)
         device.close()
-        device = Device(broker.host, broker.port, dev, ident.mqtt_password)
+        device = Device(broker.host, broker.port, dev, ident.mqtt_password, tls=broker.tls())
         assert device.connect().is_failure  # its account is gone
     finally:
         if device is not None:

@@ -1,55 +1,106 @@
-"""Mosquitto running deploy/mosquitto/ as shipped (config and dynamic-security roles), with test ports,
-paths and certificates, and devices enrolled through cloud_service.identity."""
+"""Mosquitto running deploy/mosquitto/mosquitto.conf as shipped, with the dynamic-security file and service
+passwords `tierkit broker init` writes, test ports, paths and certificates, and devices added through
+cloud_service.identity."""
 
 from __future__ import annotations
 
 import datetime
 import json
 import os
+import queue
 import shutil
+import ssl
 from collections.abc import Iterable
 from pathlib import Path
+from typing import Any
 
+import paho.mqtt.client as paho
 import pytest
+from paho.mqtt.enums import CallbackAPIVersion
 
 from cloud_service import identity
+from cloud_service.broker_setup import find_plugin
+from sdk.cli import main as tierkit
 from tests.broker import Broker, _free_port
 from tests.cloud_service.helpers import Pki
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy" / "mosquitto"
-PLUGIN_PATHS = ("/usr/lib/x86_64-linux-gnu/mosquitto_dynamic_security.so",
-                "/usr/lib/aarch64-linux-gnu/mosquitto_dynamic_security.so", "/usr/lib/mosquitto_dynamic_security.so")
 
 
 def dynsec_plugin() -> str:
-    for path in PLUGIN_PATHS:
-        if Path(path).exists():
-            return path
-    pytest.skip("Mosquitto's dynamic-security plugin is not installed (Debian's mosquitto package ships it)")
-    raise AssertionError  # unreachable
+    path = find_plugin()
+    if path is None:
+        pytest.skip("Mosquitto's dynamic-security plugin is not installed (Debian's mosquitto package ships it)")
+    return str(path)
+
+
+def broker_init(out: Path, *args: str) -> dict[str, str]:
+    """`tierkit broker init --out OUT ARGS`; returns account -> password as written."""
+    assert tierkit(["broker", "init", "--out", str(out), *args]) == 0
+    return {p.name.removesuffix(".password"): p.read_text().strip() for p in out.glob("*.password")}
+
+
+def write_crl(pki: Pki, path: Path, revoked: Iterable[Path] = ()) -> None:
+    """The test CA's revocation list (PEM) listing the certificates `revoked`."""
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+
+    ca_cert = x509.load_pem_x509_certificate(pki.ca.read_bytes())
+    ca_key = serialization.load_pem_private_key((pki.dir / "ca.key").read_bytes(), password=None)
+    now = datetime.datetime.now(datetime.UTC)
+    builder = (x509.CertificateRevocationListBuilder().issuer_name(ca_cert.subject).last_update(now)
+               .next_update(now + datetime.timedelta(days=1)))
+    for cert_path in revoked:
+        serial = x509.load_pem_x509_certificate(cert_path.read_bytes()).serial_number
+        builder = builder.add_revoked_certificate(x509.RevokedCertificateBuilder().serial_number(serial)
+                                                  .revocation_date(now).build())
+    crl = builder.sign(ca_key, hashes.SHA256())  # type: ignore[arg-type]
+    path.write_bytes(crl.public_bytes(serialization.Encoding.PEM))
 
 
 class DeployBroker(Broker):
-    """The shipped broker: devices by certificate on `port`, cloud and fleet by password on `cloud_port`."""
+    """The shipped broker: devices by certificate on `port`, cloud and fleet by password on `cloud_port`; the
+    service accounts and their passwords (`passwords`) from `tierkit broker init ARGS`.
 
-    def __init__(self, workdir: Path, pki: Pki, password: str, devices: Iterable[str] = ("cam-1",)) -> None:
+    Args:
+        devices: certificate devices added to the first dynamic-security file (as the fleet's enrollment would).
+        init: arguments of `tierkit broker init`.
+        device_ca: the CA the device listener trusts (default the test PKI's), e.g. the fleet's `ca.pem`.
+        crl: its revocation list (default: an empty one of the test PKI's CA, written at start), e.g. the file
+            `tierkit fleet serve --crl-file` keeps.
+    """
+
+    def __init__(self, workdir: Path, pki: Pki, devices: Iterable[str] = ("cam-1",), init: Iterable[str] = (), *,
+                 device_ca: Path | None = None, crl: Path | None = None) -> None:
         super().__init__(workdir)
         self.cloud_port = _free_port()
-        self.pki, self.password, self.devices = pki, password, tuple(devices)
+        self.pki, self.devices, self.init_args = pki, tuple(devices), tuple(init)
+        self.device_ca, self.crl, self._own_crl = device_ca or pki.ca, crl or workdir / "fleet-ca.crl", crl is None
+        self.pid_file = workdir / "mosquitto.pid"
+        self.passwords: dict[str, str] = {}
+
+    def init(self) -> DeployBroker:
+        """`tierkit broker init` into the data directory (once: the plugin keeps its state there)."""
+        state = self.workdir / "dynamic-security.json"
+        if not state.exists():
+            self.passwords = broker_init(self.workdir, *self.init_args)
+            doc = json.loads(state.read_text())
+            for device in self.devices:
+                doc["roles"].append(identity.device_role(device))
+                doc["clients"].append(identity.device_client(device))
+            state.write_text(json.dumps(doc))
+        return self
 
     def write_conf(self) -> None:
         self.workdir.mkdir(parents=True, exist_ok=True)
-        doc = json.loads((DEPLOY / "dynamic-security.json").read_text())
-        for client in doc["clients"]:
-            client.update(identity.password_fields(self.password))
-        for device in self.devices:
-            doc["roles"].append(identity.device_role(device))
-            doc["clients"].append(identity.device_client(device))
-        (self.workdir / "dynamic-security.json").write_text(json.dumps(doc))
+        self.init()
+        if self._own_crl and not self.crl.exists():
+            write_crl(self.pki, self.crl)
         text = (DEPLOY / "mosquitto.conf").read_text()
         for old, new in {"/mosquitto/data/": f"{self.workdir}/",
                          "/usr/lib/mosquitto_dynamic_security.so": dynsec_plugin(),
-                         "/mosquitto/certs/ca.pem": str(self.pki.ca),
+                         "/mosquitto/certs/fleet-ca.pem": str(self.device_ca),
+                         "/mosquitto/certs/fleet-ca.crl": str(self.crl),
                          "/mosquitto/certs/server.pem": str(self.pki.server_cert),
                          "/mosquitto/certs/server.key": str(self.pki.server_key),
                          "listener 8883": f"listener {self.port} 127.0.0.1",
@@ -92,3 +143,20 @@ def issue_client_cert(pki: Pki, cn: str) -> tuple[Path, Path]:
     key_path.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
                                            serialization.NoEncryption()))
     return cert_path, key_path
+
+
+def connack(port: int, ctx: ssl.SSLContext, username: str, password: str) -> Any:
+    """The CONNACK reason a login gets."""
+    client = paho.Client(CallbackAPIVersion.VERSION2, client_id=username, protocol=paho.MQTTv5)
+    client.tls_set_context(ctx)
+    client.username_pw_set(username, password)
+    reasons: queue.Queue[Any] = queue.Queue()
+    client.on_connect = lambda c, u, f, rc, p: reasons.put(rc)
+    client.connect("127.0.0.1", port)
+    client.loop_start()
+    try:
+        return reasons.get(timeout=5)
+    finally:
+        client.disconnect()
+        client.loop_stop()
+        client._reset_sockets()  # paho leaves its socket pair (and a late connection) to gc

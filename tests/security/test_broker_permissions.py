@@ -28,17 +28,17 @@ from tests.cloud_service.helpers import Device, Pki, ServerThread, metric_value
 from tests.security.deploy_broker import DeployBroker, issue_client_cert, need_mosquitto
 
 pytestmark = pytest.mark.mqtt
-PASSWORD = "a-long-test-password"
 
 
 class Probe:
     """A raw MQTT v5 client whose SUBACK and PUBACK reason codes the test reads."""
 
-    def __init__(self, port: int, client_id: str, *, ctx: ssl.SSLContext, username: str | None = None) -> None:
+    def __init__(self, port: int, client_id: str, *, ctx: ssl.SSLContext, username: str | None = None,
+                 password: str | None = None) -> None:
         self.client = paho.Client(CallbackAPIVersion.VERSION2, client_id=client_id, protocol=paho.MQTTv5)
         self.client.tls_set_context(ctx)
         if username is not None:
-            self.client.username_pw_set(username, PASSWORD)
+            self.client.username_pw_set(username, password)
         self.subacks: dict[int, str] = {}
         self.pubacks: dict[int, str] = {}
         self.messages: queue.Queue[Any] = queue.Queue()
@@ -79,7 +79,7 @@ def _tls(pki: Pki, cert: tuple[Path, Path] | None) -> ssl.SSLContext:
 @pytest.fixture
 def deploy(tmp_path: Path, pki: Pki) -> Iterator[DeployBroker]:
     need_mosquitto()
-    broker = DeployBroker(tmp_path / "broker", pki, PASSWORD, devices=("cam-1", "cam-2")).start()
+    broker = DeployBroker(tmp_path / "broker", pki, devices=("cam-1", "cam-2")).start()
     yield broker
     broker.stop()
 
@@ -157,8 +157,8 @@ def test_issuing_refuses_names_that_are_topics_or_reserved_accounts() -> None:
 def test_a_device_cannot_take_another_devices_escalations(
         deploy: DeployBroker, pki: Pki, cam1: Probe, serve: Callable[..., ServerThread], models_dir: Path,
         digits_x: np.ndarray) -> None:
-    mqtt = MqttConfig(url=f"mqtts://127.0.0.1:{deploy.cloud_port}", client_id="tierkit-cloud-a",
-                      username="tierkit-cloud", password=PASSWORD, tls=MqttTls(ca_file=pki.ca))
+    mqtt = MqttConfig(url=f"mqtts://127.0.0.1:{deploy.cloud_port}", client_id="tierkit-cloud",
+                      username="tierkit-cloud", password=deploy.passwords["tierkit-cloud"], tls=MqttTls(ca_file=pki.ca))
     server = serve(models_dir, grpc_address=None, mqtt=mqtt)
     assert cam1.subscribe("$share/tierkit/tierkit/v1/+/escalate") == "Not authorized"
     assert cam1.subscribe("tierkit/v1/+/escalate") == "Not authorized"
@@ -179,7 +179,8 @@ def test_a_device_cannot_take_another_devices_escalations(
 def test_dynsec_commands_enroll_a_device_at_run_time(deploy: DeployBroker, pki: Pki) -> None:
     import json
 
-    fleet = Probe(deploy.cloud_port, "tierkit-fleet-1", ctx=_tls(pki, None), username="tierkit-fleet")
+    fleet = Probe(deploy.cloud_port, "tierkit-fleet", ctx=_tls(pki, None), username="tierkit-fleet",
+                  password=deploy.passwords["tierkit-fleet"])
     try:
         assert fleet.subscribe("$CONTROL/dynamic-security/v1/response") == "Granted QoS 1"
         assert fleet.publish("$CONTROL/dynamic-security/v1",
