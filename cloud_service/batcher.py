@@ -13,10 +13,18 @@ Requests queue per model; each model instance (session) is guarded by a lock. Tw
   once without entering the queue. An idle server thus runs a request with no thread hand-off at
   all; a busy one batches what piled up while the instances were busy.
 
-- A full queue refuses at once with `ServerBusy` (RESOURCE_EXHAUSTED plus a retry hint): the
-  server never grows an unbounded backlog.
-- A request past its deadline is dropped before compute with `CloudTimeout`; a request whose
-  caller went away (cancelled future) is skipped.
+- Admission by deadline (`BatchingConfig.admission`): a request whose deadline cannot be met, given
+  the queued work ahead of it and the model's measured run time per batch size
+  (`admission.ServiceTimes`), is refused at once with `ServerBusy` (RESOURCE_EXHAUSTED plus a retry
+  hint), never queued to expire. A full queue refuses the same way.
+- The queue is ordered by deadline (earliest first; a request without one counts as due one CoDel
+  interval after it arrived). A batch is formed only from requests that can still be answered in
+  time: it grows while it would end before the earliest deadline in it. A queued request whose
+  deadline passed, or can no longer be met, is dropped before compute (`CloudTimeout` once passed,
+  `ServerBusy` before); a request whose caller went away (cancelled future, or a blocking caller
+  past its deadline) is skipped.
+- Requests without a deadline: while the queue is standing (`admission.StandingQueue`, CoDel) they
+  are refused when the wait ahead exceeds the CoDel interval and dropped once they waited that long.
 - Requests batch together only when their non-batch dimensions and dtypes agree; the others wait
   for a later batch, in order.
 - When a merged batch fails, its requests run one by one, so one poisonous input fails alone.
@@ -30,9 +38,11 @@ Example:
 from __future__ import annotations
 
 import asyncio
-import collections
+import bisect
 import contextlib
+import itertools
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -42,6 +52,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from cloud_service.admission import ServiceTimes, StandingQueue
 from cloud_service.config import BatchingConfig
 from cloud_service.errors import ServerBusy
 from runtimes.errors import BackendUnavailable, CloudTimeout, InferenceError, InputError, TierkitError
@@ -60,6 +71,10 @@ class BatchObserver(Protocol):
     def on_batch(self, rows: int, requests: int, seconds: float, queued: float) -> None:
         """One run: rows and requests in it, its run time, and the seconds its requests waited in all."""
     def on_expired(self, count: int) -> None: ...
+    def on_refused(self, reason: str) -> None:
+        """A request refused at admission: `deadline` (cannot be met), `queue_full` or `standing`."""
+    def on_queue_time(self, seconds: float) -> None:
+        """A request left the queue (to run, or dropped) after waiting `seconds`."""
 
 
 class _NullObserver:
@@ -70,6 +85,12 @@ class _NullObserver:
         pass
 
     def on_expired(self, count: int) -> None:
+        pass
+
+    def on_refused(self, reason: str) -> None:
+        pass
+
+    def on_queue_time(self, seconds: float) -> None:
         pass
 
 
@@ -103,10 +124,10 @@ class _Waiter:
         with contextlib.suppress(RuntimeError):  # a racing second answer finds it released
             self._lock.release()
 
-    def wait(self) -> Outcome:
-        if not self._done:
-            self._lock.acquire()
-        assert self.outcome is not None
+    def wait(self, timeout: float | None = None) -> Outcome | None:
+        """The outcome; None when `timeout` seconds passed first."""
+        if not self._done and not self._lock.acquire(timeout=-1 if timeout is None else max(0.0, timeout)):
+            return None
         return self.outcome
 
 
@@ -118,6 +139,7 @@ class _Request:
     deadline: float | None  # time.monotonic()
     enqueued: float  # time.monotonic()
     future: asyncio.Future[dict[str, np.ndarray]] | _Waiter
+    order: tuple[float, int] = (0.0, 0)  # (deadline, or arrival plus the CoDel interval; arrival number)
 
 
 class DynamicBatcher:
@@ -145,7 +167,15 @@ class DynamicBatcher:
         self._eager = not self.batched or config.max_queue_delay_us == 0
         self._runners = list(runners)
         self._observer: BatchObserver = observer or _NullObserver()
-        self._queue: collections.deque[_Request] = collections.deque()
+        self._queue: list[_Request] = []  # sorted by `order`: earliest deadline first
+        self._queued_rows = 0
+        self._arrivals = itertools.count()
+        self._times = ServiceTimes(config.max_batch_size if self.batched else 1)
+        self._standing = StandingQueue(config.queue_target_ms / 1000, config.queue_interval_ms / 1000)
+        self._busy_until = [0.0] * len(self._runners)  # per instance: when its running batch should end
+        # A batch holds its instance for its whole run: requests with plenty of time (a journal's drain)
+        # must not form one so long that a tight request arriving meanwhile misses its deadline behind it.
+        self._batch_cap_s = config.queue_interval_ms / 4000
         self._ready = threading.Condition(threading.Lock())
         self._instances = [threading.Lock() for _ in self._runners]  # held while a session runs
         self._closed = False
@@ -153,7 +183,6 @@ class DynamicBatcher:
         self._finished: list[asyncio.Future[None]] = []
         self._running: dict[int, list[_Request]] = {}  # instance -> the batch it is computing
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._batch_s = 0.001  # moving average of one batch's run time, for the retry hint
 
     async def __aenter__(self) -> DynamicBatcher:
         self.start()
@@ -191,6 +220,7 @@ class DynamicBatcher:
         with self._ready:  # threads still busy after the timeout: answer, never strand a caller
             stranded = [*self._queue, *(r for batch in self._running.copy().values() for r in batch)]
             self._queue.clear()
+            self._queued_rows = 0
         for request in stranded:
             msg = f"model {self.name!r} was unloaded before this request was answered; retry"
             _answer(request, BackendUnavailable(msg))
@@ -243,9 +273,16 @@ class DynamicBatcher:
         if not self._lead(request):
             with self._ready:  # no instance free: an instance thread (or the next leader) answers it
                 self._ready.notify()
-        outcome = waiter.wait()
+        # Wait no longer than the deadline: the caller has gone then, and this thread (a gRPC worker)
+        # is free again at once; the request is skipped if it has not run yet.
+        outcome = waiter.wait(None if due is None else due - time.monotonic())
+        if outcome is None:
+            msg = f"model {self.name!r}: request expired: no answer within its deadline (dropped unless it was running)"
+            waiter.set(CloudTimeout(msg))
+            outcome = waiter.outcome
         if isinstance(outcome, BaseException):
             raise outcome
+        assert outcome is not None
         return outcome
 
     def _run_now(self, inputs: Arrays, timeout: float | None) -> Outcome | None:
@@ -265,8 +302,13 @@ class DynamicBatcher:
                     self._observer.on_expired(1)
                     msg = f"model {self.name!r}: request expired before it ran; not computed"
                     return CloudTimeout(msg)
+                # An idle instance runs it whatever the estimate says: refusing here would stop the
+                # measurements that correct an estimate a burst of load left too high.
+                need = self._times.batch_seconds(rows)
                 started = time.perf_counter()
+                self._busy_until[index] = time.monotonic() + need
                 outcome = self._call(self._runners[index], inputs, rows)
+                self._busy_until[index] = 0.0
                 self._ran(rows, 1, time.perf_counter() - started, 0.0)
             finally:
                 lock.release()
@@ -281,18 +323,63 @@ class DynamicBatcher:
         if self._closed:
             msg = f"model {self.name!r} is not accepting requests (unloading); retry"
             raise BatcherClosed(msg)
-        if len(self._queue) >= self.config.max_queue_size:
-            msg = (f"model {self.name!r}: queue full ({self.config.max_queue_size} requests waiting); "
-                   "retry after the hinted delay or add replicas")
-            raise ServerBusy(msg, retry_after_ms=self._retry_hint_ms())
         rows, key = self._shape_key(inputs)
-        request = _Request(inputs, rows, key, due, time.monotonic(), future)
+        now = time.monotonic()
+        order = (due if due is not None else now + self._standing.interval_s, next(self._arrivals))
+        request = _Request(inputs, rows, key, due, now, future, order)
         with self._ready:
-            self._queue.append(request)
+            if len(self._queue) >= self.config.max_queue_size:
+                self._observer.on_refused("queue_full")
+                why = f"queue full ({self.config.max_queue_size} requests waiting)"
+                raise self._busy(why, self._finish_in(now, self._queued_rows, 0))
+            if self.config.admission and self._times.known:
+                self._admit(request, now)
+            bisect.insort(self._queue, request, key=_order)
+            self._queued_rows += rows
             if wake:
                 self._ready.notify()
         self._observer.on_queue(len(self._queue))
         return request
+
+    def _admit(self, request: _Request, now: float) -> None:
+        """Raise `ServerBusy` when `request` cannot be answered by its deadline (its lock held).
+
+        The work ahead of it is every queued request due before it (the queue is served earliest
+        deadline first) plus what the busy instances have left; requests without a deadline are
+        held to the CoDel interval while the queue is standing.
+        """
+        if not self._queue and any(t == 0.0 for t in self._busy_until):
+            return  # an idle instance takes it now: run it, and measure (see `_run_now`)
+        limit = request.deadline
+        if limit is None:
+            if not self._standing.standing:
+                return
+            limit = now + self._standing.interval_s
+        ahead = 0
+        for queued in self._queue:
+            if queued.order > request.order:
+                break
+            ahead += queued.rows
+        done = self._finish_in(now, ahead, request.rows)
+        if now + done > limit:
+            reason = "deadline" if request.deadline is not None else "standing"
+            self._observer.on_refused(reason)
+            left = max(0.0, limit - now) * 1000
+            why = (f"the queue ahead and the model's run time need about {done * 1000:.1f} ms, "
+                   f"the deadline leaves {left:.1f} ms")
+            raise self._busy(why, now + done - limit)
+
+    def _finish_in(self, now: float, ahead_rows: int, rows: int) -> float:
+        """Seconds until a request of `rows` rows behind `ahead_rows` queued rows would be answered."""
+        busy = [max(0.0, t - now) for t in self._busy_until]
+        wait = min(busy) if all(b > 0 for b in busy) else 0.0  # no instance free: the first to finish
+        return wait + self._times.drain_seconds(ahead_rows + rows, len(self._runners))
+
+    def _busy(self, why: str, over_s: float) -> ServerBusy:
+        """The refusal: why, and a hint of when a retry would find the queue shorter by the excess."""
+        hint = max(over_s, self._times.batch_seconds(1), 0.001)
+        msg = f"model {self.name!r} is overloaded: {why}; not queued, retry after the hinted delay or add replicas"
+        return ServerBusy(msg, retry_after_ms=min(5000, math.ceil(hint * 1000)))
 
     def _lead(self, request: _Request) -> bool:
         """Run batches in this thread while an instance is free and `request` is unanswered."""
@@ -331,11 +418,6 @@ class DynamicBatcher:
             raise InputError(msg)
         return n, tuple((k, a.dtype.str, a.shape[1:]) for k, a in sorted(inputs.items()))
 
-    def _retry_hint_ms(self) -> int:
-        per_batch = max(1, self.config.max_batch_size if self.batched else 1)
-        batches = len(self._queue) / per_batch / len(self._runners)
-        return int(min(5000, max(1, 1000 * self._batch_s * max(1.0, batches))))
-
     # -- on the event loop, called from the instance threads ------------------------------------
 
     @staticmethod
@@ -363,27 +445,33 @@ class DynamicBatcher:
         outcomes: list[Outcome] = []
         live: list[_Request] = []
         for request in batch:
-            if request.future.done():  # the caller gave up (cancelled)
+            if request.future.done():  # the caller gave up (cancelled, or a blocking caller past its deadline)
                 continue
             if request.deadline is not None and now >= request.deadline:
-                waited = (now - request.enqueued) * 1000
-                msg = f"model {self.name!r}: request expired after {waited:.1f} ms in the queue; not computed"
                 done.append(request)
-                outcomes.append(CloudTimeout(msg))
+                outcomes.append(self._expired(request, now))
             else:
                 live.append(request)
         if done:
             self._observer.on_expired(len(done))
         if live:
+            rows = sum(r.rows for r in live)
             self._running[index] = live  # one dict store: atomic; aclose() copies before reading
+            self._busy_until[index] = now + self._times.batch_seconds(rows)
             started = time.perf_counter()
             outcomes += self._run(runner, live)
-            self._ran(sum(r.rows for r in live), len(live), time.perf_counter() - started,
-                      sum(now - r.enqueued for r in live))
+            self._ran(rows, len(live), time.perf_counter() - started, sum(now - r.enqueued for r in live))
+            self._busy_until[index] = 0.0
             done += live
         self._observer.on_queue(len(self._queue))
+        self._reply(done, outcomes)
+        if live:
+            self._running.pop(index, None)
+
+    def _reply(self, requests: list[_Request], outcomes: list[Outcome]) -> None:
+        """Answer requests from any thread: blocking callers at once, futures on the event loop."""
         later: list[tuple[_Request, Outcome]] = []
-        for request, outcome in zip(done, outcomes, strict=True):
+        for request, outcome in zip(requests, outcomes, strict=True):
             if isinstance(request.future, _Waiter):
                 request.future.set(outcome)
             else:
@@ -391,12 +479,16 @@ class DynamicBatcher:
         if later and self._loop is not None:
             with contextlib.suppress(RuntimeError):  # the loop closed while this batch ran
                 self._loop.call_soon_threadsafe(self._deliver, [r for r, _ in later], [o for _, o in later])
-        if live:
-            self._running.pop(index, None)
+
+    def _expired(self, request: _Request, now: float) -> Outcome:
+        waited = (now - request.enqueued) * 1000
+        msg = f"model {self.name!r}: request expired after {waited:.1f} ms in the queue; not computed"
+        return CloudTimeout(msg)
 
     def _ran(self, rows: int, requests: int, seconds: float, queued: float) -> None:
-        """Account one run: the moving average behind the retry hint, and the observer."""
-        self._batch_s = 0.8 * self._batch_s + 0.2 * seconds
+        """Account one run: the service-time model behind admission and the retry hint, and the observer."""
+        with self._ready:
+            self._times.observe(rows, seconds)
         self._observer.on_batch(rows, requests, seconds, queued)
 
     def _take(self) -> list[_Request] | None:
@@ -406,30 +498,37 @@ class DynamicBatcher:
                 if not self._queue:
                     if self._closed:
                         return None
+                    self._standing.emptied()
                     self._ready.wait()
                     continue
                 head = self._queue[0]
-                if not self.batched:
-                    return [self._queue.popleft()]
-                if self._closed or delay == 0 or self._ready_rows(head) >= self.config.target_rows:
-                    return self._pop_batch(head)
+                if (not self.batched or self._closed or delay == 0
+                        or self._ready_rows(head) >= self.config.target_rows):
+                    batch = self._pop_batch()
+                    if batch:
+                        return batch
+                    continue  # everything at the head was dropped: look again
                 wait = head.enqueued + delay - time.monotonic()
                 if wait <= 0:
-                    return self._pop_batch(head)
+                    batch = self._pop_batch()
+                    if batch:
+                        return batch
+                    continue
                 self._ready.wait(wait)
 
     def _take_now(self) -> list[_Request] | None:
         """The batch to run now, or None when the queue is empty or its head should wait for more."""
         with self._ready:
-            if not self._queue:
-                return None
-            head = self._queue[0]
-            if not self.batched:
-                return [self._queue.popleft()]
-            delay = self.config.max_queue_delay_us / 1e6
-            if (self._closed or delay == 0 or self._ready_rows(head) >= self.config.target_rows
-                    or head.enqueued + delay <= time.monotonic()):
-                return self._pop_batch(head)
+            while self._queue:
+                head = self._queue[0]
+                delay = self.config.max_queue_delay_us / 1e6
+                if (self.batched and not self._closed and delay > 0 and self._ready_rows(head) < self.config.target_rows
+                        and head.enqueued + delay > time.monotonic()):
+                    return None
+                batch = self._pop_batch()
+                if batch:
+                    return batch
+            self._standing.emptied()
             return None
 
     def _ready_rows(self, head: _Request) -> int:
@@ -441,21 +540,70 @@ class DynamicBatcher:
                     break
         return rows
 
-    def _pop_batch(self, head: _Request) -> list[_Request]:
+    def _pop_batch(self) -> list[_Request]:
+        """Take the next batch (the lock held): drop what can no longer be answered in time, then take
+        compatible requests in deadline order while the batch still ends before the earliest deadline in it.
+
+        Returns an empty list when every request looked at was dropped.
+        """
+        now = time.monotonic()
+        # a lone request runs unless its deadline passed: the measurement corrects a stale estimate
+        admission = self.config.admission and len(self._queue) > 1
+        shed: list[_Request] = []
+        shed_outcomes: list[Outcome] = []
         batch: list[_Request] = []
-        rest: list[_Request] = []
-        rows, limit = 0, self.config.max_batch_size
-        while self._queue:
-            request = self._queue.popleft()
-            if request.key == head.key and rows + request.rows <= limit:
-                batch.append(request)
-                rows += request.rows
-                if rows == limit:
-                    break
-            else:
-                rest.append(request)
-        self._queue.extendleft(reversed(rest))
+        rows, limit, size = 0, math.inf, self.config.max_batch_size if self.batched else 1
+        head_key: tuple[Any, ...] | None = None
+        kept: list[_Request] = []
+        for request in self._queue:
+            if batch and (rows >= size or (head_key is not None and request.key != head_key)):
+                kept.append(request)
+                continue
+            if request.future.done():  # a caller that left: nothing to answer
+                shed.append(request)
+                shed_outcomes.append(CloudTimeout("abandoned"))
+                continue
+            outcome = self._hopeless(request, now, admission)
+            if outcome is not None:
+                shed.append(request)
+                shed_outcomes.append(outcome)
+                continue
+            due = limit if request.deadline is None else min(limit, request.deadline)
+            planned = self._times.batch_seconds(rows + request.rows)
+            fits = rows + request.rows <= size and (
+                not admission or not batch or (now + planned <= due and planned <= self._batch_cap_s))
+            if not fits:
+                kept.append(request)
+                continue
+            batch.append(request)
+            rows += request.rows
+            limit, head_key = due, request.key
+        self._queue[:] = kept
+        self._queued_rows = sum(r.rows for r in kept)
+        for request in (*batch, *shed):
+            self._observer.on_queue_time(now - request.enqueued)
+            self._standing.observe(now, now - request.enqueued)
+        answered = [(r, o) for r, o in zip(shed, shed_outcomes, strict=True) if not r.future.done()]
+        if answered:
+            self._observer.on_expired(len(answered))
+            self._reply([r for r, _ in answered], [o for _, o in answered])
         return batch
+
+    def _hopeless(self, request: _Request, now: float, admission: bool) -> Outcome | None:
+        """Why a queued request is dropped before compute, or None when it can still be answered in time."""
+        if request.deadline is not None and now >= request.deadline:
+            return self._expired(request, now)
+        if not admission:
+            return None
+        if request.deadline is not None:
+            need = self._times.batch_seconds(request.rows)
+            if now + need > request.deadline:
+                return self._busy(f"queued {(now - request.enqueued) * 1000:.1f} ms, its deadline can no longer "
+                                  f"be met by a {need * 1000:.1f} ms run", need - (request.deadline - now))
+        elif self._standing.standing and now - request.enqueued > self._standing.interval_s:
+            return self._busy(f"queued {(now - request.enqueued) * 1000:.1f} ms without a deadline while the queue "
+                              "is standing", self._standing.interval_s)
+        return None
 
     # -- in the instance's thread --------------------------------------------------------------
 
@@ -505,6 +653,10 @@ def _answer(request: _Request, outcome: Outcome) -> None:
             future.set_exception(outcome)
         else:
             future.set_result(outcome)
+
+
+def _order(request: _Request) -> tuple[float, int]:
+    return request.order
 
 
 def _finish(future: asyncio.Future[None]) -> None:

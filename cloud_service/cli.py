@@ -12,20 +12,27 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import logging
 import os
 import signal
 import socket
 import sys
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from cloud_service.config import BatchingConfig, ModelOptions, MqttConfig, ServerConfig
 from cloud_service.security import GrpcTls, MqttTls
 from runtimes.documents import read_document
 from runtimes.errors import ConfigError
 
-_BATCH_KEYS = {"max_batch_size", "preferred_batch_sizes", "max_queue_delay_us", "max_queue_size"}
+if TYPE_CHECKING:
+    from cloud_service.service import CloudService
+
+log = logging.getLogger(__name__)
+
+_BATCH_KEYS = {"max_batch_size", "preferred_batch_sizes", "max_queue_delay_us", "max_queue_size", "admission",
+               "queue_target_ms", "queue_interval_ms"}
 _MODEL_KEYS = {"instances", "intra_op_threads", "allow_non_finite"}
 
 
@@ -58,6 +65,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[
     b.add_argument("--max-queue-delay-us", type=int, default=0)
     b.add_argument("--max-queue-size", type=int, default=512)
     b.add_argument("--no-batching", action="store_true", help="run every request alone")
+    b.add_argument("--no-admission", action="store_true",
+                   help="queue every request until its deadline instead of refusing at once those it cannot meet")
     b.add_argument("--instances", type=int, default=1, help="model instances (worker threads) per model")
     b.add_argument("--threads", type=int, default=0, help="intra-op threads per instance (0: backend default)")
     b.add_argument("--allow-non-finite", action="store_true", help="accept NaN/Inf inputs")
@@ -127,7 +136,8 @@ def build_config(args: argparse.Namespace, env: dict[str, str]) -> ServerConfig:
     preferred = tuple(int(v) for v in args.preferred_batch_sizes.split(",") if v.strip())
     batching = BatchingConfig(max_batch_size=1 if args.no_batching else args.max_batch_size,
                               preferred_batch_sizes=() if args.no_batching else preferred,
-                              max_queue_delay_us=args.max_queue_delay_us, max_queue_size=args.max_queue_size)
+                              max_queue_delay_us=args.max_queue_delay_us, max_queue_size=args.max_queue_size,
+                              admission=not args.no_admission)
     defaults = ModelOptions(batching=batching, instances=args.instances, intra_op_threads=args.threads,
                             allow_non_finite=args.allow_non_finite)
     models: dict[str, ModelOptions] = {}
@@ -182,6 +192,7 @@ async def serve(config: ServerConfig) -> None:
             task.add_done_callback(reloads.discard)
 
         loop.add_signal_handler(signal.SIGHUP, reload)
+        _check_servable(service, config)
         models = ", ".join(f"{m.name}:{m.version}" for m in service.repository) or "none"
         for kind in ("grpc", "mqtt", "metrics"):
             if kind in service.addresses:
@@ -194,8 +205,35 @@ async def serve(config: ServerConfig) -> None:
         loop.remove_signal_handler(sig)
 
 
+def _check_servable(service: CloudService, config: ServerConfig) -> None:
+    """A models directory that holds entries but nothing servable is an error (a wrong path, broken
+    packages); an empty one is a warning (models are to be copied in and loaded by SIGHUP or --poll-s)."""
+    if len(service.repository) or config.forward is not None:
+        return
+    expected = ("model packages (directories with manifest.json, or .tkpkg archives) or variant sets "
+                "(directories with variants.json)")
+    entries = [p for p in config.models_dir.iterdir() if not p.name.startswith(".")]
+    if not entries:
+        log.warning("--models %r is empty: serving nothing until %s are copied in and loaded (SIGHUP, or "
+                    "--poll-s N)", str(config.models_dir), expected)
+        print(f"warning: --models {str(config.models_dir)!r} is empty; serving nothing until models are loaded",
+              file=sys.stderr, flush=True)
+        return
+    refused = service.last_reload.refused if service.last_reload is not None else {}
+    why = "; ".join(f"{name}: {reason}" for name, reason in list(refused.items())[:3])
+    msg = (f"--models {str(config.models_dir)!r} holds nothing servable ({len(entries)} entries"
+           f"{f'; {why}' if why else ''}); expected {expected}")
+    raise ConfigError(msg)
+
+
 def run(args: argparse.Namespace) -> int:
     config = build_config(args, dict(os.environ))
+    models = config.models_dir
+    if not models.is_dir():
+        what = "does not exist" if not models.exists() else "is not a directory"
+        msg = (f"--models {str(models)!r} {what}; expected a directory of model packages (directories "
+               "with manifest.json, or .tkpkg archives) and variant sets (directories with variants.json)")
+        raise ConfigError(msg)
     asyncio.run(serve(config))
     print("stopped", file=sys.stderr, flush=True)
     return 0

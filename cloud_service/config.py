@@ -31,12 +31,23 @@ class BatchingConfig:
         preferred_batch_sizes: batch sizes worth waiting for (up to `max_queue_delay_us`).
         max_queue_delay_us: longest a request waits for a batch to fill.
         max_queue_size: queued requests before new ones are refused with RESOURCE_EXHAUSTED.
+        admission: refuse at once (RESOURCE_EXHAUSTED with a retry hint) a request whose deadline the
+            queue ahead of it and the model's measured service time cannot meet, drop queued requests
+            that can no longer make it, and size each batch so that it ends before its earliest
+            deadline (`cloud_service.admission`). False: every request is queued until its deadline.
+        queue_target_ms, queue_interval_ms: CoDel's standing-queue detector: once the requests taken
+            from the queue have all waited more than the target for a whole interval, requests
+            without a deadline are refused at once when the wait ahead exceeds the interval, and
+            dropped once they have waited that long.
     """
 
     max_batch_size: int = 32
     preferred_batch_sizes: tuple[int, ...] = ()
     max_queue_delay_us: int = 0
     max_queue_size: int = 512
+    admission: bool = True
+    queue_target_ms: float = 5.0
+    queue_interval_ms: float = 100.0
 
     def __post_init__(self) -> None:
         if self.max_batch_size < 1:
@@ -52,6 +63,10 @@ class BatchingConfig:
             raise ConfigError(msg)
         if self.max_queue_size < 1:
             msg = f"max_queue_size must be >= 1, got {self.max_queue_size}"
+            raise ConfigError(msg)
+        if not (0 < self.queue_target_ms <= self.queue_interval_ms):
+            msg = (f"queue_target_ms {self.queue_target_ms} and queue_interval_ms {self.queue_interval_ms} must "
+                   "satisfy 0 < target <= interval (CoDel's defaults: 5 and 100)")
             raise ConfigError(msg)
 
     @property

@@ -13,7 +13,10 @@ stream carries only a message, so that request is asked again as one unary `Mode
 the device gets; the requests a broken stream held unanswered are asked again by unary calls within
 their deadlines, and the stream is reopened; an upstream without the stream RPC (UNIMPLEMENTED, or a
 stream that fails before any answer) is served by unary calls from then on. The upstream's status is
-passed back to the device as its status name.
+passed back to the device as its status name, with its retry hint when it refused (RESOURCE_EXHAUSTED or
+UNAVAILABLE with a `retry-after-ms` / `grpc-retry-pushback-ms` trailer). Admission: while the upstream's
+hint lasts, and for a request whose deadline leaves less than the upstream's typical answer time, the
+bridge refuses at once (RESOURCE_EXHAUSTED with a hint) instead of forwarding.
 Requests in a tierkit wire encoding (fp16, zstd) are decoded to plain tensors first, since a stock
 server does not know them; a raw frame is refused, as only a package's manifest says how to
 preprocess it.
@@ -26,15 +29,17 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 from typing import ClassVar
 
 import grpc
 import grpc.aio
 
 from cloud_service.config import split_forward_url
+from cloud_service.errors import ServerBusy
 from cloud_service.forward_stream import StreamBroken, StreamForwarder, StreamUnimplemented
 from cloud_service.metrics import UNKNOWN_MODEL
-from cloud_service.protocol import CodecError, decode_inputs
+from cloud_service.protocol import CodecError, decode_inputs, topics
 from cloud_service.protocol import inference_pb2 as pb
 from cloud_service.protocol.encoding import encode_input, encoding_of
 from runtimes.errors import CloudTimeout, TierkitError
@@ -49,6 +54,18 @@ MODEL_INFER = "/inference.GRPCInferenceService/ModelInfer"
 SERVER_LIVE = "/inference.GRPCInferenceService/ServerLive"
 DEFAULT_TIMEOUT_S = 30.0  # requests that carry no deadline
 MAX_LABELS = 64
+_REFUSALS = (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNAVAILABLE)
+
+
+def _retry_after_ms(exc: grpc.aio.AioRpcError) -> int | None:
+    """The upstream's retry hint: tierkit's `retry-after-ms` or gRPC's `grpc-retry-pushback-ms` trailer."""
+    for key, value in exc.trailing_metadata() or ():
+        if key in (topics.RETRY_AFTER_METADATA, "grpc-retry-pushback-ms"):
+            try:
+                return max(0, int(value))
+            except (TypeError, ValueError):
+                return None
+    return None
 
 
 class UpstreamError(TierkitError):
@@ -56,9 +73,10 @@ class UpstreamError(TierkitError):
 
     grpc_status: ClassVar[str] = "UNAVAILABLE"
 
-    def __init__(self, msg: str, *, status: str) -> None:
+    def __init__(self, msg: str, *, status: str, retry_after_ms: int | None = None) -> None:
         super().__init__(msg)
         object.__setattr__(self, "grpc_status", status)  # per instance: the upstream's own status
+        self.retry_after_ms = retry_after_ms  # the upstream's retry hint, passed on to the device
 
 
 class ForwardBackend:
@@ -88,6 +106,8 @@ class ForwardBackend:
         self._infer: grpc.aio.UnaryUnaryMultiCallable | None = None
         self._stream: StreamForwarder | None = None
         self._labels: set[str] = set()
+        self._pushback_until = 0.0  # loop time before which the upstream asked not to be called
+        self._latency_s: float | None = None  # moving average of the upstream's answer time
 
     async def start(self) -> None:
         """Open the channel and check the upstream is live; one that is down is logged, not fatal."""
@@ -142,6 +162,7 @@ class ForwardBackend:
             if timeout <= 0:
                 msg = "the request's deadline passed before it could be forwarded"
                 raise CloudTimeout(msg)
+        self._admit(loop.time(), timeout)
         plain, until = plain_request(request), loop.time() + timeout
         response = None
         if self._stream is not None:
@@ -185,6 +206,8 @@ class ForwardBackend:
         if timeout <= 0:
             msg = f"{self.url} did not answer within the request's deadline"
             raise CloudTimeout(msg)
+        loop = asyncio.get_running_loop()
+        sent = loop.time()
         try:
             response: pb.ModelInferResponse = await self._infer(request, timeout=timeout)
         except grpc.aio.AioRpcError as exc:
@@ -193,8 +216,25 @@ class ForwardBackend:
                 msg = f"{self.url} did not answer within the request's deadline ({timeout:.3f} s)"
                 raise CloudTimeout(msg) from None
             msg = f"{self.url} answered {code.name}: {exc.details() or 'no details'}"
-            raise UpstreamError(msg, status=code.name) from None
+            hint = _retry_after_ms(exc)
+            if hint is not None and code in _REFUSALS:  # the upstream is busy: nothing goes to it until then
+                self._pushback_until = max(self._pushback_until, loop.time() + hint / 1000)
+            raise UpstreamError(msg, status=code.name, retry_after_ms=hint) from None
+        took = loop.time() - sent
+        self._latency_s = took if self._latency_s is None else self._latency_s + 0.2 * (took - self._latency_s)
         return response
+
+    def _admit(self, now: float, timeout: float) -> None:
+        """Refuse at once what the upstream cannot answer in time: while it asked for a pause (its
+        retry hint), or when the deadline leaves less than its typical answer time."""
+        if now < self._pushback_until:
+            left_ms = math.ceil((self._pushback_until - now) * 1000)
+            msg = f"{self.url} is overloaded (it asked for {left_ms} ms more of pause); retry after the hinted delay"
+            raise ServerBusy(msg, retry_after_ms=left_ms)
+        if self._latency_s is not None and timeout < self._latency_s:
+            msg = (f"{self.url} answers in about {self._latency_s * 1000:.1f} ms, the deadline leaves "
+                   f"{timeout * 1000:.1f} ms; not forwarded")
+            raise ServerBusy(msg, retry_after_ms=1)
 
 
 def plain_request(request: pb.ModelInferRequest) -> pb.ModelInferRequest:

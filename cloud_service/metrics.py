@@ -10,7 +10,9 @@ Exposed names (all prefixed `tierkit_`):
 | `batch_size` | model | rows per executed batch |
 | `batch_run_seconds` | model | run time of one batch |
 | `queue_depth` | model | requests waiting |
-| `requests_expired_total` | model | requests dropped for their deadline before compute |
+| `requests_expired_total` | model | queued requests dropped before compute: deadline passed or no longer reachable |
+| `requests_refused_total` | model, reason | refused at admission: `deadline`, `queue_full`, `standing` |
+| `queue_seconds` | model | time each request waited in the queue (to run, or to be dropped) |
 | `mqtt_garbage_total` | | MQTT payloads that were not a valid request |
 | `mqtt_duplicates_total` | | MQTT requests answered from the duplicate cache |
 | `model_loads_total` | model, outcome | loads and hot swaps: `loaded` or `refused` |
@@ -60,6 +62,11 @@ class Metrics:
                                  registry=r)
         self.expired = Counter("tierkit_requests_expired", "Requests dropped for their deadline before compute.",
                                ["model"], registry=r)
+        self.admission_refused = Counter("tierkit_requests_refused",
+                                         "Requests refused at admission (RESOURCE_EXHAUSTED at once), by reason.",
+                                         ["model", "reason"], registry=r)
+        self.queue_seconds = Histogram("tierkit_queue_seconds", "Time a request waited in the model's queue.",
+                                       ["model"], buckets=_LATENCY_BUCKETS, registry=r)
         self.mqtt_garbage = Counter("tierkit_mqtt_garbage", "MQTT payloads that were not a valid request.",
                                     registry=r)
         self.mqtt_duplicates = Counter("tierkit_mqtt_duplicates", "MQTT requests answered from the duplicate cache.",
@@ -112,6 +119,9 @@ class ModelObserver:
     """The batcher's observer for one model (see `batcher.BatchObserver`)."""
 
     def __init__(self, metrics: Metrics, model: str) -> None:
+        self._model = model
+        self._refused = metrics.admission_refused
+        self._queue_seconds = metrics.queue_seconds.labels(model)
         self._depth = metrics.queue_depth.labels(model)
         self._size = metrics.batch_size.labels(model)
         self._seconds = metrics.batch_seconds.labels(model)
@@ -126,3 +136,9 @@ class ModelObserver:
 
     def on_expired(self, count: int) -> None:
         self._expired.inc(count)
+
+    def on_refused(self, reason: str) -> None:
+        self._refused.labels(self._model, reason).inc()
+
+    def on_queue_time(self, seconds: float) -> None:
+        self._queue_seconds.observe(seconds)

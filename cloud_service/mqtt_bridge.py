@@ -14,6 +14,10 @@
 - One device cannot fill the replica's in-flight window (`receive_maximum`) for all: past
   `device_max_inflight` escalations being answered, or `device_rate_per_s`, its escalations are
   answered RESOURCE_EXHAUSTED at once (`tierkit_refusals_total{surface="mqtt"}` counts them).
+- Deadlines: the earlier of the request's `tierkit.deadline_ms` parameter and its MQTT Message Expiry
+  Interval; the batcher's admission refuses at once what it cannot answer by then (RESOURCE_EXHAUSTED,
+  with the retry hint as the user property `tierkit.retry_after_ms`). Escalations the broker holds
+  beyond `receive_maximum` wait in the broker, unseen: their deadline is checked when they arrive.
 - Duplicates (same device, boot id and sequence number) are answered from a short-lived result
   cache, or join the computation already running, instead of being computed again.
 - paho's network thread hands every message to the event loop with `call_soon_threadsafe`.
@@ -92,6 +96,12 @@ class _ResultCache:
         self._items.move_to_end(key)
         while self._items and (len(self._items) > self.max_entries or next(iter(self._items.values()))[0] < now):
             self._items.popitem(last=False)
+
+
+def _expiry(message: paho.MQTTMessage) -> float | None:
+    """Seconds left of the message's Message Expiry Interval (the broker sends what remains), if set."""
+    left = getattr(message.properties, "MessageExpiryInterval", None)
+    return float(left) if isinstance(left, int) and left > 0 else None
 
 
 class MqttBridge:
@@ -304,7 +314,7 @@ class MqttBridge:
                 request = self._parse(message.payload)
                 label = (self.backend.label(request.model_name) if self.backend is not None
                          else model_label(self.repository, request.model_name))
-                response = await self._answer(device, request)
+                response = await self._answer(device, request, _expiry(message))
             finally:
                 self._limits.release(device)
         except Exception as exc:
@@ -313,7 +323,11 @@ class MqttBridge:
                 self.metrics.refused("mqtt", exc.reason)
             response = pb.ModelInferResponse(model_name=clip(request.model_name, 256) if request else "",
                                              id=clip(request.id, 256) if request else "")
-            set_parameters(response.parameters, {topics.STATUS_PROPERTY: code, topics.ERROR_PROPERTY: text})
+            error = {topics.STATUS_PROPERTY: code, topics.ERROR_PROPERTY: text}
+            retry_after = getattr(exc, "retry_after_ms", None)
+            if isinstance(retry_after, int):
+                error[topics.RETRY_AFTER_PROPERTY] = str(retry_after)
+            set_parameters(response.parameters, dict(error))
             log.debug("MQTT escalation on %s failed: %s %s", clip(message.topic, 200), code, text)
         self.metrics.request_done(label, "mqtt", time.perf_counter() - started, code=code)
         if reply_to is None:
@@ -322,7 +336,8 @@ class MqttBridge:
         if isinstance(correlation, bytes | bytearray) and len(correlation) <= _MAX_CORRELATION:
             out.CorrelationData = correlation
         if code is not None:
-            out.UserProperty = [(topics.STATUS_PROPERTY, code), (topics.ERROR_PROPERTY, text)]
+            out.UserProperty = [(k, v.string_param) for k, v in response.parameters.items()
+                                if k in (topics.STATUS_PROPERTY, topics.ERROR_PROPERTY, topics.RETRY_AFTER_PROPERTY)]
         try:
             self._client.publish(reply_to, response.SerializeToString(), qos=1, properties=out)
         except Exception as exc:  # paho refuses what the broker would: count it, answer the rest
@@ -368,12 +383,15 @@ class MqttBridge:
             raise CodecError(msg)
         return request
 
-    async def _answer(self, device: str, request: pb.ModelInferRequest) -> pb.ModelInferResponse:
+    async def _answer(self, device: str, request: pb.ModelInferRequest,
+                      expiry_s: float | None = None) -> pb.ModelInferResponse:
+        """The answer; by the earlier of the request's deadline parameter and its message's expiry."""
         params = get_parameters(request.parameters)
-        deadline = None
+        loop = asyncio.get_running_loop()
+        deadline = None if expiry_s is None else loop.time() + expiry_s
         if isinstance(params.get(topics.PARAM_DEADLINE_MS), int):
-            loop = asyncio.get_running_loop()
-            deadline = loop.time() + int(params[topics.PARAM_DEADLINE_MS]) / 1000 - time.time()
+            due = loop.time() + int(params[topics.PARAM_DEADLINE_MS]) / 1000 - time.time()
+            deadline = due if deadline is None else min(deadline, due)
         seq = params.get(topics.PARAM_SEQ)
         if not isinstance(seq, int) or isinstance(seq, bool):
             return await self._infer(request, deadline)

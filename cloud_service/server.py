@@ -1,7 +1,15 @@
 """The Open Inference Protocol over gRPC (`inference.GRPCInferenceService`), plus health and reflection.
 
 Thin: decode -> `infer.infer_blocking` (batcher) -> encode. Errors become statuses in one place
-(`infer.status_of`). A queue-full answer carries the standard `grpc-retry-pushback-ms` trailer.
+(`infer.status_of`). A refusal (RESOURCE_EXHAUSTED: the deadline cannot be met, the queue is full)
+carries its retry hint twice in the trailing metadata: gRPC's `grpc-retry-pushback-ms` and a plain
+`retry-after-ms`.
+
+Admission happens in the handler, where a call first reaches tierkit's code, against the caller's
+deadline (`context.time_remaining()`). For that to be where a call first waits, grpcio must not queue
+calls of its own: the thread pool has exactly `maximum_concurrent_rpcs` threads, so a call beyond
+them is refused by gRPC at once (RESOURCE_EXHAUSTED) rather than waiting, unseen, for a thread; and
+a handler never holds its thread past the caller's deadline (the batcher gives up waiting then).
 
 The server is grpcio's thread-pool server, not grpc.aio: each call runs in a pool thread, and an
 idle model runs the request right there (the batcher's leader/follower mode), with no hop to an
@@ -34,7 +42,7 @@ from cloud_service.errors import MessageTooLarge
 from cloud_service.infer import clip, infer_blocking, model_label, status_of
 from cloud_service.metrics import UNKNOWN_MODEL, Metrics
 from cloud_service.models import ServedModel
-from cloud_service.protocol import CodecError
+from cloud_service.protocol import CodecError, topics
 from cloud_service.protocol import inference_pb2 as pb
 from cloud_service.protocol.codec import NP_TO_OIP
 from cloud_service.protocol.encoding import ENCODINGS_EXTENSION
@@ -49,6 +57,8 @@ SERVICE = "inference.GRPCInferenceService"
 SERVER_NAME = "tierkit"
 STREAM_WORKERS = 64  # threads answering stream requests, shared by all streams
 STREAM_WINDOW = 64  # requests of one stream in flight at most
+RETRY_AFTER_KEY = topics.RETRY_AFTER_METADATA  # a refusal's trailer: when a retry is likely to find room
+NO_DEADLINE_S = 1e6  # a time_remaining() this large means the caller set no deadline
 EXTENSIONS = ("model_configuration", "parameters", "statistics", "health", "reflection", ENCODINGS_EXTENSION)
 # from the one dtype table, limited to what the codec carries (a model with another dtype is refused at load)
 _OIP = dict(NP_TO_OIP)
@@ -153,13 +163,16 @@ class InferenceServicer:
         try:
             if isinstance(request, _Refused):
                 raise request.error
-            response = infer_blocking(self.repository, request, timeout=context.time_remaining())
+            remaining = context.time_remaining()  # what the caller's deadline leaves (huge without one)
+            timeout = remaining if remaining is not None and remaining < NO_DEADLINE_S else None
+            response = infer_blocking(self.repository, request, timeout=timeout)
         except Exception as exc:
             code, message = status_of(exc)
             self.metrics.request_done(label, "grpc", time.perf_counter() - started, code=code)
             pushback = getattr(exc, "retry_after_ms", None)
-            if pushback is not None:
-                context.set_trailing_metadata((("grpc-retry-pushback-ms", str(pushback)),))
+            if pushback is not None:  # gRPC's own retry pushback trailer, and a plain one any client can read
+                context.set_trailing_metadata((("grpc-retry-pushback-ms", str(pushback)),
+                                               (RETRY_AFTER_KEY, str(pushback))))
             context.abort(getattr(grpc.StatusCode, code), message)
             raise  # unreachable: abort raises
         # The client went away or its deadline passed while this ran: gRPC drops the answer.

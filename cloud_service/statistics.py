@@ -73,6 +73,14 @@ class ModelStats:
         if self._forward is not None:
             self._forward.on_expired(count)
 
+    def on_refused(self, reason: str) -> None:
+        if self._forward is not None:
+            self._forward.on_refused(reason)
+
+    def on_queue_time(self, seconds: float) -> None:
+        if self._forward is not None:
+            self._forward.on_queue_time(seconds)
+
     # -- from the request paths -----------------------------------------------------------------
 
     def request_done(self, seconds: float, *, ok: bool) -> None:

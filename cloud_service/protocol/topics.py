@@ -30,6 +30,10 @@ PARAM_CACHED = "tierkit.cached"
 # the message. A reply without them is a success.
 STATUS_PROPERTY = "tierkit.status"
 ERROR_PROPERTY = "tierkit.error"
+# A refusal (RESOURCE_EXHAUSTED: the cloud is busy) adds when a retry is likely to find room, in
+# milliseconds, as a third user property (and parameter); over gRPC the `retry-after-ms` trailer.
+RETRY_AFTER_PROPERTY = "tierkit.retry_after_ms"
+RETRY_AFTER_METADATA = "retry-after-ms"
 
 _FORBIDDEN = set("/+#\x00")
 

@@ -1,0 +1,128 @@
+"""What the batcher needs to admit by deadline: the model's measured service time and a standing-queue signal.
+
+- `ServiceTimes` learns how long one run of the model takes at each batch size (moving averages per
+  power-of-two bucket of rows) and answers "how long does it take to work through N queued rows".
+  Before the first measurement it knows nothing and every request is admitted.
+- `StandingQueue` is CoDel's detector (Nichols and Jacobson, "Controlling Queue Delay"): the queue is
+  *standing* once every request taken from it for a whole `interval` had waited longer than `target`.
+  A queue that merely absorbs a burst drains below the target within the interval and never counts.
+
+Both are plain state guarded by the batcher's lock; no threads, no clocks of their own.
+
+Example:
+    >>> times = ServiceTimes(max_batch_size=8)
+    >>> times.observe(rows=1, seconds=0.015)
+    >>> round(times.drain_seconds(rows=16, instances=1), 3)  # 16 rows: two batches of 8, linear guess
+    0.24
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+_ALPHA = 0.2  # weight of a new measurement in the moving averages
+
+
+def _bucket(rows: int) -> int:
+    """1 -> 0, 2 -> 1, 3-4 -> 2, 5-8 -> 3, ...: batch sizes that cost about the same per row."""
+    return max(0, rows - 1).bit_length()
+
+
+@dataclass(slots=True)
+class _Average:
+    """Moving averages of one bucket's run time, its deviation (as TCP keeps a round trip's) and rows."""
+
+    mean: float
+    rows: float
+    deviation: float = 0.0
+
+    def add(self, rows: int, seconds: float) -> None:
+        self.deviation += _ALPHA * (abs(seconds - self.mean) - self.deviation)
+        self.mean += _ALPHA * (seconds - self.mean)
+        self.rows += _ALPHA * (rows - self.rows)
+
+    @property
+    def seconds(self) -> float:
+        """What a run is planned to take: the mean plus one deviation. On a shared, noisy host a batch
+        planned at the mean would miss its deadline about half the time it is tight; work that ends
+        late is work thrown away, while a refusal costs the caller only a retry."""
+        return self.mean + self.deviation
+
+
+@dataclass(slots=True)
+class ServiceTimes:
+    """Measured run time of one batch, by batch size.
+
+    Args:
+        max_batch_size: the largest batch the model runs (1 when it does not batch).
+    """
+
+    max_batch_size: int
+    _buckets: dict[int, _Average] = field(default_factory=dict)
+
+    @property
+    def known(self) -> bool:
+        return bool(self._buckets)
+
+    def observe(self, rows: int, seconds: float) -> None:
+        """One run of `rows` rows took `seconds`."""
+        bucket = self._buckets.get(_bucket(rows))
+        if bucket is None:
+            self._buckets[_bucket(rows)] = _Average(seconds, float(rows))
+        else:
+            bucket.add(rows, seconds)
+
+    def batch_seconds(self, rows: int) -> float:
+        """The expected run time of one batch of `rows` rows (0 before any measurement).
+
+        From the measurement of the same bucket, scaled by rows; a bucket not measured yet is
+        extrapolated from the nearest smaller one at its cost per row (conservative on CPUs, where a
+        batch costs about rows times a single row), or from the nearest larger one as is.
+        """
+        if rows <= 0 or not self._buckets:
+            return 0.0
+        b = _bucket(rows)
+        own = self._buckets.get(b)
+        if own is not None:
+            return own.seconds * max(1.0, rows / own.rows) if rows > own.rows else own.seconds
+        smaller = [k for k in self._buckets if k < b]
+        if smaller:
+            near = self._buckets[max(smaller)]
+            return near.seconds * rows / near.rows
+        return self._buckets[min(self._buckets)].seconds
+
+    def drain_seconds(self, rows: int, instances: int) -> float:
+        """Time to work through `rows` queued rows in full batches, spread over `instances`."""
+        if rows <= 0:
+            return 0.0
+        full, rest = divmod(rows, self.max_batch_size)
+        work = full * self.batch_seconds(self.max_batch_size) + self.batch_seconds(rest)
+        return work / max(1, instances)
+
+
+@dataclass(slots=True)
+class StandingQueue:
+    """CoDel's standing-queue detector.
+
+    Args:
+        target_s: queueing time that is acceptable (a batch or two of waiting).
+        interval_s: how long queueing time must stay above the target before the queue counts as standing.
+    """
+
+    target_s: float
+    interval_s: float
+    standing: bool = False
+    _above_since: float | None = None
+
+    def observe(self, now: float, sojourn_s: float) -> None:
+        """A request left the queue at `now` after waiting `sojourn_s`."""
+        if sojourn_s <= self.target_s:
+            self._above_since, self.standing = None, False
+        elif self._above_since is None:
+            self._above_since = now
+        elif now - self._above_since >= self.interval_s:
+            self.standing = True
+
+    def emptied(self) -> None:
+        """The queue ran empty: whatever stood has drained."""
+        self._above_since, self.standing = None, False

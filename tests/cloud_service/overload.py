@@ -1,0 +1,192 @@
+"""Overload helpers: a slow real model (PP-OCRv4's text detector), `tierkit serve` in a process of its own,
+and closed-loop callers with deadlines. Shared by tests/cloud_service/test_overload.py and
+bench/bench_overload.py.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import grpc
+import numpy as np
+
+from cloud_service.protocol import inference_pb2 as pb
+from runtimes.spec import TensorSpec
+from tests.cloud_service.helpers import make_package
+
+MODEL_INFER = "/inference.GRPCInferenceService/ModelInfer"
+HINT_CAP_S = 0.05  # a refused caller waits the server's retry hint, at most this long, before it calls again
+
+
+def ocr_det_package(models_dir: Path, *, height: int = 128, width: int = 256, name: str = "ocrdet") -> np.ndarray:
+    """Package PP-OCRv4's text detector (about 14 ms a page of 128x256 on two idle cores) into `models_dir`;
+    return one page (1, 3, height, width) of rendered text to send it."""
+    from tests.compilers.zoo import OCR_DET
+
+    make_package(models_dir / name, OCR_DET.path(), name=name,
+                 inputs=(TensorSpec("x", "float32", ("batch", 3, height, width)),),
+                 outputs=(TensorSpec("sigmoid_0.tmp_0", "float32", ("batch", 1, height, width)),))
+    page = OCR_DET.inputs(1, seed=3)["x"][:, :, :height, :width]
+    return np.ascontiguousarray(page, np.float32)
+
+
+def request_bytes(model: str, x: np.ndarray, *, input_name: str = "x") -> bytes:
+    """A serialized ModelInferRequest carrying `x` as raw contents."""
+    request = pb.ModelInferRequest(model_name=model)
+    request.inputs.add(name=input_name, datatype="FP32", shape=list(x.shape))
+    request.raw_input_contents.append(x.tobytes())
+    return request.SerializeToString()
+
+
+class Server:
+    """`tierkit serve --models DIR --grpc 127.0.0.1:0 [args]` in its own process."""
+
+    def __init__(self, models_dir: Path, *args: str) -> None:
+        env = dict(os.environ)
+        self.proc = subprocess.Popen([sys.executable, "-m", "sdk.cli", "serve", "--models", str(models_dir),
+                                      "--grpc", "127.0.0.1:0", *args], stdout=subprocess.PIPE,
+                                     stderr=subprocess.PIPE, text=True, env=env)
+        self.address = self.metrics = ""
+        end = time.monotonic() + 60
+        assert self.proc.stdout is not None
+        while time.monotonic() < end:
+            line = self.proc.stdout.readline()
+            if not line:
+                err = self.proc.stderr.read() if self.proc.stderr else ""
+                msg = f"tierkit serve exited before ready: {err[-2000:]}"
+                raise RuntimeError(msg)
+            if line.startswith("grpc "):
+                self.address = line.split()[1]
+            if line.startswith("metrics "):
+                self.metrics = line.split()[1]
+            if line.strip() == "ready":
+                return
+        self.stop()
+        msg = "tierkit serve was not ready within 60 s"
+        raise RuntimeError(msg)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+        for stream in (self.proc.stdout, self.proc.stderr):
+            if stream is not None:
+                stream.close()
+
+    def __enter__(self) -> Server:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+@dataclasses.dataclass
+class Load:
+    """What N closed-loop callers got in `seconds`."""
+
+    callers: int
+    seconds: float
+    deadline_s: float
+    in_time: int = 0
+    late: int = 0  # answers that came back after their deadline (the client waited past it)
+    refused: int = 0  # RESOURCE_EXHAUSTED / UNAVAILABLE
+    refused_ms: list[float] = dataclasses.field(default_factory=list)
+    hints_ms: list[float] = dataclasses.field(default_factory=list)
+    expired: int = 0  # DEADLINE_EXCEEDED
+    other: dict[str, int] = dataclasses.field(default_factory=dict)
+
+    @property
+    def goodput(self) -> float:
+        return self.in_time / self.seconds
+
+    @property
+    def offered(self) -> int:
+        return self.in_time + self.late + self.refused + self.expired + sum(self.other.values())
+
+    def refusal_p(self, q: float) -> float:
+        return float(np.percentile(self.refused_ms, q)) if self.refused_ms else 0.0
+
+    def add(self, other: Load) -> None:
+        self.in_time += other.in_time
+        self.late += other.late
+        self.refused += other.refused
+        self.refused_ms += other.refused_ms
+        self.hints_ms += other.hints_ms
+        self.expired += other.expired
+        for k, v in other.other.items():
+            self.other[k] = self.other.get(k, 0) + v
+
+
+def _hint_ms(exc: grpc.RpcError) -> float | None:
+    for key, value in exc.trailing_metadata() or ():  # type: ignore[attr-defined]
+        if key == "retry-after-ms":
+            return float(value)
+    return None
+
+
+def closed_loop(address: str, payload: bytes, *, callers: int, seconds: float, deadline_s: float,
+                max_calls: int = 100_000) -> Load:
+    """`callers` threads, each calling ModelInfer with `deadline_s` as soon as its last call ended (after a
+    refusal: after the server's retry hint, capped at HINT_CAP_S), for `seconds`; at most `max_calls` each."""
+    channel = grpc.insecure_channel(address)
+    call = channel.unary_unary(MODEL_INFER)
+    grpc.channel_ready_future(channel).result(timeout=10)
+    results = [Load(callers, seconds, deadline_s) for _ in range(callers)]
+    start = threading.Barrier(callers + 1)
+    end_at = [0.0]
+
+    def caller(mine: Load) -> None:
+        start.wait()
+        for _ in range(max_calls):
+            if time.monotonic() >= end_at[0]:
+                return
+            sent = time.monotonic()
+            try:
+                call(payload, timeout=deadline_s)
+            except grpc.RpcError as exc:
+                took = time.monotonic() - sent
+                code = exc.code()  # type: ignore[attr-defined]
+                if code in (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNAVAILABLE):
+                    mine.refused += 1
+                    mine.refused_ms.append(took * 1000)
+                    hint = _hint_ms(exc)
+                    if hint is not None:
+                        mine.hints_ms.append(hint)
+                    time.sleep(min(HINT_CAP_S, (hint or 1.0) / 1000))
+                elif code == grpc.StatusCode.DEADLINE_EXCEEDED:
+                    mine.expired += 1
+                else:
+                    mine.other[code.name] = mine.other.get(code.name, 0) + 1
+                continue
+            if time.monotonic() - sent <= deadline_s:
+                mine.in_time += 1
+            else:
+                mine.late += 1
+
+    threads = [threading.Thread(target=caller, args=(r,), daemon=True) for r in results]
+    for t in threads:
+        t.start()
+    end_at[0] = time.monotonic() + seconds
+    start.wait()
+    for t in threads:
+        t.join(seconds + 10 * deadline_s + 10)
+    channel.close()
+    total = Load(callers, seconds, deadline_s)
+    for r in results:
+        total.add(r)
+    return total
+
+
+def best_of(loads: Sequence[Load]) -> float:
+    return max((load.goodput for load in loads), default=0.0)

@@ -1,0 +1,158 @@
+"""Admission by deadline in the batcher, with a model double of known run time (no network)."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import Mapping
+
+import numpy as np
+import pytest
+
+from cloud_service.admission import ServiceTimes, StandingQueue
+from cloud_service.batcher import DynamicBatcher
+from cloud_service.config import BatchingConfig
+from cloud_service.errors import ServerBusy
+from runtimes.errors import CloudTimeout
+
+
+class Slow:
+    """y = x, taking `per_row_s` per row (as a CPU model does: a batch costs about rows times one)."""
+
+    def __init__(self, per_row_s: float, gate: threading.Event | None = None) -> None:
+        self.per_row_s, self.gate = per_row_s, gate
+        self.batches: list[list[float]] = []
+
+    def __call__(self, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        if self.gate is not None:
+            self.gate.wait(10)
+        x = inputs["x"]
+        time.sleep(self.per_row_s * len(x))
+        self.batches.append([float(v) for v in x[:, 0]])
+        return {"y": x}
+
+
+def one(value: float) -> dict[str, np.ndarray]:
+    return {"x": np.full((1, 2), value, np.float32)}
+
+
+def test_service_times_extrapolate_per_row_and_plan_above_the_mean() -> None:
+    times = ServiceTimes(max_batch_size=4)
+    assert not times.known
+    assert times.batch_seconds(3) == 0.0
+    for s in (0.010, 0.012, 0.010, 0.012):
+        times.observe(1, s)
+    one_row = times.batch_seconds(1)
+    assert 0.0105 < one_row < 0.0135  # the mean plus its deviation
+    assert times.batch_seconds(4) == pytest.approx(4 * one_row)  # unmeasured: linear in rows
+    assert times.drain_seconds(10, instances=2) == pytest.approx((2 * times.batch_seconds(4)
+                                                                  + times.batch_seconds(2)) / 2)
+
+
+def test_standing_queue_needs_a_whole_interval_above_target() -> None:
+    q = StandingQueue(target_s=0.005, interval_s=0.1)
+    q.observe(0.00, 0.02)
+    q.observe(0.05, 0.02)
+    assert not q.standing  # a burst: above the target for less than an interval
+    q.observe(0.11, 0.02)
+    assert q.standing
+    q.observe(0.12, 0.001)
+    assert not q.standing
+
+
+def test_a_request_whose_deadline_cannot_be_met_is_refused_at_once_with_a_hint() -> None:
+    gate = threading.Event()
+    model = Slow(0.02, gate)
+
+    async def main() -> None:
+        config = BatchingConfig(max_batch_size=1)
+        async with DynamicBatcher("m", [model], config, batched=False) as b:
+            gate.set()
+            await b.infer(one(0))  # measured: 20 ms a request
+            gate.clear()
+            loop = asyncio.get_running_loop()
+            # 400 ms of work, without deadlines: ordered as due one CoDel interval (100 ms) after arrival
+            queued = [b.submit(one(i)) for i in range(1, 21)]
+            started = time.perf_counter()
+            with pytest.raises(ServerBusy) as refused:  # due after all of them: it would wait ~400 ms
+                b.submit(one(99), deadline=loop.time() + 0.2)
+            assert time.perf_counter() - started < 0.01
+            assert refused.value.retry_after_ms >= 20
+            assert "overloaded" in str(refused.value)
+            assert "deadline leaves" in str(refused.value)
+            gate.set()
+            await asyncio.gather(*queued, return_exceptions=True)
+
+    asyncio.run(main())
+    assert [99.0] not in model.batches
+
+
+def test_queue_is_served_earliest_deadline_first_and_hopeless_requests_are_dropped() -> None:
+    gate = threading.Event()
+    model = Slow(0.02, gate)
+
+    async def main() -> None:
+        async with DynamicBatcher("m", [model], BatchingConfig(max_batch_size=1), batched=False) as b:
+            gate.set()
+            await b.infer(one(0))
+            gate.clear()
+            loop = asyncio.get_running_loop()
+            blocker = b.submit(one(1))  # holds the instance while the others queue
+            await asyncio.sleep(0.01)
+            late = b.submit(one(2), deadline=loop.time() + 5.0)  # a journal's drain: plenty of time
+            soon = b.submit(one(3), deadline=loop.time() + 0.5)  # a live escalation
+            doomed = b.submit(one(4), deadline=loop.time() + 0.12)
+            await asyncio.sleep(0.15)  # the blocker holds past `doomed`'s deadline
+            gate.set()
+            await asyncio.gather(blocker, late, soon)
+            with pytest.raises((CloudTimeout, ServerBusy)):
+                await doomed
+
+    asyncio.run(main())
+    order = [batch[0] for batch in model.batches[1:]]
+    assert order == [1.0, 3.0, 2.0], order  # earliest deadline first; the doomed one never computed
+
+
+def test_a_batch_is_cut_where_it_would_miss_its_earliest_deadline() -> None:
+    gate = threading.Event()
+    model = Slow(0.01, gate)
+
+    async def main() -> None:
+        async with DynamicBatcher("m", [model], BatchingConfig(max_batch_size=16), batched=True) as b:
+            gate.set()
+            for _ in range(3):
+                await b.infer(one(0))
+            gate.clear()
+            loop = asyncio.get_running_loop()
+            blocker = b.submit(one(1))
+            await asyncio.sleep(0.01)
+            # 8 rows would take ~80 ms; the earliest deadline leaves ~60 ms once the blocker ends
+            calls = [b.submit(one(10 + i), deadline=loop.time() + 0.07 + 0.2 * (i >= 4)) for i in range(8)]
+            gate.set()
+            await asyncio.gather(blocker, *calls)
+
+    asyncio.run(main())
+    sizes = [len(batch) for batch in model.batches[4:]]
+    assert max(sizes) < 8, sizes
+    assert sum(sizes) == 8, sizes
+
+
+def test_blocking_caller_gives_its_thread_back_at_its_deadline() -> None:
+    gate = threading.Event()
+    model = Slow(0.0, gate)
+
+    async def main() -> None:
+        async with DynamicBatcher("m", [model], BatchingConfig(max_batch_size=1), batched=False,
+                                  ) as b:
+            blocker = b.submit(one(1))
+            await asyncio.sleep(0.02)
+            started = time.perf_counter()
+            with pytest.raises(CloudTimeout):
+                await asyncio.to_thread(b.run, one(2), timeout=0.05)
+            assert time.perf_counter() - started < 0.5  # not held until the blocker finished
+            gate.set()
+            await blocker
+
+    asyncio.run(main())
+    assert [2.0] not in model.batches  # skipped: its caller had gone
