@@ -63,6 +63,7 @@ from edge_agent.ladder import Variant, load_packages, open_variants
 from edge_agent.options import AgentOptions
 from edge_agent.policy import Policy
 from edge_agent.prediction import Prediction, make_prediction
+from edge_agent.pushback import DrainPace, Pushback
 from edge_agent.replies import check_reply, decode_reply
 from edge_agent.stats import RttEstimator, Stats, TimerLateness, feed_controller, top1_agreed
 from edge_agent.transports.base import Transport, open_transport
@@ -179,6 +180,8 @@ class EdgeAgent:
                 raise
         self.controller: Controller | None = ctl
         self.breaker = CircuitBreaker(opts.breaker)
+        self.pushback = Pushback()  # the cloud's "busy, retry after" (edge_agent.pushback)
+        self._pace = DrainPace(opts.drain_rate_per_s)
         self.cache: ResultCache[Prediction] | None = (ResultCache(self.policy.cache_size)
                                                       if self.policy.cache_size else None)
         self.rtt = RttEstimator(opts.rtt_quantile, max_age_s=opts.rtt_max_age_s)
@@ -213,6 +216,7 @@ class EdgeAgent:
             return
         self.journal, self._seq, self._inflight = old.journal, old._seq, old._inflight
         self.breaker, self.rtt, self.lateness = old.breaker, old.rtt, old.lateness
+        self.pushback, self._pace = old.pushback, old._pace
         old._owns_link, self._owns_link, self._link_open, self._predecessor = False, True, True, None
         for task in old._tasks:
             if task.get_name() == "tierkit-drain":  # one drain per journal: this agent's
@@ -427,7 +431,8 @@ class EdgeAgent:
                 if timed_out:
                     self.lateness.add((perf_counter() - due) * 1e3)
                 raise error
-            kind = "timeout" if timed_out else "unavailable" if isinstance(error, CloudUnavailable) else "error"
+            kind = ("timeout" if timed_out else "cloud_busy" if self.pushback.note(error)
+                    else "unavailable" if isinstance(error, CloudUnavailable) else "error")
             logger.debug("escalation %d failed (%s): %s", p.seq, kind, error)
             self._settle(p.seq, answered=False)
             pred = await self._degrade(p, rows, kind, request, rtt_ms=rtt_ms, kept=kept)
@@ -477,6 +482,8 @@ class EdgeAgent:
                 self._tokens = (tokens, now)
                 return "rate"
             self._tokens = (tokens - 1.0, now)
+        if self.pushback.active():
+            return "cloud_busy"
         return "" if self.breaker.allow() else "breaker_open"
 
     def _request(self, p: Pending, sub: Mapping[str, np.ndarray], rows: np.ndarray,
@@ -743,6 +750,8 @@ class EdgeAgent:
             wake.clear()
             if not self._journal_pending() or getattr(self.transport, "connected", True) is False:
                 continue
+            if (busy_s := self.pushback.remaining_s()) > 0:  # the cloud asked for a pause: drain after it
+                await asyncio.sleep(busy_s)
             try:
                 await self.drain_journal()
             except Exception:
@@ -759,7 +768,7 @@ class EdgeAgent:
             probe, first = first, False
             await self._send_journaled(entry, probe=probe)
 
-        return await drain(self.journal, send, window=self.options.drain_window)
+        return await drain(self.journal, send, window=self.options.drain_window, pace=self._pace)
 
     async def _send_journaled(self, entry: JournalEntry, *, probe: bool = False) -> None:
         if entry.boot_id == self.options.boot_id and entry.device == self.options.device_id:
@@ -770,7 +779,13 @@ class EdgeAgent:
         timeout_s = min(self.options.drain_probe_s, self.options.drain_timeout_s) if probe else \
             self.options.drain_timeout_s
         request.parameters[topics.PARAM_DEADLINE_MS].int64_param = int(time.time() * 1e3 + timeout_s * 1e3)
-        response = await self.transport.escalate(request, timeout_s=timeout_s)  # type: ignore[union-attr]
+        try:
+            response = await self.transport.escalate(request, timeout_s=timeout_s)  # type: ignore[union-attr]
+        except EscalationError as exc:
+            if self.pushback.note(exc):  # busy: the drain slows down and pauses for the hint
+                self._pace.on_busy()
+            raise
+        self._pace.on_answer()
         self.breaker.record_success()
         self.stats.late_replies += 1
         if self.on_late_reply is not None:

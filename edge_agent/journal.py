@@ -26,7 +26,7 @@ from collections.abc import Awaitable, Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
-from typing import Any, Self
+from typing import Any, Protocol, Self
 
 from runtimes.errors import ConfigError, JournalError, JournalFull
 
@@ -230,6 +230,18 @@ class Journal:
         self.close()
 
 
+class Pace(Protocol):
+    """What paces a drain: one token per send."""
+
+    async def take(self) -> None: ...
+
+
+async def _paced(send: Callable[[JournalEntry], Awaitable[None]], entry: JournalEntry, pace: Pace | None) -> None:
+    if pace is not None:
+        await pace.take()
+    await send(entry)
+
+
 def _storage_error(path: Path, what: str, exc: sqlite3.Error) -> JournalError:
     return JournalError(f"cannot {what} the journal {path}: {exc} (check the disk: free space, permissions, "
                         "I/O errors; a journal that stays broken can be moved aside)")
@@ -245,8 +257,10 @@ def _storage(path: Path, what: str) -> Iterator[None]:
 
 
 async def drain(journal: Journal, send: Callable[[JournalEntry], Awaitable[None]], *, batch: int = 32,
-                window: int = 1, stop_event: asyncio.Event | None = None) -> int:
+                window: int = 1, stop_event: asyncio.Event | None = None, pace: Pace | None = None) -> int:
     """Send held entries oldest first through `send`, deleting each after its send returned.
+
+    With `pace` (`edge_agent.pushback.DrainPace`), each send first waits for one of its tokens.
 
     The first entry goes alone (it probes the link); after it, up to `window` sends run at once and
     the delivered ones are deleted together (one fsync per window, not per entry). Stops after a
@@ -272,7 +286,7 @@ async def drain(journal: Journal, send: Callable[[JournalEntry], Awaitable[None]
                     return sent
                 chunk = entries[i:i + (1 if sent == 0 else window)]
                 i += len(chunk)
-                results = await asyncio.gather(*(send(e) for e in chunk), return_exceptions=True)
+                results = await asyncio.gather(*(_paced(send, e, pace) for e in chunk), return_exceptions=True)
                 delivered = [e.id for e, r in zip(chunk, results, strict=True) if not isinstance(r, BaseException)]
                 if delivered:
                     await asyncio.to_thread(journal.ack, delivered)

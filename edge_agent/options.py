@@ -48,6 +48,10 @@ class AgentOptions:
             a drain starts as soon as a live escalation is answered, else every `drain_interval_s`
             while the transport is connected (whatever the circuit breaker says).
         drain_window: journaled escalations in flight at once while draining.
+        drain_rate_per_s: journaled escalations sent per second at most (a token bucket); each busy
+            refusal from the cloud halves the rate and pauses the drain for the cloud's retry hint, each
+            answer raises it again (`edge_agent.pushback.DrainPace`), so a fleet reconnecting at once
+            does not flood the cloud it drains into.
         telemetry_interval_s: how often telemetry is published.
         strict: raise the escalation error instead of answering degraded.
         send_frames: escalate the raw frame given as `infer(frame=...)` in the `frame` wire encoding (the
@@ -77,6 +81,7 @@ class AgentOptions:
     drain_timeout_s: float = 5.0
     drain_probe_s: float = 0.5
     drain_window: int = 32
+    drain_rate_per_s: float = 20.0
     telemetry_interval_s: float = 10.0
     strict: bool = False
     send_frames: bool = True
@@ -87,8 +92,10 @@ class AgentOptions:
             topics.check_device_id(self.device_id)
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
-        if not (self.drain_probe_s > 0 and self.drain_timeout_s > 0 and self.drain_window >= 1):
-            msg = "AgentOptions: drain_probe_s and drain_timeout_s must be > 0 and drain_window >= 1"
+        if not (self.drain_probe_s > 0 and self.drain_timeout_s > 0 and self.drain_window >= 1
+                and self.drain_rate_per_s > 0):
+            msg = ("AgentOptions: drain_probe_s, drain_timeout_s and drain_rate_per_s must be > 0 and "
+                   "drain_window >= 1")
             raise ConfigError(msg)
         if (self.margin_ms < 0 or self.min_deadline_ms < 0 or self.timer_lateness_ms < 0
                 or not 0 < self.rtt_quantile <= 1 or not 0 <= self.rtt_skip_share <= 1 or not self.rtt_max_age_s > 0):

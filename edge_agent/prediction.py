@@ -23,7 +23,8 @@ class Prediction:
         scores: the per-row edge scores.
         cloud_rows: per-row mask of the rows the cloud answered.
         reason: why the cloud was not used when wanted: "no_cloud" (edge only), "breaker_open", "rtt"
-            (recent round trips do not fit), "budget", "rate", "timeout", "unavailable", "error", "bad_reply",
+            (recent round trips do not fit), "budget", "rate", "cloud_busy" (the cloud refused with a retry hint
+            that has not passed), "timeout", "unavailable", "error", "bad_reply",
             "journal_full", "late"; empty otherwise.
         cached: answered from the result cache.
         seq: the request's sequence number on this agent (its id in the journal and telemetry).

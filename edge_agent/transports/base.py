@@ -36,10 +36,12 @@ DEFAULT_PORTS = {"grpc": 8001, "grpcs": 8001, "mqtt": 1883, "mqtts": 8883}
 E = TypeVar("E", bound=EscalationError)
 
 
-def escalation_error(cls: type[E], msg: str, *, code: str) -> E:
-    """An escalation error carrying the protocol status name as `.code` (aiomqtt `MqttCodeError.rc` style)."""
+def escalation_error(cls: type[E], msg: str, *, code: str, retry_after_s: float | None = None) -> E:
+    """An escalation error carrying the protocol status name as `.code` (aiomqtt `MqttCodeError.rc` style)
+    and, for a refusal that said when to retry, the hint as `.retry_after_s` (`edge_agent.pushback`)."""
     err = cls(msg)
     err.code = code  # type: ignore[attr-defined]
+    err.retry_after_s = retry_after_s  # type: ignore[attr-defined]
     return err
 
 

@@ -33,7 +33,7 @@ from typing import Any
 import grpc
 import grpc.aio
 
-from cloud_service.protocol import inference_pb2
+from cloud_service.protocol import inference_pb2, topics
 from cloud_service.protocol.memory import keep_freed_memory
 from cloud_service.protocol.wire import Request, as_message, wire_size
 from edge_agent.encoding import WireEncoder
@@ -109,6 +109,17 @@ def channel_options(options: TransportOptions) -> list[tuple[str, Any]]:
     if options.server_name:
         result.append(("grpc.ssl_target_name_override", options.server_name))
     return result
+
+
+def _retry_after_s(exc: grpc.aio.AioRpcError) -> float | None:
+    """A refusal's retry hint: the `retry-after-ms` trailer (or gRPC's `grpc-retry-pushback-ms`), in seconds."""
+    for key, value in exc.trailing_metadata() or ():
+        if key in (topics.RETRY_AFTER_METADATA, "grpc-retry-pushback-ms"):
+            try:
+                return max(0.0, int(value) / 1000)
+            except (TypeError, ValueError):
+                return None
+    return None
 
 
 class GrpcTransport(Transport):
@@ -188,9 +199,9 @@ class GrpcTransport(Transport):
         if code == grpc.StatusCode.UNAVAILABLE:
             msg = (f"gRPC ModelInfer on {where} (model {model}) is unavailable: {details}; "
                    "check that the cloud service runs and the address is right")
-            return escalation_error(CloudUnavailable, msg, code=code.name)
+            return escalation_error(CloudUnavailable, msg, code=code.name, retry_after_s=_retry_after_s(exc))
         msg = f"gRPC ModelInfer on {where} (model {model}) failed with {code.name}: {details}"
-        return escalation_error(EscalationError, msg, code=code.name)
+        return escalation_error(EscalationError, msg, code=code.name, retry_after_s=_retry_after_s(exc))
 
     async def aclose(self) -> None:
         self._closed = True

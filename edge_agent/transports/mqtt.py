@@ -209,7 +209,10 @@ class MqttTransport(Transport):
         status = user.get(STATUS_PROPERTY, "")
         if status and status != "OK":
             msg = f"the cloud behind {self.where} answered {status}: {user.get(ERROR_PROPERTY) or 'no message'}"
-            future.set_exception(escalation_error(_STATUS_ERRORS.get(status, EscalationError), msg, code=status))
+            hint = user.get(topics.RETRY_AFTER_PROPERTY, "")
+            retry_after_s = int(hint) / 1000 if hint.isdigit() else None
+            future.set_exception(escalation_error(_STATUS_ERRORS.get(status, EscalationError), msg, code=status,
+                                                  retry_after_s=retry_after_s))
             return
         try:
             future.set_result(inference_pb2.ModelInferResponse.FromString(payload))
