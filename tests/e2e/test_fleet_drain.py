@@ -1,0 +1,130 @@
+"""A fleet reconnecting at once: 200 devices drain their journals into a cloud already at capacity.
+
+The cloud is `tierkit serve` with a slow real model (PP-OCRv4's text detector on 64x128 pages, about
+10 ms a request on two idle cores), kept at capacity by live closed-loop callers with 100 ms deadlines.
+Each simulated device is the agent's replay path and nothing else: a real journal (SQLite) holding
+escalations, `journal.drain` paced by `DrainPace`, the cloud's busy refusals noted by `Pushback`, and
+its own gRPC channel (`GrpcTransport`). They all start draining at the same moment.
+
+Checked: every journaled escalation is answered, none lost (each device's journal ends empty and the
+answers name every sequence number once), and the live callers' goodput while the fleet drains stays
+near what they got alone.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from cloud_service.protocol import get_parameters, topics
+from cloud_service.protocol import inference_pb2 as pb
+from edge_agent.journal import Journal, JournalEntry, drain
+from edge_agent.pushback import DrainPace, Pushback
+from edge_agent.transports.base import TransportOptions, parse_cloud_url
+from edge_agent.transports.grpc import GrpcTransport
+from runtimes.errors import EscalationError
+from tests.cloud_service.overload import Load, Server, closed_loop, ocr_det_package, request_bytes
+
+pytestmark = pytest.mark.slow
+
+DEVICES = 200
+ENTRIES = 3  # journaled escalations per device
+DRAIN_DEADLINE_S = 5.0  # what the agent gives a journaled escalation (AgentOptions.drain_timeout_s)
+LIVE_DEADLINE_S = 0.1
+LIVE_CALLERS = 4
+
+
+class Device:
+    """One device's journal replay, as `EdgeAgent.drain_journal` runs it."""
+
+    def __init__(self, index: int, root: Path, payload: bytes, address: str) -> None:
+        self.name = f"dev-{index:03d}"
+        self.journal = Journal(root / f"{self.name}.db")
+        request = pb.ModelInferRequest.FromString(payload)
+        for seq in range(ENTRIES):
+            request.parameters[topics.PARAM_SEQ].int64_param = seq
+            self.journal.append("escalation", request.SerializeToString(), device=self.name, boot_id="b", seq=seq)
+        self.transport = GrpcTransport(parse_cloud_url(f"grpc://{address}/ocrdet"), device_id=self.name,
+                                       options=TransportOptions(retry_max_attempts=1))
+        self.pushback = Pushback()
+        self.pace = DrainPace(20.0)
+        self.answered: list[int] = []
+        self.refusals = 0
+
+    async def send(self, entry: JournalEntry) -> None:
+        request = pb.ModelInferRequest.FromString(entry.payload)
+        try:
+            response = await self.transport.escalate(request, timeout_s=DRAIN_DEADLINE_S)
+        except EscalationError as exc:
+            if self.pushback.note(exc):
+                self.refusals += 1
+                self.pace.on_busy()
+            raise
+        self.pace.on_answer()
+        self.answered.append(int(get_parameters(request.parameters)[topics.PARAM_SEQ]))
+        assert response.outputs
+
+    async def replay(self, until: float) -> None:
+        while self.journal.count() and time.monotonic() < until:
+            if (wait := self.pushback.remaining_s()) > 0:
+                await asyncio.sleep(wait)
+            await drain(self.journal, self.send, window=4, pace=self.pace)
+            if self.journal.count() and not self.pushback.active():
+                await asyncio.sleep(0.05)  # a failure that was not a refusal: the agent's drain interval
+
+    async def aclose(self) -> None:
+        await self.transport.aclose()
+        self.journal.close()
+
+
+def test_a_reconnecting_fleet_drains_every_journal_without_starving_live_escalations(tmp_path: Path) -> None:
+    from tests.compilers.zoo import NotInstalled
+
+    models = tmp_path / "models"
+    try:
+        page = ocr_det_package(models, height=64, width=128)
+    except NotInstalled as exc:
+        pytest.skip(str(exc))
+    payload = request_bytes("ocrdet", page)
+    with Server(models, "--no-batching") as server:
+        closed_loop(server.address, payload, callers=1, seconds=0.5, deadline_s=LIVE_DEADLINE_S)  # warm up
+        alone = closed_loop(server.address, payload, callers=LIVE_CALLERS, seconds=3.0, deadline_s=LIVE_DEADLINE_S)
+        devices = [Device(i, tmp_path, payload, server.address) for i in range(DEVICES)]
+        live: list[Load] = []
+        stop = threading.Event()
+
+        def live_load() -> None:  # live escalations, in 2 s slices, for as long as the fleet drains
+            while not stop.is_set():
+                live.append(closed_loop(server.address, payload, callers=LIVE_CALLERS, seconds=2.0,
+                                        deadline_s=LIVE_DEADLINE_S))
+
+        async def reconnect() -> float:
+            started = time.monotonic()
+            try:
+                await asyncio.gather(*(d.replay(started + 120) for d in devices))
+            finally:
+                for d in devices:
+                    await d.aclose()
+            return time.monotonic() - started
+
+        thread = threading.Thread(target=live_load, daemon=True)
+        thread.start()
+        took = asyncio.run(reconnect())
+        stop.set()
+        thread.join(30)
+    left = {d.name: d.journal.count() for d in devices if d.journal.count()}
+    assert not left, f"journals not drained within 120 s: {left}"
+    for d in devices:
+        assert sorted(d.answered) == list(range(ENTRIES)), (d.name, d.answered)  # each answered once, none lost
+    during = Load(LIVE_CALLERS, sum(s.seconds for s in live), LIVE_DEADLINE_S)
+    for s in live:
+        during.add(s)
+    refusals = sum(d.refusals for d in devices)
+    summary = (f"drained {DEVICES * ENTRIES} escalations of {DEVICES} devices in {took:.1f} s with {refusals} "
+               f"refusals; live goodput alone {alone.goodput:.1f}/s, while draining {during.goodput:.1f}/s")
+    print(summary)
+    assert during.goodput >= 0.5 * alone.goodput, summary
