@@ -10,6 +10,7 @@
    wanted the cloud marked degraded.
 
 `--transport mqtt` escalates through a Mosquitto broker started for the demo (when installed).
+`--fleet` runs the fleet quickstart instead (`sdk.fleet_demo`).
 """
 
 from __future__ import annotations
@@ -56,6 +57,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[
     p.add_argument("--max-escalation", type=float, default=0.2,
                    help="escalation-rate cap when choosing the threshold on validation data")
     p.add_argument("--workdir", type=Path, help="keep the models and packages here (default: a temporary dir)")
+    f = p.add_argument_group("fleet quickstart (--fleet)")
+    f.add_argument("--fleet", action="store_true", help="a broker, the fleet service, the cloud tier and agents on "
+                   "loopback; a good release rolled out and a bad one rolled back; Ctrl-C stops everything")
+    f.add_argument("--agents", type=int, default=3, help="agents to enroll (--fleet)")
+    f.add_argument("--duration", type=float, metavar="S", help="stop S seconds after the rollouts (default: Ctrl-C)")
     p.set_defaults(func=run)
 
 
@@ -342,6 +348,18 @@ def format_table(r: dict[str, Any]) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.fleet:
+        import signal
+
+        from sdk.fleet_demo import run_fleet_demo
+
+        # SIGTERM tears down like Ctrl-C: the processes the demo started are stopped by its `finally` blocks
+        signal.signal(signal.SIGTERM, signal.default_int_handler)
+        figures = run_fleet_demo(agents=args.agents, duration_s=args.duration, workdir=args.workdir,
+                                 out=lambda line: print(line, flush=True))
+        if args.json:
+            print(json.dumps(figures, indent=2))
+        return 0
     if args.budget_ms <= 0 or not 0 < args.max_escalation <= 1:
         msg = "--budget-ms must be > 0 and --max-escalation in (0, 1]"
         raise ConfigError(msg)
