@@ -9,7 +9,9 @@ import json
 import os
 import queue
 import shutil
+import socket
 import ssl
+import time
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -78,6 +80,22 @@ class DeployBroker(Broker):
         self.device_ca, self.crl, self._own_crl = device_ca or pki.ca, crl or workdir / "fleet-ca.crl", crl is None
         self.pid_file = workdir / "mosquitto.pid"
         self.passwords: dict[str, str] = {}
+
+    def start(self, timeout: float = 10.0) -> DeployBroker:
+        """Start, and wait for the service listener too (the base class waits for the device listener only, which
+        Mosquitto may open a moment before the second)."""
+        super().start(timeout)
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                with socket.create_connection(("127.0.0.1", self.cloud_port), timeout=0.2):
+                    return self
+            except OSError:
+                if time.monotonic() > deadline:
+                    self.stop()
+                    msg = f"mosquitto did not listen on {self.cloud_port} within {timeout}s: {self.log.read_text()}"
+                    raise RuntimeError(msg) from None
+                time.sleep(0.05)
 
     def init(self) -> DeployBroker:
         """`tierkit broker init` into the data directory (once: the plugin keeps its state there)."""
