@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from edge_agent.budget import Budget
 from edge_agent.controller import Controller, ControllerConfig
 from edge_agent.ladder import Variant, zero_feed
+from edge_agent.link import Link
 from edge_agent.profiles import DEFAULT_CLOUD_ACCURACY, DEFAULT_RTT_MS, LinkProfile, VariantProfile
 from runtimes.energy import PowerProfile
 from runtimes.errors import ConfigError
@@ -83,15 +84,16 @@ def variant_profile(variant: Variant, power: PowerProfile, *, repeats: int = 20)
     return profile
 
 
-def link_profile(power: PowerProfile, options: AdaptiveOptions) -> LinkProfile:
-    """The link model: waiting and radio energy from the device's power profile, priors from `options`."""
+def link_profile(power: PowerProfile, options: AdaptiveOptions, link: Link | None = None) -> LinkProfile:
+    """The controller's view of `link` (the agent's): waiting and radio energy from the device's power
+    profile, priors from `options`."""
     return LinkProfile(rtt_ms=options.rtt_ms, cloud_accuracy=options.cloud_accuracy,
                        cloud_prior_strength=options.cloud_accuracy_weight, wait_power_w=power.idle_watts,
-                       energy_per_byte_mj=power.joules_per_byte_sent * 1e3, energy_label=power.label)
+                       energy_per_byte_mj=power.joules_per_byte_sent * 1e3, energy_label=power.label, link=link)
 
 
 def build_controller(variants: Mapping[str, Variant], budget: Budget, *, power: PowerProfile, cloud: bool,
-                     options: AdaptiveOptions | None = None) -> Controller:
+                     options: AdaptiveOptions | None = None, link: Link | None = None) -> Controller:
     """A controller over the agent's open variants.
 
     Args:
@@ -100,13 +102,14 @@ def build_controller(variants: Mapping[str, Variant], budget: Budget, *, power: 
         power: the device power profile the agent models energy with.
         cloud: whether a cloud is configured (without one, only "never escalate" is considered).
         options: priors and benchmark length (default: `AdaptiveOptions()`).
+        link: the agent's link, which the controller then reads (default: a new one).
 
     Raises:
         PackageError: a variant's package has no validation outputs.
     """
     options = options or AdaptiveOptions()
     profiles = [variant_profile(v, power, repeats=options.benchmark_repeats) for v in variants.values()]
-    controller = Controller(profiles, budget, link=link_profile(power, options) if cloud else None,
+    controller = Controller(profiles, budget, link=link_profile(power, options, link) if cloud else None,
                             config=options.config)
     d = controller.current
     logger.info("controller: %s@%.4g (%s)", d.variant, d.threshold, d.reason)

@@ -60,12 +60,13 @@ from edge_agent.controller import Controller, Decision
 from edge_agent.frames import from_frame, mark_frame
 from edge_agent.journal import Journal, JournalEntry, drain
 from edge_agent.ladder import Variant, load_packages, open_variants
+from edge_agent.link import Link, TimerLateness
 from edge_agent.options import AgentOptions
 from edge_agent.policy import Policy
 from edge_agent.prediction import Prediction, make_prediction
 from edge_agent.pushback import DrainPace, Pushback
 from edge_agent.replies import check_reply, decode_reply
-from edge_agent.stats import RttEstimator, Stats, TimerLateness, feed_controller, top1_agreed
+from edge_agent.stats import Stats, feed_controller, top1_agreed
 from edge_agent.transports.base import Transport, open_transport
 from runtimes.errors import (
     CloudTimeout,
@@ -171,21 +172,27 @@ class EdgeAgent:
             cloud = open_transport(cloud, device_id=opts.device_id, boot_id=opts.boot_id, options=opts.transport)
         self.transport: Transport | None = cloud
         self.cloud_model = (cloud.model if cloud is not None else "") or self.model_name
+        # the one view of the link: the skip rule, the breaker, the wire encoder and the controller read it
+        self.link: Link = (ctl.link.link if ctl is not None and ctl.link is not None else
+                           Link(rtt_ms=opts.adaptive.rtt_ms, horizon_s=opts.rtt_max_age_s,
+                                timer_lateness_ms=opts.timer_lateness_ms))
         if controller is True:
             try:
                 ctl = build_controller(self.variants, self.budget, power=opts.power, cloud=cloud is not None,
-                                       options=opts.adaptive)
+                                       options=opts.adaptive, link=self.link)
             except BaseException:
                 self._close_sessions()
                 raise
+        if ctl is not None and ctl.deadline_margin_ms is None:
+            ctl.deadline_margin_ms = opts.margin_ms  # it plans escalations to end where this agent's timer ends them
         self.controller: Controller | None = ctl
-        self.breaker = CircuitBreaker(opts.breaker)
+        self.breaker = CircuitBreaker(opts.breaker, link=self.link)
+        if (encoder := getattr(cloud, "encoder", None)) is not None:
+            encoder.meter = self.link  # the bandwidth the transport times is the link's
         self.pushback = Pushback()  # the cloud's "busy, retry after" (edge_agent.pushback)
         self._pace = DrainPace(opts.drain_rate_per_s)
         self.cache: ResultCache[Prediction] | None = (ResultCache(self.policy.cache_size)
                                                       if self.policy.cache_size else None)
-        self.rtt = RttEstimator(opts.rtt_quantile, max_age_s=opts.rtt_max_age_s)
-        self.lateness = TimerLateness(opts.timer_lateness_ms)
         self.stats = Stats()
         self.meter = meter
         self.telemetry = telemetry
@@ -215,7 +222,7 @@ class EdgeAgent:
         if old is None or self._owns_link:
             return
         self.journal, self._seq, self._inflight = old.journal, old._seq, old._inflight
-        self.breaker, self.rtt, self.lateness = old.breaker, old.rtt, old.lateness
+        self.breaker, self.link = old.breaker, old.link
         self.pushback, self._pace = old.pushback, old._pace
         old._owns_link, self._owns_link, self._link_open, self._predecessor = False, True, True, None
         for task in old._tasks:
@@ -375,10 +382,9 @@ class EdgeAgent:
         """The asynchronous part: send the unsure rows within the deadline, merge or degrade."""
         rows = np.flatnonzero(p.mask)
         # capped at a quarter of the budget: a burst of load must not make every escalation look out of time
-        guard_ms = self.options.margin_ms + min(self.lateness.margin_ms(), self.budget.latency_ms / 4)
+        guard_ms = self.options.margin_ms + min(self.link.margin_ms(), self.budget.latency_ms / 4)
         budget_ms = self.budget.latency_ms
         if (ctl := self.controller) is not None:  # it plans escalations to end where this timer ends them
-            ctl.deadline_guard_ms = guard_ms
             budget_ms *= ctl.deadline_scale()
         left_ms = budget_ms - (perf_counter() - p.t0) * 1e3 - guard_ms
         needed_ms = self._rtt_needed()
@@ -406,7 +412,7 @@ class EdgeAgent:
                     expected: dict[str, np.ndarray], left_ms: float, needed_ms: float, whole: bool,
                     kept: str | None) -> Prediction:
         timeout_s = left_ms / 1e3
-        self.rtt.last_attempt = time.monotonic()
+        self.link.attempted()
         sent = perf_counter()
         due = sent + timeout_s
         error: EscalationError | None = None
@@ -424,31 +430,33 @@ class EdgeAgent:
         rtt_ms = (perf_counter() - sent) * 1e3
         if error is not None:
             timed_out = isinstance(error, CloudTimeout)
+            busy = not timed_out and self.pushback.note(error)  # the cloud is there, shedding load
+            self._link_failed(error, rtt_ms, busy=busy)
             self.breaker.record_failure(timeout=timed_out)
-            if timed_out:
-                self.rtt.add(rtt_ms)  # censored, but it teaches the estimator the link is slow
             if self.options.strict:
                 if timed_out:
-                    self.lateness.add((perf_counter() - due) * 1e3)
+                    self.link.observe_lateness((perf_counter() - due) * 1e3)
                 raise error
-            kind = ("timeout" if timed_out else "cloud_busy" if self.pushback.note(error)
+            kind = ("timeout" if timed_out else "cloud_busy" if busy
                     else "unavailable" if isinstance(error, CloudUnavailable) else "error")
             logger.debug("escalation %d failed (%s): %s", p.seq, kind, error)
             self._settle(p.seq, answered=False)
             pred = await self._degrade(p, rows, kind, request, rtt_ms=rtt_ms, kept=kept)
             if timed_out:  # how late the answer is past the timer's due time: the next timer ends that much earlier
-                self.lateness.add((perf_counter() - due) * 1e3)
+                self.link.observe_lateness((perf_counter() - due) * 1e3)
             return pred
         self._settle(p.seq, answered=True)  # answered (even unusably): sending it again would not help
         cloud = check_reply(response, self.cloud_model, expected)
         if isinstance(cloud, str):
+            self.link.observe_refusal()
             self.breaker.record_failure()
             logger.warning("ignoring the cloud's answer to request %d: %s", p.seq, cloud)
             return await self._degrade(p, rows, "bad_reply", None, rtt_ms=rtt_ms)
+        # a probe (sent although the view said it would not fit) answered in time: the slow samples are stale
+        self.link.observe_answer(rtt_ms, probe=needed_ms > left_ms)
         self.breaker.record_success()
         if self.journal is not None and self.journal.count() and self._drain_wake is not None:
             self._drain_wake.set()  # the cloud answers again: deliver what waits, now rather than on a timer
-        self.rtt.add(rtt_ms, probe=needed_ms > left_ms)  # a probe that fits: the slow samples are stale
         first = self.outputs[0].name
         agreed = top1_agreed(expected[first], cloud[first])
         if whole:
@@ -461,17 +469,31 @@ class EdgeAgent:
         return self._finish(p.variant, merged, p.scores, p.single, p.t0, p.edge_ms, p.seq, cloud_rows=cloud_rows,
                             rtt_ms=rtt_ms, nbytes=wire_size(request), key=p.key, wanted=len(rows), agreed=agreed)
 
+    @property
+    def lateness(self) -> TimerLateness:
+        """The agent timer's measured lateness (the link's)."""
+        return self.link.lateness
+
+    def _link_failed(self, error: EscalationError, waited_ms: float, *, busy: bool) -> None:
+        """Tell the link how an escalation failed: a timeout, a busy cloud (its hint is `pushback`'s), a refusal."""
+        if isinstance(error, CloudTimeout):
+            self.link.observe_timeout(waited_ms)  # censored, but it teaches the link it is slow
+        else:
+            self.link.observe_refusal(waited_ms, busy=busy)
+
     def _rtt_needed(self) -> float:
         """The round trip an escalation must fit in: a high quantile of the recent ones; with a
         controller, whose threshold already accounts for the link, a share of the median only."""
         if self.controller is None:
-            return self.rtt.predicted_ms()
-        return self.options.rtt_skip_share * self.rtt.predicted_ms(0.5)
+            return self.link.quantile(self.options.rtt_quantile)
+        return self.options.rtt_skip_share * self.link.quantile(0.5)
 
     def _skip_reason(self, left_ms: float, needed_ms: float) -> str:
         if left_ms < self.options.min_deadline_ms:
             return "budget"
-        if needed_ms > left_ms and time.monotonic() - self.rtt.last_attempt < self.options.rtt_probe_s:
+        # while the link is judged too slow, one escalation in `rtt_probe_s` goes anyway: the probe that
+        # notices a returned link (its answer still helps the request it carries)
+        if needed_ms > left_ms and time.monotonic() - self.link.last_attempt < self.options.rtt_probe_s:
             return "rtt"
         cap = self.budget.max_escalations_per_s
         if cap is not None:

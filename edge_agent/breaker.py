@@ -1,5 +1,10 @@
 """A circuit breaker for cloud calls: stop calling a cloud that keeps failing, probe it now and then.
 
+Its failure counts are the link's (`link.Link`: failures and refusals in a row, the timeout runs that
+are news): the breaker holds only its gate (open, half-open, when to let a probe through). Given the
+agent's link, the agent feeds the link and the breaker reads it; without one, it keeps a private link
+that `record_success`/`record_failure` feed.
+
 ```
 closed --N consecutive failures--> open --reset_timeout_s--> half_open --probe ok--> closed
                                      ^                           |
@@ -19,7 +24,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
-from edge_agent.stats import TimeoutRuns
+from edge_agent.link import Link
 from runtimes.errors import ConfigError
 
 logger = logging.getLogger(__name__)
@@ -97,15 +102,16 @@ class CircuitBreaker:
     """
 
     def __init__(self, config: BreakerConfig | None = None, *,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, link: Link | None = None) -> None:
         self.config = config or BreakerConfig()
         self._clock = clock
         self._state: State = "closed"
-        self._failures = 0
-        self._refusals = 0  # consecutive failures that were not timeouts
         cfg = self.config
-        cap = max(cfg.timeout_threshold, cfg.failure_threshold)
-        self._timeouts = TimeoutRuns(min(max(TIMEOUT_FLOOR, cfg.failure_threshold), cap), cap, odds=cfg.timeout_odds)
+        self._owns_link = link is None
+        self.link = link or Link(down_after=max(cfg.failure_threshold, 1), up_after=1,
+                                 down_after_timeouts=max(cfg.timeout_threshold, cfg.failure_threshold), clock=clock)
+        if self._owns_link:
+            self.link.timeouts.odds = cfg.timeout_odds
         self._opened_at = 0.0
         self._probes = 0
         self._probe_started = 0.0
@@ -120,7 +126,7 @@ class CircuitBreaker:
 
     @property
     def consecutive_failures(self) -> int:
-        return self._failures
+        return self.link.failures
 
     def retry_after_s(self) -> float:
         """Seconds until an open breaker lets a probe through; 0 when not open."""
@@ -147,14 +153,14 @@ class CircuitBreaker:
         return False
 
     def record_success(self) -> None:
-        """The call succeeded: reset the failure count; a successful probe closes the breaker."""
-        if self.state == "half_open":
+        """The call succeeded (the agent told its link first): a successful probe closes the breaker."""
+        state = self.state
+        if state == "half_open":
             logger.info("circuit breaker closed: a probe to the cloud succeeded")
             self._state = "closed"
             self._probes = 0
-        if self._state == "closed":
-            self._failures = self._refusals = 0
-            self._timeouts.record(timeout=False)
+        if self._owns_link and state != "open":
+            self.link.observe_answer(0.0)
         # A late success of a call sent before the breaker opened leaves it open: the calls after it failed.
 
     def record_failure(self, *, timeout: bool = False) -> None:
@@ -164,13 +170,14 @@ class CircuitBreaker:
         if state == "half_open":
             self._open("a probe to the cloud failed")
         elif state == "closed":
-            self._failures += 1
-            self._refusals = 0 if timeout else self._refusals + 1
-            if timeout:
-                self._timeouts.record(timeout=True)
-            if (self._refusals >= self.config.failure_threshold
-                    or (self._refusals < self._failures and self._failures >= self._timeouts.threshold())):
-                self._open(f"{self._failures} consecutive cloud failures")
+            link = self.link
+            if self._owns_link:
+                (link.observe_timeout if timeout else link.observe_refusal)()
+            cap = max(self.config.timeout_threshold, self.config.failure_threshold)
+            runs = max(min(max(TIMEOUT_FLOOR, self.config.failure_threshold), cap), min(cap, link.timeouts.threshold()))
+            if (link.refusals >= self.config.failure_threshold
+                    or (link.refusals < link.failures and link.failures >= runs)):
+                self._open(f"{link.failures} consecutive cloud failures")
         # A late failure while open does not extend the timeout.
 
     def _open(self, why: str) -> None:

@@ -3,9 +3,9 @@
 `choose_encoding` is pure: given the bytes each encoding would put on the wire, the link's
 estimated bandwidth and round-trip time, and the time left, it picks the most faithful encoding
 predicted to arrive in time (fp32, then lossless zstd, then fp16, then fp16+zstd), or the fastest
-one when none fits. `LinkMeter` estimates the link from the escalations themselves (no probes):
-the RTT is the smallest recent round trip of a small message, the bandwidth an average of
-bytes / (elapsed - RTT) over recent large ones. `WireEncoder` puts both in front of a transport:
+one when none fits. The bandwidth and base round trip are the agent's one `link.Link`'s (its
+`Bandwidth`, fed by what the transports time; `LinkMeter` is that class). `WireEncoder` puts both in
+front of a transport:
 it re-encodes a request's fp32 inputs (`cloud_service.protocol.encoding`) before sending.
 
 Only clouds that decode these encodings may receive them (tierkit's server lists the
@@ -22,36 +22,20 @@ Example:
 from __future__ import annotations
 
 import time
-from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-import numpy as np
-
 from cloud_service.protocol import decode_inputs, inference_pb2
 from cloud_service.protocol.encoding import check_encoding, encode_input
+from edge_agent.link import Bandwidth, Link, LinkEstimate
 from runtimes.errors import ConfigError
 
 __all__ = ["FIDELITY_ORDER", "Choice", "LinkEstimate", "LinkMeter", "WireEncoder", "choose_encoding"]
 
+LinkMeter = Bandwidth  # the link's bandwidth estimator, under its former name
+
 FIDELITY_ORDER = ("fp32", "zstd", "fp16", "fp16+zstd")  # most faithful first; the first two are exact
 HEADROOM = 0.8  # plan to use at most this share of the budget: the estimate is noisy
-
-
-@dataclass(frozen=True, slots=True)
-class LinkEstimate:
-    """A link's bandwidth (bits per second) and round-trip time (seconds)."""
-
-    bandwidth_bps: float
-    rtt_s: float
-
-    def __post_init__(self) -> None:
-        if not self.bandwidth_bps > 0 or self.rtt_s < 0:
-            msg = f"LinkEstimate needs bandwidth_bps > 0 and rtt_s >= 0, got {self.bandwidth_bps}, {self.rtt_s}"
-            raise ConfigError(msg)
-
-    def seconds(self, nbytes: int) -> float:
-        return self.rtt_s + nbytes * 8 / self.bandwidth_bps
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,79 +78,22 @@ def choose_encoding(sizes: Mapping[str, int], link: LinkEstimate, budget_s: floa
     return Choice(fastest.encoding, fastest.nbytes, fastest.predicted_s, False)
 
 
-class LinkMeter:
-    """Estimates bandwidth and RTT from completed escalations.
-
-    The RTT is the smallest round trip of a small message, or, when only large ones were timed, the
-    intercept of elapsed time against bytes over messages of different sizes (0 until there are
-    two sizes: optimistic, and corrected once a smaller encoding has been timed). The bandwidth is
-    the median of bytes / (elapsed - RTT) over the last `recent` large messages, so a step in the
-    link's rate shows after two of them; a timeout counts as a slow sample (`observe_timeout`).
-
-    Args:
-        window: samples remembered.
-        recent: large messages the bandwidth is taken from.
-        small_bytes: messages at most this big time the RTT only.
-    """
-
-    def __init__(self, *, window: int = 16, recent: int = 3, small_bytes: int = 2048) -> None:
-        self._small: deque[float] = deque(maxlen=window)
-        self._large: deque[tuple[int, float]] = deque(maxlen=window)
-        self.recent = recent
-        self.small_bytes = small_bytes
-
-    def observe(self, nbytes: int, elapsed_s: float) -> None:
-        """One escalation: bytes on the wire (both ways) and its round-trip seconds."""
-        if nbytes <= self.small_bytes:
-            self._small.append(elapsed_s)
-        else:
-            self._large.append((nbytes, elapsed_s))
-
-    def observe_timeout(self, nbytes: int, waited_s: float) -> None:
-        """An escalation that got no answer within `waited_s`: the link is slower than that shows.
-
-        Recorded as a round trip at half the bandwidth the wait bounds it by, so that a rate step
-        down is seen even while every escalation times out (and nothing would be timed otherwise).
-        """
-        if nbytes > self.small_bytes:
-            rtt = self.rtt_s()
-            self._large.append((nbytes, rtt + 2 * max(waited_s - rtt, 1e-6)))
-
-    def rtt_s(self) -> float:
-        if self._small:
-            return min(self._small)
-        sizes = np.array([b for b, _ in self._large], dtype=np.float64)
-        if len(sizes) >= 2 and sizes.max() >= 1.3 * sizes.min():
-            times = np.array([e for _, e in self._large], dtype=np.float64)
-            _slope, intercept = np.polyfit(sizes, times, 1)
-            return float(np.clip(intercept, 0.0, times.min()))
-        return 0.0
-
-    def estimate(self) -> LinkEstimate | None:
-        """None until a large message was timed."""
-        if not self._large:
-            return None
-        rtt = self.rtt_s()
-        samples = [b * 8 / max(e - rtt, 1e-6) for b, e in list(self._large)[-self.recent:]]
-        return LinkEstimate(float(np.median(samples)), rtt)
-
-
 class WireEncoder:
     """Re-encodes requests for the link (`wire_encoding` "auto"), or always to one encoding.
 
     Args:
         wire_encoding: "auto", or one of `FIDELITY_ORDER`.
-        meter: the link's meter (a fresh one by default).
+        meter: the link it reads and feeds (the agent hands its own; a fresh one by default).
     """
 
-    def __init__(self, wire_encoding: str = "auto", *, meter: LinkMeter | None = None) -> None:
+    def __init__(self, wire_encoding: str = "auto", *, meter: Link | None = None) -> None:
         if wire_encoding != "auto":
             check_encoding(wire_encoding)
             if wire_encoding not in FIDELITY_ORDER:
                 msg = f"wire_encoding {wire_encoding!r} is not 'auto' or one of {list(FIDELITY_ORDER)}"
                 raise ConfigError(msg)
         self.wire_encoding = wire_encoding
-        self.meter = meter or LinkMeter()
+        self.meter = meter or Link()
         self.zstd_ratio: float | None = None  # compressed / raw bytes, learned from requests sent
         self.zstd_s_per_byte: float = 0.0
         self.last: Choice | None = None
@@ -185,11 +112,11 @@ class WireEncoder:
 
     def observe(self, nbytes: int, elapsed_s: float) -> None:
         """A completed escalation: bytes both ways and round-trip seconds."""
-        self.meter.observe(nbytes, elapsed_s)
+        self.meter.observe_transfer(nbytes, elapsed_s)
 
     def observe_timeout(self, nbytes: int, waited_s: float) -> None:
         """An escalation of `nbytes` that got no answer within `waited_s`."""
-        self.meter.observe_timeout(nbytes, waited_s)
+        self.meter.observe_transfer(nbytes, waited_s, timed_out=True)
 
     def _choose(self, request: inference_pb2.ModelInferRequest, timeout_s: float) -> str:
         link = self.meter.estimate()

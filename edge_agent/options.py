@@ -29,7 +29,7 @@ class AgentOptions:
         transport: connection settings passed to `open_transport`.
         session: thread counts and device for the edge sessions.
         margin_ms: kept free of the budget when an escalation deadline is set, on top of the agent
-            timer's lateness it learns (`stats.TimerLateness`, prior `timer_lateness_ms`).
+            timer's lateness it learns (`link.TimerLateness`, prior `timer_lateness_ms`).
         timer_lateness_ms: the lateness of an abandoned escalation assumed until some are observed.
         min_deadline_ms: below this much time left, escalation is skipped.
         inline_max_ms: a call this fast runs on the event loop; slower ones in a worker thread. Decided
@@ -37,8 +37,10 @@ class AgentOptions:
         rtt_quantile: the round-trip quantile an escalation must fit in (without a controller).
         rtt_skip_share: with a controller (whose threshold already prices the link), escalation is
             skipped for the round trip only when the time left is below this share of the median one.
-        rtt_max_age_s: round trips older than this are forgotten.
-        rtt_probe_s: after skipping for a slow link this long, try once anyway (to notice recovery).
+        rtt_max_age_s: round trips older than this are forgotten (the link's `horizon_s`).
+        rtt_probe_s: while escalations are skipped for the round trip (or a busy cloud's retry hint), one
+            goes anyway each this long: the probe that notices a returned link. It ends at the agent's
+            deadline like any escalation, so it costs the request it carries no latency budget.
         power: the power profile used to model energy when no meter is given.
         journal_path: the store-and-forward journal (None: nothing is journaled).
         journal_max_bytes: its bound.
@@ -72,8 +74,8 @@ class AgentOptions:
     inline_max_ms: float = 1.0
     rtt_quantile: float = 0.9
     rtt_skip_share: float = 0.5
-    rtt_max_age_s: float = 10.0
-    rtt_probe_s: float = 1.0
+    rtt_max_age_s: float = 5.0
+    rtt_probe_s: float = 0.25
     power: PowerProfile = DEFAULT_POWER
     journal_path: str | Path | None = None
     journal_max_bytes: int = 64 * 1024 * 1024

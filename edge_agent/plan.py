@@ -9,7 +9,9 @@ variant at each threshold it predicts
   the budget's deadline (timeouts) or after the failure latency (cloud down, fast fail);
 - the mean energy per request: inference plus, per escalation, radio bytes and waiting power;
 - the expected tiered accuracy (1 − e)·acc_accepted + e·(s·cloud + (1 − s)·acc_escalated), where s
-  is the share of escalations the cloud answers in time (availability × timely);
+  is the share of escalations the cloud answers in time (availability × timely), the edge's
+  accuracies are read per score bin (shrunk towards its overall accuracy), and the cloud's error on
+  the escalated set is in proportion to the edge's there (`_cloud_accuracy`);
 - the escalations per second, checked against the optional cloud-cost cap.
 
 `what_if` runs the controller's choice on stored profiles and an assumed link, and returns the
@@ -34,12 +36,11 @@ from edge_agent.budget import Budget
 from edge_agent.profiles import LinkState, VariantProfile
 
 if TYPE_CHECKING:
-    from edge_agent.controller import ControllerConfig, Decision
+    from edge_agent.decide import ControllerConfig, Decision
 
 __all__ = ["Conditions", "PlanReport", "Predictions", "format_table", "pareto_front", "plot_frontier",
            "predict", "what_if"]
 
-WINDOW_Z = 1.645  # one-sided 95 %: a window's mean energy over its budget in one window in twenty
 
 
 @dataclass(frozen=True)
@@ -61,9 +62,6 @@ class Conditions:
             agent's own timer abandons every escalation that long before the (scaled) budget ends,
             its margin plus the timer lateness it measured: escalations then end by that point,
             answered or not, whatever the link does.
-        window_requests: requests in one of the windows the energy budget is held per (None: not
-            held per window). A window's mean energy varies with how many of its requests escalate:
-            planned so that 95 % of windows stay under the budget, not only the long-run mean.
     """
 
     request_rate: float | None = None
@@ -74,7 +72,6 @@ class Conditions:
     latency_scale: float = 1.0
     energy_scale: float = 1.0
     deadline_guard_ms: float | None = None
-    window_requests: float | None = None
 
     def deadline_ms(self, budget: Budget) -> float:
         """When an escalation ends at the latest, answered or not (ms after the request began)."""
@@ -97,13 +94,7 @@ class Predictions:
     escalations_per_s: np.ndarray
     edge_accuracy_escalated: np.ndarray
     edge_p95_ms: float = 0.0
-    energy_window_mj: np.ndarray | None = None  # the 95th percentile of a window's mean (`Conditions`)
     answered: float = 0.0  # the share of escalations the cloud answers in time (0 without a link)
-
-    @property
-    def energy_held_mj(self) -> np.ndarray:
-        """The energy figure held against the budget: per window where windows are known, else the mean."""
-        return self.energy_mj if self.energy_window_mj is None else self.energy_window_mj
 
 
 def _cdf(points: np.ndarray, samples: np.ndarray) -> np.ndarray:
@@ -114,7 +105,7 @@ def predict(profile: VariantProfile, thresholds: np.ndarray, link: LinkState | N
             conditions: Conditions) -> Predictions:
     """Predicted accuracy, p95 latency, energy and escalations of `profile` at each threshold."""
     t = np.atleast_1d(np.asarray(thresholds, dtype=float))
-    esc, acc_acc, validation_acc_esc = profile.curve(t)
+    esc, acc_acc, validation_acc_esc = profile.curve(t, smoothed=True)
     scale = link.edge_error_scale if link else 1.0  # > 1 when agreement says the edge errs more than validation
     if conditions.current_variant is not None and profile.id != conditions.current_variant:
         scale *= conditions.shift_error_scale
@@ -153,7 +144,7 @@ def predict(profile: VariantProfile, thresholds: np.ndarray, link: LinkState | N
                       + (1 - avail) * ((radio if fail_ms > 0 else 0.0) + fail_ms * wait))
     energy = _inference_mj(profile, med) + esc * per_escalation
     success = avail * timely
-    accuracy = (1 - esc) * acc_acc + esc * (success * (link.cloud_accuracy if link else 0.0)
+    accuracy = (1 - esc) * acc_acc + esc * (success * _cloud_accuracy(profile, link, validation_acc_esc)
                                             + (1 - success) * acc_esc)
     if conditions.request_rate is not None:
         rate = np.full_like(esc, conditions.request_rate)
@@ -162,12 +153,22 @@ def predict(profile: VariantProfile, thresholds: np.ndarray, link: LinkState | N
                                                + (1 - avail) * fail_ms)
         rate = 1000.0 / np.maximum(mean_ms, 1e-3)
     label = profile.energy_label if link is None else f"{profile.energy_label} + radio {link.energy_label}"
-    window = None
-    if conditions.window_requests is not None:  # binomial spread of the escalations a window holds
-        n = max(conditions.window_requests, 1.0)
-        window = energy + WINDOW_Z * np.sqrt(esc * (1 - esc) / n) * per_escalation
     return Predictions(profile.id, label, t, esc, accuracy, p95, energy, esc * rate,
-                       validation_acc_esc, float(np.quantile(edge, 0.95)), window, float(success))
+                       validation_acc_esc, float(np.quantile(edge, 0.95)), float(success))
+
+
+def _cloud_accuracy(profile: VariantProfile, link: LinkState | None, edge_esc: np.ndarray) -> np.ndarray:
+    """The cloud's accuracy on the inputs each threshold escalates. The cloud errs where the edge errs
+    most (hard inputs are hard for both): its error on a set is taken in proportion to the edge's
+    validation error there, at the ratio measured where the cloud's accuracy was fitted (its
+    escalations' edge accuracy, or, before any, the edge's accuracy on everything against the prior,
+    the cloud's accuracy on everything). So escalating a band gains the edge's error there times
+    (1 - that ratio): never nothing while the cloud is the better model."""
+    if link is None:
+        return np.zeros_like(edge_esc)
+    ref = link.cloud_reference_accuracy if link.cloud_reference_accuracy is not None else profile.accuracy
+    ratio = (1 - link.cloud_accuracy) / max(1 - ref, 1e-3)
+    return np.clip(1 - ratio * (1 - edge_esc), 0.0, 1.0)
 
 
 def _first_at_least(f: np.ndarray, g: np.ndarray, w: np.ndarray, level: float) -> np.ndarray:
@@ -308,7 +309,7 @@ class PlanReport:
 def what_if(profiles: Sequence[VariantProfile], link: LinkState | None, budget: Budget, *,
             config: ControllerConfig | None = None, conditions: Conditions | None = None) -> PlanReport:
     """The point the controller would choose under `budget` and `link`, and the frontier around it."""
-    from edge_agent.controller import ControllerConfig, candidate_thresholds, choose
+    from edge_agent.decide import ControllerConfig, candidate_thresholds, choose
 
     config = config or ControllerConfig()
     conditions = conditions or Conditions()

@@ -5,8 +5,8 @@ seeded from the manifest or a warm-up self-benchmark), its energy per inference 
 modeled, labelled), and, from the validation outputs stored at compile time, the policy's score
 of every validation input and whether the edge answer was right: for any threshold, the
 escalation rate and the edge accuracy on the accepted and on the escalated inputs. A
-`LinkProfile` holds the round trip (EWMA and a high quantile), bytes and radio energy per
-escalation, cloud availability, and the cloud accuracy estimate that agreement refines.
+`LinkProfile` is the controller's view of the one `link.Link` (round trips, availability, up/down),
+with bytes and radio energy per escalation and the cloud accuracy estimate that agreement refines.
 
 Example:
     >>> profile = VariantProfile.from_package(ModelPackage.open("variants/int8"), policy)
@@ -21,12 +21,11 @@ import time
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
-from statistics import NormalDist
 from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
-from edge_agent.stats import TimeoutRuns
+from edge_agent.link import Link, RoundTrips, lognormal_points
 from runtimes.errors import ConfigError, PackageError
 
 if TYPE_CHECKING:
@@ -40,22 +39,12 @@ DEFAULT_VALIDATION_FILE = "validation.npz"
 DEFAULT_BUSY_POWER_W = 5.0  # modeled CPU power while inferring, when the manifest has no energy figure
 DEFAULT_RTT_MS = 10.0  # prior median round trip to the cloud, until escalations measure it
 DEFAULT_CLOUD_ACCURACY = 0.99  # prior accuracy of the cloud on escalated inputs, until agreement refines it
-_Z95 = 1.6449
 
 
 class ScoringPolicy(Protocol):
     """Anything with the edge policies' `score(outputs) -> (batch,)` method; higher = more confident."""
 
     def score(self, outputs: Mapping[str, np.ndarray]) -> np.ndarray: ...
-
-
-def lognormal_points(p50: float, p95: float | None = None, n: int = 64) -> np.ndarray:
-    """`n` evenly spaced quantiles of the log-normal with this median and 95th percentile (sorted)."""
-    p50 = max(float(p50), 1e-6)
-    p95 = max(float(p95 if p95 is not None else p50 * 1.2), p50)
-    sigma = math.log(p95 / p50) / _Z95
-    z = np.array([NormalDist().inv_cdf((i + 0.5) / n) for i in range(n)])
-    return np.exp(math.log(p50) + sigma * z)
 
 
 class LatencyWindow:
@@ -159,6 +148,11 @@ class VariantProfile:
         # all right does not show the edge is never wrong there, and reading it so would blame the cloud
         # for every disagreement on such inputs
         self._bin_accuracy = (right + 10 * self._cum_correct[-1] / s.size) / (counts + 10)
+        # each input's chance of being right as the plan reads it: its bin's accuracy with one pseudo-observation
+        # at the overall accuracy. Escalating a band the edge got all right then still gains what the cloud's
+        # fewer errors there are worth (a little), where the raw count would say it gains nothing
+        self._smooth = ((right + self._cum_correct[-1] / s.size) / (counts + 1))[self._bin]
+        self._cum_smooth = np.concatenate([[0.0], np.cumsum(self._smooth)])
         self.latency = LatencyWindow(np.asarray(latency_prior_ms, dtype=float), maxlen=window)
         self.baseline_p50_ms = self.latency.quantile(0.5)
         self.energy_mj = float(energy_mj)
@@ -223,23 +217,24 @@ class VariantProfile:
             out.append(float(np.nextafter(self.scores[-1], np.inf)) if k >= n else float(self.scores[k]))
         return np.unique(np.asarray(out))
 
-    def curve(self, thresholds: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    def curve(self, thresholds: np.ndarray, *, smoothed: bool = False) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """For each threshold: escalation rate, edge accuracy on accepted, edge accuracy on escalated.
 
-        Read from the validation data. Once live scores arrive, validation inputs are reweighted so
-        that their score distribution matches the live one (per score bin, blended with the
+        Read from the validation data (`smoothed`: each input counted at its score bin's shrunk
+        accuracy rather than right or wrong). Once live scores arrive, validation inputs are reweighted
+        so that their score distribution matches the live one (per score bin, blended with the
         validation prior): a drifted input stream moves escalation rates and accuracies together.
         """
         t = np.atleast_1d(np.asarray(thresholds, dtype=float))
         k = np.searchsorted(self.scores, t, side="left")
         if not self.live_scores:
-            n, cum = self.scores.size, self._cum_correct
+            n, cum = self.scores.size, (self._cum_smooth if smoothed else self._cum_correct)
             acc_esc = np.where(k > 0, cum[k] / np.maximum(k, 1), 1.0)
             acc_acc = np.where(k < n, (cum[-1] - cum[k]) / np.maximum(n - k, 1), 1.0)
             return k / n, acc_acc, acc_esc
         w = self._live_weights()
         weight = np.concatenate([[0.0], np.cumsum(w)])
-        right = np.concatenate([[0.0], np.cumsum(w * self._correct)])
+        right = np.concatenate([[0.0], np.cumsum(w * (self._smooth if smoothed else self._correct))])
         total, esc_w, acc_w = weight[-1], weight[k], weight[-1] - weight[k]
         acc_esc = np.where(esc_w > 0, right[k] / np.maximum(esc_w, 1e-12), 1.0)
         acc_acc = np.where(acc_w > 0, (right[-1] - right[k]) / np.maximum(acc_w, 1e-12), 1.0)
@@ -344,6 +339,9 @@ class LinkState:
     failure_latency_ms: float = 0.0
     agreement_rate: float | None = None
     agreement_n: int = 0
+    epoch: int = 0
+    event: str = ""
+    cloud_reference_accuracy: float | None = None
     rtt_samples: np.ndarray = field(default_factory=lambda: np.empty(0), repr=False, compare=False)
 
     def timely(self, within_ms: float) -> float:
@@ -365,7 +363,12 @@ _SCALES = np.exp(np.linspace(math.log(0.25), math.log(4.0), 25))
 
 
 class LinkProfile:
-    """The link to the cloud as the edge sees it, updated from every escalation.
+    """What the controller knows of the link: a view over the one `link.Link`, with the request size,
+    the radio and waiting energy, and the cloud's accuracy that edge/cloud agreement refines.
+
+    Round trips, up/down, availability and failure latency are the `Link`'s (shared with the agent's
+    skip rule, breaker and wire encoder when an agent passes its own); `observe` feeds it for a
+    controller used on its own (tests, what-if planning).
 
     Args:
         rtt_ms, rtt_high_ms: prior round trip (median, high quantile) until escalations measure it.
@@ -374,16 +377,8 @@ class LinkProfile:
             (from a device power profile); `energy_label` says whether they are measured.
         cloud_accuracy: prior accuracy of the cloud on escalated inputs, with `cloud_prior_strength`
             pseudo-observations; edge/cloud agreement refines it (see `observe_agreement`).
-        down_after, up_after: consecutive refusals that mark the cloud down, and answers that bring
-            it back: `up_after` since it went down, with no refusal between them (several, so that one
-            lucky answer on a flapping link does not; not necessarily in a row, so that a link that
-            answers a quarter of the escalations in time comes back).
-        down_after_timeouts: the most consecutive failures that mark it down when they include
-            timeouts. A timeout says the link is slow (the RTT window learns it), not that the cloud
-            is gone, unless the run is news (`stats.TimeoutRuns`): less likely than 1e-4 by chance
-            given the share of recent escalations that timed out. After a link that answered nearly
-            every escalation (or one that just changed), 20 timeouts in a row mark it down; on a
-            jittered link where 75 % miss a tight deadline, 33 do.
+        down_after, up_after, down_after_timeouts, horizon_s: the `Link`'s hysteresis and memory.
+        link: the link to view (default: a new one from the priors above).
 
     Example:
         >>> link = LinkProfile(rtt_ms=5.0)
@@ -396,73 +391,54 @@ class LinkProfile:
                  cloud_accuracy: float = DEFAULT_CLOUD_ACCURACY, cloud_prior_strength: float = 30.0,
                  edge_prior_strength: float = 50.0, high_quantile: float = 0.95, window: int = 256,
                  alpha: float = 0.2, down_after: int = 3, up_after: int = 3, down_after_timeouts: int = 64,
-                 agreement_window: int = 256) -> None:
-        if not (rtt_ms > 0 and 0 < cloud_accuracy <= 1 and 0 < high_quantile < 1 and down_after >= 1
-                and up_after >= 1 and down_after_timeouts >= down_after):
-            msg = (f"LinkProfile: need rtt_ms > 0, 0 < cloud_accuracy <= 1, 0 < high_quantile < 1, "
-                   f"down_after >= 1, up_after >= 1, down_after_timeouts >= down_after; got {rtt_ms!r}, "
-                   f"{cloud_accuracy!r}, {high_quantile!r}, {down_after!r}, {up_after!r}, {down_after_timeouts!r}")
+                 agreement_window: int = 256, horizon_s: float = 5.0, link: Link | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        if not 0 < cloud_accuracy <= 1:
+            msg = f"LinkProfile: need 0 < cloud_accuracy <= 1, got {cloud_accuracy!r}"
             raise ConfigError(msg)
-        self.rtt = LatencyWindow(lognormal_points(rtt_ms, rtt_high_ms or rtt_ms * 1.3, 32), maxlen=window,
-                                 min_samples=4, alpha=alpha)
-        self.high_quantile = high_quantile
+        self.link = link or Link(rtt_ms=rtt_ms, rtt_high_ms=rtt_high_ms, horizon_s=horizon_s,
+                                 high_quantile=high_quantile, window=window, alpha=alpha, down_after=down_after,
+                                 up_after=up_after, down_after_timeouts=down_after_timeouts, clock=clock)
+        self.high_quantile = self.link.high_quantile
         self.bytes_per_escalation = float(bytes_per_escalation)
         self.energy_per_byte_mj, self.wait_power_w, self.energy_label = energy_per_byte_mj, wait_power_w, energy_label
         self.cloud_prior, self.cloud_prior_strength = cloud_accuracy, cloud_prior_strength
         self.edge_prior_strength = edge_prior_strength
-        self.up, self.down_after, self.up_after = True, down_after, up_after
-        self.down_after_timeouts = down_after_timeouts
-        self._timeouts = TimeoutRuns(min(max(20, down_after), down_after_timeouts), down_after_timeouts)
-        self._alpha, self._avail, self._fails, self._oks = alpha, 1.0, 0, 0
-        self._fast_fails = 0
-        self.failure_latency_ms = 0.0
+        self._alpha = alpha
         self._agree: deque[tuple[bool, float]] = deque(maxlen=agreement_window)
         self._agree_seen = 0
         self._fit: tuple[int, tuple[float, float, float | None]] | None = None
 
-    def observe(self, rtt_ms: float | None, ok: bool, bytes_sent: int = 0,
-                elapsed_ms: float | None = None, *, timeout: bool = False) -> tuple[str, ...]:
-        """Record one escalation; returns the availability events it caused ("down", "up").
+    @property
+    def rtt(self) -> RoundTrips:
+        return self.link.rtt
 
-        A failure's `elapsed_ms` (or an `rtt_ms` given with ok=False) is how long the edge waited:
-        it enters the RTT window as "not answered in time" (+inf) and the waiting-energy estimate.
-        `timeout` says the failure was the deadline passing rather than the cloud refusing: such
-        failures mark the cloud down only after `down_after_timeouts` in a row.
-        """
+    @property
+    def up(self) -> bool:
+        return self.link.up
+
+    def observe_bytes(self, bytes_sent: int) -> None:
         if bytes_sent > 0:
             self.bytes_per_escalation += self._alpha * (bytes_sent - self.bytes_per_escalation)
+
+    def observe(self, rtt_ms: float | None, ok: bool, bytes_sent: int = 0,
+                elapsed_ms: float | None = None, *, timeout: bool = False) -> tuple[str, ...]:
+        """Feed one escalation to the link; returns the availability events it caused ("down", "up").
+
+        A failure's `elapsed_ms` (or an `rtt_ms` given with ok=False) is how long the edge waited.
+        `timeout` says the failure was the deadline passing rather than the cloud refusing.
+        """
+        self.observe_bytes(bytes_sent)
+        was_up = self.link.up
         if ok and rtt_ms is not None:
-            self._fails, self._fast_fails, self._oks = 0, 0, self._oks + 1
-            self._timeouts.record(timeout=False)
-            if not self.up and self._oks >= self.up_after:
-                self.up, self._avail = True, 1.0
-                self.rtt.rebase(0)
-                self.rtt.add(rtt_ms)
-                return ("up",)
-            self.rtt.add(rtt_ms)
-            self._avail += self._alpha * (1.0 - self._avail)
-            return ()
-        self._fails += 1
-        if timeout:
-            self._timeouts.record(timeout=True)
-            # while down, the answers since it went down keep counting: only a refusal restarts them
-            self._fast_fails, self._oks = 0, 0 if self.up else self._oks
+            self.link.observe_answer(rtt_ms)
+        elif timeout:
+            self.link.observe_timeout(elapsed_ms if elapsed_ms is not None else rtt_ms)
         else:
-            self._fast_fails, self._oks = self._fast_fails + 1, 0
-        waited = elapsed_ms if elapsed_ms is not None else rtt_ms
-        if waited is not None:
-            self.rtt.add(math.inf)
-        if not timeout:
-            # a refusal says the cloud is not there; a timeout says the answer was late, which the round-trip
-            # window (+inf above) already prices: counted here too, every timeout would count twice
-            self._avail -= self._alpha * self._avail
-            if waited is not None:
-                self.failure_latency_ms += self._alpha * (float(waited) - self.failure_latency_ms)
-        timeouts_news = self._fast_fails < self._fails and self._fails >= self._timeouts.threshold()
-        if self.up and (self._fast_fails >= self.down_after or timeouts_news):
-            self.up, self._oks = False, 0
-            return ("down",)
-        return ()
+            self.link.observe_refusal(elapsed_ms if elapsed_ms is not None else rtt_ms)
+        if was_up == self.link.up:
+            return ()
+        return ("up",) if self.link.up else ("down",)
 
     def observe_agreement(self, agreed: bool, edge_accuracy: float) -> None:
         """Record whether the cloud agreed with the edge on an escalated input.
@@ -508,22 +484,27 @@ class LinkProfile:
         return fit
 
     def forget_unanswered(self) -> None:
-        """Forget the escalations not answered in time from the RTT window, after the deadline grew: they
-        were cut at the old, tighter deadline and say nothing about whether the link meets the new one
-        (kept, they would count as never answered and price every escalation at the whole budget)."""
-        self.rtt.drop_infinite()
+        """Forget the escalations not answered in time (after the deadline grew: cut at the old one)."""
+        self.link.forget_unanswered()
 
     def rebase(self, keep: int = 4) -> None:
-        """Forget all but the last `keep` RTT samples (after a detected change); the EWMA, which
-        detected it, goes on from where it is."""
-        self.rtt.rebase(keep, reset_ewma=False)
+        """Forget all but the last `keep` round trips (after a detected change)."""
+        self.link.rebase(keep)
 
     def state(self) -> LinkState:
         cloud, scale, rate = self._refit()
-        high = self.rtt.quantile(self.high_quantile)
-        ewma = self.rtt.ewma if math.isfinite(self.rtt.ewma) else high
-        return LinkState(rtt_ms=ewma, rtt_high_ms=high, availability=self._avail if self.up else 0.0, up=self.up,
+        v = self.link.view()
+        ewma = v.rtt_ms if math.isfinite(v.rtt_ms) else v.rtt_high_ms
+        return LinkState(rtt_ms=ewma, rtt_high_ms=v.rtt_high_ms, availability=v.availability, up=v.up,
                          bytes_per_escalation=self.bytes_per_escalation, energy_per_byte_mj=self.energy_per_byte_mj,
                          wait_power_w=self.wait_power_w, energy_label=self.energy_label, cloud_accuracy=cloud,
-                         edge_error_scale=scale, failure_latency_ms=self.failure_latency_ms, agreement_rate=rate,
-                         agreement_n=len(self._agree), rtt_samples=self.rtt.samples())
+                         edge_error_scale=scale, failure_latency_ms=v.failure_latency_ms, agreement_rate=rate,
+                         agreement_n=len(self._agree), epoch=v.epoch, event=v.event,
+                         cloud_reference_accuracy=self._reference(), rtt_samples=v.rtt_samples)
+
+    def _reference(self) -> float | None:
+        """The edge's mean validation accuracy on the escalations the cloud accuracy was fitted on (None
+        before any: the prior is the cloud's accuracy on everything, to set against the edge's)."""
+        if not self._agree:
+            return None
+        return float(np.mean(np.fromiter((e for _, e in self._agree), dtype=float, count=len(self._agree))))

@@ -14,8 +14,9 @@ from edge_agent.profiles import LinkProfile, VariantProfile
 from runtimes.errors import ConfigError
 
 # 100 validation inputs scored 0.00, 0.01, ..., 0.99. "fast" is wrong below 0.10 and at 0.55 and
-# 0.75 (88%); "slow" is wrong below 0.04 (96%). With a cloud at 95% on escalated inputs:
-#   rate 0.0: fast 0.880, slow 0.960     rate 0.1: fast 0.975, slow 0.995     rate 0.5: fast 0.955, slow 0.975
+# 0.75 (88%); "slow" is wrong below 0.04 (96%). With a cloud at 99% on everything (its errors where the
+# edge's are, `plan._cloud_accuracy`; the edge read per score bin with one pseudo-observation):
+#   rate 0.0: fast 0.880, slow 0.960     rate 0.1: fast 0.958, slow 0.9855    rate 0.5: fast 0.9656, slow 0.9875
 # p95 latency: edge alone (fast 2 ms, slow 10 ms), edge + 5 ms RTT once more than 5% escalate.
 SCORES = np.arange(100) / 100
 GRID = (0.0, 0.1, 0.5)
@@ -30,7 +31,7 @@ def profiles() -> list[VariantProfile]:
 
 
 def link(**kw: float) -> LinkProfile:
-    args = {"rtt_ms": 5.0, "rtt_high_ms": 5.0, "cloud_accuracy": 0.95, "bytes_per_escalation": 1000.0,
+    args = {"rtt_ms": 5.0, "rtt_high_ms": 5.0, "cloud_accuracy": 0.99, "bytes_per_escalation": 1000.0,
             "energy_per_byte_mj": 1e-3, "wait_power_w": 0.2, **kw}  # 2 mJ per escalation
     return LinkProfile(**args)
 
@@ -40,14 +41,14 @@ def rate(decision) -> float:  # type: ignore[no-untyped-def]
 
 
 @pytest.mark.parametrize(("latency_ms", "variant", "esc", "accuracy"), [
-    (20, "slow", 0.1, 0.995),   # everything fits: the most accurate point
-    (12, "fast", 0.1, 0.975),   # slow + RTT (15 ms) does not fit: the fast variant is necessary
+    (20, "slow", 0.5, 0.9875),  # everything fits: the most accurate point
+    (12, "fast", 0.5, 0.9656),  # slow + RTT (15 ms) does not fit: the fast variant is necessary
     (6, "fast", 0.0, 0.880),    # no escalation fits
 ])
 def test_latency_budget_picks_the_known_optimum(latency_ms: float, variant: str, esc: float, accuracy: float) -> None:
     d = choose(profiles(), link().state(), Budget(latency_ms=latency_ms), CONFIG)
     assert (d.variant, rate(d), d.feasible, d.violated) == (variant, esc, True, ())
-    assert d.predicted_accuracy == pytest.approx(accuracy)
+    assert d.predicted_accuracy == pytest.approx(accuracy, abs=1e-4)
     assert d.predicted_p95_ms <= latency_ms
 
 
@@ -70,9 +71,10 @@ def test_infeasible_budget_gives_the_closest_point_and_names_the_budget() -> Non
 
 
 def test_energy_budget_binds() -> None:
-    # slow at 10% costs 5 + 0.1 * 2 = 5.2 mJ; fast at 10% 1.2 mJ
+    # slow costs 5 mJ and more (over 0.98 x 5.1); fast at 50% 1 + 0.5 * 2 = 2 mJ
     d = choose(profiles(), link().state(), Budget(latency_ms=20, energy_mj=5.1), CONFIG)
-    assert (d.variant, rate(d), d.predicted_energy_mj) == ("fast", 0.1, pytest.approx(1.2))
+    assert (d.variant, rate(d), d.predicted_energy_mj) == ("fast", 0.5, pytest.approx(2.0))
+    assert d.binding == "energy"
     d = choose(profiles(), link().state(), Budget(latency_ms=20, energy_mj=1.1), CONFIG)
     assert (d.variant, rate(d)) == ("fast", 0.0)
     assert d.energy_label == "modeled:test + radio modeled:default-radio"
@@ -142,7 +144,7 @@ def test_small_rtt_noise_does_not_flip_the_decision() -> None:
     first = c.current.key
     for i in range(300):
         c.observe_escalation(4.5 if i % 2 else 5.5, ok=True, bytes_sent=1000)
-        c.observe_request(escalated=i % 10 == 0, agreed=None, total_latency_ms=12.0)
+        c.observe_request(escalated=i % 2 == 0, agreed=None, total_latency_ms=12.0)
         assert c.maybe_redecide() is None
     assert c.current.key == first
     assert len(c.decisions) == 1
@@ -150,21 +152,22 @@ def test_small_rtt_noise_does_not_flip_the_decision() -> None:
 
 def test_large_rtt_rise_switches_within_a_few_observations() -> None:
     c = controller()
-    assert (c.current.variant, rate(c.current)) == ("slow", 0.1)
-    c.observe_escalation(30.0, ok=True, bytes_sent=1000)
-    d = c.maybe_redecide()  # one observation is enough for a change this large
+    assert (c.current.variant, rate(c.current)) == ("slow", 0.5)
+    for _ in range(3):  # the link's event comes with the first; three recent round trips replace its prior
+        c.observe_escalation(30.0, ok=True, bytes_sent=1000)
+    d = c.maybe_redecide()
     assert d is not None
     # escalations now time out at the 20 ms deadline: no accuracy gained, only latency and energy spent
     assert (d.variant, rate(d), d.feasible) == ("slow", 0.0, True)
-    assert "round trip" in d.trigger
-    assert "same accuracy" in d.reason
+    assert "round trip slower" in d.trigger
+    assert "as accurate" in d.reason
 
 
 def test_budget_change_at_run_time_redecides_and_hysteresis_needs_a_margin() -> None:
     c = controller()
     d = c.set_budget(Budget(latency_ms=8))
     assert d is not None
-    assert (d.variant, rate(d)) == ("fast", 0.1)
+    assert (d.variant, rate(d)) == ("fast", 0.5)
     assert c.decisions[-1].trigger == "budget"
     # back to 20 ms: slow is 2 points better; a 5-point margin keeps the current point, the default switches
     sticky = controller(budget=8, accuracy_margin=0.05, accuracy_margin_rel=10.0)
@@ -189,8 +192,8 @@ def test_cloud_down_and_back() -> None:
     c.maybe_redecide()
     assert "cloud down" in c.decisions[-1].trigger
     assert c.current.predicted_accuracy == pytest.approx(0.96)
-    # nothing is gained by moving while the cloud is down, and escalating keeps probing it
-    assert (c.current.variant, rate(c.current)) == ("slow", 0.1)
+    # nothing is gained by moving while the cloud is down (refusals cost no energy), and escalating keeps probing it
+    assert (c.current.variant, rate(c.current)) == ("slow", 0.5)
     for _ in range(2):  # one answer on a flapping link is not the cloud back: it takes several in a row
         c.observe_escalation(5.0, ok=True, bytes_sent=1000)
     c.maybe_redecide()
@@ -198,7 +201,7 @@ def test_cloud_down_and_back() -> None:
     c.observe_escalation(5.0, ok=True, bytes_sent=1000)
     assert c.maybe_redecide() is None
     assert "cloud up" in c.decisions[-1].trigger
-    assert c.current.predicted_accuracy == pytest.approx(0.995)
+    assert c.current.predicted_accuracy == pytest.approx(0.9875, abs=1e-4)
 
 
 def test_device_slowdown_moves_to_the_fast_variant() -> None:
@@ -250,13 +253,13 @@ def test_history_is_bounded() -> None:
 def test_a_point_slightly_over_budget_is_kept_within_the_tolerance_band() -> None:
     cfg = ControllerConfig(escalation_grid=GRID, latency_headroom=0.9, probe_escalation_rate=0.0)
     c = Controller(profiles(), Budget(latency_ms=17), link=link(), config=cfg, clock=Clock())
-    assert (c.current.variant, rate(c.current)) == ("slow", 0.1)  # p95 15 ms <= 0.9 x 17
+    assert (c.current.variant, rate(c.current)) == ("slow", 0.5)  # p95 15 ms <= 0.9 x 17
     assert c.set_budget(Budget(latency_ms=16.2)) is None  # 15 ms is 3% over 0.9 x 16.2, and fast is 2 points worse
     assert not c.current.feasible
     assert c.current.violated == ("latency",)
     d = c.set_budget(Budget(latency_ms=15.5))  # 7.5% over: out of the band
     assert d is not None
-    assert (d.variant, rate(d), d.feasible) == ("fast", 0.1, True)
+    assert (d.variant, rate(d), d.feasible) == ("fast", 0.5, True)
 
 
 def test_a_drift_seen_by_the_running_variant_is_applied_to_the_others() -> None:

@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 import numpy as np
 import pytest
 
 from edge_agent.budget import Budget, BudgetWindows
 from edge_agent.controller import Conditions, Controller, ControllerConfig, Decision, choose, evaluate
+from edge_agent.decide import switch_reason
 from edge_agent.plan import predict
 from edge_agent.profiles import LinkProfile, VariantProfile
 from runtimes.errors import ConfigError
@@ -69,7 +68,7 @@ def test_energy_is_planned_with_headroom() -> None:
     link = LinkProfile(rtt_ms=2.0, bytes_per_escalation=1000.0, energy_per_byte_mj=1e-3)  # 1 mJ per escalation
     cfg = ControllerConfig(escalation_grid=GRID, probe_escalation_rate=0.0)
     c = Controller([profile], Budget(latency_ms=50, energy_mj=1.32), link=link, config=cfg, clock=Clock())
-    # 30 % escalation would spend 1.30 mJ, inside the budget but not inside its 8 % headroom
+    # 30 % escalation would spend 1.30 mJ, inside the budget but not inside its 1 % headroom
     assert c.current.predicted_energy_mj <= 1.32 * cfg.energy_headroom
     assert c.current.predicted_escalation_rate == pytest.approx(0.1)
 
@@ -157,7 +156,7 @@ def test_while_the_cloud_is_down_the_controller_asks_for_more_probes() -> None:
         c.observe_escalation(None, ok=False, elapsed_ms=0.3)
     c.maybe_redecide()
     assert not link.up
-    assert c.current.predicted_escalation_rate == pytest.approx(0.1)  # nothing gained, so the least that probes
+    assert c.current.predicted_escalation_rate >= 0.1  # nothing gained by moving, and it probes
     # a point that escalates less, kept from before the cloud went down, gives way to one that probes
     c2 = Controller([profile], Budget(latency_ms=50), link=LinkProfile(rtt_ms=2.0), config=cfg, clock=Clock())
     c2.current = c2._commit(evaluate(profile, profile.thresholds((0.0,))[0], c2.link.state(), c2.budget, cfg), "test")
@@ -188,7 +187,7 @@ def test_escalations_cut_at_a_tight_deadline_do_not_price_a_looser_one() -> None
     # ...until the deadline grows: they say nothing about 50 ms, and escalating the edge's errors pays more
     assert link.state().timely(50.0) == 1.0
     assert evaluate(profile, t, link.state(), loose, cfg).predicted_accuracy > before + 0.01
-    assert c.current.predicted_escalation_rate == pytest.approx(0.1)
+    assert c.current.predicted_escalation_rate == pytest.approx(0.5)
 
 
 def test_one_slow_round_trip_on_a_steady_link_does_not_flip_the_decision() -> None:
@@ -201,7 +200,7 @@ def test_one_slow_round_trip_on_a_steady_link_does_not_flip_the_decision() -> No
         c.observe_escalation(2.0, ok=True, bytes_sent=100)
     c.maybe_redecide()
     first = c.current.key
-    assert c.current.predicted_escalation_rate == pytest.approx(0.3)
+    assert c.current.predicted_escalation_rate == pytest.approx(0.5)
     c.observe_escalation(30.0, ok=True, bytes_sent=100)  # a load spike: the EWMA moves, the window keeps it small
     for _ in range(40):
         c.maybe_redecide()
@@ -217,21 +216,21 @@ def test_a_switch_up_keeps_headroom_and_takes_the_best_point_that_has_it() -> No
     clock = Clock()
     c = Controller([profile], Budget(latency_ms=50), link=link, config=cfg, clock=clock)
     per_escalation = (c.current.predicted_energy_mj - 1.0) / c.current.predicted_escalation_rate
-    # an energy budget the most accurate point (half escalated) meets with less than 10 % to spare
-    budget = Budget(latency_ms=50, energy_mj=(1.0 + 0.5 * per_escalation) / 0.92 / 0.97)
-    c.set_budget(Budget(latency_ms=50, energy_mj=1.0 / 0.92))  # nothing but the edge fits
+    # an energy budget the most accurate point (half escalated) meets with less than 1 % to spare
+    budget = Budget(latency_ms=50, energy_mj=(1.0 + 0.5 * per_escalation) / 0.99 / 0.995)
+    c.set_budget(Budget(latency_ms=50, energy_mj=1.0 / 0.99))  # nothing but the edge fits
     assert c.current.predicted_escalation_rate == 0.0
     c.set_budget(budget)
     # not the best point, too close to the budget to move to for accuracy alone, but the best with room
     assert c.current.predicted_escalation_rate == pytest.approx(0.3)
     assert "to spare" in c.current.reason
-    assert c.current.predicted_energy_mj <= 0.9 * c.current.inputs["energy_target_mj"]
+    assert c.current.predicted_energy_mj <= 0.99 * c.current.inputs["energy_target_mj"]
 
 
 def test_escalations_the_agents_timer_ends_inside_the_budget_need_no_headroom() -> None:
     """On a jittered link where 40 % of escalations miss a 15 ms budget, the agent abandons them at its own
     deadline (budget less a 1 ms guard): the tail they make ends there, so escalating every edge error stays
-    inside the budget. Priced at the whole budget with no timer, the same link allows only a tenth."""
+    inside the budget, and more. Priced at the whole budget with no timer, the same link allows only a tenth."""
     profile = VariantProfile("v", SCORES, SCORES >= 0.3, np.full(16, 0.5), 1.0, "modeled:test")
     link = LinkProfile(rtt_ms=6.0)
     for i in range(100):
@@ -244,7 +243,7 @@ def test_escalations_the_agents_timer_ends_inside_the_budget_need_no_headroom() 
     paper = choose([profile], link.state(), budget, cfg)
     assert paper.predicted_escalation_rate == pytest.approx(0.1)
     timed = choose([profile], link.state(), budget, cfg, conditions=Conditions(deadline_guard_ms=1.0))
-    assert timed.predicted_escalation_rate == pytest.approx(0.3)
+    assert timed.predicted_escalation_rate == pytest.approx(0.5)
     assert timed.feasible
     assert timed.inputs["deadline_ms"] == pytest.approx(14.0)
     assert timed.predicted_p95_ms <= 14.0 + 1e-9
@@ -326,54 +325,6 @@ def test_drifts_redecide_at_most_once_per_gap_but_the_cloud_going_down_at_once()
         ControllerConfig(redecide_gap_s=-1.0)
 
 
-def test_energy_is_held_per_window_the_binomial_spread_of_escalations_included() -> None:
-    profile = VariantProfile("v", SCORES, SCORES >= 0.1, np.full(16, 1.0), 1.0, "modeled:test")
-    link = LinkProfile(rtt_ms=2.0, energy_per_byte_mj=0.01, wait_power_w=1.0)
-    grid = profile.thresholds((0.0, 0.5, 1.0))
-    mean = predict(profile, grid, link.state(), Budget(latency_ms=50), Conditions())
-    held = predict(profile, grid, link.state(), Budget(latency_ms=50), Conditions(window_requests=100))
-    np.testing.assert_allclose(held.energy_mj, mean.energy_mj)
-    spread = held.energy_held_mj - held.energy_mj
-    per_escalation = (mean.energy_mj[2] - mean.energy_mj[0]) / mean.escalation[2]
-    # nothing or everything escalated: every window alike; half: 1.645 x sqrt(0.25 / 100) of an escalation
-    assert spread[0] == pytest.approx(0.0, abs=1e-9)
-    assert spread[2] == pytest.approx(0.0, abs=1e-6)
-    assert spread[1] == pytest.approx(1.645 * 0.05 * per_escalation, rel=0.05)
-    # the controller holds that figure against the energy budget: a mean just inside it is not enough
-    budget = Budget(latency_ms=50, energy_mj=float(mean.energy_mj[1] + spread[1] / 2) / 0.92)
-    cfg = ControllerConfig(escalation_grid=(0.0, 0.5, 1.0), probe_escalation_rate=0.0)
-    loose = choose([profile], link.state(), budget, cfg, conditions=Conditions())
-    tight = choose([profile], link.state(), budget, cfg, conditions=Conditions(window_requests=100))
-    assert loose.predicted_escalation_rate == pytest.approx(0.5, abs=0.02)
-    assert tight.predicted_escalation_rate < 0.4
-
-
-def test_escalating_less_for_energy_alone_needs_escalations_that_win_nothing() -> None:
-    # validation: the edge is right on every input scored 0.1 or more, so 0.1, 0.3 and 0.5 predict the
-    # same accuracy with a perfect cloud; forty inputs right are no proof the edge never errs there
-    profile = VariantProfile("v", SCORES, SCORES >= 0.1, np.full(16, 1.0), 1.0, "modeled:test")
-    cfg = ControllerConfig(escalation_grid=GRID, probe_escalation_rate=0.0)
-    link = LinkProfile(rtt_ms=2.0, cloud_accuracy=1.0, energy_per_byte_mj=0.01)
-    roomy = choose([profile], link.state(), Budget(latency_ms=50), cfg)
-    assert roomy.predicted_escalation_rate == pytest.approx(0.5)
-    assert roomy.inputs["escalations_answered"] == pytest.approx(1.0)
-    # an energy budget that binds still buys the saving
-    tight = Budget(latency_ms=50, energy_mj=float(predict(profile, np.array([0.2]), link.state(), Budget(50),
-                                                           Conditions()).energy_mj[0]))
-    assert choose([profile], link.state(), tight, cfg).predicted_escalation_rate <= 0.2
-    # every escalation past its deadline: escalating wins nothing and the least is the same in fact
-    late = LinkProfile(rtt_ms=80.0, rtt_high_ms=90.0, cloud_accuracy=1.0, energy_per_byte_mj=0.01)
-    dead = choose([profile], late.state(), Budget(latency_ms=50), cfg)
-    assert (dead.predicted_escalation_rate, dead.inputs["escalations_answered"]) == (0.0, 0.0)
-    # the running controller keeps the higher escalation rather than drifting down for energy
-    c = Controller([profile], Budget(latency_ms=50), link=link, config=cfg, clock=Clock())
-    assert c.current.predicted_escalation_rate == pytest.approx(0.5)
-    lower = evaluate(profile, 0.1, link.state(), Budget(latency_ms=50), cfg)
-    assert lower.predicted_accuracy == pytest.approx(c.current.predicted_accuracy)
-    assert lower.predicted_energy_mj < c.current.predicted_energy_mj / 2
-    assert c._why_switch(c.current, lower) == ""
-
-
 def test_a_threshold_move_for_accuracy_must_beat_the_noise_of_the_fitted_cloud() -> None:
     profile = VariantProfile("v", SCORES, SCORES >= 0.1, np.full(16, 1.0), 1.0, "modeled:test")
     link = LinkProfile(rtt_ms=2.0, cloud_accuracy=0.95)
@@ -386,39 +337,11 @@ def test_a_threshold_move_for_accuracy_must_beat_the_noise_of_the_fitted_cloud()
         return evaluate(profile, 0.5, state, budget, cfg), evaluate(profile, 0.1, state, budget, cfg)
 
     wide, narrow = wide_and_narrow()
-    # escalating the forty inputs the edge gets right to a 95 % cloud loses 2 points; but the prior's
-    # 30 pseudo-observations alone leave the cloud's accuracy uncertain by 4 points
-    assert narrow.predicted_accuracy - wide.predicted_accuracy == pytest.approx(0.4 * 0.05, abs=2e-3)
-    assert c._why_switch(wide, narrow) == ""
-    blind = Controller([profile], budget, link=link, config=replace(cfg, accuracy_z=0.0), clock=Clock())
-    assert blind._why_switch(wide, narrow).startswith("accuracy")
-    for i in range(256):  # escalations the edge is sure of: the cloud disagrees on one in twenty
-        link.observe_agreement(i % 20 != 0, 0.999)
-    wide, narrow = wide_and_narrow()
-    assert link.state().cloud_accuracy == pytest.approx(0.95, abs=0.01)
-    assert c._why_switch(wide, narrow).startswith("accuracy")
+    # escalating forty more inputs the edge gets right gains little (the cloud's errors are where the
+    # edge's are): 0.3 points; but the prior's 30 pseudo-observations leave the cloud's accuracy uncertain
+    # by 4 points, 3 points over the forty escalations: the move is not made on that evidence
+    assert wide.predicted_accuracy - narrow.predicted_accuracy == pytest.approx(0.0033, abs=5e-4)
+    assert switch_reason(narrow, wide, cfg, noise=c._cloud_noise(narrow, wide)) == ""
+    assert switch_reason(narrow, wide, cfg).startswith("accuracy")  # without the noise it would be
     with pytest.raises(ConfigError, match="accuracy_z"):
         ControllerConfig(accuracy_z=-1.0)
-
-
-def test_with_the_cloud_down_a_small_energy_saving_is_taken_at_once() -> None:
-    profile = VariantProfile("v", SCORES, SCORES >= 0.1, np.full(16, 1.0), 1.0, "modeled:test")
-    # refusals cost little (0.3 ms at 1 W): 30 % instead of 10 % escalated while down is ~5 % more energy
-    link = LinkProfile(rtt_ms=2.0, cloud_accuracy=1.0, wait_power_w=1.0, energy_per_byte_mj=1e-7)
-    cfg = ControllerConfig(escalation_grid=(0.0, 0.1, 0.3), probe_escalation_rate=0.03)
-    c = Controller([profile], Budget(latency_ms=50), link=link, config=cfg, clock=Clock())
-    assert c.current.predicted_escalation_rate == pytest.approx(0.3)  # tied with 0.1, not proven free
-    for _ in range(3):
-        c.observe_escalation(None, ok=False, elapsed_ms=0.3)
-    d = c.maybe_redecide()
-    assert not link.up
-    assert d is not None
-    assert d.predicted_escalation_rate == pytest.approx(0.1)
-    assert "same accuracy, energy" in d.reason
-    kept = evaluate(profile, profile.thresholds((0.3,))[0], link.state(), Budget(latency_ms=50), cfg)
-    assert 0.9 < d.predicted_energy_mj / kept.predicted_energy_mj < 1.0  # under the 10 % margin
-    # nor does it go under the probe rate for energy or p95: "probe it more" would ask for it back, and
-    # predicted rates move with the live scores, so the point would flap between the two
-    fewer = evaluate(profile, profile.thresholds((0.05,))[0], link.state(), Budget(latency_ms=50), cfg)
-    assert fewer.predicted_energy_mj < d.predicted_energy_mj
-    assert c._why_switch(d, fewer) == ""

@@ -20,8 +20,8 @@ from cloud_service.config import ServerConfig
 from compilers.package import ModelPackage
 from edge_agent.agent import AgentOptions
 from edge_agent.breaker import BreakerConfig
+from edge_agent.link import TimerLateness
 from edge_agent.policy import Policy
-from edge_agent.stats import TimerLateness
 from sdk import zoo
 from tests.cloud_service.helpers import ServerThread
 from tests.cloud_service.helpers import make_package as make_cloud_package

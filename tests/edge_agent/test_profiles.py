@@ -138,15 +138,16 @@ def test_link_rtt_availability_and_bytes() -> None:
     assert link.observe(3.0, ok=True) == ()
     assert link.observe(3.0, ok=True) == ("up",)
     assert link.state().availability == 1.0
-    assert link.state().rtt_samples.tolist() == [3.0]
+    assert link.state().rtt_samples.tolist() == [3.0, 3.0, 3.0]  # the answers that brought it back
 
 
 def test_timeouts_count_as_not_answered_in_time() -> None:
     link = LinkProfile(rtt_ms=5.0, down_after=10)
     for _ in range(8):
         link.observe(5.0, ok=True)
-    link.observe(None, ok=False, elapsed_ms=19.0)
-    link.observe(19.0, ok=False)  # the other convention: the waited time as rtt_ms with ok=False
+    link.observe(None, ok=False, elapsed_ms=19.0, timeout=True)
+    link.observe(19.0, ok=False, timeout=True)  # the other convention: the waited time as rtt_ms with ok=False
+    link.observe(None, ok=False, elapsed_ms=0.5)  # a refusal: availability prices it, not the round trips
     s = link.state()
     assert s.timely(10.0) == pytest.approx(0.8)
     assert math.isinf(s.rtt_high_ms)

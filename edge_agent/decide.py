@@ -1,0 +1,364 @@
+"""The controller's decision rule, as pure functions a reader can follow.
+
+**The rule.** Of every (variant, threshold) on the grid, take the one with the highest expected
+accuracy (`plan.predict`) among those that keep
+
+- the latency budget: the predicted p95 (a mixture of edge time, answered round trips and escalations
+  the agent's timer ends at its deadline) at most `latency_headroom` x the budget x what the observed
+  windows taught (`budget.BudgetWindows`: a 1-s window whose p95 went over cuts the target by 15 %).
+  The p95 is held with about 95 % confidence per window (the bench measures the share of windows over);
+- the energy budget: the predicted mean energy per request, calibrated by the ratio of the observed
+  mean to the predicted one over the last 2000 requests, at most `energy_headroom` x the budget: the
+  mean is held to within about 1 % (one standard error of that calibration at 100 requests/s and
+  half the requests escalated), so it lands 1-4 % under the budget;
+- the cap on escalations per second, when one is set;
+- and, where a cloud is configured, escalating at least `probe_escalation_rate` (at least
+  `down_probe_escalation_rate` while the link is down), so that live escalations keep measuring it.
+
+Accuracies closer than `tie_tolerance` are equal: then, where escalations are answered, the point
+escalating most wins (each answered escalation gains, however little, so the budget is used); where
+none is answered (the link down or too slow), the one with less energy, then lower p95. When no
+point keeps every budget, the one closest to them (smallest summed relative excess).
+
+**Hysteresis** (`switch_reason`): the controller moves from its current point to the rule's choice
+only when (1) the current point breaks a budget by more than `violation_tolerance`, or breaks one at
+all and the choice is as accurate; or (2) the choice is more accurate by more than the accuracy
+margin plus the noise of the fitted cloud accuracy (`accuracy_z` standard errors over the escalations
+the move adds) and it fits the latency target with `switch_headroom` and the energy target with
+`energy_switch_headroom` to spare; or (3) the choice is as accurate (within `tie_tolerance`) and
+spends `energy_margin` less energy (across variants, on measured figures only); or (4) the current
+point escalates less than the probe floor and the choice, as accurate, does not. Nothing else moves
+it: the same rule runs when the link goes down or comes back, when the round trip moves, and when a
+budget changes.
+
+**The binding constraint** of a decision is the budget the next more accurate point breaks
+("latency", "energy", "escalations"), or "none" when the choice is the most accurate point there is.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import numpy as np
+
+from edge_agent.budget import Budget
+from edge_agent.plan import Conditions, Predictions, predict
+from edge_agent.profiles import LinkState, VariantProfile
+from runtimes.errors import ConfigError
+
+__all__ = ["ControllerConfig", "Decision", "candidate_thresholds", "choose", "evaluate", "switch_reason"]
+
+ANSWERED_MIN = 0.01  # escalations answered less often than this win nothing worth pricing
+_DEFAULT_GRID = tuple(round(x, 3) for x in np.arange(0, 1.0001, 0.01))
+
+
+@dataclass(frozen=True)
+class ControllerConfig:
+    """How the controller decides and when it changes its mind.
+
+    Args:
+        escalation_grid: escalation rates whose validation thresholds are the candidate thresholds.
+        latency_headroom: plan p95 latency at most this share of the budget (noise margin).
+        energy_headroom: plan mean energy at most this share of the energy budget.
+        accuracy_margin: a move for accuracy must gain this much (or `accuracy_margin_rel` of the
+            current error rate, if less, but never less than `accuracy_margin_min`).
+        violation_tolerance: the current point is kept while over the budgets by at most this share
+            (summed relative excess), unless a feasible point is as accurate.
+        tie_tolerance: accuracies closer than this are equal (then less energy wins).
+        switch_headroom: a move for accuracy needs the new point's p95 this share under the target...
+        energy_switch_headroom: ...and its mean energy this share under the energy target.
+        energy_margin: a move between points as accurate (within `tie_tolerance`) needs this share less energy.
+        accuracy_z: ...and its gain to beat this many standard errors of the fitted cloud accuracy
+            over the escalations it adds.
+        probe_escalation_rate, down_probe_escalation_rate: the least share escalated while the link is
+            up, and while it is down (live escalations keep measuring it).
+        min_observations: requests (or samples) before a measured rate or latency is trusted.
+        redecide_interval_s: re-decide at least this often while requests flow.
+        redecide_gap_s: a drift re-decides at most this often (a link event and a budget change at once).
+        latency_drift, latency_drift_abs_ms: relative and absolute move of the device speed that re-decides.
+        energy_drift: relative move of a measured inference energy that re-decides.
+        energy_z: a variant switch on measured energy needs a difference beyond this many standard errors.
+        window_s: observed p95 latency is held per window of this many seconds.
+        escalation_z: binomial tolerance (standard deviations) on the observed escalation and agreement rates.
+        history: decisions kept in `Controller.decisions`.
+    """
+
+    escalation_grid: tuple[float, ...] = _DEFAULT_GRID
+    latency_headroom: float = 0.9
+    energy_headroom: float = 0.99
+    accuracy_margin: float = 0.002
+    accuracy_margin_rel: float = 0.1
+    accuracy_margin_min: float = 5e-4
+    violation_tolerance: float = 0.05
+    tie_tolerance: float = 2e-4
+    switch_headroom: float = 0.1
+    energy_switch_headroom: float = 0.01
+    energy_margin: float = 0.1
+    accuracy_z: float = 2.0
+    probe_escalation_rate: float = 0.03
+    down_probe_escalation_rate: float = 0.1
+    min_observations: int = 20
+    redecide_interval_s: float = 1.0
+    redecide_gap_s: float = 0.25
+    latency_drift: float = 0.3
+    latency_drift_abs_ms: float = 1.0
+    energy_drift: float = 0.25
+    energy_z: float = 3.0
+    window_s: float = 1.0
+    escalation_z: float = 3.0
+    history: int = 256
+
+    def __post_init__(self) -> None:
+        grid = tuple(float(e) for e in self.escalation_grid)
+        if not grid or any(not 0 <= e <= 1 for e in grid):
+            msg = f"ControllerConfig escalation_grid must hold rates in [0, 1], got {self.escalation_grid!r}"
+            raise ConfigError(msg)
+        object.__setattr__(self, "escalation_grid", grid)
+        if not (0 < self.latency_headroom <= 1 and 0 < self.energy_headroom <= 1):
+            msg = (f"ControllerConfig latency_headroom and energy_headroom must be in (0, 1], got "
+                   f"{self.latency_headroom!r}, {self.energy_headroom!r}")
+            raise ConfigError(msg)
+        if not (self.window_s > 0 and self.energy_z >= 0 and self.accuracy_z >= 0 and self.accuracy_margin_rel >= 0):
+            msg = "ControllerConfig window_s must be > 0, energy_z, accuracy_z and accuracy_margin_rel >= 0"
+            raise ConfigError(msg)
+        if not (0 <= self.switch_headroom < 1 and 0 <= self.energy_switch_headroom < 1):
+            msg = (f"ControllerConfig switch_headroom and energy_switch_headroom must be in [0, 1), got "
+                   f"{self.switch_headroom!r}, {self.energy_switch_headroom!r}")
+            raise ConfigError(msg)
+        if self.min_observations < 1 or self.history < 1 or self.redecide_interval_s <= 0 or self.redecide_gap_s < 0:
+            msg = ("ControllerConfig min_observations and history must be >= 1, redecide_interval_s > 0 and "
+                   "redecide_gap_s >= 0")
+            raise ConfigError(msg)
+
+
+@dataclass(frozen=True)
+class Decision:
+    """One operating point: what to run, what it is predicted to give, and why.
+
+    Energy figures are in millijoules and carry `energy_label` (measured or modeled).
+    `shortfall` is 0 when feasible, else the summed relative excess over the violated budgets.
+    `edge_accuracy_escalated` is the validation accuracy of the edge on the inputs this point
+    escalates (what edge/cloud agreement is compared with). `binding` names the budget that keeps
+    a more accurate point out ("none": this is the most accurate point there is).
+    """
+
+    variant: str
+    threshold: float
+    predicted_accuracy: float
+    predicted_p95_ms: float
+    predicted_energy_mj: float
+    predicted_escalation_rate: float
+    feasible: bool
+    violated: tuple[str, ...]
+    reason: str
+    inputs: Mapping[str, Any] = field(default_factory=dict)
+    energy_label: str = "modeled"
+    predicted_escalations_per_s: float = 0.0
+    edge_accuracy_escalated: float = 1.0
+    shortfall: float = 0.0
+    trigger: str = "initial"
+    at: float = 0.0
+    binding: str = "none"
+
+    @property
+    def key(self) -> tuple[str, float]:
+        return self.variant, self.threshold
+
+    def to_json(self) -> dict[str, Any]:
+        doc = asdict(self)
+        doc["violated"] = list(self.violated)
+        doc["inputs"] = dict(self.inputs)
+        for k, v in doc.items():
+            if isinstance(v, float):
+                doc[k] = round(v, 6) if math.isfinite(v) else None
+        return doc
+
+
+def candidate_thresholds(profile: VariantProfile, link: LinkState | None, config: ControllerConfig) -> np.ndarray:
+    """The thresholds considered for `profile`: the grid's, or only "never escalate" without a cloud."""
+    return profile.thresholds(config.escalation_grid if link is not None else (0.0,))
+
+
+def targets(budget: Budget, config: ControllerConfig, conditions: Conditions) -> tuple[float, float | None]:
+    """The p95 latency and mean energy planned for: the budgets less headroom and what was observed."""
+    latency = budget.latency_ms * config.latency_headroom * conditions.latency_scale
+    energy = (None if budget.energy_mj is None
+              else budget.energy_mj * config.energy_headroom * conditions.energy_scale)
+    return latency, energy
+
+
+def _latency_limit(p: Predictions, budget: Budget, target: float, conditions: Conditions) -> float:
+    """The p95 a point may plan for. Where the agent's timer ends every escalation at a deadline inside
+    the budget, a tail made of such escalations ends there and needs no further headroom, as long as
+    the edge alone keeps its own."""
+    if conditions.deadline_guard_ms is None or p.edge_p95_ms > target:
+        return target
+    return max(target, conditions.deadline_ms(budget))
+
+
+def _assess(p: Predictions, budget: Budget, config: ControllerConfig,
+            conditions: Conditions) -> tuple[np.ndarray, list[list[str]]]:
+    """Shortfall (0 = feasible; else summed relative excess) and violated budget names per threshold."""
+    target, energy_target = targets(budget, config, conditions)
+    checks = [("latency", p.p95_ms, _latency_limit(p, budget, target, conditions))]
+    if energy_target is not None:
+        checks.append(("energy", p.energy_mj, energy_target))
+    if budget.max_escalations_per_s is not None:
+        checks.append(("escalations", p.escalations_per_s, budget.max_escalations_per_s))
+    shortfall = np.zeros_like(p.accuracy)
+    names: list[list[str]] = [[] for _ in p.accuracy]
+    for name, value, limit in checks:
+        over = value > limit * (1 + 1e-9) + 1e-12
+        shortfall += np.where(over, (value - limit) / max(limit, 1e-3 if name != "escalations" else 1.0), 0.0)
+        for i in np.flatnonzero(over):
+            names[i].append(name)
+    return shortfall, names
+
+
+def _decision(p: Predictions, i: int, shortfall: float, violated: list[str], reason: str,
+              profile: VariantProfile, link: LinkState | None, budget: Budget, config: ControllerConfig,
+              conditions: Conditions, binding: str = "none", **extra: Any) -> Decision:
+    latency_target, energy_target = targets(budget, config, conditions)
+    inputs = {"budget": asdict(budget), "latency_target_ms": latency_target, "energy_target_mj": energy_target,
+              "latency_limit_ms": _latency_limit(p, budget, latency_target, conditions),
+              "deadline_ms": conditions.deadline_ms(budget), "escalations_answered": p.answered,
+              "link": link.to_json() if link is not None else None, "conditions": asdict(conditions),
+              "variant": {"id": profile.id, "p50_ms": profile.latency.quantile(0.5),
+                          "p95_ms": profile.latency.quantile(0.95), "energy_mj": profile.energy_mj,
+                          "energy_label": profile.energy_label, "validation_size": profile.validation_size},
+              **extra}
+    return Decision(p.variant, float(p.thresholds[i]), float(p.accuracy[i]), float(p.p95_ms[i]),
+                    float(p.energy_mj[i]), float(p.escalation[i]), not violated, tuple(violated), reason,
+                    inputs, p.energy_label, float(p.escalations_per_s[i]), float(p.edge_accuracy_escalated[i]),
+                    float(shortfall), binding=binding)
+
+
+def probe_floor(link: LinkState | None, config: ControllerConfig) -> float:
+    """The least share escalated that keeps the link measured: more while it is down."""
+    if link is None:
+        return 0.0
+    if link.up:
+        return config.probe_escalation_rate
+    return max(config.probe_escalation_rate, config.down_probe_escalation_rate) if config.probe_escalation_rate else 0.0
+
+
+def _binding(acc: np.ndarray, feasible: np.ndarray, names: list[list[str]], best: int, tie: float) -> str:
+    """The budget the most accurate point better than `best` breaks; "none" if there is no such point."""
+    better = np.flatnonzero(~feasible & (acc > acc[best] + tie))
+    if not better.size:
+        return "none"
+    return " and ".join(names[int(better[np.argmax(acc[better])])]) or "none"
+
+
+def choose(profiles: Sequence[VariantProfile], link: LinkState | None, budget: Budget,
+           config: ControllerConfig | None = None, *, conditions: Conditions | None = None) -> Decision:
+    """The rule's (variant, threshold) for these profiles, link and budget; pure and deterministic.
+
+    Raises:
+        ConfigError: no profiles.
+    """
+    if not profiles:
+        msg = "choose() needs at least one variant profile"
+        raise ConfigError(msg)
+    config, conditions = config or ControllerConfig(), conditions or Conditions()
+    preds = [predict(p, candidate_thresholds(p, link, config), link, budget, conditions) for p in profiles]
+    assessed = [_assess(p, budget, config, conditions) for p in preds]
+    index = [(v, i) for v, p in enumerate(preds) for i in range(p.thresholds.size)]
+    acc, energy, p95, esc = (np.concatenate([getattr(p, k) for p in preds])
+                             for k in ("accuracy", "energy_mj", "p95_ms", "escalation"))
+    short = np.concatenate([a[0] for a in assessed])
+    names = [n for a in assessed for n in a[1]]
+    feasible = short == 0
+    pool = feasible
+    if (floor := probe_floor(link, config)) > 0:
+        probing = feasible & (esc >= floor - 1e-9)
+        pool = probing if probing.any() else feasible
+    answered = np.concatenate([np.full(p.thresholds.size, p.answered) for p in preds])
+    if pool.any():
+        cands = np.flatnonzero(pool & (acc >= acc[pool].max() - config.tie_tolerance))
+        # where escalations are answered, each one gains (however little: `plan._cloud_accuracy`)
+        order = (np.lexsort((energy[cands], -esc[cands])) if answered[cands].max() > ANSWERED_MIN
+                 else np.lexsort((p95[cands], energy[cands])))
+        best = int(cands[order[0]])
+    else:
+        cands = np.flatnonzero(short <= short.min() + 1e-9)
+        cands = cands[acc[cands] >= acc[cands].max() - config.tie_tolerance]
+        best = int(cands[np.lexsort((p95[cands], energy[cands]))[0]])
+    v, i = index[best]
+    violated = assessed[v][1][i]
+    if violated:
+        reason = (f"no point meets the {' and '.join(violated)} budget; closest of {len(index)} "
+                  f"(shortfall {short[best]:.3g})")
+    else:
+        latency_target, energy_target = targets(budget, config, conditions)
+        reason = (f"most accurate of {int(feasible.sum())} feasible points out of {len(index)} "
+                  f"(p95 <= {latency_target:.3g} ms"
+                  + (f", energy <= {energy_target:.3g} mJ" if energy_target is not None else "")
+                  + (f", <= {budget.max_escalations_per_s:g} escalations/s"
+                     if budget.max_escalations_per_s is not None else "") + ")")
+    binding = _binding(acc, feasible, names, best, config.tie_tolerance)
+    return _decision(preds[v], i, float(short[best]), violated, reason, profiles[v], link, budget, config,
+                     conditions, binding, candidates=len(index), feasible_candidates=int(feasible.sum()))
+
+
+def evaluate(profile: VariantProfile, threshold: float, link: LinkState | None, budget: Budget,
+             config: ControllerConfig | None = None, *, conditions: Conditions | None = None) -> Decision:
+    """The predictions for one given (variant, threshold), as a `Decision` record."""
+    config, conditions = config or ControllerConfig(), conditions or Conditions()
+    p = predict(profile, np.array([threshold]), link, budget, conditions)
+    short, names = _assess(p, budget, config, conditions)
+    reason = "current point" + (f" violates the {' and '.join(names[0])} budget" if names[0] else " meets the budgets")
+    return _decision(p, 0, float(short[0]), names[0], reason, profile, link, budget, config, conditions)
+
+
+def spare(cand: Decision, config: ControllerConfig) -> bool:
+    """Whether `cand` fits the planned p95 with `switch_headroom` and the planned energy with
+    `energy_switch_headroom` to spare (a tail the agent's timer ends needs no spare room)."""
+    latency, energy = (float(cand.inputs.get(k) or math.inf) for k in ("latency_target_ms", "energy_target_mj"))
+    limit = float(cand.inputs.get("latency_limit_ms") or 0.0)
+    fits_latency = (cand.predicted_p95_ms <= latency * (1 - config.switch_headroom) + 1e-9
+                    or (limit > latency and cand.predicted_p95_ms <= limit + 1e-9))
+    return fits_latency and cand.predicted_energy_mj <= energy * (1 - config.energy_switch_headroom) + 1e-9
+
+
+def accuracy_margin(cur: Decision, config: ControllerConfig) -> float:
+    """How much more accurate a point must be predicted to be worth a move (before the fit's noise)."""
+    return max(min(config.accuracy_margin, config.accuracy_margin_rel * (1 - cur.predicted_accuracy)),
+               min(config.accuracy_margin_min, config.accuracy_margin), config.tie_tolerance)
+
+
+def switch_reason(cur: Decision, cand: Decision, config: ControllerConfig, *, noise: float = 0.0,
+                  energy_evidence: bool = True, floor: float = 0.0) -> str:
+    """Why to move from `cur` to `cand` (the rule's choice), or "" to stay: the hysteresis of the rule.
+
+    `noise` is how much the two may differ in predicted accuracy by the fitted cloud accuracy's own
+    uncertainty (`accuracy_z` standard errors over the escalations the move adds). `energy_evidence`:
+    whether their energy difference is evidence (a threshold move always; across variants, measured
+    figures that differ beyond `energy_z` standard errors: modeled noise never moves a variant).
+    `floor` is the least share escalated that keeps the link measured (`probe_floor`)."""
+    if cand.key == cur.key:
+        return ""
+    over = " and ".join(cur.violated)
+    if not cur.feasible and cur.shortfall > config.violation_tolerance:
+        if cand.feasible:
+            return f"current point violates the {over} budget"
+        return "closer to the budgets" if cand.shortfall < cur.shortfall - 1e-9 else ""
+    if not cand.feasible:
+        return ""
+    margin = accuracy_margin(cur, config)
+    if not cur.feasible and cand.predicted_accuracy >= cur.predicted_accuracy - margin:
+        return f"current point is over the {over} budget (within tolerance)"
+    if (cur.predicted_escalation_rate < floor - 1e-9 <= cand.predicted_escalation_rate
+            and cand.predicted_accuracy >= cur.predicted_accuracy - margin):
+        return f"escalate at least {floor:.0%} to probe the link"
+    if not spare(cand, config):
+        return ""
+    if cand.predicted_accuracy > cur.predicted_accuracy + margin + noise:
+        return f"accuracy {cur.predicted_accuracy:.4f} -> {cand.predicted_accuracy:.4f}"
+    if (energy_evidence and cand.predicted_accuracy >= cur.predicted_accuracy - config.tie_tolerance
+            and cand.predicted_energy_mj < cur.predicted_energy_mj * (1 - config.energy_margin)):
+        return f"as accurate, energy {cur.predicted_energy_mj:.3g} -> {cand.predicted_energy_mj:.3g} mJ"
+    return ""

@@ -1,0 +1,105 @@
+"""The decision rule on synthetic measurements: the budgets are used, not left on the table.
+
+A stream like held-out MNIST behind an 89 % edge model: validation scores calibrated (an input
+scored s is right with probability s), a cloud right on 99.9 % of what it is sent.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from edge_agent.budget import Budget
+from edge_agent.controller import Controller, ControllerConfig, choose
+from edge_agent.profiles import LinkProfile, VariantProfile
+
+N = 2000
+CLOUD = 0.999
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def stream(seed: int, n: int) -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(seed)  # 55 % scored 0.99 or more, the rest spread below (mean 0.74)
+    sure = rng.random(n) < 0.55
+    scores = np.where(sure, 0.99 + 0.01 * rng.random(n), 0.99 * rng.beta(3.0, 1.0, n))
+    return scores, rng.random(n) < scores
+
+
+def profile() -> VariantProfile:
+    scores, correct = stream(0, N)
+    return VariantProfile("lr", scores, correct, np.full(16, 1.0), 1.0, "modeled:test")
+
+
+def link(**kw: float) -> LinkProfile:
+    # 1000 bytes at 1 uJ/byte and 2 ms waiting at 0.3 W: 1.6 mJ per answered escalation
+    args = {"rtt_ms": 2.0, "rtt_high_ms": 2.5, "bytes_per_escalation": 1000.0, "energy_per_byte_mj": 1e-3,
+            "wait_power_w": 0.3, **kw}
+    return LinkProfile(**args)
+
+
+def fixed_rate(threshold: float) -> float:
+    scores, _ = stream(0, N)
+    return float(np.mean(scores < threshold))
+
+
+def simulate(c: Controller, n: int, *, seed: int = 1, escalation_mj: float = 1.6) -> tuple[float, float, float]:
+    """`n` requests at 100/s: escalation rate, accuracy and mean energy over the last half."""
+    scores, correct = stream(seed, n)
+    rng = np.random.default_rng(seed + 100)
+    esc = right = energy = 0.0
+    for i, (s, ok) in enumerate(zip(scores, correct, strict=True)):
+        escalated = bool(s < c.current.threshold)
+        cloud_ok = rng.random() < CLOUD
+        c.observe_inference("lr", 1.0, 1.0, energy_label="modeled:test")
+        if escalated:
+            c.observe_escalation(2.0, ok=True, bytes_sent=1000)
+        mj = 1.0 + (escalation_mj if escalated else 0.0)
+        c.observe_request(escalated, bool(ok) == cloud_ok if escalated else None, 3.0 if escalated else 1.0,
+                          score=float(s), energy_mj=mj)
+        c.maybe_redecide()
+        c._clock.t += 0.01  # type: ignore[attr-defined]
+        if i >= n // 2:
+            esc += escalated
+            right += cloud_ok if escalated else bool(ok)
+            energy += mj
+    half = n - n // 2
+    return esc / half, right / half, energy / half
+
+
+def test_with_escalation_free_the_rule_escalates_at_least_as_much_as_a_fixed_099() -> None:
+    """+2 ms link, 60 ms budget, no energy budget: escalating more only adds accuracy. The controller
+    used to stop at 38 % escalated where fixed 0.99 escalates its share of the stream."""
+    level = fixed_rate(0.99)
+    assert 0.3 < level < 0.8
+    for prior in (0.99, CLOUD):
+        d = choose([profile()], link(cloud_accuracy=prior).state(), Budget(latency_ms=60), ControllerConfig())
+        assert d.feasible
+        assert d.predicted_escalation_rate >= level
+        assert d.binding == "none" or d.predicted_escalation_rate > 0.9
+
+
+def test_with_escalation_free_the_running_controller_reaches_the_fixed_099_level() -> None:
+    c = Controller([profile()], Budget(latency_ms=60), link=link(), clock=Clock())
+    rate, accuracy, _ = simulate(c, 3000)
+    assert rate >= fixed_rate(0.99) - 0.02
+    assert accuracy >= 0.99
+
+
+@pytest.mark.parametrize("model_error", [1.0, 1.15])
+def test_a_binding_energy_budget_is_spent_to_within_5_percent(model_error: float) -> None:
+    """An energy budget half way between edge-only (1 mJ) and cloud-only (2.6 mJ): the mean spent comes
+    within 5 % below it (the controller used to stop near 81 %), also when each escalation really costs
+    15 % more than the model says (the observed mean calibrates the plan)."""
+    budget = Budget(latency_ms=60, energy_mj=1.8)
+    c = Controller([profile()], budget, link=link(), clock=Clock())
+    assert c.current.binding == "energy"
+    _, _, energy = simulate(c, 4000, escalation_mj=1.6 * model_error)
+    assert 0.95 * 1.8 <= energy <= 1.8
+    assert c.current.binding == "energy"  # the decision record names what keeps a more accurate point out

@@ -1,0 +1,106 @@
+"""The one link model: time-decayed round trips, up/down with hysteresis, slow and fast events, busy refusals."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from edge_agent.breaker import BreakerConfig, CircuitBreaker
+from edge_agent.encoding import WireEncoder
+from edge_agent.link import Link
+from edge_agent.profiles import LinkProfile
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_a_slow_spell_ages_out_even_when_nothing_is_sent() -> None:
+    clock = Clock()
+    link = Link(rtt_ms=2.0, horizon_s=5.0, clock=clock)
+    for _ in range(50):
+        link.observe_answer(60.0)
+        clock.now += 0.02
+    assert link.quantile(0.5) == 60.0
+    assert link.view().rtt_high_ms == 60.0
+    clock.now += 5.1  # nothing sent for a horizon: the prior (2 ms) is what the link is taken to be again
+    view = link.view()
+    assert view.recent == 0
+    assert view.rtt_p50_ms == pytest.approx(2.0, rel=0.05)
+    assert view.rtt_ms == pytest.approx(2.0, rel=0.05)
+    assert link.quantile(0.9) < 3.0
+
+
+def test_an_unusual_run_of_timeouts_is_slower_and_the_next_answer_faster() -> None:
+    clock = Clock()
+    link = Link(rtt_ms=2.0, clock=clock)
+    for _ in range(100):
+        link.observe_answer(2.0)
+    epoch = link.epoch
+    link.observe_timeout(8.0)
+    link.observe_timeout(8.0)
+    assert link.epoch == epoch  # two in a row on a link that answers: not yet unusual at 1 %
+    link.observe_timeout(8.0)
+    assert (link.epoch, link.event, link.slow) == (epoch + 1, "slower", True)
+    assert math.isinf(link.view().rtt_high_ms)
+    link.observe_answer(2.5)  # the link is back: the timeouts of the run no longer describe it
+    assert (link.epoch, link.event, link.slow) == (epoch + 2, "faster", False)
+    assert link.view().rtt_high_ms < 4.0  # the answer, with the prior until three are recent
+    assert link.up
+
+
+def test_on_a_jittered_link_its_usual_misses_are_no_event() -> None:
+    link = Link(rtt_ms=9.0)
+    for i in range(400):  # three in four miss the deadline: runs of several are its usual luck
+        if i % 4 == 3:
+            link.observe_answer(9.0)
+        else:
+            link.observe_timeout(10.0)
+    assert link.epoch == 0
+    assert link.up
+
+
+def test_refusals_mark_it_down_answers_up_and_a_busy_cloud_holds_escalations_back() -> None:
+    clock = Clock()
+    link = Link(rtt_ms=2.0, clock=clock)
+    for _ in range(3):
+        link.observe_refusal(0.3)
+    assert (link.up, link.event) == (False, "down")
+    assert link.view().availability == 0.0
+    link.observe_answer(2.0)
+    link.observe_answer(2.0)
+    assert not link.up  # hysteresis: one or two answers on a flapping link are not the cloud back
+    link.observe_answer(2.0)
+    assert (link.up, link.event) == (True, "up")
+    busy = Link(clock=clock)
+    for _ in range(5):
+        busy.observe_refusal(0.2, busy=True, retry_after_s=0.5)
+    assert busy.up  # a busy cloud is there
+    assert busy.hold_until == pytest.approx(clock.now + 0.5)
+    assert busy.view().availability < 0.5
+
+
+def test_the_breaker_profile_and_encoder_read_the_same_link() -> None:
+    clock = Clock()
+    link = Link(rtt_ms=2.0, clock=clock)
+    breaker = CircuitBreaker(BreakerConfig(failure_threshold=2, reset_timeout_s=1.0), clock=clock, link=link)
+    profile = LinkProfile(link=link)
+    encoder = WireEncoder("auto", meter=link)
+    for _ in range(2):  # the agent feeds the link, then tells the breaker
+        link.observe_refusal(0.3)
+        breaker.record_failure()
+    assert breaker.state == "open"
+    assert breaker.consecutive_failures == 2
+    link.observe_transfer(100, 0.002)
+    link.observe_transfer(400_000, 0.002 + 400_000 * 8 / 10e6)
+    est = encoder.meter.estimate()
+    assert est is not None
+    assert est.bandwidth_bps == pytest.approx(10e6, rel=0.01)
+    link.observe_answer(2.0)
+    assert profile.state().rtt_samples.size >= 1
+    assert profile.state().epoch == link.epoch
