@@ -44,7 +44,7 @@ class BreakerConfig:
             (plus the wait for the next request that escalates): half a second by default.
         half_open_max_calls: probes allowed at once while half-open.
         timeout_threshold, timeout_odds: when the failures in a row include deadline timeouts
-            (`record_failure(timeout=True)`), it opens once such a run is news (`stats.TimeoutRuns`):
+            (`record_failure(timeout=True)`), it opens once such a run is news (`link.TimeoutRuns`):
             less likely than `timeout_odds` by chance given the share of timeouts among the recent
             calls, and at most `timeout_threshold` in a row. A call abandoned at its deadline says the
             link was slower than what was left of the budget, not that the cloud is gone: on a
