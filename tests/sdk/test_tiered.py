@@ -184,8 +184,10 @@ def test_budget_change_moves_the_controllers_decision(ladder: VariantSet) -> Non
         roomy = model.decision
         assert roomy is not None
         assert roomy.feasible
-        assert roomy.variant == "cnn"  # the more accurate variant fits easily
-        assert roomy.predicted_escalation_rate > 0  # and a 10 ms round trip fits: the cloud helps
+        # a 10 ms round trip fits: the cloud helps, and escalating more never loses accuracy with a 0.999
+        # cloud (its errors are where the edge's are), so the budget's room is used
+        assert roomy.predicted_escalation_rate > 0.5
+        assert roomy.binding == "none"
         model.set_budget(sdk.Budget(latency_ms=200, max_escalations_per_s=0.5))  # a cloud-cost cap
         capped = model.decision
         assert capped is not None
