@@ -222,7 +222,8 @@ class MqttBridge:
     def _on_subscribe(self, client: paho.Client, userdata: Any, mid: int, reasons: list[Any], properties: Any) -> None:
         if reasons and reasons[0].is_failure:
             self._call(self._fail_start, f"MQTT broker {self.config.url} refused the subscription "
-                                         f"{self.subscription!r}: {reasons[0]} (check its ACL)")
+                                         f"{self.subscription!r}: {reasons[0]} (check its ACL; the roles of "
+                                         "tierkit broker init allow one group: --cloud-group for --mqtt-group)")
         else:
             self._attempt, self._last_up = 0, time.monotonic()
             self._call(self._subscribed_ok)

@@ -81,6 +81,7 @@ class MqttIngest:
             c.tls_set_context(options.tls.context())
         c.max_inflight_messages_set(1000)
         c.on_connect, c.on_message, c.on_disconnect = self._on_connect, self._on_message, self._on_disconnect
+        c.on_subscribe = self._on_subscribe
         self.client = c
         self._writer = threading.Thread(target=self._write_loop, name="fleet-ingest", daemon=True)
 
@@ -116,6 +117,14 @@ class MqttIngest:
             subs.append((CONTROL_RESPONSE_TOPIC, 1))
         client.subscribe(subs)
         self.connected.set()
+
+    def _on_subscribe(self, _c: Any, _u: Any, _mid: int, reasons: list[Any], _p: Any = None) -> None:
+        refused = [str(r) for r in reasons if r.is_failure]
+        if refused:
+            self.stats["subscriptions_refused"] += len(refused)
+            logger.error("the broker refused %d of the fleet's subscriptions (%s): nothing is ingested through them; "
+                         "check the fleet account's role (tierkit broker init --fleet-group for --group %s)",
+                         len(refused), ", ".join(refused), self.options.group)
 
     def _on_disconnect(self, *_a: Any) -> None:
         self.connected.clear()

@@ -85,7 +85,7 @@ def _handshake(port: int, ca: Path, cert: Path, key: Path) -> str:
         return type(exc).__name__ + ": " + str(exc)
 
 
-@pytest.mark.timeout(420)
+@pytest.mark.timeout(900)
 def test_the_shipped_deployment_over_tls(tmp_path: Path, digits_linear: Any, digits: zoo.Split,
                                          digits_cnn_onnx: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     need_mosquitto()

@@ -6,15 +6,17 @@ from __future__ import annotations
 
 import json
 import stat
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 
 from sdk.cli import main as tierkit
-from tests.cloud_service.helpers import Pki
+from tests.cloud_service.helpers import Pki, ServerThread
+from tests.fleet.fleet_process import FleetProcess, cli
 from tests.security.deploy_broker import DeployBroker, broker_init, connack, need_mosquitto
 from tests.security.test_broker_permissions import Probe, _tls
+from tests.waiting import wait_for
 
 GRANTED, REFUSED = "Granted QoS 1", "Not authorized"
 
@@ -70,3 +72,27 @@ def test_the_accounts_log_in_with_their_groups(grouped: DeployBroker, pki: Pki) 
             probe.close()
     assert connack(grouped.cloud_port, _tls(pki, None), "tierkit-cloud-a",
                    grouped.passwords["tierkit-cloud-b"]).is_failure  # another account's password
+
+
+@pytest.mark.mqtt
+def test_a_group_the_roles_do_not_allow_is_refused_by_name(grouped: DeployBroker, pki: Pki, tmp_path: Path,
+                                                          serve: Callable[..., ServerThread], models_dir: Path) -> None:
+    from cloud_service.config import MqttConfig
+    from cloud_service.security import MqttTls
+    from runtimes.errors import TierkitError
+
+    wrong = MqttConfig(url=f"mqtts://127.0.0.1:{grouped.cloud_port}", client_id="tierkit-cloud-a",
+                       username="tierkit-cloud-a", password=grouped.passwords["tierkit-cloud-a"],
+                       tls=MqttTls(ca_file=pki.ca))  # group "tierkit", the default; the roles allow "edge"
+    with pytest.raises(TierkitError, match="--cloud-group"):
+        serve(models_dir, grpc_address=None, mqtt=wrong)
+    data = tmp_path / "fleet-data"
+    fleet = FleetProcess(data, None, "--mqtt", f"mqtts://127.0.0.1:{grouped.cloud_port}", "--mqtt-ca", str(pki.ca),
+                         "--mqtt-user", "tierkit-fleet",
+                         env={"TIERKIT_FLEET_MQTT_PASSWORD": grouped.passwords["tierkit-fleet"]}).start()
+    try:
+        admin = cli("operator", "create", "ops", "--role", "admin", data_dir=data).stdout.strip()
+        wait_for("the refusal counted", lambda: fleet.call("GET", "/v1/stats", token=admin)[1]["ingest"].get(
+            "subscriptions_refused") == 2, timeout=20)
+    finally:
+        fleet.stop()
