@@ -16,10 +16,14 @@ refused (RESOURCE_EXHAUSTED / UNAVAILABLE answers), refusal p50/p99 (ms from sen
 late (answers that arrived after their deadline), expired (DEADLINE_EXCEEDED: no answer in time).
 Targets (issue): ratio >= 0.9 at every load, refusal p99 <= 10 ms, no answer after its deadline.
 
-Triton (PyTriton) is not part of the default run: its server needs a virtual environment of its own
-(FACTS.md), and a queue policy set up as its docs advise; the table says so.
+Triton, with `--pytriton-python PY` (a Python with `nvidia-pytriton` and onnxruntime, in a virtual
+environment of its own: FACTS.md): Triton serving the same detector from a Python callable through
+PyTriton (bench/pytriton_server.py), dynamic batching on, with its queue policy set as its docs advise
+for overload (`REJECT` after the request's timeout, `allow_timeout_override`, a bounded queue); each
+request carries the deadline as its `timeout` parameter. gRPC only. Without it the table says so.
 
     PYTHONPATH=$PWD python bench/bench_overload.py                 # the recorded run, about 3 minutes
+    PYTHONPATH=$PWD python bench/bench_overload.py --pytriton-python /tmp/pytriton-venv/bin/python
     PYTHONPATH=$PWD python bench/bench_overload.py --seconds 1 --callers 1,4 --models slow --protocols grpc
 """
 
@@ -28,12 +32,16 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import os
 import platform
+import subprocess
 import sys
 import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
+
+import numpy as np
 
 from cloud_service.protocol import inference_pb2 as pb
 from edge_agent.pushback import retry_hint_s
@@ -111,6 +119,49 @@ def _broker(workdir: Path) -> Iterator[Broker]:
         broker.stop()
 
 
+def _triton(args: argparse.Namespace, name: str, models: Path, page: np.ndarray, callers: list[int],
+            deadline_s: float) -> list[str]:
+    """Triton's rows for one model (gRPC), its queue policy rejecting what waited past the request's timeout."""
+    from tests.compilers.zoo import OCR_DET
+
+    env = dict(os.environ)
+    probe = "import sysconfig; print(sysconfig.get_config_var('LIBDIR'))"
+    libdir = subprocess.run([args.pytriton_python, "-c", probe], capture_output=True, text=True, check=True,
+                            timeout=60).stdout.strip()
+    env["LD_LIBRARY_PATH"] = ":".join(p for p in (libdir, env.get("LD_LIBRARY_PATH", "")) if p)
+    script = Path(__file__).with_name("pytriton_server.py")
+    proc = subprocess.Popen([args.pytriton_python, str(script), str(OCR_DET.path()), "ocrdet", "0",
+                             "--reject-after-us", str(int(deadline_s * 1e6))], stdout=subprocess.PIPE,
+                            stderr=subprocess.DEVNULL, text=True, env=env)
+    try:
+        address = ""
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            if line.startswith("grpc "):
+                address = line.split()[1]
+            if line.strip() == "ready":
+                break
+        if not address:
+            print(f"| {name} | triton | - | absent: PyTriton's server did not start | | | | | | | |")
+            return []
+        request = pb.ModelInferRequest.FromString(request_bytes("ocrdet", page))
+        request.parameters["timeout"].int64_param = int(deadline_s * 1e6)  # Triton's per-request queue timeout
+        payload = request.SerializeToString()
+        closed_loop(address, payload, callers=1, seconds=1.0, deadline_s=deadline_s)  # warm up
+        loads = [closed_loop(address, payload, callers=n, seconds=args.seconds, deadline_s=deadline_s)
+                 for n in callers]
+        best = max(load.goodput for load in loads)
+        for load in loads:
+            print(_row(name, "triton", load, best), flush=True)
+        return []
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seconds", type=float, default=4.0, help="load duration of each row")
@@ -119,6 +170,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--models", default="slow,fast")
     parser.add_argument("--protocols", default="grpc,mqtt")
     parser.add_argument("--serve-args", default="", help="extra `tierkit serve` flags, e.g. --no-admission")
+    parser.add_argument("--pytriton-python", default="", help="a Python with nvidia-pytriton: add Triton's rows")
     args = parser.parse_args(argv)
     callers = [int(c) for c in args.callers.split(",")]
     protocols = [p for p in args.protocols.split(",") if p]
@@ -160,8 +212,11 @@ def main(argv: list[str] | None = None) -> int:
                                               f"{load.refusal_p(99):.1f} ms")
                             if load.late:
                                 failed.append(f"{name}/{protocol}/{load.callers}: {load.late} late answers")
-    print("| triton (PyTriton) | - | - | absent: its server needs its own virtual environment (FACTS.md) and a "
-          "queue policy; not set up by this benchmark | | | | | | | |")
+                if args.pytriton_python:
+                    failed += _triton(args, name, models, page, callers, deadline_s)
+    if not args.pytriton_python:
+        print("| triton (PyTriton) | - | - | absent: PyTriton needs a virtual environment of its own (FACTS.md); "
+              "give --pytriton-python PY to add it | | | | | | | |")
     print(f"\n{len(failed)} target misses" + (": " + "; ".join(failed) if failed else ""))
     return 0
 

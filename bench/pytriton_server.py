@@ -3,7 +3,7 @@
 numpy < 2, so it lives in a virtual environment of its own):
 
     python3.11 -m venv /tmp/pytriton-venv && /tmp/pytriton-venv/bin/pip install nvidia-pytriton onnxruntime
-    /tmp/pytriton-venv/bin/python bench/pytriton_server.py MODEL.onnx NAME [THREADS]
+    /tmp/pytriton-venv/bin/python bench/pytriton_server.py MODEL.onnx NAME [THREADS] [--reject-after-us N]
 
 PyTriton starts the `tritonserver` binary its wheel ships (Triton's C++ gRPC front end and dynamic
 batcher, its Python backend) and binds a Python callable to a model: here one onnxruntime run per
@@ -42,7 +42,22 @@ def _tensors(args: Any) -> list[Tensor]:
                    shape=tuple(d if isinstance(d, int) else -1 for d in a.shape[1:])) for a in args]
 
 
+def _queue_policy(argv: list[str]) -> tuple[list[str], dict[str, Any]]:
+    """`--reject-after-us N`: Triton's queue policy as its docs advise for overload: a request still queued
+    after N µs (or after the `timeout` parameter it carries) is rejected, not run late."""
+    if "--reject-after-us" not in argv:
+        return argv, {}
+    from pytriton.model_config import QueuePolicy, TimeoutAction
+
+    i = argv.index("--reject-after-us")
+    timeout_us = int(argv[i + 1])
+    policy = QueuePolicy(timeout_action=TimeoutAction.REJECT, default_timeout_microseconds=timeout_us,
+                         allow_timeout_override=True, max_queue_size=256)
+    return argv[:i] + argv[i + 2:], {"default_queue_policy": policy}
+
+
 def main(argv: list[str]) -> int:
+    argv, policy = _queue_policy(argv)
     if len(argv) not in (2, 3):
         print(__doc__, file=sys.stderr)
         return 2
@@ -66,7 +81,8 @@ def main(argv: list[str]) -> int:
     with Triton(config=config) as triton:
         triton.bind(model_name=name, infer_func=infer, inputs=_tensors(session.get_inputs()),
                     outputs=_tensors(session.get_outputs()),
-                    config=ModelConfig(max_batch_size=64, batcher=DynamicBatcher(max_queue_delay_microseconds=0)))
+                    config=ModelConfig(max_batch_size=64,
+                                       batcher=DynamicBatcher(max_queue_delay_microseconds=0, **policy)))
         triton.run()  # starts the server and waits until the model is ready
         print(f"grpc 127.0.0.1:{grpc_port}\nready", flush=True)
         triton.serve()

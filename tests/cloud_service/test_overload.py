@@ -52,6 +52,7 @@ def test_goodput_holds_at_capacity_and_the_excess_is_refused_at_once(ocr_models:
     # was 0.04x; half is a bound that holds under other load and fails on any queue that lets requests expire.
     assert crowd.goodput >= 0.5 * alone.goodput, summary
     assert crowd.refused >= crowd.in_time, summary  # the excess was refused, not queued to expire
+    assert len(crowd.hints_ms) == crowd.refused, summary  # every refusal says when to retry (retry-after-ms)
     assert crowd.refusal_p(50) <= 0.15 * DEADLINE_S * 1000, summary  # at once, not at the deadline
     assert crowd.refusal_p(90) <= 0.5 * DEADLINE_S * 1000, summary
     # admitted requests mostly made it (on a loaded host a run planned to fit sometimes does not; before: 30x)
