@@ -172,7 +172,8 @@ class DynamicBatcher:
         self._arrivals = itertools.count()
         self._times = ServiceTimes(config.max_batch_size if self.batched else 1)
         self._standing = StandingQueue(config.queue_target_ms / 1000, config.queue_interval_ms / 1000)
-        self._busy_until = [0.0] * len(self._runners)  # per instance: when its running batch should end
+        # per instance: (start, planned end) of the batch it runs, None while idle
+        self._running_span: list[tuple[float, float] | None] = [None] * len(self._runners)
         # A batch holds its instance for its whole run: requests with plenty of time (a journal's drain)
         # must not form one so long that a tight request arriving meanwhile misses its deadline behind it.
         self._batch_cap_s = config.queue_interval_ms / 4000
@@ -306,9 +307,9 @@ class DynamicBatcher:
                 # measurements that correct an estimate a burst of load left too high.
                 need = self._times.batch_seconds(rows)
                 started = time.perf_counter()
-                self._busy_until[index] = time.monotonic() + need
+                self._running_span[index] = (time.monotonic(), time.monotonic() + need)
                 outcome = self._call(self._runners[index], inputs, rows)
-                self._busy_until[index] = 0.0
+                self._running_span[index] = None
                 self._ran(rows, 1, time.perf_counter() - started, 0.0)
             finally:
                 lock.release()
@@ -348,7 +349,7 @@ class DynamicBatcher:
         deadline first) plus what the busy instances have left; requests without a deadline are
         held to the CoDel interval while the queue is standing.
         """
-        if not self._queue and any(t == 0.0 for t in self._busy_until):
+        if not self._queue and any(span is None for span in self._running_span):
             return  # an idle instance takes it now: run it, and measure (see `_run_now`)
         limit = request.deadline
         if limit is None:
@@ -371,8 +372,12 @@ class DynamicBatcher:
 
     def _finish_in(self, now: float, ahead_rows: int, rows: int) -> float:
         """Seconds until a request of `rows` rows behind `ahead_rows` queued rows would be answered."""
-        busy = [max(0.0, t - now) for t in self._busy_until]
-        wait = min(busy) if all(b > 0 for b in busy) else 0.0  # no instance free: the first to finish
+        # No instance free: the first to finish. A run past its planned end is not about to end: on a
+        # loaded host it often takes as long again, so half its plan is still counted.
+        spans = [span for span in self._running_span if span is not None]
+        wait = 0.0
+        if len(spans) == len(self._running_span):
+            wait = min(max(end - now, (end - start) / 2) for start, end in spans)
         return wait + self._times.drain_seconds(ahead_rows + rows, len(self._runners))
 
     def _busy(self, why: str, over_s: float) -> ServerBusy:
@@ -457,11 +462,11 @@ class DynamicBatcher:
         if live:
             rows = sum(r.rows for r in live)
             self._running[index] = live  # one dict store: atomic; aclose() copies before reading
-            self._busy_until[index] = now + self._times.batch_seconds(rows)
+            self._running_span[index] = (now, now + self._times.batch_seconds(rows))
             started = time.perf_counter()
             outcomes += self._run(runner, live)
             self._ran(rows, len(live), time.perf_counter() - started, sum(now - r.enqueued for r in live))
-            self._busy_until[index] = 0.0
+            self._running_span[index] = None
             done += live
         self._observer.on_queue(len(self._queue))
         self._reply(done, outcomes)
