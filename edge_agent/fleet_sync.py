@@ -182,6 +182,25 @@ def enrolled_config(config: AgentConfig) -> AgentConfig:
 LATENCY_BOUNDS_MS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000)
 
 
+_DECISION_KEYS = ("variant", "threshold", "binding", "trigger", "reason", "feasible", "violated", "predicted_accuracy",
+                  "predicted_p95_ms", "predicted_energy_mj", "predicted_escalation_rate")
+_LINK_KEYS = ("up", "rtt_ms", "rtt_high_ms", "availability", "cloud_accuracy", "epoch", "event")
+
+
+def decision_summary(doc: dict[str, Any] | None) -> dict[str, Any] | None:
+    """The controller's decision in force, as a telemetry window carries it: the point, its predictions, the
+    binding constraint, what triggered it and why, with the targets and the link it was decided on."""
+    if not doc:
+        return None
+    inputs = doc.get("inputs") or {}
+    link = inputs.get("link") or {}
+    return {**{k: doc.get(k) for k in _DECISION_KEYS},
+            "inputs": {"latency_target_ms": inputs.get("latency_target_ms"),
+                       "energy_target_mj": inputs.get("energy_target_mj"),
+                       "deadline_ms": inputs.get("deadline_ms"),
+                       "link": {k: link.get(k) for k in _LINK_KEYS} if link else None}}
+
+
 class TelemetryWindows:
     """Turns cumulative agent snapshots into per-window telemetry documents with (boot id, seq).
 
@@ -244,4 +263,5 @@ class TelemetryWindows:
                 "energy_label": str(snap.get("energy_label") or "unknown"),
                 "degraded": d["degraded"], "degraded_reasons": {k: v for k, v in reasons.items() if v > 0},
                 "variant": str(snap.get("variant", "")), "threshold": snap.get("threshold"),
-                "model_digest": self.model_digest, "release": self.release, "crashes": crashes}
+                "model_digest": self.model_digest, "release": self.release, "crashes": crashes,
+                "decision": decision_summary(snap.get("decision"))}

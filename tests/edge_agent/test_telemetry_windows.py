@@ -41,3 +41,25 @@ def test_a_window_without_requests_has_no_histogram_and_without_latencies_falls_
     plain = windows.window({"device": "d", **stats.snapshot()})
     assert plain["latency_hist"] is None
     assert plain["p95_ms"] == stats.snapshot()["p95_ms"]
+
+
+def test_a_window_carries_the_controllers_decision_with_its_binding_constraint() -> None:
+    import numpy as np
+
+    from edge_agent.budget import Budget
+    from edge_agent.controller import choose
+    from edge_agent.profiles import LinkProfile, VariantProfile
+
+    scores = np.arange(100) / 100
+    profile = VariantProfile("v", scores, scores >= 0.1, np.full(16, 1.0), 1.0, "modeled:test")
+    link = LinkProfile(rtt_ms=2.0, bytes_per_escalation=1000.0, energy_per_byte_mj=1e-3)
+    decision = choose([profile], link.state(), Budget(latency_ms=50, energy_mj=1.2))
+    stats, windows = Stats(), TelemetryWindows("boot")
+    _requests(stats, [3.0] * 10)
+    doc = windows.window({"device": "d", **stats.snapshot(), "decision": decision.to_json()})
+    carried = doc["decision"]
+    assert carried["binding"] == "energy"
+    assert carried["threshold"] == decision.threshold
+    assert carried["inputs"]["energy_target_mj"] == decision.inputs["energy_target_mj"]
+    assert carried["inputs"]["link"]["up"] is True
+    assert windows.window({"device": "d", **stats.snapshot(), "decision": None})["decision"] is None
