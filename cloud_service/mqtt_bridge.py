@@ -49,7 +49,7 @@ from paho.mqtt.subscribeoptions import SubscribeOptions
 
 from cloud_service.config import MqttConfig
 from cloud_service.device_limits import DeviceLimited, DeviceLimits
-from cloud_service.errors import MessageTooLarge
+from cloud_service.errors import MessageTooLarge, ServerBusy
 from cloud_service.infer import clip, infer, model_label, status_of
 from cloud_service.metrics import UNKNOWN_MODEL, Metrics
 from cloud_service.protocol import CodecError, get_parameters, set_parameters, topics
@@ -322,6 +322,8 @@ class MqttBridge:
             code, text = status_of(exc)
             if isinstance(exc, DeviceLimited):
                 self.metrics.refused("mqtt", exc.reason)
+            elif isinstance(exc, ServerBusy) and self.backend is not None:  # refused before forwarding
+                self.metrics.refused("forward", "busy")
             response = pb.ModelInferResponse(model_name=clip(request.model_name, 256) if request else "",
                                              id=clip(request.id, 256) if request else "")
             error = {topics.STATUS_PROPERTY: code, topics.ERROR_PROPERTY: text}

@@ -253,3 +253,33 @@ def test_stream_forward_to_tierkit_serve_matches_direct_and_survives_a_restart(
             await backend.aclose()
 
     asyncio.run(main())
+
+
+def test_an_upstream_refusal_passes_its_hint_on_and_holds_forwarding_back_until_it_passes() -> None:
+    from cloud_service.errors import ServerBusy
+    from cloud_service.forward import UpstreamError
+    from tests.cloud_service.upstream_double import BUSY_HINT_MS
+
+    upstream = UpstreamDouble(stream=False)
+
+    async def main() -> None:
+        backend = ForwardBackend(upstream.url, max_message_bytes=1 << 20)
+        await backend.start()
+        try:
+            with pytest.raises(UpstreamError) as refused:
+                await backend.infer(_named("busy", "1"), deadline=None)
+            assert refused.value.grpc_status == "RESOURCE_EXHAUSTED"
+            assert refused.value.retry_after_ms == BUSY_HINT_MS
+            with pytest.raises(ServerBusy) as held:  # refused here, at once: the upstream asked for a pause
+                await backend.infer(_named("m", "2"), deadline=None)
+            assert 0 < held.value.retry_after_ms <= BUSY_HINT_MS
+            assert upstream.ids.count("") == 1  # the second never reached the upstream
+            await asyncio.sleep(BUSY_HINT_MS / 1000 + 0.05)
+            assert (await backend.infer(_named("m", "3"), deadline=None)).model_version == "3"
+        finally:
+            await backend.aclose()
+
+    try:
+        asyncio.run(main())
+    finally:
+        upstream.stop()

@@ -22,6 +22,7 @@ import grpc
 from cloud_service.protocol import inference_pb2 as pb
 
 SLOW_S = 0.5
+BUSY_HINT_MS = 300  # "busy" is refused RESOURCE_EXHAUSTED with this retry hint
 _SERVICE = "inference.GRPCInferenceService"
 
 
@@ -61,6 +62,10 @@ class UpstreamDouble:
     def _unary(self, request: pb.ModelInferRequest, context: Any) -> pb.ModelInferResponse:
         if request.model_name == "fail":
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "this request always fails")
+        if request.model_name == "busy":
+            self.ids.append(request.id)
+            context.set_trailing_metadata((("retry-after-ms", str(BUSY_HINT_MS)),))
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "overloaded; retry after the hinted delay")
         return self._answer(request)
 
     def _stream(self, requests: Iterator[pb.ModelInferRequest], context: Any) -> Iterator[pb.ModelStreamInferResponse]:
