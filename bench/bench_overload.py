@@ -22,7 +22,7 @@ PyTriton (bench/pytriton_server.py), dynamic batching on, with its queue policy 
 for overload (`REJECT` after the request's timeout, `allow_timeout_override`, a bounded queue); each
 request carries the deadline as its `timeout` parameter. gRPC only. Without it the table says so.
 
-    PYTHONPATH=$PWD python bench/bench_overload.py                 # the recorded run, about 3 minutes
+    PYTHONPATH=$PWD python bench/bench_overload.py                 # the recorded run, about 2 minutes
     PYTHONPATH=$PWD python bench/bench_overload.py --pytriton-python /tmp/pytriton-venv/bin/python
     PYTHONPATH=$PWD python bench/bench_overload.py --seconds 1 --callers 1,4 --models slow --protocols grpc
 """
