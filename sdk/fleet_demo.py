@@ -226,6 +226,9 @@ def _release(facade: Any, variants: Path, work: Path, version: str, key: Path, r
 def run_fleet_demo(*, agents: int = 3, duration_s: float | None = None, workdir: Path | None = None,
                    out: Callable[[str], None] = print) -> dict[str, Any]:
     """Run the demo (see the module docstring); returns its figures. `duration_s` None: until Ctrl-C."""
+    from cloud_service.fleet.cli import _need_extra
+
+    _need_extra()  # the fleet's extra (FastAPI, SQLAlchemy, ...), named when missing
     from cloud_service.fleet.fleet import Fleet, FleetConfig
     from compilers.signing import generate_keypair
 
