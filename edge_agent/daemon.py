@@ -59,13 +59,12 @@ from edge_agent.budget import Budget
 from edge_agent.config import AgentConfig
 from edge_agent.fleet_sync import TelemetryWindows, load_identity, model_digest
 from edge_agent.journal import Journal, JournalEntry, drain
-from edge_agent.options import DEFAULT_POWER
 from edge_agent.slots import SlotStore
 from edge_agent.swap import SwapOptions, Swapper, parse_desired
 from edge_agent.transports.base import TransportOptions
 from edge_agent.transports.mqtt import MqttTransport
 from edge_agent.transports.mqtt_session import MqttSession
-from runtimes.energy import PowerProfile
+from runtimes.energy import PROFILES, PowerProfile
 from runtimes.errors import CloudUnavailable, ConfigError, InputError, JournalError, TierkitError
 
 logger = logging.getLogger(__name__)
@@ -471,9 +470,11 @@ def _power(profile: str | dict[str, Any] | None, current: PowerProfile) -> Power
         except TypeError as exc:
             msg = f"the release's energy_profile is not a power profile ({exc})"
             raise ConfigError(msg) from None
-    if profile is not None and profile not in (current.name, DEFAULT_POWER.name):
+    if profile is not None and profile in PROFILES:
+        return PROFILES[profile]
+    if profile is not None and profile != current.name:
         logger.warning("the release names energy profile %r, unknown here; keeping %r", profile, current.name)
-    return DEFAULT_POWER if profile == DEFAULT_POWER.name else current
+    return current
 
 
 async def run_daemon(config: AgentConfig, *, stop: asyncio.Event, ready: Any = None) -> None:

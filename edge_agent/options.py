@@ -13,9 +13,8 @@ from edge_agent.breaker import BreakerConfig
 from edge_agent.transports.base import TransportOptions
 from runtimes.energy import PowerProfile
 from runtimes.errors import ConfigError
+from runtimes.hardware import machine_power_profile
 from runtimes.session import SessionOptions
-
-DEFAULT_POWER = PowerProfile("generic-cpu", busy_watts=15.0, idle_watts=3.0, joules_per_byte_sent=5e-8)
 
 
 @dataclass(frozen=True)
@@ -41,7 +40,8 @@ class AgentOptions:
         rtt_probe_s: while escalations are skipped for the round trip (or a busy cloud's retry hint), one
             goes anyway each this long: the probe that notices a returned link. It ends at the agent's
             deadline like any escalation, so it costs the request it carries no latency budget.
-        power: the power profile used to model energy when no meter is given.
+        power: the power profile used to model energy when no meter is given (default: this machine's,
+            chosen by the hardware probe, the one the compiler records energy with).
         journal_path: the store-and-forward journal (None: nothing is journaled).
         journal_max_bytes: its bound.
         drain_interval_s: how often the journal is drained while the link is up.
@@ -76,7 +76,7 @@ class AgentOptions:
     rtt_skip_share: float = 0.5
     rtt_max_age_s: float = 5.0
     rtt_probe_s: float = 0.25
-    power: PowerProfile = DEFAULT_POWER
+    power: PowerProfile = field(default_factory=machine_power_profile)
     journal_path: str | Path | None = None
     journal_max_bytes: int = 64 * 1024 * 1024
     drain_interval_s: float = 0.5

@@ -55,6 +55,7 @@ def render(info: HardwareInfo) -> str:
     rows += [(f"energy {name}", state) for name, state in info.energy_sources.items()]
     label = "modeled (no readable counter)" if info.energy_source == "modeled" else f"measured:{info.energy_source}"
     rows.append(("energy figures", label))
+    rows.append(("energy profile", f"modeled:{info.power_profile} (compiler, agent and controller model with it)"))
     rows += [("note", note) for note in info.notes]
     width = max(len(key) for key, _ in rows)
     return "".join(f"{key:<{width}}  {value}\n" for key, value in rows)

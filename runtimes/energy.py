@@ -92,6 +92,15 @@ class PowerProfile:
         return f"modeled:{self.name}"
 
 
+# One power profile per kind of machine. `runtimes.hardware.probe()` picks this machine's once
+# (`HardwareInfo.power_profile`, shown by `tierkit doctor`), and the compiler (the manifest's energy),
+# the agent and the controller all model energy with it, so one machine has one `modeled:<name>` label.
+GENERIC_CPU = PowerProfile("generic-cpu", busy_watts=15.0, idle_watts=3.0, joules_per_byte_sent=5e-8)
+JETSON = PowerProfile("jetson", busy_watts=10.0, idle_watts=4.0, joules_per_byte_sent=1e-7)
+NVIDIA_GPU = PowerProfile("nvidia-gpu", busy_watts=70.0, idle_watts=10.0, joules_per_byte_sent=5e-8)
+PROFILES: dict[str, PowerProfile] = {p.name: p for p in (GENERIC_CPU, JETSON, NVIDIA_GPU)}
+
+
 def modeled_energy(profile: PowerProfile, busy_s: float, idle_s: float = 0.0, bytes_sent: int = 0) -> EnergyReading:
     """Energy `profile` predicts for `busy_s` of compute, `idle_s` of waiting and `bytes_sent` on the radio."""
     if busy_s < 0 or idle_s < 0 or bytes_sent < 0:

@@ -12,6 +12,7 @@ Example:
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import logging
 import os
@@ -20,7 +21,16 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from runtimes.energy import JETSON_ROOT, POWERCAP_ROOT, probe_sources
+from runtimes.energy import (
+    GENERIC_CPU,
+    JETSON,
+    JETSON_ROOT,
+    NVIDIA_GPU,
+    POWERCAP_ROOT,
+    PROFILES,
+    PowerProfile,
+    probe_sources,
+)
 from runtimes.registry import available_backends
 
 logger = logging.getLogger(__name__)
@@ -62,6 +72,7 @@ class HardwareInfo:
     energy_sources: dict[str, str]
     energy_source: str
     notes: tuple[str, ...] = field(default=())
+    power_profile: str = GENERIC_CPU.name  # `runtimes.energy.PROFILES` key: how energy is modeled here
 
     def to_json(self) -> dict[str, Any]:
         doc = asdict(self)
@@ -173,4 +184,23 @@ def probe(*, proc_root: Path = Path("/proc"), powercap_root: Path = POWERCAP_ROO
         physical_cores=physical or logical, usable_cores=usable, memory_bytes=_memory_bytes(proc_root),
         gpus=gpus, gpu_note=gpu_note, openvino_devices=ov_devices, backends=available_backends(),
         energy_sources=sources, energy_source=usable_sources[0] if usable_sources else "modeled",
-        notes=tuple(notes))
+        notes=tuple(notes), power_profile=_power_profile_name(sources, gpus))
+
+
+def _power_profile_name(sources: dict[str, str], gpus: tuple[GpuInfo, ...]) -> str:
+    """A Jetson board (its power rails) or a machine with an NVIDIA GPU has its own profile; else a CPU."""
+    if sources.get("jetson") == "ok":
+        return JETSON.name
+    if gpus:
+        return NVIDIA_GPU.name
+    return GENERIC_CPU.name
+
+
+@functools.cache
+def machine_power_profile() -> PowerProfile:
+    """This machine's power profile, chosen once per process by the probe (without asking OpenVINO).
+
+    The compiler records energy with it and the agent and its controller model energy with it, so that
+    every modeled figure made on one machine carries the same `modeled:<name>` label.
+    """
+    return PROFILES[probe(openvino=False).power_profile]

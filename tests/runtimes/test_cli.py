@@ -9,7 +9,8 @@ import pytest
 from sdk.cli import main
 
 KEYS = {"system", "machine", "python", "cpu_model", "isa", "logical_cores", "physical_cores", "usable_cores",
-        "memory_bytes", "gpus", "gpu_note", "openvino_devices", "backends", "energy_sources", "energy_source", "notes"}
+        "memory_bytes", "gpus", "gpu_note", "openvino_devices", "backends", "energy_sources", "energy_source", "notes",
+        "power_profile"}
 
 
 def test_doctor_json(capsys: pytest.CaptureFixture[str]) -> None:
