@@ -57,7 +57,15 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[
     p.add_argument("--sign-key", metavar="KEY", help="Ed25519 private key (PEM) to sign every package")
     p.add_argument("--batch-sizes", default="1", metavar="N[,N...]",
                    help="batch sizes to time; the first is the default the recommendation is made for (default: 1)")
-    p.add_argument("--task", choices=("classification", "embedding", "regression"),
+    p.add_argument("--decoder", choices=("ctc-greedy", "argmax"),
+                   help="read a sequence output [N, T, C] this way (default ctc-greedy; implies --task sequence)")
+    p.add_argument("--min-rows-unchanged", type=float, metavar="SHARE",
+                   help="sequences: least share of rows whose decoded sequence is unchanged (default 0.99)")
+    p.add_argument("--max-char-error", type=float, metavar="RATE",
+                   help="sequences: most character error rate against the fp32 decoding (default: unbounded)")
+    p.add_argument("--max-time", type=float, metavar="SECONDS",
+                   help="end the rung search after SECONDS with the best rung found so far (the report says so)")
+    p.add_argument("--task", choices=("classification", "embedding", "regression", "sequence"),
                    help="how fidelity is measured (default: inferred)")
     p.add_argument("--name", help="model name (default: the file stem)")
     p.add_argument("--version", dest="model_version", default="1", help="model version (default: 1)")
@@ -112,6 +120,15 @@ def _one_line_errors() -> Iterator[None]:
         raise CompileError(msg) from exc
 
 
+def seconds_line(build: dict[str, Any]) -> str:
+    """Where the compile's time went, and whether the search was cut short."""
+    secs = build.get("seconds", {})
+    line = "seconds: " + ", ".join(f"{k} {v:.1f}" for k, v in secs.items())
+    if build.get("cut_short"):
+        line += f"\nsearch cut short: {build['cut_short']}"
+    return line
+
+
 def run(args: argparse.Namespace) -> int:
     """Run `tierkit compile` with parsed arguments; print the report."""
     from compilers.compile import compile_model
@@ -124,7 +141,8 @@ def run(args: argparse.Namespace) -> int:
         model, kwargs["example_inputs"] = _factory(model, args.calibration)
     if args.max_drop is not None:
         kwargs["max_drop"] = args.max_drop
-    for name in ("max_slice_error", "metric", "max_metric_drop"):
+    for name in ("max_slice_error", "metric", "max_metric_drop", "decoder", "min_rows_unchanged", "max_char_error",
+                 "max_time"):
         if getattr(args, name) is not None:
             kwargs[name] = getattr(args, name)
     # Libraries underneath may print to stdout; keep it for the report (JSON must stay parseable).
@@ -138,10 +156,12 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         doc = {"output": str(vs.directory), "name": vs.name, "target": vs.target,
                "recommended": vs.recommended.id, "baseline": vs.build.get("baseline"),
-               "batch_sizes": list(sizes), "variants": rows}
+               "batch_sizes": list(sizes), "variants": rows, "seconds": vs.build.get("seconds", {}),
+               "cut_short": vs.build.get("cut_short", "")}
         print(json.dumps(doc, indent=2))
     else:
         print(format_table(rows, sizes))
+        print(seconds_line(vs.build))
         print(f"\nwrote {len(vs)} variant(s) to {vs.directory}; recommended: {vs.recommended.id}")
     failed = [r for r in vs.rejected if r.get("stage") not in ("unavailable", "skipped")]
     if args.strict and failed:

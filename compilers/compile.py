@@ -37,6 +37,7 @@ from compilers.fidelity import DEFAULT_MAX_SLICE_ERROR, Guard
 from compilers.ladder import Ladder
 from compilers.package import sha256_file
 from compilers.recipes import PruneConfig, Target, get_target
+from compilers.sequence import DEFAULT_DECODER, DEFAULT_MIN_ROWS_UNCHANGED, check_decoder
 from compilers.signing import load_private_key
 from compilers.variants import VariantSet, is_variant_set
 from runtimes.errors import ConfigError
@@ -68,7 +69,9 @@ def compile_model(model: Any, *, output: str | Path, target: str | Target | Path
                   metric: Any = None, max_metric_drop: float = 0.01, prune: float | PruneConfig | None = None,
                   sign_key: Ed25519PrivateKey | str | Path | None = None, name: str | None = None,
                   version: str = "1", batch_sizes: Sequence[int] = (1,), task: str | None = None,
-                  strict: bool = False, progress: bool = True, threads: int | None = None) -> VariantSet:
+                  strict: bool = False, progress: bool = True, threads: int | None = None,
+                  decoder: str | None = None, min_rows_unchanged: float = DEFAULT_MIN_ROWS_UNCHANGED,
+                  max_char_error: float | None = None, max_time: float | None = None) -> VariantSet:
     """Compile `model` into a ladder of variants for `target`, each checked against the fp32 reference.
 
     Args:
@@ -96,7 +99,17 @@ def compile_model(model: Any, *, output: str | Path, target: str | Target | Path
         name: model name (default: the file stem or class name).
         version: model version recorded in every manifest.
         batch_sizes: batch sizes to time; the first is the default the recommendation is made for.
-        task: "classification", "embedding" or "regression" (default: inferred).
+        task: "classification", "embedding", "regression" or "sequence" (default: inferred; an `[N, T, C]`
+            output of per-step probabilities is a sequence).
+        decoder: how a sequence output is read ("ctc-greedy", the default, or "argmax"; see
+            `compilers.sequence`); giving one makes the task a sequence.
+        min_rows_unchanged: sequences: least share of validation rows whose decoded sequence must equal
+            the reference's (default 0.99).
+        max_char_error: sequences: most character error rate against the reference (default: unbounded
+            beyond `min_rows_unchanged`).
+        max_time: seconds the rung search may take: once spent (and one rung kept), the rungs not yet
+            built are refused ("cut short"), repair searches stop, and the best rung found so far is
+            recommended; timing and writing follow.
         strict: raise `FidelityError` as soon as a variant fails the guard after repair.
         progress: show a progress bar on stderr.
         threads: intra-op threads for validation and timing (default: all cores).
@@ -119,7 +132,14 @@ def compile_model(model: Any, *, output: str | Path, target: str | Target | Path
         wanted = [Precision.parse(p).value for p in asked if p]
         rungs = spec.rungs_for(wanted)
     guard = Guard(max_drop=max_drop, min_cosine=min_cosine, max_slice_error=max_slice_error,
-                  max_metric_drop=max_metric_drop)
+                  max_metric_drop=max_metric_drop, min_rows_unchanged=min_rows_unchanged,
+                  max_char_error=max_char_error)
+    if decoder is not None:
+        check_decoder(decoder)
+        task = task or Task.SEQUENCE.value
+    if max_time is not None and max_time <= 0:
+        msg = f"max_time {max_time!r} must be a number of seconds > 0"
+        raise ConfigError(msg)
     if metric is not None and not callable(metric):
         metric = load_metric(str(metric))
     sizes = _batch_sizes(batch_sizes)
@@ -142,10 +162,11 @@ def compile_model(model: Any, *, output: str | Path, target: str | Target | Path
         ladder = Ladder(source=source, target=spec, rungs=rungs, calibration=calib, validation=val, guard=guard,
                         task=task, batch_sizes=sizes, threads=threads or os.cpu_count() or 1, work=work,
                         strict=strict, progress=progress, prune=prune_config, metric=metric,
-                        generated_data=calib.origin == GENERATED_ORIGIN)
+                        generated_data=calib.origin == GENERATED_ORIGIN, decoder=decoder or DEFAULT_DECODER,
+                        max_time=max_time)
         arguments = {"precisions": wanted, "max_drop": max_drop, "min_cosine": min_cosine, "batch_sizes": list(sizes),
                      "task": task, "strict": strict, "prune": prune_config.to_json() if prune_config else None,
-                     "target": spec.name}
+                     "target": spec.name, "decoder": decoder, "max_time": max_time}
         return ladder.run(out, name=name or _default_name(model), version=version, sign_key=key,
                           arguments=arguments)
 

@@ -4,6 +4,8 @@ Figures (all measured on the same validation inputs):
 
 - classifiers: top-1 agreement with the reference, task accuracy and the reference's accuracy when
   labels exist, and the drop in points (accuracy drop with labels, disagreement without);
+- sequences (`[N, T, C]` read through a decoder, `compilers.sequence`): the share of rows whose decoded
+  sequence is unchanged and the character error rate;
 - every task: cosine similarity per sample (mean and min) and max abs error;
 - every output, not only the first (`measure_outputs`): the max error relative to that output's
   scale (max |reference|), which is what an fp32 rung is held to (`FP32_BOUND`), and the worst
@@ -33,6 +35,7 @@ from typing import Any
 
 import numpy as np
 
+from compilers.sequence import DEFAULT_DECODER, DEFAULT_MIN_ROWS_UNCHANGED, measure_sequences
 from runtimes.errors import ConfigError
 from runtimes.spec import Task
 
@@ -50,12 +53,15 @@ _SCALE_FLOOR = 1e-6  # slices whose RMS is below this share of the output's max 
 
 
 def measure_outputs(reference: Mapping[str, np.ndarray], outputs: Mapping[str, np.ndarray], *,
-                    judged_by_task: str | None = None) -> tuple[dict[str, float], str]:
+                    judged_by_task: str | None = None,
+                    sample_axes: Mapping[str, int | None] | None = None) -> tuple[dict[str, float], str]:
     """Numeric fidelity over every output: `max_rel_error` and `slice_error_max`, and where the worst slice is.
 
     Outputs are compared by name; each must have the reference's shape (samples on axis 0).
     `judged_by_task` names a classifier's logits, which the task's accuracy judges: they count toward
     `max_rel_error` but not the slice check (a pruned classifier's logits move while its answers hold).
+    `sample_axes` names outputs whose samples are not on axis 0 (a recurrent state `[layers, N, hidden]`):
+    they are moved first, so that the slice axes are the same for every layout.
     """
     fid = {"max_rel_error": 0.0, "slice_error_max": 0.0}
     where = ""
@@ -63,8 +69,11 @@ def measure_outputs(reference: Mapping[str, np.ndarray], outputs: Mapping[str, n
         if name not in outputs:
             msg = f"variant has no output {name!r}; the reference has {sorted(reference)}"
             raise ConfigError(msg)
+        axis = (sample_axes or {}).get(name, 0)
         ref = np.asarray(ref_value, np.float64)
         out = np.asarray(outputs[name], np.float64)
+        if axis and ref.ndim > axis and out.ndim > axis:
+            ref, out = np.moveaxis(ref, axis, 0), np.moveaxis(out, axis, 0)
         if ref.shape != out.shape:
             msg = f"output {name!r}: variant shape {list(out.shape)} differs from the reference's {list(ref.shape)}"
             raise ConfigError(msg)
@@ -96,8 +105,12 @@ def measure_outputs(reference: Mapping[str, np.ndarray], outputs: Mapping[str, n
     return fid, where
 
 
-def measure(reference: np.ndarray, outputs: np.ndarray, labels: np.ndarray | None, *, task: str) -> dict[str, float]:
-    """Fidelity of `outputs` against `reference` (first output of each, samples on axis 0)."""
+def measure(reference: np.ndarray, outputs: np.ndarray, labels: np.ndarray | None, *, task: str,
+            decoder: str = DEFAULT_DECODER) -> dict[str, float]:
+    """Fidelity of `outputs` against `reference` (first output of each, samples on axis 0).
+
+    A sequence task's `[N, T, C]` output is also decoded with `decoder` (`compilers.sequence`).
+    """
     ref = np.asarray(reference, dtype=np.float64)
     out = np.asarray(outputs, dtype=np.float64)
     if ref.shape != out.shape:
@@ -122,6 +135,8 @@ def measure(reference: np.ndarray, outputs: np.ndarray, labels: np.ndarray | Non
             fid["accuracy"] = float((out_top == y).mean())
             fid["reference_accuracy"] = float((ref_top == y).mean())
             fid["drop_points"] = 100.0 * (fid["reference_accuracy"] - fid["accuracy"])
+    if task == Task.SEQUENCE and ref.ndim == 3:
+        fid.update(measure_sequences(ref, out, decoder))
     return fid
 
 
@@ -147,6 +162,9 @@ class Guard:
         fp32_bound: most max error relative to each output's scale for an fp32 rung of the same graph;
             an fp32 rung is held to this bound, not to accuracy.
         max_metric_drop: most the user metric may fall below the reference's value (its own units).
+        min_rows_unchanged: sequences: least share of rows whose decoded sequence equals the reference's.
+        max_char_error: sequences: most character error rate against the reference's decoded sequences
+            (None: not bounded beyond `min_rows_unchanged`).
     """
 
     max_drop: float = 1.0
@@ -154,6 +172,8 @@ class Guard:
     max_slice_error: float = DEFAULT_MAX_SLICE_ERROR
     fp32_bound: float = FP32_BOUND
     max_metric_drop: float = 0.01
+    min_rows_unchanged: float = DEFAULT_MIN_ROWS_UNCHANGED
+    max_char_error: float | None = None
 
     def __post_init__(self) -> None:
         if not 0 <= self.max_drop <= 100:
@@ -166,6 +186,10 @@ class Guard:
             msg = (f"max_slice_error {self.max_slice_error!r} and fp32_bound {self.fp32_bound!r} must be > 0, "
                    f"max_metric_drop {self.max_metric_drop!r} >= 0")
             raise ConfigError(msg)
+        if not 0 <= self.min_rows_unchanged <= 1 or (self.max_char_error is not None and self.max_char_error < 0):
+            msg = (f"min_rows_unchanged {self.min_rows_unchanged!r} must be in [0, 1] and max_char_error "
+                   f"{self.max_char_error!r} >= 0")
+            raise ConfigError(msg)
 
     def required(self, task: str, *, numeric: bool = False) -> dict[str, float]:
         """The limits for `task`; `numeric` for an fp32 rung of the reference graph (held to `fp32_bound`)."""
@@ -174,6 +198,12 @@ class Guard:
         req: dict[str, float]
         if task == Task.CLASSIFICATION:
             req = {"max_drop_points": self.max_drop}
+            if self.min_cosine is not None:
+                req["min_cosine_mean"] = self.min_cosine
+        elif task == Task.SEQUENCE:
+            req = {"min_sequence_rows_unchanged": self.min_rows_unchanged}
+            if self.max_char_error is not None:
+                req["max_char_error_rate"] = self.max_char_error
             if self.min_cosine is not None:
                 req["min_cosine_mean"] = self.min_cosine
         else:
@@ -193,6 +223,7 @@ class Guard:
             problems.append(f"{kind} {fid['drop_points']:.2f} points > {req['max_drop_points']:g} allowed")
         if "min_cosine_mean" in req and fid["cosine_mean"] < req["min_cosine_mean"]:
             problems.append(f"mean cosine {fid['cosine_mean']:.4f} < {req['min_cosine_mean']:g} required")
+        problems += _sequence_problems(fid, req)
         if "max_slice_error" in req and fid.get("slice_error_max", 0.0) > req["max_slice_error"]:
             at = f" at {where}" if where else ""
             problems.append(f"slice error {fid['slice_error_max']:.3f}{at} > {req['max_slice_error']:g} allowed "
@@ -206,6 +237,22 @@ class Guard:
         if not problems:
             return Verdict(True, "within limits", req)
         return Verdict(False, "; ".join(problems), req)
+
+
+def _sequence_problems(fid: dict[str, float], req: dict[str, float]) -> list[str]:
+    problems = []
+    if "min_sequence_rows_unchanged" in req:
+        unchanged = fid.get("sequence_rows_unchanged", 0.0)
+        if unchanged < req["min_sequence_rows_unchanged"] - 1e-12:
+            rows = int(fid.get("sequence_rows", 0))
+            changed = round((1 - unchanged) * rows)
+            problems.append(f"decoded sequences changed on {100 * (1 - unchanged):.1f}% of rows ({changed} of {rows}; "
+                            f"char error {100 * fid.get('char_error_rate', 0.0):.2f}%) > "
+                            f"{100 * (1 - req['min_sequence_rows_unchanged']):g}% allowed")
+    if "max_char_error_rate" in req and fid.get("char_error_rate", 0.0) > req["max_char_error_rate"]:
+        problems.append(f"character error rate {100 * fid['char_error_rate']:.2f}% > "
+                        f"{100 * req['max_char_error_rate']:g}% allowed")
+    return problems
 
 
 def _log_softmax(z: np.ndarray) -> np.ndarray:

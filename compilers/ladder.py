@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import sys
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,12 +26,13 @@ from compilers import report
 from compilers.calibration import CalibrationData
 from compilers.fidelity import Guard, Verdict, classifier_calibration, measure, measure_outputs
 from compilers.golden import GOLDEN_SAMPLES
-from compilers.measure import latency_record, modeled_energy, time_runners
+from compilers.measure import TimingPlan, latency_record, modeled_energy, time_runners
 from compilers.passes import PassContext, PassSkipped, run_pass
-from compilers.passes.execute import Runner, open_runner, run_all
+from compilers.passes.execute import Runner, open_runner, output_axes, run_all, samples_first, take_samples
 from compilers.recipes import PruneConfig, Rung, Target, native_precisions, probe_host
+from compilers.sequence import DEFAULT_DECODER, looks_like_sequence
 from compilers.variants import VariantSet
-from runtimes.errors import BackendUnavailable, CompileError, FidelityError, InferenceError
+from runtimes.errors import BackendUnavailable, CompileError, ConfigError, FidelityError, InferenceError
 from runtimes.registry import available_backends
 from runtimes.spec import Task
 
@@ -40,6 +42,10 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 _OOD_SAMPLES = 512
+# A first low-precision build is repaired only when it runs at least this share of fp32's speed (the margin
+# covers timing noise on a loaded host); the short plan costs about a second per repaired rung.
+REPAIR_MIN_SPEEDUP = 0.9
+REPAIR_TIMING = TimingPlan(budget_s=0.5, rounds=3)
 _EXTRA = {"openvino": "openvino", "tensorrt": "tensorrt", "torch": "torch", "onnxruntime": "onnx"}
 
 
@@ -69,6 +75,7 @@ class Candidate:
     calib_outputs: np.ndarray | None = None
     executed_precision: str = ""
     golden_outputs: dict[str, np.ndarray] = field(default_factory=dict)
+    seconds: dict[str, float] = field(default_factory=dict)  # build, validate, time: where this rung's time went
 
 
 @dataclass
@@ -91,12 +98,17 @@ class Ladder:
     metric: Any = None  # user metric: (outputs by name, labels or None) -> float, higher is better
     generated_data: bool = False  # no data was given: inputs were generated, fp32 rungs only
     probe: dict[str, Any] | None = None  # `tierkit doctor`'s probe, read when a rung depends on it
+    decoder: str = DEFAULT_DECODER  # how a sequence task's output is read (compilers.sequence)
+    max_time: float | None = None  # seconds for the rung search; past them, the rest is refused as cut short
     rejected: list[dict[str, Any]] = field(default_factory=list)
     # Filled in by run(): reference outputs on the validation data and on the OOD calibration subset,
     # the fp32 baseline's latency, and each evaluated artifact's validation outputs.
     ref_val: np.ndarray = field(init=False)
     ref_outputs: dict[str, np.ndarray] = field(init=False)
     ref_cal: np.ndarray = field(init=False)
+    # each output's sample axis (execute.output_axes): outputs are joined, sliced and compared along it;
+    # `ref_val`, `ref_cal` and candidates' `outputs` hold the primary output with its samples first
+    out_axes: dict[str, int | None] = field(default_factory=dict)
     baseline_latency: dict[str, Any] = field(init=False)
     _ood_data: CalibrationData = field(init=False)
     _outputs: dict[str, np.ndarray] = field(default_factory=dict)
@@ -107,38 +119,73 @@ class Ladder:
     # the rung being built: its precision is pinned in every session that evaluates it, and an
     # unpruned fp32 rung is held to the numeric bound
     _building: tuple[str, bool] = ("fp32", True)
+    # where the compile's time went: per step (reference, rungs, timing, write) and the validation
+    # seconds of the rung being built; `cut_short` says the search ended at max_time
+    seconds: dict[str, float] = field(default_factory=dict)
+    cut_short: str = ""
+    _eval_s: float = 0.0
+    _deadline: float | None = None
 
     def run(self, out: Path, *, name: str, version: str, sign_key: Ed25519PrivateKey | None,
             arguments: dict[str, Any]) -> VariantSet:
         """Build every rung on every base, time the survivors, write the packages and the index."""
         rungs = self._available_rungs()
         total = 3 + len(rungs) * (2 if self.prune else 1)
+        started = time.monotonic()
+        self._deadline = None if self.max_time is None else started + self.max_time
         with tqdm(total=total, desc="reference", file=sys.stderr, disable=not self.progress, unit="step") as bar:
             self._reference()
+            self.seconds["reference"] = round(time.monotonic() - started, 2)
             bar.update()
             bases = [Base("", self.source.onnx, self.source.torch_model, [self.source.record])]
             if self.prune is not None:
                 bar.set_description(f"prune {self.prune.ratio:.0%} + recovery")
                 bases.append(self._pruned_base())
-            candidates = []
+            candidates: list[Candidate] = []
             for base in bases:
                 for rung in rungs:
                     vid = "-".join(filter(None, (base.label, rung.id)))
                     bar.set_description(f"build+validate {vid}")
-                    cand = self._build(vid, base, rung)
+                    cand = self._timed_build(vid, base, rung, may_cut=bool(candidates))
                     if cand is not None:
                         candidates.append(cand)
                     bar.update()
+            self.seconds["rungs"] = round(time.monotonic() - started - self.seconds["reference"], 2)
             if not candidates:
                 raise self._nothing_kept()
             bar.set_description("timing")
+            mark = time.monotonic()
             baseline = self._time(candidates)
+            self.seconds["timing"] = round(time.monotonic() - mark, 2)
             bar.update()
             bar.set_description("write packages")
             vs = report.write(out, self, candidates, baseline, name=name, version=version, sign_key=sign_key,
                               arguments=arguments)
             bar.update()
         return vs
+
+    def _timed_build(self, vid: str, base: Base, rung: Rung, *, may_cut: bool) -> Candidate | None:
+        """`_build`, refused unbuilt once `max_time` is spent and a rung is kept (`may_cut`); records where the
+        rung's seconds went."""
+        entry = {"id": vid, "precision": rung.precision, "runtime": rung.runtime,
+                 "passes": [p.name for p in rung.passes]}
+        now = time.monotonic()
+        if may_cut and self._deadline is not None and now > self._deadline:
+            assert self.max_time is not None
+            self.cut_short = (f"max_time {self.max_time:g} s was spent; rungs not built: "
+                              + ", ".join(filter(None, (self.cut_short.partition(": ")[2], vid))))
+            self.rejected.append({**entry, "stage": "cut short",
+                                  "reason": f"not built: max_time {self.max_time:g} s was spent before it"})
+            return None
+        self._eval_s = 0.0
+        cand = self._build(vid, base, rung)
+        spent = time.monotonic() - now
+        seconds = {"build": round(spent - self._eval_s, 2), "validate": round(self._eval_s, 2)}
+        if cand is not None:
+            cand.seconds = seconds
+        elif self.rejected and self.rejected[-1]["id"] == vid:
+            self.rejected[-1]["seconds"] = seconds
+        return cand
 
     # -- reference ------------------------------------------------------------------------------
 
@@ -159,9 +206,11 @@ class Ladder:
             runner = open_runner(self.source.onnx, "onnxruntime", threads=self.threads)
             try:
                 first = self.primary
-                self.ref_outputs = run_all(runner, self.validation.batches(batch))
-                self.ref_val = self.ref_outputs[first]
-                self.ref_cal = run_all(runner, self._ood_data.batches(batch))[first]
+                self.out_axes = output_axes(runner, self.validation, self.source.inputs, self.source.outputs)
+                self.ref_outputs = run_all(runner, self.validation.batches(batch), self.out_axes)
+                self.ref_val = samples_first(self.ref_outputs[first], self.out_axes.get(first, 0))
+                ood = run_all(runner, self._ood_data.batches(batch), self.out_axes)[first]
+                self.ref_cal = samples_first(ood, self.out_axes.get(first, 0))
             except InferenceError as exc:
                 msg = f"the fp32 reference does not run on the given data: {exc}"
                 raise CompileError(msg) from exc
@@ -169,6 +218,10 @@ class Ladder:
                 runner.close()
         if self.task is None:
             self.task = self._infer_task()
+        if self.task == Task.SEQUENCE and self.ref_val.ndim != 3:
+            msg = (f"task 'sequence' needs an output [samples, steps, symbols]; {self.primary!r} is "
+                   f"{list(self.ref_val.shape)}")
+            raise ConfigError(msg)
         if self.metric is not None:
             self._reference_metric = self._user_metric(self.ref_outputs)
         self._golden()
@@ -188,14 +241,21 @@ class Ladder:
         first = self.source.inputs[0].shape[0] if self.source.inputs[0].shape else None
         rows = first if isinstance(first, int) and first > 0 else min(GOLDEN_SAMPLES, len(self.validation))
         self.golden_inputs = self.validation.batch(rows)
-        self.golden_reference = {k: v[:rows] for k, v in self.ref_outputs.items()}
+        self.golden_reference = {k: take_samples(v, self.out_axes.get(k, 0), rows)
+                                 for k, v in self.ref_outputs.items()}
 
     def _infer_task(self) -> str:
-        """Labels, or a 2-D output of at most 1,000 columns that is not L2-normalised, mean a classifier."""
+        """Labels, or a 2-D output of 2 to 1,000 columns that is not L2-normalised, mean a classifier."""
         ref = self.ref_val
+        if looks_like_sequence(ref):
+            logger.info("task inferred as sequence from the output shape %s (per-step probabilities; read with %s, "
+                        "pass task= to override)", list(ref.shape), self.decoder)
+            return Task.SEQUENCE.value
         normalised = ref.ndim == 2 and bool(np.allclose(np.linalg.norm(ref, axis=1), 1.0, atol=1e-3))
-        if self.validation.labels is not None or (ref.ndim == 2 and ref.shape[1] <= 1000 and not normalised):
+        if self.validation.labels is not None or (ref.ndim == 2 and 2 <= ref.shape[1] <= 1000 and not normalised):
             task = Task.CLASSIFICATION.value
+        elif ref.ndim == 2 and ref.shape[1] == 1:
+            task = Task.REGRESSION.value  # one score per sample (a VAD's speech probability): argmax says nothing
         else:
             task = Task.EMBEDDING.value
         logger.info("task inferred as %s from the output shape %s (pass task= to override)", task, list(ref.shape))
@@ -261,12 +321,19 @@ class Ladder:
         The session pins the precision of the rung being built; every output is compared, and an
         unpruned fp32 rung is held to the numeric bound instead of accuracy.
         """
+        started = time.monotonic()
+        try:
+            return self._evaluate(artifact, runtime)
+        finally:
+            self._eval_s += time.monotonic() - started
+
+    def _evaluate(self, artifact: Path, runtime: str) -> tuple[dict[str, float], Verdict]:
         precision, numeric = self._building
         runner = open_runner(artifact, runtime, threads=self.threads, device=self._device(runtime),
                              precision=precision)
         try:
             executed = str(getattr(runner, "precision", precision))
-            outputs = run_all(runner, self.validation.batches(self._eval_batch()))
+            outputs = run_all(runner, self.validation.batches(self._eval_batch()), self.out_axes)
         finally:
             runner.close()
         if executed != precision:
@@ -274,17 +341,48 @@ class Ladder:
                    f"({'no native ' + precision if precision in ('bf16', 'fp16') else 'precision not pinned'})")
             raise CompileError(msg)
         first = self.primary
-        values = outputs.get(first, next(iter(outputs.values())))
+        values = samples_first(outputs.get(first, next(iter(outputs.values()))), self.out_axes.get(first, 0))
         self._outputs[str(artifact)] = values
         self._executed[str(artifact)] = executed
-        fid = measure(self.ref_val, values, self.validation.labels, task=str(self.task))
+        fid = measure(self.ref_val, values, self.validation.labels, task=str(self.task), decoder=self.decoder)
         classified = first if self.task == Task.CLASSIFICATION and self.ref_val.ndim == 2 else None
-        numeric_fid, where = measure_outputs(self.ref_outputs, outputs, judged_by_task=classified)
+        numeric_fid, where = measure_outputs(self.ref_outputs, outputs, judged_by_task=classified,
+                                             sample_axes=self.out_axes)
         fid.update(numeric_fid)
         if self._reference_metric is not None:
             fid["metric"] = self._user_metric(outputs)
             fid["reference_metric"] = self._reference_metric
         return fid, self.guard.check(fid, str(self.task), numeric=numeric, where=where)
+
+    def _repair_pays(self, artifact: Path, runtime: str) -> str:
+        """"" when `artifact` (a first build that failed the guard) runs faster than the fp32 reference at the
+        default batch size; else why repairing it cannot pay.
+
+        A repair keeps more of the graph in fp32, so the repaired rung is no faster than this first build,
+        and the recommendation never takes a rung slower than fp32: on a CPU where int8 does not pay (AVX2
+        without VNNI), the repair search (NNCF's accuracy control: one compile per quantizer group) would
+        be the longest step of the compile for a rung nobody would run.
+        """
+        batch = self.batch_sizes[0]
+        precision, _ = self._building
+        runners: dict[str, Runner] = {}
+        try:
+            runners["fp32"] = open_runner(self.source.onnx, "onnxruntime", threads=self.threads)
+            runners["first"] = open_runner(artifact, runtime, threads=self.threads, device=self._device(runtime),
+                                           precision=precision)
+            timing = time_runners(runners, {batch: self.validation.batch(batch)}, plan=REPAIR_TIMING)
+        except Exception:  # cannot tell: repair as usual, and the rung is judged when timed with the others
+            logger.debug("could not time %s before repairing it", artifact, exc_info=True)
+            return ""
+        finally:
+            for r in runners.values():
+                r.close()
+        key = f"batch_{batch}"
+        ratio = timing["fp32"][key]["p50"] / max(timing["first"][key]["p50"], 1e-9)
+        if ratio >= REPAIR_MIN_SPEEDUP:
+            return ""
+        return (f"not repaired: before repair it runs at {ratio:.2f}x fp32 at batch {batch} here (< "
+                f"{REPAIR_MIN_SPEEDUP:g}x), and keeping layers in fp32 would make it slower still")
 
     def _user_metric(self, outputs: dict[str, np.ndarray]) -> float:
         try:
@@ -301,7 +399,8 @@ class Ladder:
                           validation=self.validation, task=str(self.task), guard=self.guard, evaluate=self.evaluate,
                           threads=self.threads, batch_sizes=self.batch_sizes, torch_model=base.torch_model,
                           example_inputs=self.source.example_inputs, device=self._device(rung.runtime),
-                          reference=self.ref_val, outputs=self.source.outputs)
+                          reference=self.ref_val, outputs=self.source.outputs, deadline=self._deadline,
+                          decoder=self.decoder, repair_pays=self._repair_pays)
         artifact, records = base.onnx, list(base.records)
         entry = {"id": vid, "precision": rung.precision, "runtime": rung.runtime,
                  "passes": [p.name for p in rung.passes]}
@@ -390,14 +489,17 @@ class Ladder:
             if baseline is None:
                 baseline = report.REFERENCE_ID
                 runners[baseline] = open_runner(self.source.onnx, "onnxruntime", threads=self.threads)
-            timing = time_runners(runners, inputs)
+            spent: dict[str, float] = {}
+            timing = time_runners(runners, inputs, spent=spent)
             for c in candidates:
                 c.golden_outputs = runners[c.id].run(self.golden_inputs)
             for c in candidates:
+                c.seconds["time"] = round(spent.get(c.id, 0.0), 2)
                 c.latency = latency_record(timing[c.id], self.threads)
                 if self.task == Task.CLASSIFICATION and c.outputs.ndim == 2:
-                    outs = run_all(runners[c.id], self._ood_data.batches(self._eval_batch()))
-                    c.calib_outputs = outs.get(self.primary, next(iter(outs.values())))
+                    outs = run_all(runners[c.id], self._ood_data.batches(self._eval_batch()), self.out_axes)
+                    c.calib_outputs = samples_first(outs.get(self.primary, next(iter(outs.values()))),
+                                                    self.out_axes.get(self.primary, 0))
                     c.calibration = classifier_calibration(c.outputs, self.ref_val, self.validation.labels,
                                                            c.calib_outputs)
             self.baseline_latency = latency_record(timing[baseline], self.threads)

@@ -65,6 +65,7 @@ class Manifest:
     build: dict[str, Any] = field(default_factory=dict)
     golden: dict[str, Any] = field(default_factory=dict)
     preprocess: dict[str, Any] = field(default_factory=dict)
+    decoder: str = ""
     created_at: str = ""
     schema_version: int = SCHEMA_VERSION
 

@@ -50,10 +50,6 @@ class TimingPlan:
     min_block: int = 3
 
 
-# A 2-to-4-core laptop or edge x86 CPU with the inference threads busy.
-DEFAULT_CPU_PROFILE = PowerProfile("cpu-15w", busy_watts=15.0)
-
-
 def host_cpu() -> str:
     """The build host's CPU model name."""
     try:
@@ -66,13 +62,15 @@ def host_cpu() -> str:
 
 
 def time_runners(runners: Mapping[str, Runner], inputs: Mapping[int, Mapping[str, np.ndarray]], *,
-                 plan: TimingPlan | None = None) -> dict[str, dict[str, dict[str, float]]]:
+                 plan: TimingPlan | None = None,
+                 spent: dict[str, float] | None = None) -> dict[str, dict[str, dict[str, float]]]:
     """p50/p95/mean milliseconds per runner and batch size, timed interleaved.
 
     Args:
         runners: variant id -> open session.
         inputs: batch size -> the input dict of that batch size.
         plan: time budget and rounds.
+        spent: filled with the wall seconds each runner's calls took (warm-up, settling and timed calls).
 
     Returns:
         variant id -> {"batch_<n>": {"p50", "p95", "mean", "iterations"}}.
@@ -80,6 +78,7 @@ def time_runners(runners: Mapping[str, Runner], inputs: Mapping[int, Mapping[str
     plan = plan or TimingPlan()
     out: dict[str, dict[str, dict[str, float]]] = {k: {} for k in runners}
     ids = list(runners)
+    spent = spent if spent is not None else {}
     for batch_size, feed in inputs.items():
         per_call = {}
         for vid in ids:
@@ -87,6 +86,7 @@ def time_runners(runners: Mapping[str, Runner], inputs: Mapping[int, Mapping[str
             for _ in range(plan.warmup):
                 runners[vid].run(feed)
             per_call[vid] = max((time.perf_counter() - t0) / plan.warmup, 1e-6)
+            spent[vid] = spent.get(vid, 0.0) + time.perf_counter() - t0
         slot = plan.budget_s / plan.rounds / max(len(ids), 1)
         samples: dict[str, list[float]] = {vid: [] for vid in ids}
         for r in range(plan.rounds):
@@ -95,11 +95,13 @@ def time_runners(runners: Mapping[str, Runner], inputs: Mapping[int, Mapping[str
                 n = max(1, round(slot / per_call[vid]))
                 n = max(n, -(-plan.min_iterations // plan.rounds), plan.min_block)
                 run = runners[vid].run
+                block = time.perf_counter()
                 _settle(run, feed, plan)
                 for _ in range(n):
                     t0 = time.perf_counter()
                     run(feed)
                     samples[vid].append(time.perf_counter() - t0)
+                spent[vid] = spent.get(vid, 0.0) + time.perf_counter() - block
         for vid, values in samples.items():
             ms = np.asarray(values) * 1e3
             out[vid][f"batch_{batch_size}"] = {"p50": float(np.median(ms)), "p95": float(np.quantile(ms, 0.95)),
@@ -122,8 +124,16 @@ def latency_record(timing: Mapping[str, Mapping[str, float]], threads: int) -> d
 
 
 def modeled_energy(latency_ms: Mapping[str, Any], batch_size: int = 1,
-                   profile: PowerProfile = DEFAULT_CPU_PROFILE) -> dict[str, Any]:
-    """Energy per inference: the profile's busy watts × p50 latency at `batch_size`, per sample."""
+                   profile: PowerProfile | None = None) -> dict[str, Any]:
+    """Energy per inference: the profile's busy watts × p50 latency at `batch_size`, per sample.
+
+    `profile` defaults to the build host's (`runtimes.hardware.machine_power_profile`), the one the
+    agent and controller on that machine use too.
+    """
+    if profile is None:
+        from runtimes.hardware import machine_power_profile
+
+        profile = machine_power_profile()
     timing = latency_ms.get(f"batch_{batch_size}") or latency_ms.get("batch_1") or {}
     busy_s = float(timing.get("p50", 0.0)) / 1e3 / batch_size
     reading = runtime_energy.modeled_energy(profile, busy_s)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib.metadata
 import logging
 import shutil
+import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -40,6 +41,9 @@ def brief(fid: Mapping[str, float]) -> str:
         parts.append(f"acc {100 * fid['accuracy']:.2f}% (fp32 {100 * fid['reference_accuracy']:.2f}%)")
     if "top1_agreement" in fid:
         parts.append(f"agree {100 * fid['top1_agreement']:.2f}%")
+    if "sequence_rows_unchanged" in fid:
+        parts.append(f"rows unchanged {100 * fid['sequence_rows_unchanged']:.1f}%, "
+                     f"cer {100 * fid['char_error_rate']:.2f}%")
     if "cosine_mean" in fid:
         parts.append(f"cos {fid['cosine_mean']:.4f}")
     return ", ".join(parts)
@@ -99,6 +103,7 @@ def _copy_artifact(artifact: Path, directory: Path) -> str:
 def write(out: Path, ladder: Ladder, candidates: list[Candidate], baseline: str, *, name: str, version: str,
           sign_key: Ed25519PrivateKey | None, arguments: dict[str, Any]) -> VariantSet:
     """Write every candidate as a package under `out`, then the index; return the `VariantSet`."""
+    started = time.monotonic()
     _remove_previous(out)
     default = ladder.batch_sizes[0]
     recommended = _recommend(candidates, ladder.baseline_latency, default)
@@ -108,7 +113,7 @@ def write(out: Path, ladder: Ladder, candidates: list[Candidate], baseline: str,
                            "origin": ladder.validation.origin}}
     build = {"tools": tool_versions(), "arguments": arguments, "data": data, "host": host_cpu(),
              "threads": ladder.threads, "target": ladder.target.to_json(), "source": ladder.source.kind,
-             "baseline": baseline, "default_batch": default}
+             "baseline": baseline, "default_batch": default, "output_sample_axes": dict(ladder.out_axes)}
     entries = []
     for c in candidates:
         directory = out / c.id
@@ -130,6 +135,7 @@ def write(out: Path, ladder: Ladder, candidates: list[Candidate], baseline: str,
                             outputs=ladder.source.outputs, task=str(ladder.task), passes=tuple(c.records),
                             reference_sha256=ladder.source.sha256, fidelity=c.fidelity, latency_ms=c.latency,
                             energy=energy, calibration=calibration, golden=golden,
+                            decoder=ladder.decoder if ladder.task == "sequence" else "",
                             build={**build, "variant": c.id, "rung": c.rung.id, "base": c.base.label or "reference",
                                    "executed_precision": c.executed_precision})
         pkg = write_package(directory, manifest, sign_key=sign_key)
@@ -138,10 +144,13 @@ def write(out: Path, ladder: Ladder, candidates: list[Candidate], baseline: str,
                                     latency_ms=c.latency, size_bytes=pkg.manifest.size_bytes, energy=energy,
                                     recommended=c.id == recommended, batch_sizes=list(ladder.batch_sizes)))
     entries.sort(key=lambda e: e.cost_ms)
-    rows = report_rows(entries, ladder.rejected, ladder.baseline_latency, ladder.batch_sizes)
+    rows = report_rows(entries, ladder.rejected, ladder.baseline_latency, ladder.batch_sizes,
+                       {c.id: c.seconds for c in candidates})
+    ladder.seconds["write"] = round(time.monotonic() - started, 2)
+    ladder.seconds["total"] = round(sum(ladder.seconds.values()), 2)
     vs = VariantSet(out, name, ladder.target.name, tuple(entries), tuple(_jsonable(r) for r in ladder.rejected),
                     {**build, "report": rows, "baseline_latency_ms": ladder.baseline_latency,
-                     "signed": sign_key is not None})
+                     "signed": sign_key is not None, "seconds": dict(ladder.seconds), "cut_short": ladder.cut_short})
     vs.write()
     logger.info("wrote %d variant(s) to %s; recommended %s\n%s", len(entries), out, recommended,
                 format_table(rows, ladder.batch_sizes))
@@ -159,8 +168,13 @@ def _jsonable(value: Any) -> Any:
 
 
 def report_rows(entries: list[VariantEntry], rejected: list[dict[str, Any]], baseline: Mapping[str, Any],
-                batch_sizes: tuple[int, ...]) -> list[dict[str, Any]]:
-    """One row per variant, kept ones first (cheapest first), then the rejected ones."""
+                batch_sizes: tuple[int, ...],
+                seconds: Mapping[str, Mapping[str, float]] | None = None) -> list[dict[str, Any]]:
+    """One row per variant, kept ones first (cheapest first), then the rejected ones.
+
+    `seconds`: per kept variant, where its compile time went (build, validate, time).
+    """
+    seconds = seconds or {}
     rows: list[dict[str, Any]] = []
     sizes = tuple(dict.fromkeys((*batch_sizes, 1)))
     for e in entries:
@@ -173,16 +187,19 @@ def report_rows(entries: list[VariantEntry], rejected: list[dict[str, Any]], bas
                      "runtime": e.runtime, "passes": e.passes, "fidelity": _jsonable(e.fidelity),
                      "speedup_vs_fp32": speed,
                      "p50_ms": {k: round(e.latency_ms[k]["p50"], 4) for k in speed},
-                     "size_bytes": e.size_bytes, "energy_mj": round(float(e.energy.get("mj", float("nan"))), 4)})
+                     "size_bytes": e.size_bytes, "energy_mj": round(float(e.energy.get("mj", float("nan"))), 4),
+                     "seconds": dict(seconds.get(e.id, {}))})
     for r in rejected:
         rows.append({"id": r["id"], "status": "rejected" if r.get("stage") == "guard" else r.get("stage", "rejected"),
                      "precision": r["precision"], "runtime": r["runtime"], "passes": r.get("passes", []),
                      "fidelity": _jsonable(r.get("measured", {})), "reason": r["reason"],
-                     "required": r.get("required", {})})
+                     "required": r.get("required", {}), "seconds": dict(r.get("seconds", {}))})
     return rows
 
 
 def _fid_cell(fid: Mapping[str, float]) -> str:
+    if "sequence_rows_unchanged" in fid:
+        return f"seq {100 * fid['sequence_rows_unchanged']:.1f}% cer {100 * fid['char_error_rate']:.2f}%"
     if "drop_points" in fid:
         agree = f" agree {100 * fid['top1_agreement']:.1f}%" if "top1_agreement" in fid else ""
         return f"drop {fid['drop_points']:+.2f}pt{agree}"
@@ -194,15 +211,17 @@ def _fid_cell(fid: Mapping[str, float]) -> str:
 def format_table(rows: list[dict[str, Any]], batch_sizes: tuple[int, ...]) -> str:
     """The report as a fixed-width text table."""
     sizes = tuple(dict.fromkeys((*batch_sizes, 1)))
-    head = ["variant", "status", "prec", "runtime", "passes", "fidelity", *[f"x fp32 b{b}" for b in sizes], "size"]
+    head = ["variant", "status", "prec", "runtime", "passes", "fidelity", *[f"x fp32 b{b}" for b in sizes], "size",
+            "build s", "valid s", "time s"]
     lines = []
     for r in rows:
         speed = [f"{r['speedup_vs_fp32'][f'batch_{b}']:.2f}" if f"batch_{b}" in r.get("speedup_vs_fp32", {}) else "-"
                  for b in sizes]
         size = f"{r['size_bytes'] / 1024:.0f} KB" if "size_bytes" in r else "-"
         passes = ",".join(p for p in r["passes"] if not p.startswith("export_onnx"))
+        secs = r.get("seconds", {})
         lines.append([r["id"], r["status"], r["precision"], r["runtime"], passes or "-", _fid_cell(r["fidelity"]),
-                      *speed, size])
+                      *speed, size, *(f"{secs[k]:.1f}" if k in secs else "-" for k in ("build", "validate", "time"))])
     widths = [max(len(str(x)) for x in col) for col in zip(head, *lines, strict=True)]
     out = ["  ".join(str(x).ljust(w) for x, w in zip(row, widths, strict=True)).rstrip() for row in [head, *lines]]
     for r in rows:

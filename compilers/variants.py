@@ -48,6 +48,10 @@ class VariantEntry:
         """Build-host p50 latency at batch 1, the ladder's ordering key."""
         return float(self.latency_ms.get("batch_1", {}).get("p50", float("inf")))
 
+    def __repr__(self) -> str:
+        star = ", recommended" if self.recommended else ""
+        return f"<VariantEntry {self.id} {self.precision}/{self.runtime} p50 {self.cost_ms:.3g} ms{star}>"
+
 
 @dataclass(frozen=True)
 class VariantSet:
@@ -62,6 +66,20 @@ class VariantSet:
 
     def __iter__(self) -> Iterator[VariantEntry]:
         return iter(self.entries)
+
+    def __repr__(self) -> str:
+        rec = next((e.id for e in self.entries if e.recommended), None)
+        return (f"<VariantSet {self.name!r} target={self.target!r} {len(self.entries)} kept, "
+                f"{len(self.rejected)} refused, recommended={rec!r} at {str(self.directory)!r}>")
+
+    def __str__(self) -> str:
+        """The compile report as a table (kept rungs cheapest first, then the refused ones with why)."""
+        from compilers.report import format_table, report_rows
+
+        sizes = tuple(self.entries[0].batch_sizes or (1,)) if self.entries else (1,)
+        rows = self.build.get("report") or report_rows(list(self.entries), list(self.rejected),
+                                                        self.build.get("baseline_latency_ms", {}), sizes)
+        return f"{self!r}\n{format_table(rows, sizes)}"
 
     def __len__(self) -> int:
         return len(self.entries)

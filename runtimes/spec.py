@@ -35,6 +35,7 @@ class Task(StrEnum):
     CLASSIFICATION = "classification"
     EMBEDDING = "embedding"
     REGRESSION = "regression"
+    SEQUENCE = "sequence"  # [N, T, C] per-step scores read through a decoder (compilers.sequence)
 
 
 Dim = int | str

@@ -68,6 +68,9 @@ class PassContext:
         device: the device the target runs on ("cpu", "cuda", an OpenVINO device name).
         reference: the reference's first output on the validation inputs.
         outputs: the model's output specs.
+        deadline: `time.monotonic()` value past which repair searches stop with what they have.
+        repair_pays: (artifact, runtime) -> "" when a first low-precision build that failed the guard runs
+            faster than fp32 here, else why repairing it cannot give a rung worth keeping.
     """
 
     workdir: Path
@@ -85,6 +88,9 @@ class PassContext:
     device: str = "cpu"
     reference: np.ndarray | None = None
     outputs: tuple[TensorSpec, ...] = field(default_factory=tuple)
+    deadline: float | None = None  # time.monotonic() past which a repair search stops (compile's max_time)
+    decoder: str = "ctc-greedy"  # how a sequence task's output is read (compilers.sequence)
+    repair_pays: Callable[[Path, str], str] | None = None
 
     @property
     def output_names(self) -> tuple[str, ...]:

@@ -216,11 +216,15 @@ def _quantize(artifact: Path, ctx: PassContext, record: dict[str, Any], *, mode:
     record["excluded_nodes"] = list(exclude)
     if verdict.passed or not repair:
         return PassResult(first, record)
+    futile = ctx.repair_pays(first, "onnxruntime") if ctx.repair_pays is not None else ""
+    if futile:
+        record["sensitivity"] = {"note": f"{verdict.reason}; {futile}", "repaired": False}
+        return PassResult(first, record)
     ranking = rank()
     logger.info("int8 (%s) failed the guard (%s); ranked %d nodes by sensitivity", mode, verdict.reason,
                 len(ranking))
     result = sensitivity.search(build, lambda p: ctx.evaluate(p, "onnxruntime"), ranking,
-                                first=(first, fid, verdict), max_attempts=max_attempts)
+                                first=(first, fid, verdict), max_attempts=max_attempts, deadline=ctx.deadline)
     record["excluded_nodes"] = [*exclude, *result.excluded]
     record["sensitivity"] = {"method": "qdq-noise" if mode == "static" else "modeled-dynamic-noise",
                              "top": [{"node": n, "noise": round(s, 6)} for n, s in ranking[:10]],

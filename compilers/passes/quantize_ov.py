@@ -16,6 +16,7 @@ import contextlib
 import io
 import logging
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -25,6 +26,7 @@ import numpy as np
 import openvino as ov
 
 from compilers.passes import PassContext, PassResult
+from compilers.sequence import decode
 from runtimes.errors import CompileError
 from runtimes.spec import Task
 
@@ -78,10 +80,12 @@ def _uses_cosine(ctx: PassContext) -> bool:
 def _metric_fn(ctx: PassContext) -> Any:
     """NNCF validation function: (compiled model, items) -> (metric, per-item values), higher is better.
 
-    The metric is the guard's: mean cosine to the reference when the guard bounds it, else
-    accuracy (labels) or top-1 agreement with the reference.
+    The metric is the guard's: for sequences, the share of rows whose decoded sequence is unchanged;
+    mean cosine to the reference when the guard bounds it, else accuracy (labels) or top-1 agreement
+    with the reference.
     """
     cosine, name = _uses_cosine(ctx), ctx.output_names[0] if ctx.output_names else None
+    sequence = ctx.task == Task.SEQUENCE
 
     def validate(compiled: Any, items: Any) -> tuple[float, list[float]]:
         values: list[float] = []
@@ -89,7 +93,10 @@ def _metric_fn(ctx: PassContext) -> Any:
             result = compiled(inputs)
             out = np.asarray(result[name] if name is not None else result[0], np.float64)
             ref = np.asarray(reference, np.float64)
-            if not cosine:
+            if sequence:
+                values.extend(float(r == o) for r, o in zip(decode(ref, ctx.decoder), decode(out, ctx.decoder),
+                                                            strict=True))
+            elif not cosine:
                 target = label if label is not None else ref.argmax(axis=1)
                 values.extend((out.argmax(axis=1) == target).astype(float).tolist())
             else:
@@ -150,6 +157,13 @@ def quantize(artifact: Path, ctx: PassContext, *, preset: str | None = None, mod
     fid, verdict = ctx.evaluate(out, "openvino")
     if verdict.passed or not accuracy_control:
         return PassResult(out, record)
+    if ctx.deadline is not None and time.monotonic() > ctx.deadline:
+        record["sensitivity"] = {"note": f"{verdict.reason}; max_time was spent before the accuracy-controlled rerun"}
+        return PassResult(out, record)
+    futile = ctx.repair_pays(out, "openvino") if ctx.repair_pays is not None else ""
+    if futile:
+        record["sensitivity"] = {"note": f"{verdict.reason}; {futile}"}
+        return PassResult(out, record)
     logger.info("NNCF int8 failed the guard (%s); rerunning in accuracy-controlled mode", verdict.reason)
     out = _accuracy_controlled(model, calibration, ctx, kwargs, max_iterations, record, fid)
     return PassResult(out, record)
@@ -164,7 +178,9 @@ def _accuracy_controlled(model: ov.Model, calibration: Any, ctx: PassContext, kw
     items = [(batch, ctx.reference[i:i + 1], None if labels is None else labels[i:i + 1])
              for i, batch in enumerate(ctx.validation.batches(1))]
     validation = nncf.Dataset(items, lambda item: item[0])
-    if _uses_cosine(ctx):
+    if ctx.task == Task.SEQUENCE:
+        max_drop = 1.0 - ctx.guard.min_rows_unchanged
+    elif _uses_cosine(ctx):
         max_drop = 1.0 - float(ctx.guard.required(ctx.task)["min_cosine_mean"])
     else:
         max_drop = ctx.guard.max_drop / 100.0
@@ -183,7 +199,9 @@ def _accuracy_controlled(model: ov.Model, calibration: Any, ctx: PassContext, kw
     out.parent.mkdir(parents=True, exist_ok=True)
     ov.save_model(quantized, str(out), compress_to_fp16=False)
     fq = _count_fq(quantized)
-    record["accuracy_control"] = {"used": True, "metric": "cosine_mean" if _uses_cosine(ctx) else "accuracy",
+    metric = "sequence_rows_unchanged" if ctx.task == Task.SEQUENCE else "cosine_mean" if _uses_cosine(ctx) \
+        else "accuracy"
+    record["accuracy_control"] = {"used": True, "metric": metric,
                                   "max_drop": max_drop * 0.9, "max_iterations": max_iterations,
                                   "first_attempt": {k: round(v, 6) for k, v in first.items()},
                                   "fake_quantize_ops": fq}

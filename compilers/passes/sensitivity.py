@@ -22,6 +22,7 @@ excluded.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -183,11 +184,14 @@ class SearchResult:
 
 def search(build: Callable[[list[str]], Path], evaluate: Callable[[Path], tuple[dict[str, float], Verdict]],
            ranking: Sequence[tuple[str, float]], *, first: tuple[Path, dict[str, float], Verdict],
-           max_fraction: float = 0.5, max_attempts: int = 8, refine: int = 2) -> SearchResult:
+           max_fraction: float = 0.5, max_attempts: int = 8, refine: int = 2,
+           deadline: float | None = None) -> SearchResult:
     """Exclude the top 1, 2, 4, ... ranked nodes until the guard passes; stop at `max_fraction` of them.
 
     Once k nodes pass where k/2 did not, up to `refine` bisection steps look for a smaller count
-    that still passes, so that as much as possible stays int8.
+    that still passes, so that as much as possible stays int8. The doubling bounds the work: at most
+    log2(nodes * max_fraction) + 1 + `refine` builds and validations, and none is started past
+    `deadline` (a `time.monotonic()` value; the best passing attempt so far is kept).
     """
     artifact, fid, verdict = first
     attempts = [_attempt([], fid, verdict)]
@@ -195,7 +199,10 @@ def search(build: Callable[[list[str]], Path], evaluate: Callable[[Path], tuple[
     cap = max(1, int(len(names) * max_fraction))
     k, failed_at = 1, 0
     excluded: list[str] = []
-    while not verdict.passed and len(attempts) <= max_attempts and names:
+    def late() -> bool:
+        return deadline is not None and time.monotonic() > deadline
+
+    while not verdict.passed and len(attempts) <= max_attempts and names and not late():
         excluded = names[:min(k, cap)]
         artifact, (fid, verdict) = _try(build, evaluate, excluded, attempts)
         if not verdict.passed:
@@ -205,6 +212,8 @@ def search(build: Callable[[list[str]], Path], evaluate: Callable[[Path], tuple[
         k *= 2
     best = (artifact, excluded, fid, verdict)
     for _ in range(refine if verdict.passed else 0):
+        if late():
+            break
         mid = (failed_at + len(best[1])) // 2
         if mid <= failed_at:
             break
@@ -227,6 +236,7 @@ def _try(build: Callable[[list[str]], Path], evaluate: Callable[[Path], tuple[di
 
 
 def _attempt(excluded: list[str], fid: Mapping[str, float], verdict: Verdict) -> dict[str, Any]:
-    keep = ("drop_points", "top1_agreement", "accuracy", "cosine_mean", "max_abs_error")
+    keep = ("drop_points", "top1_agreement", "accuracy", "cosine_mean", "max_abs_error", "sequence_rows_unchanged",
+            "char_error_rate")
     return {"excluded": len(excluded), "nodes": excluded[:8], "passed": verdict.passed, "reason": verdict.reason,
             **{k: round(float(fid[k]), 6) for k in keep if k in fid}}

@@ -208,3 +208,15 @@ def test_prune_with_a_user_training_loop(digits_cnn, digits: zoo.Split,  # type:
     assert record["recovery"] == {"method": "user-finetune"}
     assert record["finetune"].endswith("finetune")
     assert calls[0] == record["params_after"]
+
+
+def test_one_energy_profile_per_machine(digits_ladder: VariantSet) -> None:
+    """The manifest's modeled energy and the agent's (hence its controller's) carry the probe's one label."""
+    from edge_agent.options import AgentOptions
+    from runtimes.hardware import machine_power_profile, probe
+
+    label = f"modeled:{probe(openvino=False).power_profile}"
+    assert machine_power_profile().label == label
+    assert AgentOptions().power.label == label
+    assert {e.energy["label"] for e in digits_ladder} == {label}
+    assert digits_ladder.open().manifest.energy["label"] == label

@@ -289,3 +289,71 @@ def test_calibration_with_wrong_shapes(tmp_path: Path) -> None:
     np.savez(calib, images=zoo.DETECTOR.inputs(4, seed=5)["images"][:, :1])  # one channel, the model takes three
     _assert_one_line(_tierkit_compile(zoo.DETECTOR.path(), tmp_path, "--calibration", str(calib)), "'images'",
                      "shape")
+
+
+# -- outputs whose samples are not on axis 0 ------------------------------------------------------
+
+def test_vad_compiles_with_a_validation_count_that_is_not_a_multiple_of_the_batch(tmp_path: Path) -> None:
+    """Silero VAD returns its state as [2, N, 128] (and declares it [batch, ?, ?]): 160 validation windows
+    run as 64 + 64 + 32 must be joined on axis 1, and every rung's state compared, stored and checked there."""
+    if not _installed("vad"):
+        pytest.skip(f"zoo graph vad not installed: {zoo.INSTALL_HINT}")
+    graph = zoo.VAD
+    calibration, validation = graph.inputs(48, seed=0), graph.inputs(160, seed=1000)
+    vs = compile_model(graph.path(), output=tmp_path / "vs", target=TARGET, precisions=PRECISIONS,
+                       calibration=calibration, validation=validation, progress=False)
+    assert vs.build["output_sample_axes"] == {"output": 0, "stateN": 1}
+    assert any(e.precision == "fp32" for e in vs), vs.rejected
+    fresh = graph.inputs(5, seed=77)
+    ref = _reference(graph, fresh)
+    for entry in vs:
+        package = vs.open(entry.id)
+        assert entry.fidelity["samples"] == 160
+        golden = np.load(package.directory / package.manifest.golden["file"])
+        assert golden["ref/stateN"].shape[1] == golden["in/input"].shape[0], "golden state sliced on the wrong axis"
+        assert np.allclose(golden["ref/stateN"][:, 0], ref_first_state(graph, golden), atol=1e-4)
+        out = _run(vs, entry.id, fresh)
+        assert out["stateN"].shape == ref["stateN"].shape == (2, 5, 128)
+        if entry.precision == "fp32":
+            assert _relative_error(ref["stateN"], out["stateN"]) <= FP32_BOUND
+
+
+def ref_first_state(graph: zoo.ZooGraph, golden: np.lib.npyio.NpzFile) -> np.ndarray:
+    """The original graph's state output for the first golden row alone."""
+    inputs = {"input": golden["in/input"][:1], "state": golden["in/state"][:, :1], "sr": golden["in/sr"]}
+    return _reference(graph, inputs)["stateN"][:, 0]
+
+
+# -- sequences: the recognizer keeps its text -----------------------------------------------------
+
+REC_LINES = 128
+MAX_CHANGED_LINES = 0.01
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", _params(("ocr-rec",)))
+def test_recognizer_recommended_rung_keeps_the_decoded_text(name: str, compiled: Callable[[str], Compiled]) -> None:
+    """Greedy CTC over 128 fresh rendered lines: the recommended rung may change at most 1 % of them against the
+    original graph under onnxruntime (per-step agreement can be 97.7 % while 19 % of lines change)."""
+    from compilers.sequence import decode, edit_distance
+
+    c = compiled(name)
+    rec = c.vs.recommended
+    assert c.vs.open(rec.id).manifest.task == "sequence"
+    assert c.vs.open(rec.id).manifest.decoder == "ctc-greedy"
+    fresh = c.graph.inputs(REC_LINES, seed=4242)
+    reference: list[tuple[int, ...]] = []
+    outputs: list[tuple[int, ...]] = []
+    for start in range(0, REC_LINES, 32):
+        part = {k: v[start:start + 32] for k, v in fresh.items()}
+        reference += decode(next(iter(_reference(c.graph, part).values())))
+        outputs += decode(next(iter(_run(c.vs, rec.id, part).values())))
+    changed = sum(r != o for r, o in zip(reference, outputs, strict=True))
+    cer = sum(edit_distance(r, o) for r, o in zip(reference, outputs, strict=True)) / sum(map(len, reference))
+    assert sum(map(len, reference)) > 10 * REC_LINES, "the lines decode to text: there is something to lose"
+    assert changed <= MAX_CHANGED_LINES * REC_LINES, (
+        f"{rec.id} changed {changed} of {REC_LINES} lines (char error {cer:.2%}); refused: "
+        f"{[(r['id'], r['reason'][:80]) for r in c.vs.rejected]}")
+    for entry in c.vs:
+        if entry.precision != "fp32":
+            assert entry.fidelity["sequence_rows_unchanged"] >= 0.99, entry
