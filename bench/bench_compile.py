@@ -24,6 +24,10 @@ Usage:
 each graph's rungs against onnxruntime fp32 on the original file at batch 1 and at the graph's declared
 batch, with fidelity (the guard's, and the worst output's relative error measured here) and size.
 
+With `--zoo`, each graph's compile seconds (per step and per rung) are recorded, the CPU is named, and the
+recommended rung is set against the fastest the runtimes themselves reach at batch 1 in the same run
+(OpenVINO's benchmark_app, onnxruntime's best session options; bench/runtime_floor.py).
+
 `--quick` runs the digits CNN only (with `--zoo`: the OCR direction classifier unless `--zoo-graphs`
 says, with a short timing budget): a check that the script works, not a measurement. Ratios are
 measured in the same run and are what to compare; absolute times move with the host's load.
@@ -280,11 +284,16 @@ def _zoo(args: argparse.Namespace) -> int:
     if unknown:
         print(f"unknown zoo graph(s) {unknown}; known: {', '.join(GRAPHS)}", file=sys.stderr)
         return 2
-    rows = compile_zoo.run_zoo(names, args.threads, 0.6 if args.quick else args.budget)
+    from compilers.measure import host_cpu
+
+    summaries: list[compile_zoo.GraphSummary] = []
+    rows = compile_zoo.run_zoo(names, args.threads, 0.6 if args.quick else args.budget, summaries)
     if args.json:
-        print(json.dumps({"zoo": compile_zoo.as_json(rows), "threads": args.threads}, indent=2))
+        print(json.dumps({"zoo": compile_zoo.as_json(rows), "graphs": compile_zoo.summaries_json(summaries),
+                          "cpu": host_cpu(), "threads": args.threads}, indent=2))
     else:
         compile_zoo.print_zoo(rows)
+        compile_zoo.print_summaries(summaries, host_cpu(), args.threads)
     return 0
 
 

@@ -8,11 +8,18 @@ outputs measured here on fresh inputs against the original (max abs error / the 
 value); for the detector also over its class-score rows alone, where a collapse hides from a
 whole-tensor measure. Refused rungs get a row with their one-line reason; a compile that fails as a
 whole gets one row with its error.
+
+Compile time: each graph's wall seconds and the compiler's own split (reference, rungs, timing, write),
+and per rung its build, validation and timing seconds. Floors (bench/runtime_floor.py), measured in the
+same run at batch 1: the recommended rung's own file under its runtime's best (OpenVINO's benchmark_app,
+onnxruntime's best session options), and the fastest either runtime reaches on the original graph; the
+ratio floor / rung p50 is what to compare (target >= 0.95x on the rung's own file).
 """
 
 from __future__ import annotations
 
 import tempfile
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -40,6 +47,31 @@ class ZooRow:
     speedup: dict[str, float] = field(default_factory=dict)
     size_kb: float = 0.0
     recommended: bool = False
+    seconds: dict[str, float] = field(default_factory=dict)  # build, validate, time
+
+
+@dataclass
+class GraphSummary:
+    """One graph: compile seconds, and the recommended rung against the runtimes' own floors at batch 1."""
+
+    graph: str
+    compile_s: float
+    steps: dict[str, float]
+    recommended: str = ""
+    rung_ms: float | None = None
+    floor_ms: float | None = None  # the recommended rung's own file, its runtime's best
+    floor_by: str = ""
+    original_floor_ms: float | None = None  # the original graph, the fastest of onnxruntime and OpenVINO
+    original_floor_by: str = ""
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def ratio(self) -> float | None:
+        return None if not self.floor_ms or not self.rung_ms else self.floor_ms / self.rung_ms
+
+    @property
+    def ratio_original(self) -> float | None:
+        return None if not self.original_floor_ms or not self.rung_ms else self.original_floor_ms / self.rung_ms
 
 
 def _size_kb(path: Path) -> float:
@@ -72,16 +104,22 @@ def _brief(fid: dict[str, float]) -> str:
     return " ".join(parts) or "-"
 
 
-def run_graph(graph: zoo.ZooGraph, work: Path, threads: int, budget_s: float) -> list[ZooRow]:
+def run_graph(graph: zoo.ZooGraph, work: Path, threads: int, budget_s: float,
+              summaries: list[GraphSummary] | None = None) -> list[ZooRow]:
     """Compile `graph`, time its kept rungs against onnxruntime fp32 on the original; one row per rung."""
     sizes = tuple(dict.fromkeys((1, graph.batch)))
     calibration, validation = graph.data()
+    started = time.monotonic()
     try:
         vs = compile_model(graph.path(), output=work / "variants", target="x86-avx512", precisions=("fp32", "int8"),
                            calibration=calibration, validation=validation, batch_sizes=sizes, threads=threads,
                            progress=False)
     except TierkitError as exc:
+        if summaries is not None:
+            summaries.append(GraphSummary(graph.name, round(time.monotonic() - started, 1), {}, notes=[str(exc)[:200]]))
         return [ZooRow(graph.name, "(compile)", "-", "-", f"failed: {type(exc).__name__}: {exc}", None, None)]
+    summary = GraphSummary(graph.name, round(time.monotonic() - started, 1), dict(vs.build.get("seconds", {})))
+    secs = {str(r["id"]): dict(r.get("seconds", {})) for r in vs.build.get("report", [])}
     feeds = {b: graph.inputs(b, seed=4242 + b) for b in sizes}
     arts = {REFERENCE: (graph.path(), "onnxruntime")} | {e.id: (vs.open(e.id).artifact_path, e.runtime) for e in vs}
     runners: dict[str, Runner] = {}
@@ -100,17 +138,44 @@ def run_graph(graph: zoo.ZooGraph, work: Path, threads: int, budget_s: float) ->
                      for b in sizes}
             rows.append(ZooRow(graph.name, key, entry.precision if entry else "fp32", runtime,
                                _brief(entry.fidelity) if entry else "reference", rel, score, speed,
-                               round(_size_kb(path), 1), bool(entry and entry.recommended)))
+                               round(_size_kb(path), 1), bool(entry and entry.recommended), secs.get(key, {})))
     finally:
         for r in runners.values():
             r.close()
     for r in vs.rejected:
         rows.append(ZooRow(graph.name, str(r["id"]), str(r.get("precision", "-")), str(r.get("runtime", "-")),
-                           f"refused ({r.get('stage', '?')}): {r.get('reason', '')}", None, None))
+                           f"refused ({r.get('stage', '?')}): {r.get('reason', '')}", None, None,
+                           seconds=dict(r.get("seconds", {}))))
+    if summaries is not None:
+        rec = vs.recommended
+        summary.recommended, summary.rung_ms = rec.id, timing[rec.id]["batch_1"]["p50"]
+        _floors(summary, graph, vs.open(rec.id).artifact_path, rec.runtime, rec.precision, feeds[1], threads)
+        summaries.append(summary)
     return rows
 
 
-def run_zoo(names: list[str], threads: int, budget_s: float) -> list[ZooRow]:
+def _floors(summary: GraphSummary, graph: zoo.ZooGraph, artifact: Path, runtime: str, precision: str,
+            feed: dict[str, np.ndarray], threads: int) -> None:
+    """The runtimes' own best at batch 1: on the recommended rung's file, and on the original graph."""
+    from bench.runtime_floor import onnxruntime_floor, openvino_floor
+
+    if runtime == "openvino":
+        summary.floor_ms, summary.floor_by = openvino_floor(artifact, feed, threads, precision=precision)
+    elif runtime == "onnxruntime":
+        summary.floor_ms, summary.floor_by = onnxruntime_floor(artifact, feed, threads)
+    if summary.floor_ms is None:
+        summary.notes.append(summary.floor_by)
+    ort_ms, ort_by = onnxruntime_floor(graph.path(), feed, threads)
+    ov_ms, ov_by = openvino_floor(graph.path(), feed, threads)
+    if ov_ms is None:
+        summary.notes.append(f"original under OpenVINO: {ov_by}")
+    best = min([(ort_ms, ort_by), *([(ov_ms, "openvino " + ov_by)] if ov_ms is not None else [])],
+               key=lambda t: t[0])
+    summary.original_floor_ms, summary.original_floor_by = best
+
+
+def run_zoo(names: list[str], threads: int, budget_s: float,
+            summaries: list[GraphSummary] | None = None) -> list[ZooRow]:
     rows: list[ZooRow] = []
     for name in names:
         graph = zoo.GRAPHS[name]
@@ -120,7 +185,7 @@ def run_zoo(names: list[str], threads: int, budget_s: float) -> list[ZooRow]:
             rows.append(ZooRow(name, "(not installed)", "-", "-", str(exc), None, None))
             continue
         with tempfile.TemporaryDirectory(prefix=f"bench-zoo-{name}-") as tmp:
-            rows += run_graph(graph, Path(tmp), threads, budget_s)
+            rows += run_graph(graph, Path(tmp), threads, budget_s, summaries)
     return rows
 
 
@@ -129,7 +194,7 @@ def print_zoo(rows: list[ZooRow]) -> None:
         return "-" if v is None else f"{v:.2e}"
 
     head = ["graph", "variant", "prec", "runtime", "guard (compile)", "rel err", "scores rel err",
-            "x ortfp32 b1", "x ortfp32 declared b", "model KB", ""]
+            "x ortfp32 b1", "x ortfp32 declared b", "model KB", "build/valid/time s", ""]
     body = []
     for r in rows:
         declared = [k for k in r.speedup if k != "batch_1"]
@@ -138,10 +203,34 @@ def print_zoo(rows: list[ZooRow]) -> None:
         guard = " ".join(r.guard.split())
         guard = guard if len(guard) <= 90 else guard[:87] + "..."
         body.append([r.graph, r.variant, r.precision, r.runtime, guard, num(r.rel_error), num(r.score_rel_error),
-                     b1, bd, f"{r.size_kb:.0f}" if r.size_kb else "-", "recommended" if r.recommended else ""])
+                     b1, bd, f"{r.size_kb:.0f}" if r.size_kb else "-",
+                     "/".join(f"{r.seconds[k]:.1f}" if k in r.seconds else "-" for k in ("build", "validate", "time")),
+                     "recommended" if r.recommended else ""])
     widths = [max(len(str(x)) for x in col) for col in zip(head, *body, strict=True)]
     for line in [head, *body]:
         print("  ".join(str(x).ljust(w) for x, w in zip(line, widths, strict=True)).rstrip())
+
+
+def print_summaries(summaries: list[GraphSummary], cpu: str, threads: int) -> None:
+    """Per graph: compile seconds and where they went; the recommended rung against the runtimes' floors."""
+    print(f"\nCPU: {cpu}; {threads} threads")
+    for s in summaries:
+        steps = ", ".join(f"{k} {v:.1f}" for k, v in s.steps.items() if k != "total")
+        print(f"{s.graph}: compile {s.compile_s:.1f} s ({steps})")
+        if s.rung_ms is not None:
+            own = f"{s.floor_ms:.3f} ms by {s.floor_by} = {s.ratio:.2f}x" if s.ratio else "-"
+            orig = (f"{s.original_floor_ms:.3f} ms by {s.original_floor_by} = {s.ratio_original:.2f}x"
+                    if s.ratio_original else "-")
+            print(f"  recommended {s.recommended} p50 {s.rung_ms:.3f} ms; floor on its file {own}; "
+                  f"fastest on the original {orig}")
+        for note in s.notes:
+            print(f"  note: {note}")
+
+
+def summaries_json(summaries: list[GraphSummary]) -> list[dict[str, Any]]:
+    from dataclasses import asdict
+
+    return [{**asdict(s), "ratio": s.ratio, "ratio_original": s.ratio_original} for s in summaries]
 
 
 def as_json(rows: list[ZooRow]) -> list[dict[str, Any]]:

@@ -1,0 +1,93 @@
+"""The fastest a runtime itself runs one model file at batch 1: the floor a compiled rung is compared with.
+
+- OpenVINO: its own `benchmark_app` (shipped in the openvino wheel) in latency mode on `threads` threads,
+  one stream, one synchronous request (`-hint none -nstreams 1 -nireq 1 -api sync -nthreads N`: the
+  app refuses `-nthreads` beside `-hint latency`, and these are what that hint sets), f32 inference
+  precision for fp32 and int8 files (bf16 CPUs would otherwise compute them in bf16), its median.
+- onnxruntime: the file under a few session option sets (every graph optimization, with and without
+  spinning threads, extended optimizations, sequential execution), timed interleaved with the rung in the
+  same run; the fastest p50.
+
+`floor_ratio` = floor / the rung's own p50: 1.0 means the compiled rung runs as fast as the runtime can.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+import sys
+from collections.abc import Mapping
+from pathlib import Path
+
+import numpy as np
+
+from compilers.measure import TimingPlan, time_runners
+
+_MEDIAN = re.compile(r"Median:\s+([0-9.]+)\s*ms")
+
+
+def benchmark_app() -> str | None:
+    """The `benchmark_app` next to this interpreter (the openvino wheel's), or on PATH."""
+    local = Path(sys.executable).parent / "benchmark_app"
+    return str(local) if local.is_file() else shutil.which("benchmark_app")
+
+
+def openvino_floor(model: Path, feed: Mapping[str, np.ndarray], threads: int, *, precision: str = "fp32",
+                   seconds: int = 4) -> tuple[float | None, str]:
+    """benchmark_app's median ms for `model` (.xml or .onnx) at `feed`'s shapes; None and why when it cannot run."""
+    app = benchmark_app()
+    if app is None:
+        return None, "benchmark_app not found (pip install openvino)"
+    if any(v.ndim == 0 or not np.issubdtype(v.dtype, np.floating) for v in feed.values()):
+        return None, "integer or scalar inputs: benchmark_app would feed random values"
+    shape = ",".join(f"{k}[{','.join(str(d) for d in v.shape)}]" for k, v in feed.items())
+    hint = {"fp32": "f32", "int8": "f32", "bf16": "bf16", "fp16": "f16"}.get(precision, "f32")
+    cmd = [app, "-m", str(model), "-hint", "none", "-nstreams", "1", "-nireq", "1", "-api", "sync",
+           "-nthreads", str(threads), "-t", str(seconds), "-shape", shape, "-infer_precision", hint]
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=60 + 3 * seconds, check=False)
+    except subprocess.TimeoutExpired:
+        return None, "benchmark_app timed out"
+    found = _MEDIAN.search(proc.stdout)
+    if proc.returncode != 0 or found is None:
+        last = (proc.stdout + proc.stderr).strip().splitlines()[-1:] or ["no output"]
+        return None, f"benchmark_app failed: {last[0][:120]}"
+    return float(found.group(1)), "benchmark_app -hint none -nstreams 1 -nireq 1 -api sync"
+
+
+class _OrtRunner:
+    def __init__(self, path: Path, threads: int, level: str, spinning: bool, sequential: bool) -> None:
+        import onnxruntime as ort
+
+        so = ort.SessionOptions()
+        so.intra_op_num_threads = threads
+        so.graph_optimization_level = getattr(ort.GraphOptimizationLevel, level)
+        so.add_session_config_entry("session.intra_op.allow_spinning", "1" if spinning else "0")
+        if sequential:
+            so.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
+        self.session = ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
+
+    def run(self, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        return dict(zip([o.name for o in self.session.get_outputs()], self.session.run(None, dict(inputs)),
+                        strict=True))
+
+    def close(self) -> None:
+        del self.session
+
+
+ORT_OPTION_SETS = {"all": ("ORT_ENABLE_ALL", True, False), "all-nospin": ("ORT_ENABLE_ALL", False, False),
+                   "extended": ("ORT_ENABLE_EXTENDED", True, False), "all-seq": ("ORT_ENABLE_ALL", True, True)}
+
+
+def onnxruntime_floor(model: Path, feed: Mapping[str, np.ndarray], threads: int,
+                      budget_s: float = 2.0) -> tuple[float, str]:
+    """The fastest p50 (ms) onnxruntime reaches on `model` at `feed` over `ORT_OPTION_SETS`, and which set."""
+    runners = {name: _OrtRunner(model, threads, *opts) for name, opts in ORT_OPTION_SETS.items()}
+    try:
+        timing = time_runners(runners, {1: feed}, plan=TimingPlan(budget_s=budget_s))
+    finally:
+        for r in runners.values():
+            r.close()
+    best = min(timing, key=lambda k: timing[k]["batch_1"]["p50"])
+    return timing[best]["batch_1"]["p50"], f"onnxruntime {best}"
