@@ -65,6 +65,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[
                    help="sequences: most character error rate against the fp32 decoding (default: unbounded)")
     p.add_argument("--max-time", type=float, metavar="SECONDS",
                    help="end the rung search after SECONDS with the best rung found so far (the report says so)")
+    p.add_argument("--repair-all", action="store_true",
+                   help="repair every rung that fails the guard, even one slower than fp32 before repair")
     p.add_argument("--task", choices=("classification", "embedding", "regression", "sequence"),
                    help="how fidelity is measured (default: inferred)")
     p.add_argument("--name", help="model name (default: the file stem)")
@@ -151,7 +153,7 @@ def run(args: argparse.Namespace) -> int:
                            calibration=args.calibration, validation=args.validation, min_cosine=args.min_cosine,
                            prune=args.prune, sign_key=args.sign_key, name=args.name, version=args.model_version,
                            batch_sizes=sizes, task=args.task, strict=args.strict, progress=not args.no_progress,
-                           threads=args.threads, **kwargs)
+                           threads=args.threads, repair_all=args.repair_all, **kwargs)
     rows = vs.build.get("report", [])
     if args.json:
         doc = {"output": str(vs.directory), "name": vs.name, "target": vs.target,

@@ -71,7 +71,8 @@ def compile_model(model: Any, *, output: str | Path, target: str | Target | Path
                   version: str = "1", batch_sizes: Sequence[int] = (1,), task: str | None = None,
                   strict: bool = False, progress: bool = True, threads: int | None = None,
                   decoder: str | None = None, min_rows_unchanged: float = DEFAULT_MIN_ROWS_UNCHANGED,
-                  max_char_error: float | None = None, max_time: float | None = None) -> VariantSet:
+                  max_char_error: float | None = None, max_time: float | None = None,
+                  repair_all: bool = False) -> VariantSet:
     """Compile `model` into a ladder of variants for `target`, each checked against the fp32 reference.
 
     Args:
@@ -110,6 +111,9 @@ def compile_model(model: Any, *, output: str | Path, target: str | Target | Path
         max_time: seconds the rung search may take: once spent (and one rung kept), the rungs not yet
             built are refused ("cut short"), repair searches stop, and the best rung found so far is
             recommended; timing and writing follow.
+        repair_all: repair every rung that fails the guard; by default one whose first build runs
+            below 0.9x fp32's speed here at every timed batch size is refused unrepaired (a repair keeps
+            more layers in fp32, so it could only be slower, and a rung slower than fp32 is never recommended).
         strict: raise `FidelityError` as soon as a variant fails the guard after repair.
         progress: show a progress bar on stderr.
         threads: intra-op threads for validation and timing (default: all cores).
@@ -163,10 +167,11 @@ def compile_model(model: Any, *, output: str | Path, target: str | Target | Path
                         task=task, batch_sizes=sizes, threads=threads or os.cpu_count() or 1, work=work,
                         strict=strict, progress=progress, prune=prune_config, metric=metric,
                         generated_data=calib.origin == GENERATED_ORIGIN, decoder=decoder or DEFAULT_DECODER,
-                        max_time=max_time)
+                        max_time=max_time, repair_all=repair_all)
         arguments = {"precisions": wanted, "max_drop": max_drop, "min_cosine": min_cosine, "batch_sizes": list(sizes),
                      "task": task, "strict": strict, "prune": prune_config.to_json() if prune_config else None,
-                     "target": spec.name, "decoder": decoder, "max_time": max_time}
+                     "target": spec.name, "decoder": decoder, "max_time": max_time,
+                     "repair_all": repair_all}
         return ladder.run(out, name=name or _default_name(model), version=version, sign_key=key,
                           arguments=arguments)
 

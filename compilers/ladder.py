@@ -100,6 +100,7 @@ class Ladder:
     probe: dict[str, Any] | None = None  # `tierkit doctor`'s probe, read when a rung depends on it
     decoder: str = DEFAULT_DECODER  # how a sequence task's output is read (compilers.sequence)
     max_time: float | None = None  # seconds for the rung search; past them, the rest is refused as cut short
+    repair_all: bool = False  # repair rungs slower than fp32 too (see _repair_pays)
     rejected: list[dict[str, Any]] = field(default_factory=list)
     # Filled in by run(): reference outputs on the validation data and on the OOD calibration subset,
     # the fp32 baseline's latency, and each evaluated artifact's validation outputs.
@@ -355,34 +356,37 @@ class Ladder:
         return fid, self.guard.check(fid, str(self.task), numeric=numeric, where=where)
 
     def _repair_pays(self, artifact: Path, runtime: str) -> str:
-        """"" when `artifact` (a first build that failed the guard) runs faster than the fp32 reference at the
-        default batch size; else why repairing it cannot pay.
+        """"" when `artifact` (a first build that failed the guard) runs at least 0.9x the fp32 reference's speed
+        at one of the declared batch sizes; else why repairing it cannot pay.
 
         A repair keeps more of the graph in fp32, so the repaired rung is no faster than this first build,
         and the recommendation never takes a rung slower than fp32: on a CPU where int8 does not pay (AVX2
         without VNNI), the repair search (NNCF's accuracy control: one compile per quantizer group) would
         be the longest step of the compile for a rung nobody would run.
         """
-        batch = self.batch_sizes[0]
+        if self.repair_all:
+            return ""
         precision, _ = self._building
         runners: dict[str, Runner] = {}
         try:
             runners["fp32"] = open_runner(self.source.onnx, "onnxruntime", threads=self.threads)
             runners["first"] = open_runner(artifact, runtime, threads=self.threads, device=self._device(runtime),
                                            precision=precision)
-            timing = time_runners(runners, {batch: self.validation.batch(batch)}, plan=REPAIR_TIMING)
+            feeds = {b: self.validation.batch(b) for b in self.batch_sizes}
+            timing = time_runners(runners, feeds, plan=REPAIR_TIMING)
         except Exception:  # cannot tell: repair as usual, and the rung is judged when timed with the others
             logger.debug("could not time %s before repairing it", artifact, exc_info=True)
             return ""
         finally:
             for r in runners.values():
                 r.close()
-        key = f"batch_{batch}"
-        ratio = timing["fp32"][key]["p50"] / max(timing["first"][key]["p50"], 1e-9)
-        if ratio >= REPAIR_MIN_SPEEDUP:
+        ratios = {b: timing["fp32"][f"batch_{b}"]["p50"] / max(timing["first"][f"batch_{b}"]["p50"], 1e-9)
+                  for b in self.batch_sizes}
+        if max(ratios.values()) >= REPAIR_MIN_SPEEDUP:
             return ""
-        return (f"not repaired: before repair it runs at {ratio:.2f}x fp32 at batch {batch} here (< "
-                f"{REPAIR_MIN_SPEEDUP:g}x), and keeping layers in fp32 would make it slower still")
+        speeds = ", ".join(f"{r:.2f}x at batch {b}" for b, r in ratios.items())
+        return (f"not repaired: before repair it runs at {speeds} of fp32's speed here (< {REPAIR_MIN_SPEEDUP:g}x; "
+                "repair_all repairs it anyway), and keeping layers in fp32 would make it slower still")
 
     def _user_metric(self, outputs: dict[str, np.ndarray]) -> float:
         try:

@@ -19,7 +19,7 @@ LIMIT = 6.0  # points: what the repair test allows, above the 2.2-4.2 that exclu
 def _compile(onnx: Path, out: Path, calibration: dict[str, np.ndarray], validation: dict[str, np.ndarray],
              **kwargs) -> VariantSet:  # type: ignore[no-untyped-def]
     return compile_model(onnx, output=out, target=ort_target(static_rung(**ABSURD)), precisions=("fp32", "int8"),
-                         calibration=calibration, validation=validation, progress=False, **kwargs)
+                         calibration=calibration, validation=validation, progress=False, repair_all=True, **kwargs)
 
 
 def test_destructive_calibration_is_never_shipped_out_of_limits(digits_cnn_onnx: Path, tmp_path: Path,
@@ -96,7 +96,7 @@ def test_nncf_accuracy_control_reverts_layers_to_meet_the_guard(digits_cnn_onnx:
     vs = compile_model(digits_cnn_onnx, output=tmp_path / "ac", target=Target("ov", ("openvino",), ("fp32", "int8"),
                                                                                 (ov_fp32, ov_int8)),
                        precisions=("fp32", "int8"), calibration=digits_calibration, validation=digits_validation,
-                       min_cosine=0.99998, progress=False)  # plain NNCF int8 reaches 0.998-0.99996 here
+                       min_cosine=0.99998, progress=False, repair_all=True)  # plain NNCF int8: 0.998-0.99996
     if "int8-ov" not in {e.id for e in vs}:  # every layer reverted, or the limit still missed: refused
         rejected = next(r for r in vs.rejected if r["id"] == "int8-ov")
         assert "accuracy-controlled mode reverted every layer" in rejected["reason"] or (
