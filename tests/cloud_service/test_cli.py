@@ -81,7 +81,11 @@ def test_build_config_from_flags_environment_and_model_config(tmp_path: Path) ->
     assert config.options_for("other") == config.defaults
     assert config.mqtt is not None
     assert config.mqtt.password == "pw"
-    assert config.mqtt.client_id.endswith("-8001")
+    # a broker that pins client ids to accounts (deploy/mosquitto) needs the account name as the client id
+    assert config.mqtt.client_id == "tierkit-cloud"
+    anonymous = build_config(_parse("--models", "m", "--mqtt", "mqtt://127.0.0.1:1884", "--grpc", "127.0.0.1:8001"), {})
+    assert anonymous.mqtt is not None
+    assert anonymous.mqtt.client_id.endswith("-8001")
     assert config.mqtt.session_expiry_s == 5  # outlives a broker restart; short, for shared subscriptions
     assert not build_config(_parse("--models", "m", "--no-batching"), {}).defaults.batching.max_batch_size > 1
 
