@@ -3,7 +3,11 @@
 Every chunk read from one side is written to the other `delay` milliseconds later, in order (a
 per-direction queue with due times), so a request/response pair gains `up + down` ms of round
 trip whatever the protocol. With `jitter_ms`, each chunk waits a further uniform 0..jitter ms
-per direction (seeded; still delivered in order). Modes:
+per direction (seeded; still delivered in order). With `bandwidth_mbps`, each direction is a link of
+that rate: a chunk is sent after the ones before it, taking its size x 8 / rate (so a frame-sized
+request at 1 Mbit/s takes tens of milliseconds, and its wire encoding matters). `stall(s)` holds
+every chunk read in the next `s` seconds until they end: a burst of losses as TCP shows it (the data
+comes late, after retransmission). Modes:
 
 - "up": forward;
 - "refuse": close every connection and reset new ones at once (a host that is down: fast failure);
@@ -37,6 +41,8 @@ class _State:
     up_ms: float = 0.0
     down_ms: float = 0.0
     jitter_ms: float = 0.0
+    bandwidth_mbps: float | None = None
+    stall_until: float = 0.0
     mode: str = "up"
 
 
@@ -65,8 +71,17 @@ class DelayProxy:
         self._server = await asyncio.start_server(self._handle, self.host, self.port)
         self.port = self._server.sockets[0].getsockname()[1]
 
+    def stall(self, seconds: float) -> None:
+        """Hold every chunk read from now for `seconds` (a loss burst)."""
+        until = time.monotonic() + seconds
+
+        def apply() -> None:
+            self.state.stall_until = max(self.state.stall_until, until)
+
+        asyncio.run_coroutine_threadsafe(_call(apply), self._loop).result(timeout=5)
+
     def set(self, *, up_ms: float | None = None, down_ms: float | None = None, mode: str | None = None,
-            jitter_ms: float | None = None) -> None:
+            jitter_ms: float | None = None, bandwidth_mbps: float | None = None, unlimited: bool = False) -> None:
         """Change the delay of each direction (ms), its jitter and/or the mode; applies to chunks read from now on."""
         if mode is not None and mode not in MODES:
             msg = f"mode {mode!r} is not one of {MODES}"
@@ -79,6 +94,8 @@ class DelayProxy:
                 self.state.down_ms = float(down_ms)
             if jitter_ms is not None:
                 self.state.jitter_ms = float(jitter_ms)
+            if bandwidth_mbps is not None or unlimited:
+                self.state.bandwidth_mbps = None if unlimited else bandwidth_mbps
             if mode is not None:
                 self.state.mode = mode
                 if mode != "up":
@@ -144,7 +161,7 @@ class DelayProxy:
                 await writer.drain()
 
         sender = asyncio.create_task(deliver())
-        last, jitter = -1.0, 0.0
+        last, jitter, free_at = -1.0, 0.0, 0.0
         try:
             while True:
                 data = await reader.read(65536)
@@ -157,7 +174,12 @@ class DelayProxy:
                     jitter = self._random.uniform(0.0, self.state.jitter_ms)
                 last = now
                 delay = getattr(self.state, direction) + jitter
-                await queue.put((now + delay / 1e3, data))
+                start = max(now, self.state.stall_until)
+                if self.state.bandwidth_mbps:  # the link sends one chunk after another at its rate
+                    start = max(start, free_at)
+                    free_at = start + len(data) * 8 / (self.state.bandwidth_mbps * 1e6)
+                    start = free_at
+                await queue.put((start + delay / 1e3, data))
             queue.put_nowait((0.0, b""))
             await sender
         except (OSError, asyncio.IncompleteReadError):

@@ -37,6 +37,9 @@ class Phase:
     latency_ms: float
     energy_mj: float | None = None
     jitter_ms: float = 0.0  # added to the round trip: uniform 0..jitter/2 ms in each direction
+    bandwidth_mbps: float | None = None  # each direction's rate (None: loopback's)
+    stall_every_s: float = 0.0  # a loss burst this often...
+    stall_s: float = 0.0  # ...holding the link this long
 
     @property
     def budget(self) -> Budget:
@@ -46,19 +49,21 @@ class Phase:
         if self.rtt_ms is None:
             proxy.set(mode="refuse")
         else:
-            proxy.set(up_ms=self.rtt_ms / 2, down_ms=self.rtt_ms / 2, jitter_ms=self.jitter_ms / 2, mode="up")
+            proxy.set(up_ms=self.rtt_ms / 2, down_ms=self.rtt_ms / 2, jitter_ms=self.jitter_ms / 2, mode="up",
+                      bandwidth_mbps=self.bandwidth_mbps, unlimited=self.bandwidth_mbps is None)
 
 
-def agent_options(adaptive: AdaptiveOptions | None = None) -> AgentOptions:
-    # rtt_probe_s: while its round-trip estimate says escalations do not fit, the agent still tries one
-    # every 10 ms (default 1 s), so that a link that got fast again is noticed within a few requests at this rate.
+def agent_options(adaptive: AdaptiveOptions | None = None, *, wire_encoding: str = "fp32") -> AgentOptions:
+    # the agent's own probing (`rtt_probe_s`, 0.25 s by default) is what notices a returned link
     return AgentOptions(device_id="bench-controller", breaker=BreakerConfig(failure_threshold=3),
-                        transport=TransportOptions(reconnect_min_s=0.05, reconnect_max_s=0.25, retry_max_attempts=1),
-                        rtt_probe_s=0.01, telemetry_interval_s=3600.0, adaptive=adaptive or AdaptiveOptions())
+                        transport=TransportOptions(reconnect_min_s=0.05, reconnect_max_s=0.25, retry_max_attempts=1,
+                                                   wire_encoding=wire_encoding),
+                        telemetry_interval_s=3600.0, adaptive=adaptive or AdaptiveOptions())
 
 
 def replay(controller: Any, models: Models, phases: list[Phase], trace: np.ndarray, proxy: DelayProxy, *,
-           rate: float, warmup: int = 200, adaptive: AdaptiveOptions | None = None) -> dict[str, Any]:
+           rate: float, warmup: int = 200, adaptive: AdaptiveOptions | None = None,
+           wire_encoding: str = "fp32") -> dict[str, Any]:
     """Run `trace` (indices into the test split) through a fresh agent; one record per request.
 
     `controller` is True (the agent builds its controller, with the priors of `adaptive`) or a
@@ -80,7 +85,8 @@ def replay(controller: Any, models: Models, phases: list[Phase], trace: np.ndarr
     warm = Phase("warm-up", warmup, 2.0, 60.0)
     warm.apply(proxy)
     model = sdk.load(models.edge_dir, cloud=f"grpc://127.0.0.1:{proxy.port}/{CLOUD_NAME}",
-                     budget=warm.budget, policy=POLICY, controller=controller, options=agent_options(adaptive))
+                     budget=warm.budget, policy=POLICY, controller=controller,
+                     options=agent_options(adaptive, wire_encoding=wire_encoding))
     if controller is True:
         controller = model.agent.controller
     try:
@@ -93,7 +99,11 @@ def replay(controller: Any, models: Models, phases: list[Phase], trace: np.ndarr
             model.set_budget(phase.budget)
             if isinstance(controller, Scripted):
                 controller.enter_phase(pi)
+            next_stall = time.perf_counter() + phase.stall_every_s
             for _ in range(phase.requests):
+                if phase.stall_every_s and time.perf_counter() >= next_stall:
+                    proxy.stall(phase.stall_s)
+                    next_stall += phase.stall_every_s
                 due = start + k / rate
                 if (wait := due - time.perf_counter()) > 0:
                     time.sleep(wait)

@@ -31,6 +31,9 @@ class Point:
 class Scripted:
     """A fixed (variant, threshold) per phase behind the controller interface; it ignores measurements."""
 
+    link = None  # it keeps no view of the link (the agent's own is used for its skip rule)
+    deadline_margin_ms: float | None = None
+
     def __init__(self, points: Sequence[Point]) -> None:
         self.points = list(points)
         self.current = self.points[0]
