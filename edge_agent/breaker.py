@@ -41,7 +41,9 @@ class BreakerConfig:
         failure_threshold: consecutive failures that open the breaker.
         reset_timeout_s: how long it stays open before letting a probe through. A failed probe
             opens it again for as long, so a link that comes back is found within about this long
-            (plus the wait for the next request that escalates): half a second by default.
+            (plus the wait for the next request that escalates): a quarter of a second by default, so
+            that a returned link is used again within a second even when the first probe meets a
+            connection still being set up.
         half_open_max_calls: probes allowed at once while half-open.
         timeout_threshold, timeout_odds: when the failures in a row include deadline timeouts
             (`record_failure(timeout=True)`), it opens once such a run is news (`link.TimeoutRuns`):
@@ -58,7 +60,7 @@ class BreakerConfig:
     """
 
     failure_threshold: int = 5
-    reset_timeout_s: float = 0.5
+    reset_timeout_s: float = 0.25
     half_open_max_calls: int = 1
     timeout_threshold: int = 64
     timeout_odds: float = 1e-4

@@ -27,7 +27,8 @@ margin plus the noise of the fitted cloud accuracy (`accuracy_z` standard errors
 the move adds) and it fits the latency target with `switch_headroom` and the energy target with
 `energy_switch_headroom` to spare; or (3) the choice is as accurate (within `tie_tolerance`) and
 spends `energy_margin` less energy (across variants, on measured figures only); or (4) the current
-point escalates less than the probe floor and the choice, as accurate, does not. Nothing else moves
+point escalates clearly less than the probe floor (under three quarters of it) and the choice, as
+accurate, does not. Nothing else moves
 it: the same rule runs when the link goes down or comes back, when the round trip moves, and when a
 budget changes.
 
@@ -351,7 +352,8 @@ def switch_reason(cur: Decision, cand: Decision, config: ControllerConfig, *, no
     margin = accuracy_margin(cur, config)
     if not cur.feasible and cand.predicted_accuracy >= cur.predicted_accuracy - margin:
         return f"current point is over the {over} budget (within tolerance)"
-    if (cur.predicted_escalation_rate < floor - 1e-9 <= cand.predicted_escalation_rate
+    # clearly under it: predicted rates move with the live scores, and a point at the floor must not flap
+    if (cur.predicted_escalation_rate < 0.75 * floor - 1e-9 and cand.predicted_escalation_rate >= floor - 1e-9
             and cand.predicted_accuracy >= cur.predicted_accuracy - margin):
         return f"escalate at least {floor:.0%} to probe the link"
     if not spare(cand, config):

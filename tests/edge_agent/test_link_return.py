@@ -4,7 +4,7 @@ The cloud (a fake transport on the event loop, right on every input it is sent) 
 over a 10 ms budget, for 1.5 s at about 100 requests/s; then at once. The controller keeps escalating
 escalating while the link is slow (nothing is gained, nothing is lost: each ends at the agent's timer
 inside the budget, or the open breaker skips it), the link model marks the unusual
-run of timeouts "slower" (and, after twenty, the link down: the breaker then probes every 0.5 s); the
+run of timeouts "slower" (and, after twenty, the link down: the breaker then probes every 0.25 s); the
 first answers in time after it are "faster" (or "up"), and the controller re-decides at once.
 """
 
