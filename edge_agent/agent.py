@@ -53,6 +53,7 @@ from compilers.package import ModelPackage
 from compilers.variants import VariantSet
 from compilers.version_floor import VersionFloor
 from edge_agent.adaptive import build_controller
+from edge_agent.audit import Auditor
 from edge_agent.breaker import CircuitBreaker
 from edge_agent.budget import Budget
 from edge_agent.cache import ResultCache, input_key
@@ -211,6 +212,7 @@ class EdgeAgent:
         self._inflight: dict[int, asyncio.Future[bool]] = {}
         self._background: set[asyncio.Task[Any]] = set()
         self._drain_wake: asyncio.Event | None = None
+        self.audits = Auditor(opts.audit, self)  # audits of confident answers, drift, the learned rule
 
     # -- lifecycle -----------------------------------------------------------------------------
 
@@ -242,6 +244,7 @@ class EdgeAgent:
             self.journal = await asyncio.to_thread(Journal, self.options.journal_path,
                                                    max_bytes=self.options.journal_max_bytes)
         self._drain_wake = asyncio.Event()
+        self.audits.bind(asyncio.get_running_loop())
         if self.meter is not None:
             self.meter.start()
         self._tasks.append(asyncio.create_task(self._housekeeping(), name="tierkit-housekeeping"))
@@ -259,6 +262,7 @@ class EdgeAgent:
         for task in [*self._tasks, *self._background]:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
+        await self.audits.aclose()
         self.fold()
         if self._owns_link and self.transport is not None:
             await self.transport.aclose()
@@ -362,21 +366,30 @@ class EdgeAgent:
         self._timed(variant.id, len(next(iter(inputs.values()))), edge_ms)
         policy = variant.policy
         scores = policy.scorer.score(outputs)
-        limit = policy.threshold if threshold is None else threshold
+        scores, limit = self.audits.route(outputs, scores, policy.threshold if threshold is None else threshold)
         seq = next(self._seq)
         if len(scores) == 1:  # a scalar compare is cheaper than an array op and .any()
             if not scores[0] < limit:
-                return self._finish(variant, outputs, scores, single, t0, edge_ms, seq, key=key)
+                return self._confident(variant, inputs, outputs, scores, single, t0, edge_ms, seq, key)
             mask = scores < limit
         else:
             mask = scores < limit
             if not mask.any():
-                return self._finish(variant, outputs, scores, single, t0, edge_ms, seq, key=key)
+                return self._confident(variant, inputs, outputs, scores, single, t0, edge_ms, seq, key)
         if self.transport is None:  # edge only: unsure, but nowhere to escalate (not degraded)
             return self._finish(variant, outputs, scores, single, t0, edge_ms, seq, reason="no_cloud",
                                 wanted=int(mask.sum()))
         return Pending(variant, inputs, outputs, scores, mask, single, t0, edge_ms, keep or self.policy.keep, key,
                        seq, frame)
+
+    def _confident(self, v: Variant, inputs: dict[str, np.ndarray], outputs: dict[str, np.ndarray],
+                   scores: np.ndarray, single: bool, t0: float, edge_ms: float, seq: int,
+                   key: bytes | None) -> Prediction:
+        """The edge answer; a share of them is also audited by the cloud in the background (`edge_agent.audit`)."""
+        audit = self.audits.draw()
+        if audit:  # copied before the app gets (and may edit) the arrays; sent after the answer is back
+            self.audits.submit(v.id, inputs, outputs, seq)
+        return self._finish(v, outputs, scores, single, t0, edge_ms, seq, key=key)
 
     async def escalate(self, p: Pending) -> Prediction:
         """The asynchronous part: send the unsure rows within the deadline, merge or degrade."""
@@ -459,6 +472,7 @@ class EdgeAgent:
             self._drain_wake.set()  # the cloud answers again: deliver what waits, now rather than on a timer
         first = self.outputs[0].name
         agreed = top1_agreed(expected[first], cloud[first])
+        self.audits.label(expected[first], cloud[first], 1.0)  # an escalation: compared with probability 1
         if whole:
             merged = cloud
         else:
@@ -507,6 +521,21 @@ class EdgeAgent:
         if self.pushback.active():
             return "cloud_busy"
         return "" if self.breaker.allow() else "breaker_open"
+
+    def spare_token(self) -> bool:
+        """Take a token of the `max_escalations_per_s` bucket for background work (an audit) only when one
+        is left over for the next escalation (on the loop, where escalations take theirs)."""
+        cap = self.budget.max_escalations_per_s
+        if cap is None:
+            return True
+        tokens, last = self._tokens
+        now = time.monotonic()
+        tokens = min(max(cap, 1.0), tokens + (now - last) * cap)
+        if tokens < 2.0:
+            self._tokens = (tokens, now)
+            return False
+        self._tokens = (tokens - 1.0, now)
+        return True
 
     def _request(self, p: Pending, sub: Mapping[str, np.ndarray], rows: np.ndarray,
                  left_ms: float) -> Request:
@@ -717,7 +746,7 @@ class EdgeAgent:
                 "journal_pending": self._journal_pending(),
                 "journal_recovered_from": str(self.journal.recovered_from or "") if self.journal else "",
                 "decision": to_json() if to_json is not None else None, "refused_variants": dict(self.refused),
-                **self.stats.snapshot()}
+                **(stats := self.stats.snapshot()), **self.audits.snapshot(stats)}
 
     async def _housekeeping(self) -> None:
         """Fold observations, read the meter, publish telemetry. Folding feeds the controller, which may

@@ -7,8 +7,9 @@ the identity instead of enrolling again. The private key never leaves the device
 
 Telemetry windows: the agent's counters are cumulative since it started; `TelemetryWindows` turns
 successive snapshots into per-window aggregates (requests, tier mix, latency quantiles, escalation
-rate, energy per request with its label, degraded count and reasons, variant and threshold), each
-with the boot id and a sequence number the fleet deduplicates by.
+rate, energy per request with its label, degraded count and reasons, variant and threshold; audits, the
+whole-stream agreement estimate with its interval and the data-drift flag, `edge_agent.audit.window_fields`),
+each with the boot id and a sequence number the fleet deduplicates by.
 
 Example:
     >>> identity = enroll("http://fleet:8080", "tke_...", Path("/var/lib/tierkit"))
@@ -38,6 +39,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
+from edge_agent.audit import window_fields
 from runtimes.errors import ConfigError, TierkitError
 
 if TYPE_CHECKING:
@@ -264,4 +266,4 @@ class TelemetryWindows:
                 "degraded": d["degraded"], "degraded_reasons": {k: v for k, v in reasons.items() if v > 0},
                 "variant": str(snap.get("variant", "")), "threshold": snap.get("threshold"),
                 "model_digest": self.model_digest, "release": self.release, "crashes": crashes,
-                "decision": decision_summary(snap.get("decision"))}
+                "decision": decision_summary(snap.get("decision")), **window_fields(snap, prev)}

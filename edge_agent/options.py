@@ -9,6 +9,7 @@ from pathlib import Path
 
 from cloud_service.protocol import topics
 from edge_agent.adaptive import AdaptiveOptions
+from edge_agent.audit import AuditOptions
 from edge_agent.breaker import BreakerConfig
 from edge_agent.transports.base import TransportOptions
 from runtimes.energy import PowerProfile
@@ -61,6 +62,7 @@ class AgentOptions:
             the model's size). Needs a cloud listing the `tierkit.encodings` extension (tierkit's own);
             False sends the preprocessed input instead, for a stock Triton or KServe.
         adaptive: how `controller=True` builds the controller (cloud accuracy prior, ...).
+        audit: audits of confident answers, drift detection and the learned escalation rule (`edge_agent.audit`).
     """
 
     device_id: str = field(default_factory=lambda: _safe_device(socket.gethostname()))
@@ -88,6 +90,7 @@ class AgentOptions:
     strict: bool = False
     send_frames: bool = True
     adaptive: AdaptiveOptions = field(default_factory=AdaptiveOptions)
+    audit: AuditOptions = field(default_factory=AuditOptions)
 
     def __post_init__(self) -> None:
         try:

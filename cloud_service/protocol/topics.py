@@ -25,6 +25,8 @@ PARAM_TRACE = "tierkit.trace_id"
 PARAM_DEADLINE_MS = "tierkit.deadline_ms"
 # Set on a response that was served from the duplicate-request cache.
 PARAM_CACHED = "tierkit.cached"
+# Set (true) on an audit: a confident edge answer sent to the cloud only to compare, after it was answered.
+PARAM_AUDIT = "tierkit.audit"
 # MQTT has no status codes: an error reply carries these two MQTT v5 user properties (and the same
 # keys as string parameters of its ModelInferResponse): a gRPC status name such as "NOT_FOUND", and
 # the message. A reply without them is a success.

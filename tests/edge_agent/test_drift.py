@@ -1,0 +1,144 @@
+"""Drift charts in simulation (A/A false alarms against the stated ARL, A/B detection delay) on real scores,
+and the agent raising a drift event on a real shift."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from scipy.ndimage import rotate
+
+import sdk
+from compilers.package import ModelPackage
+from edge_agent.agent import AgentOptions
+from edge_agent.audit import AuditOptions
+from edge_agent.drift import AgreementCusum, DriftOptions, ScoreCusum, siegmund_arl
+from edge_agent.fleet_sync import TelemetryWindows
+from edge_agent.policy import Margin, Policy
+from sdk import zoo
+from tests.doubles.fake_transport import FakeTransport
+from tests.edge_agent.test_audit import oracle
+from tests.sdk.packages import make_package
+from tests.waiting import wait_for
+
+REFERENCE = 1000  # requests: 40 batches of 25
+
+
+def rotated(x: np.ndarray, degrees: float) -> np.ndarray:
+    return np.stack([rotate(img[0], degrees, reshape=False, order=1)[None] for img in x]).astype(np.float32)
+
+
+@pytest.fixture(scope="module")
+def scores(digits_linear: Any, digits: zoo.Split) -> tuple[np.ndarray, np.ndarray]:
+    """The edge's margin on held-out digits, and on the same digits rotated 25 degrees."""
+    x = np.concatenate([digits.x_val, digits.x_test])
+    clean = Margin().score({"logits": zoo.predict(digits_linear, x)})
+    shifted = Margin().score({"logits": zoo.predict(digits_linear, rotated(x, 25))})
+    return clean, shifted
+
+
+def run_lengths(arl0: float, pre: np.ndarray, post: np.ndarray, horizon: int, runs: int, seed: int) -> np.ndarray:
+    """Requests after the reference until the first alarm (censored at `horizon`), over `runs` streams."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(runs):
+        chart = ScoreCusum(arl0, 25, 40, 0.5)
+        stream = np.concatenate([rng.choice(pre, REFERENCE), rng.choice(post, horizon)]).tolist()
+        first = horizon
+        for i, v in enumerate(stream):
+            if chart.add(v) is not None:
+                first = i - REFERENCE
+                break
+        out.append(first)
+    return np.array(out)
+
+
+def test_score_chart_false_alarms_match_the_stated_average_run_length(scores: tuple[np.ndarray, np.ndarray]) -> None:
+    clean, _ = scores
+    arl0 = 5_000.0  # small enough to measure here; the default (200,000) is the same formula
+    runs = run_lengths(arl0, clean, clean, 30_000, 120, seed=1)
+    assert runs.min() >= 0  # never during the reference
+    # censored mean: a lower bound of the true one. With the reference estimated from 1,000 requests the
+    # run lengths spread wider than a geometric law, but their mean stays near the stated ARL0.
+    assert 0.5 * arl0 <= runs.mean() <= 2.0 * arl0, (runs.mean(), np.median(runs))
+
+
+def test_score_chart_flags_a_rotation_within_a_few_hundred_requests(scores: tuple[np.ndarray, np.ndarray]) -> None:
+    clean, shifted = scores
+    delays = run_lengths(DriftOptions().score_arl0, clean, shifted, 2_000, 100, seed=2)
+    assert delays.max() < 500, np.sort(delays)[-5:]
+    assert np.mean(delays) < 150, np.mean(delays)
+
+
+def test_siegmund_interval_meets_its_target() -> None:
+    chart = ScoreCusum(200_000, 25, 40, 0.5)
+    per_side = siegmund_arl(0.0, 0.5, chart.h)
+    assert per_side == pytest.approx(2 * 200_000 / 25, rel=1e-3)
+    assert siegmund_arl(2.0, 0.5, chart.h) < 10  # a shift of two batch deviations: a few batches
+
+
+def agreement_runs(p_before: float, p_after: float, audits: int, runs: int, seed: int,
+                   arl0: float = 1_000.0) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(runs):
+        chart = AgreementCusum(arl0, 30, 0.02, 3.0, 0.1)
+        flips = np.concatenate([rng.random(30) < p_before, rng.random(audits) < p_after]).tolist()
+        first = audits
+        for i, bad in enumerate(flips):
+            if chart.add(bad) is not None:
+                first = i - 30
+                break
+        out.append(first)
+    return np.array(out)
+
+
+def test_agreement_chart_false_alarms_are_rarer_than_exp_h() -> None:
+    runs = agreement_runs(0.05, 0.05, 6_000, 150, seed=3)
+    # Lorden: ARL0 >= exp(h) = 1,000 audits when p0 is the true rate; p0 is estimated on the high side
+    assert runs.mean() >= 1_000, runs.mean()
+
+
+def test_agreement_chart_flags_confidently_wrong_answers_within_a_few_dozen_audits() -> None:
+    # 2 % disagreement among confident answers, then 40 %: p0 is taken on the high side of 30 reference audits
+    # (an upper 90 % bound, ~0.1), which costs delay: ~20 audits on average (at a 2 % audit rate, ~1,000
+    # requests; the score chart is the fast one for shifts that move the scores)
+    delays = agreement_runs(0.02, 0.4, 500, 150, seed=4)
+    assert np.percentile(delays, 90) <= 45, np.sort(delays)[-10:]
+    assert float(delays.mean()) <= 30, delays.mean()
+
+
+def test_the_agent_raises_a_drift_event_and_audits_more(digits_linear_onnx: Path, digits: zoo.Split,
+                                                        tmp_path: Path) -> None:
+    package: ModelPackage = make_package(digits_linear_onnx, tmp_path / "digits", name="digits",
+                                         x_val=digits.x_val, y_val=digits.y_val)
+    x = np.concatenate([digits.x_val, digits.x_test])
+    y = np.concatenate([digits.y_val, digits.y_test])
+    rng = np.random.default_rng(5)
+    pick = rng.integers(0, len(x), 1300)
+    before = np.ascontiguousarray(x[pick])
+    after = rotated(x[rng.integers(0, len(x), 500)], 25)
+    fake = FakeTransport(oracle(np.concatenate([x, after]), np.concatenate([y, np.zeros(len(after), int)])))
+    options = AgentOptions(device_id="drifting", audit=AuditOptions(rate=0.02, drift_rate=0.2, seed=0))
+    windows = TelemetryWindows("boot")
+    with sdk.load(package, cloud=fake, policy=Policy("margin", threshold=0.3), options=options) as model:
+        audits = model.agent.audits
+        for v in before:
+            model.predict(v)
+        audits.fold()
+        windows.window(model.stats())
+        assert not audits.drift.flagged
+        assert audits.rate == 0.02
+        for v in after:
+            model.predict(v)
+        wait_for("the drift event", lambda: (audits.fold(), audits.drift.flagged)[1], timeout=10)
+        stats = model.stats()
+        window = windows.window(stats)
+    event = stats["drift"]["last"]
+    assert event["kind"] == "score"
+    assert 1300 < event["request"] <= 1300 + 500
+    assert stats["audit"]["rate"] == 0.2
+    assert window["data_drift"] is True
+    assert window["drift_events"] == 1
