@@ -186,6 +186,7 @@ class Auditor:
         self.router_limit = math.nan  # the learned rule's threshold (on 1 - risk), when it is champion
         self.boost_limit = -math.inf  # while drift is flagged: the configured score's raised threshold
         self.matched_rate = math.nan
+        self._matched_at = -math.inf
 
     @property
     def rate(self) -> float:
@@ -362,14 +363,21 @@ class Auditor:
 
     def _fold_labels(self) -> None:
         router = self.router
-        if router is None:
-            return
+        labelled = bool(self._labels)
         while self._labels:
             z, y, w, _cfg = self._labels.popleft()
-            router.learn(z, y, w, self._config_risk(z))
+            if router is not None:
+                router.learn(z, y, w, self._config_risk(z))
+        now = time.monotonic()
+        # the rate matching reads the recent requests: only when something depends on it, at most once a second
+        wanted = (router is not None and (router.champion or router.due())) or self.drift.flagged \
+            or self.boost_limit > -math.inf
+        if not wanted or (not labelled and now - self._matched_at < 1.0):
+            return
+        self._matched_at = now
         recent = list(self._recent)
         rate = self._matched_rate(recent)
-        if router.due():
+        if router is not None and router.due():
             router.refit(rate if math.isfinite(rate) else 0.1)
             if router.options.path is not None:
                 try:
@@ -389,7 +397,9 @@ class Auditor:
     def _matched_rate(self, recent: list[tuple[float, float, np.ndarray]]) -> float:
         if not recent:
             return math.nan
-        rate = sum(s < limit for s, limit, _ in recent) / len(recent)
+        s = np.fromiter((r[0] for r in recent), np.float64, len(recent))
+        limits = np.fromiter((r[1] for r in recent), np.float64, len(recent))
+        rate = float(np.mean(s < limits))
         self.matched_rate = rate
         return rate
 

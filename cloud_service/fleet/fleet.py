@@ -164,12 +164,14 @@ class Fleet:
         reported = self.desired.reported_versions()
         drift = {d["device_id"] for d in self.desired.drift(now=now)}
         desired = self.desired.effective_versions()
+        data_drift = self.telemetry.data_drift()
         for d in out:
             seen = d["last_seen"]
             d["online"] = d["revoked_at"] is None and seen is not None and now - seen <= self.config.online_after_s
             d["reported_version"] = reported.get(d["device_id"])
             d["desired_version"] = desired.get(d["device_id"])
             d["drift"] = d["device_id"] in drift
+            d["data_drift"] = data_drift.get(d["device_id"], False)  # its inputs changed (edge_agent.drift)
         return out
 
     def show(self, device_id: str) -> dict[str, Any]:

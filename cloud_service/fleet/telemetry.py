@@ -8,7 +8,8 @@ One telemetry window (JSON, published by the agent on `tierkit/v1/{device}/telem
  "latency_hist": {"bounds_ms": [1, 2, 5, 10, 20, 50, 100, 1000], "counts": [0, 40, 300, 50, 20, 2, 0, 0, 0]},
  "escalation_rate": 0.15, "agreement": 0.97, "energy_mj_per_request": 2.4, "energy_label": "modeled:cpu",
  "degraded": 3, "degraded_reasons": {"cloud_timeout": 3}, "variant": "int8", "threshold": 0.8,
- "model_digest": "sha256:..."}
+ "model_digest": "sha256:...", "audited": 4, "audit_agreement": 1.0, "agreement_est": 0.95,
+ "agreement_low": 0.91, "agreement_high": 0.99, "data_drift": false, "drift_events": 0}
 ```
 
 `ingest` takes a batch of (topic device, payload, server time) and writes what it accepts in one
@@ -65,6 +66,13 @@ class _Window(BaseModel):
     degraded: int = Field(default=0, ge=0)
     variant: str = Field(default="", max_length=128)
     threshold: float | None = Field(default=None, allow_inf_nan=False)
+    # audits (edge_agent.audit): confident answers compared with the cloud, the whole-stream agreement
+    # estimate with its 95 % interval, and whether a data-drift event is flagged on the device
+    audited: int = Field(default=0, ge=0)
+    agreement_est: float | None = Field(default=None, ge=0, le=1, allow_inf_nan=False)
+    agreement_low: float | None = Field(default=None, ge=0, le=1, allow_inf_nan=False)
+    agreement_high: float | None = Field(default=None, ge=0, le=1, allow_inf_nan=False)
+    data_drift: bool = False
 
 
 @dataclass
@@ -200,6 +208,22 @@ class TelemetryStore:
                              ("reason",))
 
     # -- queries -------------------------------------------------------------------------------
+
+    def data_drift(self, devices: list[str] | None = None) -> dict[str, bool]:
+        """Whether each device's latest window flags a data-drift event (devices without windows: absent)."""
+        c = t.telemetry.c
+        latest = sa.select(sa.func.max(c.id)).group_by(c.device_id)
+        if devices is not None:
+            latest = latest.where(c.device_id.in_(devices))
+        with self.store.begin() as conn:
+            rows = conn.execute(sa.select(c.device_id, c.document).where(c.id.in_(latest))).all()
+        out = {}
+        for r in rows:
+            try:
+                out[r.device_id] = _Window.model_validate_json(r.document).data_drift
+            except ValidationError:  # stored before the field existed, or by an older agent
+                out[r.device_id] = False
+        return out
 
     def drops(self) -> dict[str, int]:
         with self.store.begin() as conn:
