@@ -40,7 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import sdk
 from edge_agent.agent import AgentOptions
-from edge_agent.audit import AuditOptions
+from edge_agent.audit import AuditOptions, window_fields
 from edge_agent.policy import Margin, Policy, threshold_for_rate
 from edge_agent.router import Router, RouterOptions
 from sdk import zoo
@@ -134,10 +134,22 @@ def stream_through(setup: Setup, url: str, xs: np.ndarray, threshold: float, *, 
                 audits.fold()  # the agent folds every 0.25 s; here at fixed request counts, for a repeatable plot
                 if drift_at is None and audits.drift.flagged and audits.drift.last is not None:
                     drift_at = audits.drift.last.request
-                est.append((i + 1, model.stats()["audit"]["agreement_est"]))
+                est.append((i + 1, model.stats()))
         stats = model.stats()
     return {"escalated": np.array(tiers), "top1": np.array(top1), "drift_at": drift_at, "stats": stats,
-            "agreement_est": est}
+            "agreement_est": windowed(est)}
+
+
+def windowed(snaps: list[tuple[int, dict[str, Any]]], span: int = 300) -> list[tuple[int, float, float, float]]:
+    """The agreement estimate over the last `span` requests (as telemetry windows compute it), with its interval."""
+    out = []
+    for i, (n, snap) in enumerate(snaps):
+        back = [s for m, s in snaps[:i] if n - m >= span]
+        if back:
+            w = window_fields(snap, back[-1])
+            if w["agreement_est"] is not None:
+                out.append((n, w["agreement_est"], w["agreement_low"], w["agreement_high"]))
+    return out
 
 
 def tiered_curve(edge: np.ndarray, cloud: np.ndarray, y: np.ndarray, scores: np.ndarray,
@@ -192,6 +204,8 @@ def run_shift(setup: Setup, url: str, shift: str, args: argparse.Namespace, work
                      "post": segment(run, post, edge, cloud, ys, scores, fixed),
                      "drift_delay": None if run["drift_at"] is None else run["drift_at"] - args.pre,
                      "agreement_est": run["stats"]["audit"]["agreement_est"],
+                     "agreement_interval": (run["stats"]["audit"]["agreement_low"],
+                                            run["stats"]["audit"]["agreement_high"]),
                      "router": router}
     out["true_agreement"] = float((edge == cloud).mean())
     plot(setup.name, shift, runs, edge, cloud, ys, args.pre)
@@ -253,9 +267,11 @@ def plot(dataset: str, shift: str, runs: dict[str, Any], edge: np.ndarray, cloud
     axes[0].plot(t, roll(edge == cloud), color="black", label="edge/cloud agreement (true, every request)")
     for name, color in (("fixed", "tab:blue"), ("learned", "tab:orange")):
         run = runs[name]
-        est = [(i, e) for i, e in run["agreement_est"] if e is not None]
-        if est:
-            axes[0].plot(*zip(*est, strict=True), color=color, ls="--", label=f"estimate from audits ({name})")
+        est = np.array(run["agreement_est"])
+        if len(est):
+            axes[0].plot(est[:, 0], est[:, 1], color=color, ls="--",
+                         label=f"estimate from escalations + audits, last 300 ({name})")
+            axes[0].fill_between(est[:, 0], est[:, 2], est[:, 3], color=color, alpha=0.12)
         axes[1].plot(t, roll(run["escalated"]), color=color, label=name)
         axes[2].plot(t, roll(run["top1"] == y), color=color, label=name)
         if run["drift_at"] is not None:
@@ -293,6 +309,10 @@ def checks(dataset: str, r: dict[str, Any]) -> list[str]:
                  f"{post['escalation_rate']:.3f} escalated; hindsight {post['hindsight_accuracy']:.4f} at the same "
                  f"rate; a pre-shift fixed threshold needs {'>0.5' if need is None else f'{need:.3f}'} for it")
     return [f"{dataset} / {r['shift']}:", *lines]
+
+
+def _f(v: float | None) -> str:
+    return "-" if v is None else f"{v:.4f}"
 
 
 def main() -> int:
@@ -343,7 +363,8 @@ def main() -> int:
                           f"(hindsight at that rate {v['hindsight_accuracy']:.4f})")
             rt = s["learned"]["router"] or {}
             print(f"    router: {rt.get('champion')} (recall learned {rt.get('learned_recall')}, configured "
-                  f"{rt.get('configured_recall')}); agreement estimate {s['fixed']['agreement_est']}, "
+                  f"{rt.get('configured_recall')}); agreement estimate {_f(s['fixed']['agreement_est'])} "
+                  f"(95 % {_f(s['fixed']['agreement_interval'][0])}-{_f(s['fixed']['agreement_interval'][1])}), "
                   f"true {s['true_agreement']:.4f}")
     return 0
 
