@@ -3,7 +3,8 @@
 A share `rate` of the confident answers (those no row of which was escalated) is also sent to the
 cloud, *after* the local answer was returned: a background task on the agent's loop, never on the
 latency path, never changing the answer, not counted as an escalation, never journaled. It is sent
-only while the link is up (breaker closed, transport connected), within `max_escalations_per_s`
+only while the link is up (the link model up, breaker closed, transport connected, no busy-cloud
+pause), within `max_escalations_per_s`
 (an audit takes a token only when one is left over for an escalation) and within the energy
 budget (skipped when the mean energy per request, audits included, would pass it).
 
@@ -266,7 +267,9 @@ class Auditor:
     def _blocked(self, agent: EdgeAgent) -> str:
         if self._inflight >= self.options.max_inflight:
             return "inflight"
-        if agent.breaker.state != "closed" or getattr(agent.transport, "connected", True) is False:
+        link = agent.link  # the one model of the link: down, or a busy cloud asked for a pause
+        if (agent.breaker.state != "closed" or not link.up or time.monotonic() < link.hold_until
+                or getattr(agent.transport, "connected", True) is False):
             return "link"
         energy = agent.budget.energy_mj
         if energy is not None:
