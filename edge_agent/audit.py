@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import math
 import random
@@ -46,6 +47,7 @@ import time
 from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -99,6 +101,20 @@ class AuditOptions:
         if not (self.timeout_s > 0 and self.max_inflight >= 1):
             msg = f"AuditOptions timeout_s must be > 0 and max_inflight >= 1, got {self.timeout_s}, {self.max_inflight}"
             raise ConfigError(msg)
+
+
+def with_router_state(options: AuditOptions, state_dir: Path, model: str, shipped: Path | None = None) -> AuditOptions:
+    """`options` with the learned rule of `model` (a release digest, or a name) kept under `state_dir/routers/`
+    (unless a path is set; one file per model: another model's logits mean other things), starting from the
+    state a release ships (`shipped`, e.g. its `router.json`) when the device has learned none for it yet."""
+    router = options.router
+    if router is None or router.path is not None:
+        return options
+    name = "".join(c if c.isalnum() or c in "-_." else "-" for c in model)[:120] or "model"
+    router = dataclasses.replace(router, path=state_dir / "routers" / f"{name}.json",
+                                 initial=router.initial or (shipped if shipped is not None and shipped.exists()
+                                                            else None))
+    return dataclasses.replace(options, router=router)
 
 
 # cumulative audit counters, published in the agent's snapshot (telemetry windows difference them)

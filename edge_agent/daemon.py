@@ -55,6 +55,7 @@ from cloud_service.protocol.codec import NP_TO_OIP
 from compilers import signing
 from compilers.release import Release, open_release
 from edge_agent.agent import EdgeAgent
+from edge_agent.audit import with_router_state
 from edge_agent.budget import Budget
 from edge_agent.config import AgentConfig
 from edge_agent.fleet_sync import TelemetryWindows, load_identity, model_digest
@@ -240,6 +241,11 @@ class AgentDaemon:
                 msg = f"release {release.digest}: its policy or budget does not fit this agent ({exc})"
                 raise ConfigError(msg) from None
             opts = dataclasses.replace(opts, power=_power(release.energy_profile, opts.power))
+        if cfg.fleet is not None:  # the learned escalation rule lives in the state directory; a release may seed it
+            shipped = Path(release.variants_dir) / "router.json" if release is not None else None
+            audit = dataclasses.replace(opts.audit, router=cfg.options.audit.router)  # not the predecessor's file
+            opts = dataclasses.replace(opts, audit=with_router_state(
+                audit, cfg.fleet.state_dir, release.digest if release is not None else "configured", shipped))
         agent = EdgeAgent(release.variants_dir if release else cfg.model, cloud=cfg.cloud, budget=budget,
                           policy=policy, controller=cfg.controller, options=opts, telemetry=self._publish_telemetry,
                           successor_of=successor_of)

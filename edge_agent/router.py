@@ -107,6 +107,7 @@ class RouterOptions:
 
     Args:
         path: where its state is saved (the agent's state directory) and loaded from at start; None: not kept.
+        initial: a state trained offline (shipped with a release), loaded when `path` holds none yet.
         window: the most recent labelled rows it is fitted on.
         holdout_every: one labelled row in this many is held out to judge champion and challenger.
         holdout_window: the most recent held-out rows judged.
@@ -119,6 +120,7 @@ class RouterOptions:
     """
 
     path: str | Path | None = None
+    initial: str | Path | None = None
     window: int = 4_000
     holdout_every: int = 4
     holdout_window: int = 2_000
@@ -157,6 +159,8 @@ class Router:
         self._since_refit = 0
         if o.path is not None and Path(o.path).exists():
             self.load(o.path)
+        elif o.initial is not None and Path(o.initial).exists():
+            self.load(o.initial)
 
     # -- scoring -------------------------------------------------------------------------------
 

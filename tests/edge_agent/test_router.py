@@ -120,3 +120,25 @@ def test_an_unreadable_state_says_what_to_do(tmp_path: Path) -> None:
     bad.write_text('{"version": 99}')
     with pytest.raises(ConfigError, match="delete it"):
         Router(RouterOptions(path=bad))
+
+
+def test_a_release_seeds_the_rule_and_each_model_keeps_its_own(labelled: tuple[np.ndarray, np.ndarray],
+                                                                tmp_path: Path) -> None:
+    from edge_agent.audit import with_router_state
+
+    logits, wrong = labelled
+    shipped = tmp_path / "release" / "router.json"
+    trained = fed(Router(), logits, wrong, np.zeros(len(wrong)), rate=0.3)
+    trained.save(shipped)
+    options = with_router_state(AuditOptions(), tmp_path / "state", "sha256:abc", shipped)
+    assert options.router is not None
+    assert options.router.path == tmp_path / "state" / "routers" / "sha256-abc.json"
+    seeded = Router(options.router)
+    assert seeded.fitted
+    np.testing.assert_allclose(seeded.w, trained.w)  # the device starts from the release's rule
+    seeded.w = seeded.w * 0.5
+    seeded.save()
+    np.testing.assert_allclose(Router(options.router).w, trained.w * 0.5)  # then from what it learned itself
+    other = with_router_state(AuditOptions(), tmp_path / "state", "sha256:def").router
+    assert other is not None
+    assert not Router(other).fitted  # another model does not inherit it
