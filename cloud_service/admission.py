@@ -1,7 +1,8 @@
 """What the batcher needs to admit by deadline: the model's measured service time and a standing-queue signal.
 
-- `ServiceTimes` learns how long one run of the model takes at each batch size (moving averages per
-  power-of-two bucket of rows) and answers "how long does it take to work through N queued rows".
+- `ServiceTimes` learns how long one run of the model takes at each batch size (per power-of-two bucket
+  of rows: a high quantile of the recent runs) and answers "how long does it take to work through N
+  queued rows".
   Before the first measurement it knows nothing and every request is admitted.
 - `StandingQueue` is CoDel's detector (Nichols and Jacobson, "Controlling Queue Delay"): the queue is
   *standing* once every request taken from it for a whole `interval` had waited longer than `target`.
@@ -18,9 +19,13 @@ Example:
 
 from __future__ import annotations
 
+import math
+from collections import deque
 from dataclasses import dataclass, field
 
 _ALPHA = 0.2  # weight of a new measurement in the moving averages
+_WINDOW = 32  # recent runs per bucket the planning quantile is taken over
+PLAN_QUANTILE = 0.9  # runs are planned to take this quantile of the recent ones
 
 
 def _bucket(rows: int) -> int:
@@ -30,23 +35,27 @@ def _bucket(rows: int) -> int:
 
 @dataclass(slots=True)
 class _Average:
-    """Moving averages of one bucket's run time, its deviation (as TCP keeps a round trip's) and rows."""
+    """One bucket's recent run times and the moving average of its rows."""
 
-    mean: float
     rows: float
-    deviation: float = 0.0
+    recent: deque[float] = field(default_factory=lambda: deque(maxlen=_WINDOW))
+    _planned: float | None = None
 
     def add(self, rows: int, seconds: float) -> None:
-        self.deviation += _ALPHA * (abs(seconds - self.mean) - self.deviation)
-        self.mean += _ALPHA * (seconds - self.mean)
+        self.recent.append(seconds)
         self.rows += _ALPHA * (rows - self.rows)
+        self._planned = None
 
     @property
     def seconds(self) -> float:
-        """What a run is planned to take: the mean plus one deviation. On a shared, noisy host a batch
-        planned at the mean would miss its deadline about half the time it is tight; work that ends
-        late is work thrown away, while a refusal costs the caller only a retry."""
-        return self.mean + self.deviation
+        """What a run is planned to take: the `PLAN_QUANTILE` quantile of the recent runs (the longest
+        while there are few). On a shared, noisy host a batch planned at the mean misses its deadline
+        about half the time it is tight, and a request admitted on such a plan is refused late, after
+        queueing; work that ends late is work thrown away, while a refusal at once costs only a retry."""
+        if self._planned is None:
+            ordered = sorted(self.recent)
+            self._planned = ordered[max(0, math.ceil(PLAN_QUANTILE * len(ordered)) - 1)]
+        return self._planned
 
 
 @dataclass(slots=True)
@@ -68,9 +77,8 @@ class ServiceTimes:
         """One run of `rows` rows took `seconds`."""
         bucket = self._buckets.get(_bucket(rows))
         if bucket is None:
-            self._buckets[_bucket(rows)] = _Average(seconds, float(rows))
-        else:
-            bucket.add(rows, seconds)
+            self._buckets[_bucket(rows)] = bucket = _Average(float(rows))
+        bucket.add(rows, seconds)
 
     def batch_seconds(self, rows: int) -> float:
         """The expected run time of one batch of `rows` rows (0 before any measurement).

@@ -22,7 +22,9 @@ Requests queue per model; each model instance (session) is guarded by a lock. Tw
   time: it grows while it would end before the earliest deadline in it. A queued request whose
   deadline passed, or can no longer be met, is dropped before compute (`CloudTimeout` once passed,
   `ServerBusy` before); a request whose caller went away (cancelled future, or a blocking caller
-  past its deadline) is skipped.
+  past its deadline) is skipped. Whenever a batch ends (and the estimate moves), the queue is
+  checked again and every request that can no longer make its deadline is refused then, not
+  when it reaches the head.
 - Requests without a deadline: while the queue is standing (`admission.StandingQueue`, CoDel) they
   are refused when the wait ahead exceeds the CoDel interval and dropped once they waited that long.
 - Requests batch together only when their non-batch dimensions and dtypes agree; the others wait
@@ -465,8 +467,8 @@ class DynamicBatcher:
             self._running_span[index] = (now, now + self._times.batch_seconds(rows))
             started = time.perf_counter()
             outcomes += self._run(runner, live)
+            self._running_span[index] = None  # free again: the re-check in `_ran` counts no wait for it
             self._ran(rows, len(live), time.perf_counter() - started, sum(now - r.enqueued for r in live))
-            self._running_span[index] = None
             done += live
         self._observer.on_queue(len(self._queue))
         self._reply(done, outcomes)
@@ -491,10 +493,50 @@ class DynamicBatcher:
         return CloudTimeout(msg)
 
     def _ran(self, rows: int, requests: int, seconds: float, queued: float) -> None:
-        """Account one run: the service-time model behind admission and the retry hint, and the observer."""
+        """Account one run: the service-time model behind admission and the retry hint, and the observer;
+        then refuse at once the queued requests the updated estimate says can no longer be answered."""
         with self._ready:
             self._times.observe(rows, seconds)
+            shed = self._shed_hopeless(time.monotonic()) if self.config.admission else []
+        if shed:
+            self._observer.on_expired(len(shed))
+            self._reply([r for r, _ in shed], [o for _, o in shed])
+            self._observer.on_queue(len(self._queue))
         self._observer.on_batch(rows, requests, seconds, queued)
+
+    def _shed_hopeless(self, now: float) -> list[tuple[_Request, Outcome]]:
+        """Take out of the queue (its lock held) every request with a deadline that the queue ahead of it
+        (earliest deadline first) and the measured run time can no longer answer in time, with its refusal.
+
+        Run whenever a batch ends and the estimate moves, so that a request that became hopeless is
+        refused then, not when it reaches the head of the queue: a refusal never waits for compute it
+        will not get. A lone queued request is left to run (its measurement corrects the estimate).
+        """
+        if len(self._queue) <= 1:
+            return []
+        kept: list[_Request] = []
+        shed: list[tuple[_Request, Outcome]] = []
+        ahead = 0
+        for request in self._queue:
+            if request.deadline is not None and not request.future.done():
+                done = self._finish_in(now, ahead, request.rows)
+                if now + done > request.deadline:
+                    outcome = self._expired(request, now) if now >= request.deadline else self._busy(
+                        f"queued {(now - request.enqueued) * 1000:.1f} ms, the queue ahead and the model's run time "
+                        f"need {done * 1000:.1f} ms more, its deadline leaves {(request.deadline - now) * 1000:.1f} ms",
+                        now + done - request.deadline)
+                    shed.append((request, outcome))
+                    continue
+            kept.append(request)
+            if not request.future.done():
+                ahead += request.rows
+        if shed:
+            self._queue[:] = kept
+            self._queued_rows = sum(r.rows for r in kept)
+            for request, _ in shed:
+                self._observer.on_queue_time(now - request.enqueued)
+                self._standing.observe(now, now - request.enqueued)
+        return shed
 
     def _take(self) -> list[_Request] | None:
         delay = self.config.max_queue_delay_us / 1e6
