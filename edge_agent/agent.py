@@ -65,7 +65,7 @@ from edge_agent.link import Link, TimerLateness
 from edge_agent.options import AgentOptions
 from edge_agent.policy import Policy
 from edge_agent.prediction import Prediction, make_prediction
-from edge_agent.pushback import DrainPace, Pushback
+from edge_agent.pushback import DrainPace, Pushback, retry_hint_s
 from edge_agent.replies import check_reply, decode_reply
 from edge_agent.stats import Stats, feed_controller, top1_agreed
 from edge_agent.transports.base import Transport, open_transport
@@ -493,7 +493,7 @@ class EdgeAgent:
         if isinstance(error, CloudTimeout):
             self.link.observe_timeout(waited_ms)  # censored, but it teaches the link it is slow
         else:
-            self.link.observe_refusal(waited_ms, busy=busy)
+            self.link.observe_refusal(waited_ms, busy=busy, retry_after_s=retry_hint_s(error) if busy else None)
 
     def _rtt_needed(self) -> float:
         """The round trip an escalation must fit in: a high quantile of the recent ones; with a
@@ -835,6 +835,7 @@ class EdgeAgent:
         except EscalationError as exc:
             if self.pushback.note(exc):  # busy: the drain slows down and pauses for the hint
                 self._pace.on_busy()
+                self.link.observe_refusal(busy=True, retry_after_s=retry_hint_s(exc))  # the link's view too
             raise
         self._pace.on_answer()
         self.breaker.record_success()

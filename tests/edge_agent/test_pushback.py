@@ -112,6 +112,9 @@ def test_a_busy_refusal_degrades_and_holds_escalations_back_for_the_hint(package
                           options=AgentOptions(breaker=BreakerConfig(failure_threshold=3)))
         async with agent:
             first = await agent.infer(digits.x_test[0])
+            # the link model (read by the skip rule, breaker and controller) saw a busy refusal with its hint
+            assert agent.link.refusals == 1
+            assert 0.2 < agent.link.view().hold_until - time.monotonic() <= 0.3
             held = await agent.infer(digits.x_test[1])
             assert (first.degraded, first.reason) == (True, "cloud_busy")
             assert (held.degraded, held.reason) == (True, "cloud_busy")
@@ -140,12 +143,14 @@ def test_the_journal_drain_is_paced_and_pauses_for_refusals(package: ModelPackag
             assert agent.journal.count() == 40
             cloud.calls.clear()
             cloud.refusals = 3  # busy for three more calls, then answers
+            refusals_before = agent.link.refusals
             for _ in range(400):
                 await asyncio.sleep(0.025)
                 if agent.journal.count() == 0:
                     break
             assert agent.journal.count() == 0
             assert sorted(cloud.answered) == sorted(p.seq for p in preds)  # none lost
+            assert agent.link.refusals - refusals_before == 3  # the drain's busy refusals reached the link
 
     asyncio.run(main())
     refused = [t for t, ok in cloud.calls if not ok]
