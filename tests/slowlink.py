@@ -3,12 +3,16 @@
 Each direction is a token bucket of one packet: a chunk leaves when the link has sent the chunks
 before it (`len * 8 / rate` seconds each) and arrives `delay_s` later, as on a serial link with
 propagation delay. The rate can change while connections are open (a step from 50 to 5 Mbit/s).
+`cut()` takes the link down (open connections reset, new ones reset at once: a host that is gone),
+`restore()` brings it back.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import socket
+import struct
 
 
 class SlowLink:
@@ -23,6 +27,8 @@ class SlowLink:
         self._server: asyncio.Server | None = None
         self._tasks: set[asyncio.Task[None]] = set()
         self.bytes = {"up": 0, "down": 0}
+        self.is_cut = False
+        self._writers: set[asyncio.StreamWriter] = set()
 
     async def __aenter__(self) -> SlowLink:
         self._server = await asyncio.start_server(self._accept, "127.0.0.1", 0)
@@ -43,12 +49,26 @@ class SlowLink:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
+    def cut(self) -> None:
+        """Take the link down: reset every open connection, and every new one as it arrives."""
+        self.is_cut = True
+        for writer in list(self._writers):
+            _reset(writer)
+        self._writers.clear()
+
+    def restore(self) -> None:
+        self.is_cut = False
+
     async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        if self.is_cut:
+            _reset(writer)
+            return
         try:
             up_reader, up_writer = await asyncio.open_connection(*self.target)
         except OSError:
             writer.close()
             return
+        self._writers.update((writer, up_writer))
         self._spawn(self._pipe(reader, up_writer, "up"))
         self._spawn(self._pipe(up_reader, writer, "down"))
 
@@ -79,3 +99,12 @@ class SlowLink:
             queue.put_nowait((0.0, b""))
             with contextlib.suppress(ConnectionError):
                 await sender
+
+
+def _reset(writer: asyncio.StreamWriter) -> None:
+    """Close with RST (SO_LINGER 0): the peer sees a reset connection at once."""
+    sock = writer.get_extra_info("socket")
+    if sock is not None:
+        with contextlib.suppress(OSError):
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    writer.close()

@@ -19,8 +19,15 @@ Channel settings, and why:
   the 2-strike limit. Our calls are short, so pings are rare; a dead connection is found by the deadline.
   Checked against a default grpcio 1.85 server: a 45 s call with keepalive_s=10 sent 2 pings, drew no
   strike and no GOAWAY, and ended with DEADLINE_EXCEEDED at 45.0 s.
-- Reconnect backoff is bounded by `reconnect_min_s`/`reconnect_max_s` (gRPC adds ±20 % jitter itself)
-  so a channel comes back within seconds of the cloud, not gRPC's default 2 minutes.
+- Reconnect backoff: gRPC's own starts at 1 s and grows 1.6x per failed attempt up to 2 minutes, and
+  while it waits the channel fails every call at once with UNAVAILABLE. After a 10 s outage the next
+  attempt came seconds after the cloud was back, so every escalation (and every breaker probe) failed
+  for that long. The backoff starts at `reconnect_min_s` and is capped at `RECONNECT_CAP_S` (0.5 s, or
+  `reconnect_max_s` if smaller; gRPC adds ±20 % jitter), shorter than MQTT's 1 s after a session that
+  was up because a channel cannot tell a recent outage from an old one: a returned cloud is reconnected
+  to within 0.6 s, and a refused attempt costs the cloud a SYN and a reset. One attempt may take
+  `connect_timeout_s` (`grpc.min_reconnect_backoff_ms`, gRPC's minimum connect deadline, 20 s by
+  default), so a connection that hangs in its handshake (a partition) is given up within that long.
 """
 
 from __future__ import annotations
@@ -51,6 +58,7 @@ logger = logging.getLogger(__name__)
 
 SERVICE = "inference.GRPCInferenceService"
 MODEL_INFER = f"/{SERVICE}/ModelInfer"
+RECONNECT_CAP_S = 0.5  # the most a channel waits between connection attempts (see the module docstring)
 
 
 def _seconds(value: float) -> str:
@@ -101,8 +109,9 @@ def channel_options(options: TransportOptions) -> list[tuple[str, Any]]:
         ("grpc.keepalive_timeout_ms", min(keepalive_ms, 10_000)),
         ("grpc.keepalive_permit_without_calls", 0),
         ("grpc.http2.max_pings_without_data", 2),
-        ("grpc.initial_reconnect_backoff_ms", int(options.reconnect_min_s * 1000)),
-        ("grpc.max_reconnect_backoff_ms", int(options.reconnect_max_s * 1000)),
+        ("grpc.initial_reconnect_backoff_ms", max(1, int(options.reconnect_min_s * 1000))),
+        ("grpc.max_reconnect_backoff_ms", max(1, int(min(options.reconnect_max_s, RECONNECT_CAP_S) * 1000))),
+        ("grpc.min_reconnect_backoff_ms", max(1, int(options.connect_timeout_s * 1000))),
         ("grpc.max_send_message_length", options.max_message_bytes),
         ("grpc.max_receive_message_length", options.max_message_bytes),
     ]
