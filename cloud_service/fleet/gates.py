@@ -1,47 +1,71 @@
-"""Rollout gates: a wave's figures against a control cohort still on the previous release, over the same window.
+"""Rollout gates: a wave's devices against a control cohort still on the previous release, as sequential tests.
 
-Pure functions over telemetry windows (dicts with requests, window_s, p95_ms, escalation_rate,
-agreement, degraded, energy_mj_per_request, crashes). Each gate is a JSON-able dict recorded with
-the decision it led to:
+Pure functions over telemetry windows (dicts with device_id, server_ts, requests, window_s, p95_ms,
+escalation_rate, agreement, compared, degraded, energy_mj_per_request, crashes and, where the agent audits,
+audits, audit_disagreed, audit_rate).
+
+Statistical gates (sequential.py: difference in differences over shared time buckets, an always-valid
+confidence sequence), each with a *practically relevant difference* (`Margins`), not a pass/fail ratio:
+
+| gate | per window | margin |
+| --- | --- | --- |
+| escalation_rate | escalations / inferences | escalation_points |
+| degraded_share | degraded answers / inferences | degraded_points |
+| agreement | escalations the cloud answered otherwise, per inference (not per escalation, so the arms
+  compare alike whatever each escalates) | agreement_points (accuracy points) |
+| audit_agreement | among audited confident inputs (where windows carry audits), the share the cloud answered
+  otherwise: the errors escalations never see | agreement_points |
+| p95_vs_control | log of the window's p95 | log(1 + p95_ratio) |
+| energy_per_request | log of the window's energy per inference | log(1 + energy_ratio) |
+
+A gate **fails** when its (1 - alpha_gate) confidence sequence excludes "no regression" (lower bound > 0) and
+the estimate is at least half the margin; it **passes** when its (1 - beta_gate) upper bound is under the
+margin; otherwise it is open. alpha_gate = alpha / (6 gates x waves) bounds the false-rollback rate of the
+whole rollout by alpha over every look. Hard gates (device_verifies, crashes) fail on one event; p95_budget
+and cloud_capacity are judged when the wave would pass. Every gate is a JSON-able dict kept in the decision
+record:
 
 ```json
-{"gate": "escalation_rate", "ok": false, "wave": 0.27, "control": 0.16, "limit": 0.21,
- "note": "no worse than control + 0.05"}
+{"gate": "escalation_rate", "ok": false, "decision": "fail", "wave": 0.27, "control": 0.16,
+ "estimate": 0.105, "lower": 0.061, "upper": 0.149, "pass_upper": 0.13, "margin": 0.05, "threshold": 0.0,
+ "alpha": 0.0005, "beta": 0.05, "evidence": 1830.0, "buckets": 14, "note": "..."}
 ```
-
-`ok` is None when a gate cannot be judged (no control, no budget, no capacity figure): it neither
-passes nor fails the wave. Figures are request-weighted over the windows: p95 is the request-weighted
-mean of the windows' p95s (windows carry quantiles, not samples); agreement is weighted by escalated
-requests (it is measured on escalated inputs).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+import math
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from cloud_service.fleet.sequential import Estimate, Obs, binomial_floor, did
 from runtimes.errors import ConfigError
+
+STAT_GATES = ("escalation_rate", "degraded_share", "agreement", "audit_agreement", "p95_vs_control",
+              "energy_per_request")
+HARD_GATES = ("device_verifies", "crashes")
+MIN_WINDOW_REQUESTS = 5  # a window's p95 and energy from fewer inferences are too coarse to count
 
 
 @dataclass(frozen=True)
 class Margins:
-    """How much worse than control a wave may be; per deployment (`tierkit fleet deploy --max-...`).
+    """Practically relevant differences: a regression this large should be stopped (`tierkit fleet deploy --...`).
 
     Args:
-        p95_ratio: p95 latency at most control x (1 + this), and within the release's latency budget.
-        escalation_points: escalation rate at most control + this (0.05 = 5 points).
-        agreement_points: edge/cloud agreement at least control - this.
-        degraded_points: degraded share at most control + this.
-        energy_ratio: energy per request at most control x (1 + this).
-        min_requests: requests on the release a wave needs before its figures are judged.
+        p95_ratio: p95 latency 30 % above control's change.
+        escalation_points: escalation rate up 5 points.
+        agreement_points: 2 points more disagreement with the cloud per inference (accuracy points).
+        degraded_points: degraded share up 5 points.
+        energy_ratio: energy per inference 10 % up.
+        min_requests: inferences on the release a wave needs before it may pass.
     """
 
-    p95_ratio: float = 0.25
+    p95_ratio: float = 0.30
     escalation_points: float = 0.05
-    agreement_points: float = 0.05
+    agreement_points: float = 0.02
     degraded_points: float = 0.05
-    energy_ratio: float = 0.20
+    energy_ratio: float = 0.10
     min_requests: int = 50
 
     def __post_init__(self) -> None:
@@ -52,8 +76,51 @@ class Margins:
 
 
 @dataclass(frozen=True)
+class Evidence:
+    """How the statistical gates weigh evidence.
+
+    Args:
+        alpha: false-rollback rate of a whole rollout (every gate, wave and look), split evenly.
+        beta: per gate and wave, the chance a release a full margin worse still passes that wave.
+        bucket_s: windows are compared with the control's over buckets this long (the telemetry interval).
+        baseline_s: each device's baseline: its windows on the previous release this long before the wave.
+        plan: scales each gate's planned evidence (2,500 inferences for rates, 150 audits, 30 windows for p95
+            and energy): a gate passes once its upper bound is under the margin, or once it has the planned
+            evidence with no regression found; a wave that reaches its maximum soak first is inconclusive.
+    """
+
+    alpha: float = 0.01
+    beta: float = 0.05
+    bucket_s: float = 10.0
+    baseline_s: float = 3600.0
+    plan: float = 1.0
+
+    def __post_init__(self) -> None:
+        if not (0 < self.alpha < 0.5 and 0 < self.beta < 0.5):
+            msg = f"alpha={self.alpha!r} and beta={self.beta!r} must be error rates in (0, 0.5), e.g. 0.01"
+            raise ConfigError(msg)
+        if not (self.bucket_s > 0 and self.baseline_s > 0 and self.plan > 0):
+            msg = (f"bucket_s={self.bucket_s!r}, baseline_s={self.baseline_s!r} and plan={self.plan!r} must be "
+                   "positive")
+            raise ConfigError(msg)
+
+    def alpha_gate(self, waves: int) -> float:
+        return self.alpha / (len(STAT_GATES) * max(1, waves))
+
+
+@dataclass(frozen=True)
+class Arms:
+    """The windows a wave is judged on: each arm's baseline (before the wave) and its windows since."""
+
+    pre_wave: Sequence[Mapping[str, Any]]
+    post_wave: Sequence[Mapping[str, Any]]
+    pre_control: Sequence[Mapping[str, Any]]
+    post_control: Sequence[Mapping[str, Any]]
+
+
+@dataclass(frozen=True)
 class Cohort:
-    """Request-weighted figures of a set of windows."""
+    """Request-weighted figures of a set of windows (shown beside the tests; not what they decide on)."""
 
     devices: int
     windows: int
@@ -61,7 +128,6 @@ class Cohort:
     seconds: float
     p95_ms: float | None
     escalation_rate: float | None
-    agreement: float | None
     degraded_share: float | None
     energy_mj_per_request: float | None
     crashes: int
@@ -74,92 +140,200 @@ def cohort(windows: Iterable[Mapping[str, Any]]) -> Cohort:
     ws = list(windows)
     req = sum(int(w.get("requests") or 0) for w in ws)
 
-    def weighted(key: str, weight: Any = None) -> float | None:
-        num = den = 0.0
-        for w in ws:
-            value = w.get(key)
-            wt = float(w.get("requests") or 0) if weight is None else weight(w)
-            if value is None or wt <= 0:
-                continue
-            num, den = num + float(value) * wt, den + wt
-        return num / den if den > 0 else None
+    def weighted(key: str) -> float | None:
+        pairs = [(float(w[key]), float(w.get("requests") or 0)) for w in ws if w.get(key) is not None]
+        den = sum(n for _v, n in pairs)
+        return sum(v * n for v, n in pairs) / den if den > 0 else None
 
     return Cohort(
         devices=len({w.get("device_id") for w in ws}), windows=len(ws), requests=req,
-        seconds=sum(float(w.get("window_s") or 0) for w in ws),
-        p95_ms=weighted("p95_ms"), escalation_rate=weighted("escalation_rate"),
-        agreement=weighted("agreement", lambda w: float(w.get("requests") or 0) * float(w.get("escalation_rate") or 0)),
+        seconds=sum(float(w.get("window_s") or 0) for w in ws), p95_ms=weighted("p95_ms"),
+        escalation_rate=weighted("escalation_rate"),
         degraded_share=(sum(int(w.get("degraded") or 0) for w in ws) / req) if req else None,
-        energy_mj_per_request=weighted("energy_mj_per_request"),
-        crashes=sum(int(w.get("crashes") or 0) for w in ws))
+        energy_mj_per_request=weighted("energy_mj_per_request"), crashes=sum(int(w.get("crashes") or 0) for w in ws))
 
 
-def _gate(name: str, ok: bool | None, wave: Any, control: Any, limit: Any, note: str) -> dict[str, Any]:
-    def r(v: Any) -> Any:
-        return round(v, 6) if isinstance(v, float) else v
-
-    return {"gate": name, "ok": ok, "wave": r(wave), "control": r(control), "limit": r(limit), "note": note}
-
-
-def _worse(name: str, wave: float | None, control: float | None, limit: float | None, note: str, *,
-           higher_is_worse: bool = True) -> dict[str, Any]:
-    if wave is None or control is None or limit is None:
-        return _gate(name, None, wave, control, limit, note + " (not judged: no figure)")
-    ok = wave <= limit if higher_is_worse else wave >= limit
-    return _gate(name, ok, wave, control, limit, note)
+def window_counts(doc: Mapping[str, Any]) -> dict[str, Any]:
+    """The counts a window document carries beside its table columns: escalations compared with the cloud
+    (`compared`, else the cloud's answers) and, where the agent audits, audits, audit_disagreed, audit_rate."""
+    tiers: Mapping[str, Any] = doc["tiers"] if isinstance(doc.get("tiers"), dict) else {}
+    out: dict[str, Any] = {"compared": _int(doc.get("compared", tiers.get("cloud")))}
+    audits: Mapping[str, Any] = doc["audit"] if isinstance(doc.get("audit"), dict) else doc
+    if _int(audits.get("audits")) and isinstance(audits.get("audit_rate"), int | float):
+        out.update(audits=_int(audits.get("audits")), audit_disagreed=_int(audits.get("audit_disagreed")),
+                   audit_rate=float(audits["audit_rate"]))
+    return out
 
 
-def evaluate(wave: Cohort, control: Cohort | None, *, margins: Margins, budget_ms: float | None,
-             device_failures: Mapping[str, str], crashes: int, fleet_request_rate: float | None,
-             cloud_capacity_rps: float | None) -> list[dict[str, Any]]:
-    """Every gate on the wave's figures (`wave`) against `control` (None: no control cohort)."""
-    m, c = margins, control
-    gates = [
-        _gate("device_verifies", not device_failures, len(device_failures), None, 0,
-              "swap not refused, golden inputs reproduce, no device rollback"
-              + (": " + "; ".join(f"{d}: {e}" for d, e in sorted(device_failures.items())[:5]) if device_failures
-                 else "")),
-        _gate("crashes", crashes + wave.crashes == 0, crashes + wave.crashes, c.crashes if c else None, 0,
-              "no crash on the release"),
-    ]
-    if budget_ms is None:
-        gates.append(_gate("p95_budget", None, wave.p95_ms, None, None, "the release sets no latency budget"))
+def _int(v: Any) -> int:
+    return int(v) if isinstance(v, int | float) and not isinstance(v, bool) and v >= 0 else 0
+
+
+# -- what each gate reads from a window ------------------------------------------------------------
+
+def _n(w: Mapping[str, Any]) -> float:
+    return float(w["requests"] or 0)
+
+
+def _disagreements(w: Mapping[str, Any]) -> float | None:
+    """Escalations the cloud answered differently, per inference (comparable whatever each arm escalates)."""
+    n = _n(w)
+    if n <= 0:
+        return None
+    compared = float(w.get("compared") or 0)
+    agreement = w.get("agreement")
+    return ((1 - float(agreement)) * compared if agreement is not None and compared > 0 else 0.0) / n
+
+
+def _audit_disagreements(w: Mapping[str, Any]) -> float | None:
+    """Among audited (confident, answered at the edge) inputs, the share the cloud answered differently."""
+    audits = float(w.get("audits") or 0)
+    return float(w.get("audit_disagreed") or 0) / audits if audits > 0 else None
+
+
+def _log(key: str) -> Callable[[Mapping[str, Any]], float | None]:
+    def value(w: Mapping[str, Any]) -> float | None:
+        v = w.get(key)
+        return math.log(float(v)) if v and float(v) > 0 and _n(w) >= MIN_WINDOW_REQUESTS else None
+    return value
+
+
+@dataclass(frozen=True)
+class _Spec:
+    name: str
+    value: Callable[[Mapping[str, Any]], float | None]
+    per_window: bool  # weight 1 per window (log figures) or its inferences (rates)
+    weight: Callable[[Mapping[str, Any]], float]
+    margin: Callable[[Margins], float]  # on the tested scale
+    t_star: float  # the planned evidence; the confidence sequence is tightest near it
+    note: str
+
+
+SPECS = (
+    _Spec("escalation_rate", lambda w: float(w.get("escalation_rate") or 0) if _n(w) else None, False, _n,
+          lambda m: m.escalation_points, 2500, "escalation rate, points"),
+    _Spec("degraded_share", lambda w: float(w.get("degraded") or 0) / _n(w) if _n(w) else None, False, _n,
+          lambda m: m.degraded_points, 2500, "degraded answers per inference, points"),
+    _Spec("agreement", _disagreements, False, _n, lambda m: m.agreement_points, 2500,
+          "escalations answered otherwise by the cloud, per inference, points"),
+    _Spec("audit_agreement", _audit_disagreements, False, lambda w: float(w.get("audits") or 0),
+          lambda m: m.agreement_points, 150, "audited confident inputs answered otherwise by the cloud, points"),
+    _Spec("p95_vs_control", _log("p95_ms"), True, lambda w: 1.0, lambda m: math.log1p(m.p95_ratio), 30,
+          "p95 latency ratio (difference of log p95, wave change / control change)"),
+    _Spec("energy_per_request", _log("energy_mj_per_request"), True, lambda w: 1.0,
+          lambda m: math.log1p(m.energy_ratio), 30, "energy per inference ratio (difference of logs)"),
+)
+
+
+def _obs(spec: _Spec, windows: Iterable[Mapping[str, Any]]) -> list[Obs]:
+    value, weight = spec.value, spec.weight
+    return [Obs(w["device_id"], w["server_ts"], weight(w), v) for w in windows
+            if (v := value(w)) is not None and math.isfinite(v)]
+
+
+def judge(spec: _Spec, arms: Arms, *, margins: Margins, evidence: Evidence, alpha_gate: float,
+         cache: dict[Any, list[Obs]] | None = None) -> dict[str, Any]:
+    """One statistical gate: its estimate, confidence bounds and decision (pass / fail / open / None).
+    `cache` keeps the observations of window lists that do not change between looks (the baselines)."""
+    def obs(windows: Sequence[Mapping[str, Any]]) -> list[Obs]:
+        if cache is None:
+            return _obs(spec, windows)
+        key = (spec.name, id(windows), len(windows))
+        if key not in cache:
+            cache[key] = _obs(spec, windows)
+        return cache[key]
+
+    pw, pc = obs(arms.pre_wave), obs(arms.pre_control)
+    qw, qc = _obs(spec, arms.post_wave), _obs(spec, arms.post_control)
+    est = did(pw, qw, pc, qc, bucket_s=evidence.bucket_s, floor=None if spec.per_window else binomial_floor())
+    margin = spec.margin(margins)
+    if est is None:
+        # it holds the wave only where both arms have windows from devices with a baseline
+        due = all({o.device for o in post} & {o.device for o in pre} for pre, post in ((pw, qw), (pc, qc)))
+        out = _record(spec, None, None, margin, alpha_gate, evidence.beta, None,
+                      "not judged yet: too few time buckets with both arms" if due else
+                      "not judged: no figure with a baseline in one arm (a device new to the fleet, or none sent)")
+        return {**out, "decision": "open" if due else None}
+    r_fail, r_pass = est.radius(alpha_gate, spec.t_star), est.radius(evidence.beta, spec.t_star)
+    lower, upper, pass_upper = est.delta - r_fail, est.delta + r_fail, est.delta + r_pass
+    plan = spec.t_star * evidence.plan
+    if lower > 0 and est.delta >= margin / 2:
+        decision, note = "fail", "a regression: the confidence sequence excludes none"
+    elif pass_upper < margin:
+        decision, note = "pass", "no regression as large as the margin"
+    elif est.weight >= plan:
+        decision, note = "pass", f"no regression found in the planned evidence ({plan:g})"
     else:
-        gates.append(_gate("p95_budget", None if wave.p95_ms is None else wave.p95_ms <= budget_ms, wave.p95_ms, None,
-                           budget_ms, f"p95 within the release's latency budget {budget_ms:g} ms"))
-    cc = c if c is not None and c.requests > 0 else None
+        decision, note = "open", f"collecting evidence ({est.weight:.0f} of {plan:g} planned)"
+    out = _record(spec, est, decision, margin, alpha_gate, evidence.beta, (lower, upper, pass_upper),
+                  f"{spec.note}: {note}")
+    return {**out, "plan": plan}
 
-    def ctl(name: str) -> float | None:
-        value = getattr(cc, name) if cc is not None else None
-        return None if value is None else float(value)
 
-    def lim(name: str, add: float = 0.0, mul: float = 1.0) -> float | None:
-        value = ctl(name)
-        return None if value is None else value * mul + add
+def _record(spec: _Spec, est: Estimate | None, decision: str | None, margin: float, alpha: float, beta: float,
+            bounds: tuple[float, float, float] | None, note: str) -> dict[str, Any]:
+    def r(v: float | None) -> float | None:
+        return None if v is None or not math.isfinite(v) else round(v, 6)
 
-    gates += [
-        _worse("p95_vs_control", wave.p95_ms, ctl("p95_ms"), lim("p95_ms", mul=1 + m.p95_ratio),
-               f"p95 no worse than control x {1 + m.p95_ratio:g}"),
-        _worse("escalation_rate", wave.escalation_rate, ctl("escalation_rate"),
-               lim("escalation_rate", add=m.escalation_points), f"no worse than control + {m.escalation_points:g}"),
-        _worse("agreement", wave.agreement, ctl("agreement"), lim("agreement", add=-m.agreement_points),
-               f"no worse than control - {m.agreement_points:g}", higher_is_worse=False),
-        _worse("degraded_share", wave.degraded_share, ctl("degraded_share"),
-               lim("degraded_share", add=m.degraded_points), f"no worse than control + {m.degraded_points:g}"),
-        _worse("energy_per_request", wave.energy_mj_per_request, ctl("energy_mj_per_request"),
-               lim("energy_mj_per_request", mul=1 + m.energy_ratio), f"no worse than control x {1 + m.energy_ratio:g}"),
+    def shown(v: float | None) -> float | None:  # log figures are shown as ratios
+        return None if v is None else (math.exp(v) if spec.per_window else v)
+
+    out: dict[str, Any] = {
+        "gate": spec.name, "ok": {"pass": True, "fail": False}.get(decision or ""), "decision": decision,
+        "margin": r(shown(margin)), "threshold": 1.0 if spec.per_window else 0.0, "alpha": alpha, "beta": beta,
+        "scale": "ratio" if spec.per_window else "points", "note": note}
+    if est is not None and bounds is not None:
+        out.update(estimate=r(shown(est.delta)), lower=r(shown(bounds[0])), upper=r(shown(bounds[1])),
+                   pass_upper=r(shown(bounds[2])), evidence=r(est.weight), buckets=est.buckets,
+                   wave=r(math.exp(est.wave_mean) if spec.per_window else est.wave_mean),
+                   control=r(math.exp(est.control_mean) if spec.per_window else est.control_mean),
+                   wave_n=r(est.wave_n), control_n=r(est.control_n))
+    return out
+
+
+def evaluate(arms: Arms | None, *, margins: Margins, evidence: Evidence, waves: int, budget_ms: float | None,
+             device_failures: Mapping[str, str], crashes: int, fleet_request_rate: float | None,
+             cloud_capacity_rps: float | None, cache: dict[Any, list[Obs]] | None = None) -> list[dict[str, Any]]:
+    """Every gate of a wave. `arms` None: no control cohort (the statistical gates are not judged)."""
+    alpha_gate = evidence.alpha_gate(waves)
+    wave = cohort(arms.post_wave if arms else [])
+    gates = [
+        _hard("device_verifies", not device_failures, len(device_failures),
+              "swap not refused, golden inputs reproduce, no device rollback"
+              + (": " + "; ".join(f"{d}: {e}" for d, e in sorted(device_failures.items())[:5])
+                 if device_failures else "")),
+        _hard("crashes", crashes + wave.crashes == 0, crashes + wave.crashes, "no crash on the release"),
     ]
+    for spec in SPECS:
+        if arms is None:
+            gates.append(_record(spec, None, None, spec.margin(margins), alpha_gate, evidence.beta, None,
+                                 "not judged: no control cohort"))
+        else:
+            gates.append(judge(spec, arms, margins=margins, evidence=evidence, alpha_gate=alpha_gate, cache=cache))
+    gates.append(_hard("p95_budget", None if budget_ms is None or wave.p95_ms is None else wave.p95_ms <= budget_ms,
+                       wave.p95_ms, f"p95 within the release's latency budget {budget_ms:g} ms" if budget_ms
+                       else "the release sets no latency budget", limit=budget_ms))
     projected = (fleet_request_rate * wave.escalation_rate
                  if fleet_request_rate is not None and wave.escalation_rate is not None else None)
-    if cloud_capacity_rps is None:
-        gates.append(_gate("cloud_capacity", None, projected, None, None,
-                           "escalations/s the release would bring fleet-wide; no --cloud-capacity given"))
-    else:
-        gates.append(_gate("cloud_capacity", None if projected is None else projected <= cloud_capacity_rps,
-                           projected, None, cloud_capacity_rps, "escalations/s fleet-wide (targeted devices' "
-                           "request rate x the wave's escalation rate) within the cloud's measured capacity"))
+    gates.append(_hard("cloud_capacity", None if cloud_capacity_rps is None or projected is None
+                       else projected <= cloud_capacity_rps, projected,
+                       "escalations/s fleet-wide (targeted devices' request rate x the wave's escalation rate) "
+                       "within the cloud's capacity" if cloud_capacity_rps else "no cloud capacity given",
+                       limit=cloud_capacity_rps))
     return gates
 
 
-def failed(gates: Iterable[Mapping[str, Any]]) -> list[str]:
-    return [g["gate"] for g in gates if g["ok"] is False]
+def _hard(name: str, ok: bool | None, value: Any, note: str, *, limit: Any = 0) -> dict[str, Any]:
+    v = round(value, 6) if isinstance(value, float) else value
+    return {"gate": name, "ok": ok, "decision": {True: "pass", False: "fail"}.get(ok) if ok is not None else None,
+            "wave": v, "limit": limit, "note": note}
+
+
+def failed(gates: Iterable[Mapping[str, Any]], names: Iterable[str] | None = None) -> list[str]:
+    keep = None if names is None else set(names)
+    return [g["gate"] for g in gates if g["ok"] is False and (keep is None or g["gate"] in keep)]
+
+
+def open_gates(gates: Iterable[Mapping[str, Any]]) -> list[str]:
+    """Statistical gates still collecting evidence (neither passed nor failed, with data to come)."""
+    return [g["gate"] for g in gates if g["gate"] in STAT_GATES and g["decision"] == "open"]

@@ -33,11 +33,15 @@ class DeployRequest(BaseModel):
     release: str = Field(min_length=1, max_length=200, examples=["sha256:9f2c...", "digits@7"])
     label: str = Field(default="", max_length=512, examples=["kind=cam"])
     waves: str = Field(default="1,5%,25%,100%", max_length=200)
-    soak: str = Field(default="200", max_length=32, examples=["500", "10m"])
+    soak: str = Field(default="50", max_length=32, examples=["500", "10m"])
+    max_soak: str = Field(default="30m", max_length=32, examples=["30m", "20000"])
+    on_inconclusive: str = Field(default="hold", max_length=16, examples=["hold", "extend", "rollback"])
+    holdback: float = Field(default=0.05, ge=0, lt=1)
     previous: str | None = Field(default=None, max_length=200)
     cloud_capacity_rps: float | None = Field(default=None, gt=0)
     stall_after_s: float = Field(default=300.0, gt=0)
     margins: dict[str, float] = Field(default_factory=dict, examples=[{"escalation_points": 0.05}])
+    evidence: dict[str, float] = Field(default_factory=dict, examples=[{"alpha": 0.01, "bucket_s": 10}])
 
 
 def router(fleet: Fleet, reader: Callable[..., str], admin: Callable[..., str]) -> APIRouter:
@@ -78,7 +82,8 @@ def router(fleet: Fleet, reader: Callable[..., str], admin: Callable[..., str]) 
     @api.post("/v1/rollouts", tags=["rollouts"])
     def deploy(req: DeployRequest, op: str = Depends(admin)) -> dict[str, Any]:
         opts = make_options(waves=req.waves, soak=req.soak, cloud_capacity_rps=req.cloud_capacity_rps,
-                            stall_after_s=req.stall_after_s, margins=req.margins)
+                            stall_after_s=req.stall_after_s, margins=req.margins, evidence=req.evidence,
+                            max_soak=req.max_soak, on_inconclusive=req.on_inconclusive, holdback=req.holdback)
         rid = fleet.rollouts.deploy(req.release, parse_labels(req.label, where="label"), opts, previous=req.previous)
         return fleet.rollouts.get(rid)
 

@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from cloud_service.fleet.gates import Margins
+from cloud_service.fleet.gates import Evidence, Margins
 
 _MARGINS = {"p95_margin": "p95_ratio", "escalation_margin": "escalation_points",
             "agreement_margin": "agreement_points", "degraded_margin": "degraded_points",
@@ -53,7 +53,17 @@ def add_parsers(sub: Any, common: argparse.ArgumentParser, fleet: Any) -> None:
     d.add_argument("release", help="digest, digest prefix, or NAME@VERSION")
     d.add_argument("--label", default="", help="the devices with these labels (k=v[,k=v]; default: all)")
     d.add_argument("--waves", default="1,5%,25%,100%", help="cumulative wave sizes, counts or percentages")
-    d.add_argument("--soak", default="200", help="requests (500) or time (10m) on the release before judging")
+    d.add_argument("--soak", default="50", help="requests (500) or time (10m) a device runs the release at least")
+    d.add_argument("--max-soak", default="30m", help="a wave still inconclusive this long (or requests per device)...")
+    d.add_argument("--on-inconclusive", default="hold", choices=("hold", "extend", "rollback"),
+                   help="...is held for the operator, soaks on, or is rolled back")
+    d.add_argument("--alpha", type=float, help=f"false-rollback rate per rollout (default {Evidence().alpha})")
+    d.add_argument("--beta", type=float, help=f"per gate and wave, chance a full-margin regression passes "
+                   f"(default {Evidence().beta})")
+    d.add_argument("--bucket", type=float, metavar="S", help="compare with control over buckets this long "
+                   f"(default {Evidence().bucket_s:g} s: the agents' telemetry interval)")
+    d.add_argument("--holdback", type=float, default=0.05,
+                   help="share of devices the last wave keeps back as its control until its gates pass")
     d.add_argument("--previous", help="the release to roll back to (default: what most targeted devices run)")
     d.add_argument("--cloud-capacity", type=float, metavar="RPS",
                    help="escalations/s the cloud tier sustains (measure with bench/bench_cloud.py)")
@@ -115,8 +125,10 @@ def _deploy(args: argparse.Namespace, fleet: Any) -> int:
     from cloud_service.fleet.rollouts import make_options
 
     margins = {name: getattr(args, flag) for flag, name in _MARGINS.items()}
+    evidence = {"alpha": args.alpha, "beta": args.beta, "bucket_s": args.bucket}
     opts = make_options(waves=args.waves, soak=args.soak, cloud_capacity_rps=args.cloud_capacity,
-                        stall_after_s=parse_duration(args.stall_after), margins=margins)
+                        stall_after_s=parse_duration(args.stall_after), margins=margins, evidence=evidence,
+                        max_soak=args.max_soak, on_inconclusive=args.on_inconclusive, holdback=args.holdback)
     with fleet(args) as f:
         rid = f.rollouts.deploy(args.release, parse_labels(args.label, where="--label"), opts, previous=args.previous)
         r = f.rollouts.get(rid)
@@ -156,11 +168,29 @@ def _fig(v: Any) -> str:
     return "-" if v is None else (f"{v:.4g}" if isinstance(v, float) else str(v))
 
 
+def _capacity(r: dict[str, Any]) -> str:
+    """The capacity the gate was judged against: the rollout's own, else the fleet's (`--cloud-capacity`)."""
+    judged = [g.get("limit") for w in r["waves"] for g in w["gates"] if g["gate"] == "cloud_capacity"]
+    value = r["options"].get("cloud_capacity_rps") or next((v for v in reversed(judged) if v), None)
+    return "-" if value is None else f"{value:g} escalations/s"
+
+
+def _gate_line(g: dict[str, Any]) -> str:
+    decision = {"pass": "pass", "fail": "FAIL", "open": "open"}.get(g.get("decision") or "", "-")
+    if "estimate" in g:
+        return (f"    {g['gate']:<20} {decision:<5} {_fig(g['estimate']):>9} [{_fig(g['lower'])}, {_fig(g['upper'])}]"
+                f"  margin {_fig(g['margin'])}  evidence {_fig(g['evidence'])}  wave {_fig(g.get('wave'))}"
+                f"  control {_fig(g.get('control'))}")
+    return f"    {g['gate']:<20} {decision:<5} {_fig(g.get('wave')):>9}  limit {_fig(g.get('limit'))}  {g['note']}"
+
+
 def format_rollout(r: dict[str, Any]) -> str:
-    """`tierkit fleet rollout show ID`: waves, gates with their figures against control, decisions."""
+    """`tierkit fleet rollout show ID`: waves, each gate's test (estimate, confidence bounds, margin), decisions."""
+    ev = r["options"].get("evidence") or {}
     lines = [f"rollout {r['id']}: {r['state']}  release {r['release']}  previous {r['previous'] or 'none'}",
              f"  devices {r['selector']}: " + " ".join(f"{k}={v}" for k, v in sorted(r["states"].items())),
-             f"  soak {r['options']['soak']}  cloud capacity {r['options'].get('cloud_capacity_rps') or '-'}"]
+             f"  soak {r['options']['soak']}  max soak {r['options'].get('max_soak')}  "
+             f"alpha {ev.get('alpha', '-')} per rollout  cloud capacity {_capacity(r)}"]
     if r["reason"]:
         lines.append(f"  reason: {r['reason']}")
     for w in r["waves"]:
@@ -168,14 +198,11 @@ def format_rollout(r: dict[str, Any]) -> str:
                      + " ".join(f"{k}={v}" for k, v in sorted(w["devices"].items())))
         if w["gates"]:
             lines.append(f"    control: {w['figures'].get('control_kind') or 'none'}")
-            lines.append(f"    {'gate':<20} {'ok':<5} {'wave':>10} {'control':>10} {'limit':>10}")
-            for g in w["gates"]:
-                ok = {True: "pass", False: "FAIL", None: "-"}[g["ok"]]
-                lines.append(f"    {g['gate']:<20} {ok:<5} {_fig(g['wave']):>10} {_fig(g['control']):>10} "
-                             f"{_fig(g['limit']):>10}")
+            lines.append(f"    {'gate':<20} {'test':<5} {'estimate':>9} [confidence sequence]")
+            lines.extend(_gate_line(g) for g in w["gates"])
     lines.append("  decisions:")
     for d in r["decisions"]:
         if d["kind"] != "observe":
-            lines.append(f"    {time.strftime('%H:%M:%S', time.gmtime(d['at']))} {d['kind']:<14} "
+            lines.append(f"    {time.strftime('%H:%M:%S', time.gmtime(d['at']))} {d['kind']:<16} "
                          f"wave {'-' if d['wave'] is None else d['wave']}  {d['note']}")
     return "\n".join(lines)

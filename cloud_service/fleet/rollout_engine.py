@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import secrets
 import socket
@@ -36,7 +37,7 @@ import sqlalchemy as sa
 from cloud_service.fleet import schema as t
 from cloud_service.fleet.desired import DesiredState
 from cloud_service.fleet.errors import FleetError
-from cloud_service.fleet.gates import cohort, evaluate, failed
+from cloud_service.fleet.gates import HARD_GATES, STAT_GATES, Arms, cohort, evaluate, failed, open_gates, window_counts
 from cloud_service.fleet.leases import Lease, LeaseLost
 from cloud_service.fleet.releases import ReleaseRegistry
 from cloud_service.fleet.rollouts import ACTIVE, OPEN_STATES, RAN_STATES, SWAP_STATES, RolloutOptions, order_key, record
@@ -169,6 +170,9 @@ class RolloutEngine:
         with self.store.begin() as conn:
             waves = [dict(w._mapping) for w in conn.execute(sa.select(t.rollout_waves).where(
                 t.rollout_waves.c.rollout_id == row.id).order_by(t.rollout_waves.c.idx))]
+            extended = conn.execute(sa.select(sa.func.max(t.rollout_decisions.c.at)).where(
+                t.rollout_decisions.c.rollout_id == row.id, t.rollout_decisions.c.wave == row.wave,
+                t.rollout_decisions.c.kind.in_(("resume", "inconclusive")))).scalar()
         w = waves[row.wave]
         wave_updates: dict[str, Any] = {}
         if w["state"] == "pending":
@@ -179,51 +183,93 @@ class RolloutEngine:
         assign = self._fill(ctx, changes, w)
         members = [d for d, v in ctx.devs.items() if v["wave"] is not None and v["wave"] <= w["idx"]
                    and v["assigned_at"] is not None and v["state"] != "catch_up"]
+        current = [d for d in members if ctx.devs[d]["wave"] == w["idx"]]
         fails, crashes = self._failures(ctx, members)
-        figures = self._figures(ctx, w, members)
-        gates = evaluate(figures["wave_cohort"], figures["control_cohort"], margins=opts.margins,
+        figures = self._figures(ctx, w, current)
+        gates = evaluate(figures["arms"], margins=opts.margins, evidence=opts.evidence, waves=len(waves),
                          budget_ms=self._budget(row.release), device_failures=fails, crashes=crashes,
                          fleet_request_rate=figures["request_rate"],
                          cloud_capacity_rps=opts.cloud_capacity_rps or self.cloud_capacity_rps)
-        record_figures = {"wave": figures["wave_cohort"].as_dict(),
-                          "control": figures["control_cohort"].as_dict() if figures["control_cohort"] else None,
+        record_figures = {"wave": figures["wave"].as_dict(), "control": figures["control"].as_dict(),
                           "control_kind": figures["control_kind"], "request_rate": figures["request_rate"],
+                          "alpha": opts.evidence.alpha, "alpha_gate": opts.evidence.alpha_gate(len(waves)),
                           "gates": gates}
-        hard = [g for g in failed(gates) if g in ("device_verifies", "crashes")]
-        if hard:
-            self._roll_back(ctx, changes, "fail", record_figures, f"wave {w['idx']} failed: {', '.join(hard)}",
+        hard = failed(gates, HARD_GATES)
+        stat = failed(gates, STAT_GATES)
+        if hard or stat:  # a regression is clear (or a device failed): no need to wait for the soak
+            self._roll_back(ctx, changes, "fail", record_figures,
+                            f"wave {w['idx']} failed: {', '.join(hard + stat)}",
                             wave_updates={**wave_updates, "state": "failed", "ended_at": now}, assign=assign)
             return
-        current = [d for d in members if ctx.devs[d]["wave"] == w["idx"]]
         soaked = all(self._soaked(ctx, d, opts) for d in current) and not assign
         # a wave left with no device of its own to judge (the rest offline, or none left) does not hold the
         # rollout up, once some earlier wave was judged; with no device judged at all, it waits
-        enough = (figures["wave_cohort"].requests >= opts.margins.min_requests if current
-                  else bool(members) and not any(v["state"] == "pending" for v in ctx.devs.values()))
-        bad = failed(gates)
+        enough = (figures["wave"].requests >= opts.margins.min_requests if current
+                  else bool(members) and not any(v["state"] in ("pending", "control") for v in ctx.devs.values()))
+        still = open_gates(gates)
+        controls = [d for d, v in ctx.devs.items() if v["state"] == "control"]
         with self.store.begin() as conn:
             self.lease.fence(conn, now=ctx.now)
-            if soaked and enough and bad:
+            if not still and controls and enough:  # the held-back control takes the release now
+                for dev in controls:
+                    values = {"state": "pending", "detail": "control released", "updated_at": now}
+                    changes.setdefault(dev, {}).update(values)
+                record(conn, row.id, w["idx"], "control_released", record_figures,
+                       f"wave {w['idx']}: every statistical gate passed against {len(controls)} held-back device(s), "
+                       "which take the release now", self.holder, now=now)
+            elif soaked and enough and not still and (bad := failed(gates)):  # budget or capacity
                 self._write(conn, ctx, changes, assign, w["idx"], {**wave_updates, "state": "failed", "ended_at": now})
                 self._roll_back_in(conn, ctx, "fail", record_figures,
                                    f"wave {w['idx']} failed after its soak: {', '.join(bad)}", w["idx"])
                 return
-            if soaked and enough:
+            elif soaked and enough and not still:
+                self._pass(conn, ctx, w, len(waves), current, record_figures)
                 wave_updates = {**wave_updates, "state": "passed", "ended_at": now}
-                last = w["idx"] == len(waves) - 1
-                conn.execute(t.rollouts.update().where(t.rollouts.c.id == row.id).values(
-                    wave=w["idx"] if last else w["idx"] + 1, state="succeeded" if last else "running",
-                    updated_at=now))
-                note = (f"wave {w['idx']} ({w['spec']}) passed: {len(current)} device(s) soaked" if current else
-                        f"wave {w['idx']} ({w['spec']}) passed: no device of its own online to judge")
-                record(conn, row.id, w["idx"], "pass", record_figures, note, self.holder, now=now)
-                if last:
-                    record(conn, row.id, w["idx"], "done", {}, "every wave passed", self.holder, now=now)
-            elif self._observe_due(conn, row.id, now, opts.observe_every_s) and figures["wave_cohort"].requests:
+            elif still and self._past_max_soak(ctx, w, figures["wave"].requests / max(1, len(current)), extended):
+                if self._inconclusive(conn, ctx, w, record_figures, still):
+                    self._write(conn, ctx, changes, assign, w["idx"],
+                                {**wave_updates, "state": "failed", "ended_at": now})
+                    self._roll_back_in(conn, ctx, "inconclusive", record_figures,
+                                       f"wave {w['idx']} inconclusive at its maximum soak: {', '.join(still)}",
+                                       w["idx"])
+                    return
+            elif self._observe_due(conn, row.id, now, opts.observe_every_s) and figures["wave"].requests:
                 record(conn, row.id, w["idx"], "observe", record_figures,
-                       f"soaking: {sum(self._soaked(ctx, d, opts) for d in current)}/{len(current)} device(s)",
-                       self.holder, now=now)
+                       f"soaking: {sum(self._soaked(ctx, d, opts) for d in current)}/{len(current)} device(s); "
+                       f"open: {', '.join(still) or 'none'}", self.holder, now=now)
             self._write(conn, ctx, changes, assign, w["idx"], wave_updates)
+
+    def _pass(self, conn: Any, ctx: _Ctx, w: dict[str, Any], n_waves: int, current: list[str],
+              figures: dict[str, Any]) -> None:
+        row, now = ctx.row, ctx.now
+        last = w["idx"] == n_waves - 1
+        conn.execute(t.rollouts.update().where(t.rollouts.c.id == row.id).values(
+            wave=w["idx"] if last else w["idx"] + 1, state="succeeded" if last else "running", updated_at=now))
+        note = (f"wave {w['idx']} ({w['spec']}) passed: {len(current)} device(s) soaked" if current else
+                f"wave {w['idx']} ({w['spec']}) passed: no device of its own online to judge")
+        record(conn, row.id, w["idx"], "pass", figures, note, self.holder, now=now)
+        if last:
+            record(conn, row.id, w["idx"], "done", {}, "every wave passed", self.holder, now=now)
+
+    def _past_max_soak(self, ctx: _Ctx, w: dict[str, Any], per_device: float, extended: float | None) -> bool:
+        cap = ctx.opts.max_soak
+        since = max(float(w["started_at"] or ctx.now), float(extended or 0.0))
+        return bool(("seconds" in cap and ctx.now - since >= cap["seconds"])
+                    or ("requests" in cap and per_device >= cap["requests"] and extended is None))
+
+    def _inconclusive(self, conn: Any, ctx: _Ctx, w: dict[str, Any], figures: dict[str, Any],
+                      still: list[str]) -> bool:
+        """The policy for a wave still open at its maximum soak; True: roll back."""
+        policy = ctx.opts.on_inconclusive
+        if policy == "rollback":
+            return True
+        note = f"wave {w['idx']} inconclusive at its maximum soak {ctx.opts.max_soak}: {', '.join(still)} open"
+        if policy == "hold":
+            conn.execute(t.rollouts.update().where(t.rollouts.c.id == ctx.row.id).values(
+                state="paused", reason=note + "; held for the operator (resume to soak on)", updated_at=ctx.now))
+        record(conn, ctx.row.id, w["idx"], "inconclusive", figures,
+               note + ("; held" if policy == "hold" else "; soaking on"), self.holder, now=ctx.now)
+        return False
 
     def _soaked(self, ctx: _Ctx, device: str, opts: RolloutOptions) -> bool:
         d = ctx.devs[device]
@@ -247,10 +293,17 @@ class RolloutEngine:
         pending = sorted((d for d, v in ctx.devs.items() if v["state"] == "pending"),
                          key=lambda d: order_key(ctx.row.id, d))
         last = w["idx"] == len(ctx.opts.waves) - 1
+        held = self._holdback(ctx, pending) if last else set()
         for dev in pending:
+            if dev in held:
+                values: dict[str, Any] = {"state": "control", "updated_at": ctx.now,
+                                          "detail": "held back as the last wave's control until its gates pass"}
+                changes.setdefault(dev, {}).update(values)
+                ctx.devs[dev].update(values)
+                continue
             if need <= 0 and not last:
                 break
-            values: dict[str, Any] = {"wave": w["idx"], "updated_at": ctx.now}
+            values = {"wave": w["idx"], "updated_at": ctx.now}
             if self._online(ctx, dev):
                 values.update(state="assigned", assigned_at=ctx.now, detail="")
                 assign[dev] = {"release": ctx.row.release, "soak": ctx.opts.soak}
@@ -260,6 +313,17 @@ class RolloutEngine:
             changes.setdefault(dev, {}).update(values)
             ctx.devs[dev].update(values)
         return assign
+
+    def _holdback(self, ctx: _Ctx, pending: list[str]) -> set[str]:
+        """The last wave would leave no control: its last online pending devices (in the rollout's order) stay
+        on the previous release until the wave's statistical gates pass. Only when the wave starts (no device
+        of the wave assigned yet) and one device at least goes ahead."""
+        if ctx.opts.holdback <= 0 or any(v["state"] == "control" for v in ctx.devs.values()) or any(
+                v["wave"] == len(ctx.opts.waves) - 1 and v["assigned_at"] is not None for v in ctx.devs.values()):
+            return set()
+        online = [d for d in pending if self._online(ctx, d)]
+        k = min(max(1, math.ceil(ctx.opts.holdback * len(ctx.devs))), len(online) - 1)
+        return set(online[-k:]) if k > 0 else set()
 
     def _stall(self, ctx: _Ctx, changes: dict[str, dict[str, Any]], opts: RolloutOptions) -> None:
         for dev, d in ctx.devs.items():
@@ -295,29 +359,38 @@ class RolloutEngine:
             changes.setdefault(dev, {}).update(values)
             d.update(values)
 
-    def _figures(self, ctx: _Ctx, w: dict[str, Any], members: list[str]) -> dict[str, Any]:
+    def _figures(self, ctx: _Ctx, w: dict[str, Any], current: list[str]) -> dict[str, Any]:
+        """The wave's own devices against the control (devices still on the previous release, at most
+        `control_max` of them), each with its baseline: its windows on the previous release before the wave."""
         start = float(w["started_at"] or ctx.now)
-        lookback = max(ctx.now - start, 60.0)
-        pending = [d for d, v in ctx.devs.items() if v["state"] == "pending"]
-        wins = self._windows(sorted(set(members) | set(pending)), min(start - lookback, ctx.now - RATE_LOOKBACK_S))
+        ev = ctx.opts.evidence
         release = ctx.row.release
-        on = [x for x in wins if x["device_id"] in set(members) and x["release"] == release  # the same window
-              and x["server_ts"] >= max(start, ctx.devs[x["device_id"]]["assigned_at"] or ctx.now)]
-        control = cohort(x for x in wins if x["device_id"] in set(pending) and x["release"] != release
-                         and x["server_ts"] >= start)
-        kind = "cohort"
-        if control.requests < ctx.opts.margins.min_requests:  # no devices left on the previous release
-            current = {d for d in members if ctx.devs[d]["wave"] == w["idx"]}
-            control = cohort(x for x in wins if x["device_id"] in current and x["release"] != release
-                             and start - lookback <= x["server_ts"] < start)
-            kind = "baseline"
+        control = sorted((d for d, v in ctx.devs.items() if v["state"] in ("pending", "control")
+                          and self._online(ctx, d)), key=lambda d: order_key(ctx.row.id, d))[:ctx.opts.control_max]
+        wins = self._windows(sorted(set(current) | set(control)), min(start - ev.baseline_s, ctx.now - RATE_LOOKBACK_S))
+        by: dict[str, list[dict[str, Any]]] = {}
+        for x in wins:
+            by.setdefault(x["device_id"], []).append(x)
+
+        def pre(devs: list[str]) -> list[dict[str, Any]]:
+            return [x for d in devs for x in by.get(d, []) if x["release"] != release
+                    and start - ev.baseline_s <= x["server_ts"] < start]
+
+        post_wave = [x for d in current for x in by.get(d, []) if x["release"] == release
+                     and x["server_ts"] >= max(start, ctx.devs[d]["assigned_at"] or ctx.now)]
+        post_control = [x for d in control for x in by.get(d, []) if x["release"] != release
+                        and x["server_ts"] >= start]
+        arms = Arms(pre(current), post_wave, pre(control), post_control) if control and current else None
         rates: dict[str, list[float]] = {}
         for x in wins:
             if x["server_ts"] >= ctx.now - RATE_LOOKBACK_S and x["window_s"] > 0:
                 rates.setdefault(x["device_id"], []).append(x["requests"] / x["window_s"])
         rate = sum(sum(v) / len(v) for v in rates.values()) if rates else None
-        return {"wave_cohort": cohort(on), "control_cohort": control if control.requests else None,
-                "control_kind": kind if control.requests else None, "request_rate": rate}
+        if rate is not None and control:  # the control is a sample: scale to every targeted device
+            rate *= len(ctx.devs) / max(1, len(rates))
+        held = any(v["state"] == "control" for v in ctx.devs.values())
+        return {"arms": arms, "wave": cohort(post_wave), "control": cohort(post_control),
+                "control_kind": ("held back" if held else "cohort") if arms else None, "request_rate": rate}
 
     def _windows(self, devices: list[str], since: float) -> list[dict[str, Any]]:
         if not devices:
@@ -336,6 +409,7 @@ class RolloutEngine:
                 doc = {}
             w["release"] = doc.get("release")
             w["crashes"] = doc.get("crashes") if isinstance(doc.get("crashes"), int) else 0
+            w.update(window_counts(doc))
             out.append(w)
         return out
 

@@ -32,7 +32,7 @@ import sqlalchemy as sa
 
 from cloud_service.fleet import schema as t
 from cloud_service.fleet.errors import InvalidDocument, RolloutConflict, UnknownRollout
-from cloud_service.fleet.gates import Margins
+from cloud_service.fleet.gates import Evidence, Margins
 from cloud_service.fleet.releases import ReleaseRegistry
 from cloud_service.fleet.store import FleetStore
 
@@ -41,7 +41,7 @@ SWAP_STATES = ("downloading", "verifying", "staged", "golden", "active", "soakin
                "refused")
 RAN_STATES = ("active", "soaking", "committed")
 # device states the engine still has work for (a rollout stays open while any device is in one of them)
-OPEN_STATES = ("catch_up", "assigned", "downloading", "verifying", "staged", "golden", "active", "soaking",
+OPEN_STATES = ("catch_up", "control", "assigned", "downloading", "verifying", "staged", "golden", "active", "soaking",
                "rollback")
 
 
@@ -86,28 +86,53 @@ def parse_soak(text: str) -> dict[str, Any]:
     return {"seconds": float(m.group(1)) * {"s": 1, "m": 60, "h": 3600}[m.group(2)]}
 
 
+INCONCLUSIVE = ("hold", "extend", "rollback")
+
+
 @dataclass(frozen=True)
 class RolloutOptions:
     """Args:
     waves: cumulative wave sizes (`parse_waves`).
-    soak: {"requests": N} or {"seconds": T}: a device is judged after it soaked this long on the release.
-    margins: how much worse than control a wave may be (gates.Margins).
+    soak: {"requests": N} or {"seconds": T}: the least a device runs the release before its wave may pass
+        (and when the device commits it); the gates decide when the evidence suffices.
+    margins: practically relevant differences the gates must tell apart (gates.Margins).
+    evidence: the false-rollback rate over the whole rollout, the pass-side error, buckets, baselines
+        (gates.Evidence).
+    max_soak: a wave still inconclusive this long (time, or requests per device) after it started...
+    on_inconclusive: ...is held for the operator (`hold`, the rollout pauses), soaks on (`extend`), or is
+        rolled back (`rollback`).
+    holdback: share of the targeted devices (at least one) the last wave keeps on the previous release as
+        its control until its statistical gates pass.
+    control_max: the control cohort is at most this many devices (in the rollout's order).
     cloud_capacity_rps: escalations/s the cloud tier sustains (measured, e.g. bench/bench_cloud.py); None: not gated.
     stall_after_s: an assigned device that shows no progress for this long joins the catch-up set.
     observe_every_s: how often the figures of a soaking wave are recorded (the dashboard's plots).
     """
 
     waves: tuple[str, ...] = ("1", "5%", "25%", "100%")
-    soak: dict[str, Any] = field(default_factory=lambda: {"requests": 200})
+    soak: dict[str, Any] = field(default_factory=lambda: {"requests": 50})
     margins: Margins = field(default_factory=Margins)
+    evidence: Evidence = field(default_factory=Evidence)
+    max_soak: dict[str, Any] = field(default_factory=lambda: {"seconds": 1800.0})
+    on_inconclusive: str = "hold"
+    holdback: float = 0.05
+    control_max: int = 200
     cloud_capacity_rps: float | None = None
     stall_after_s: float = 300.0
     observe_every_s: float = 10.0
 
     def __post_init__(self) -> None:
         parse_waves(self.waves)
-        if set(self.soak) - {"requests", "seconds"} or len(self.soak) != 1:
-            msg = f"soak {self.soak!r} must be {{'requests': N}} or {{'seconds': T}}"
+        for name, soak in (("soak", self.soak), ("max_soak", self.max_soak)):
+            if set(soak) - {"requests", "seconds"} or len(soak) != 1:
+                msg = f"{name} {soak!r} must be {{'requests': N}} or {{'seconds': T}}"
+                raise InvalidDocument(msg)
+        if self.on_inconclusive not in INCONCLUSIVE:
+            msg = f"on_inconclusive {self.on_inconclusive!r} must be one of {', '.join(INCONCLUSIVE)}"
+            raise InvalidDocument(msg)
+        if not (0 <= self.holdback < 1 and self.control_max >= 1):
+            msg = (f"holdback {self.holdback!r} must be a share in [0, 1) and control_max {self.control_max!r} "
+                   "a device count >= 1")
             raise InvalidDocument(msg)
         if self.cloud_capacity_rps is not None and not self.cloud_capacity_rps > 0:
             msg = f"cloud capacity {self.cloud_capacity_rps!r} must be a positive number of escalations/s"
@@ -119,7 +144,13 @@ class RolloutOptions:
     @classmethod
     def from_json(cls, text: str) -> RolloutOptions:
         doc = json.loads(text)
-        return cls(waves=tuple(doc["waves"]), soak=doc["soak"], margins=Margins(**doc["margins"]),
+        known = set(Margins.__dataclass_fields__)
+        base = cls()
+        return cls(waves=tuple(doc["waves"]), soak=doc["soak"],
+                   margins=Margins(**{k: v for k, v in doc["margins"].items() if k in known}),
+                   evidence=Evidence(**doc.get("evidence", {})), max_soak=doc.get("max_soak", base.max_soak),
+                   on_inconclusive=doc.get("on_inconclusive", base.on_inconclusive),
+                   holdback=doc.get("holdback", base.holdback), control_max=doc.get("control_max", base.control_max),
                    cloud_capacity_rps=doc.get("cloud_capacity_rps"), stall_after_s=doc["stall_after_s"],
                    observe_every_s=doc["observe_every_s"])
 
@@ -225,9 +256,12 @@ class Rollouts:
         for w in waves:
             w.pop("rollout_id", None)
             judged = [d for d in decs if d["wave"] == w["idx"] and d["figures"].get("gates")]
-            w["gates"] = judged[-1]["figures"]["gates"] if judged else []
-            w["figures"] = {k: judged[-1]["figures"].get(k) for k in ("wave", "control", "control_kind")} \
-                if judged else {}
+            # the latest look at which the statistical gates were tested (a last wave's final pass, once its
+            # held-back control took the release, has no control left to test against)
+            tested = [d for d in judged if any("estimate" in g for g in d["figures"]["gates"])] or judged
+            w["gates"] = tested[-1]["figures"]["gates"] if tested else []
+            w["figures"] = {k: tested[-1]["figures"].get(k) for k in ("wave", "control", "control_kind")} \
+                if tested else {}
             w["devices"] = dict(Counter(d["state"] for d in devs if d["wave"] == w["idx"]))
         out.update(waves=waves, states=dict(Counter(d["state"] for d in devs)), device_list=devs, decisions=decs)
         return out
@@ -278,15 +312,23 @@ def _rollout_dict(row: Any) -> dict[str, Any]:
     return d
 
 
-def make_options(*, waves: str = "1,5%,25%,100%", soak: str = "200", cloud_capacity_rps: float | None = None,
+def make_options(*, waves: str = "1,5%,25%,100%", soak: str = "50", cloud_capacity_rps: float | None = None,
                  stall_after_s: float = 300.0, observe_every_s: float = 10.0,
-                 margins: dict[str, Any] | None = None) -> RolloutOptions:
+                 margins: dict[str, Any] | None = None, evidence: dict[str, Any] | None = None,
+                 max_soak: str = "30m", on_inconclusive: str = "hold", holdback: float = 0.05,
+                 control_max: int = 200) -> RolloutOptions:
     """`RolloutOptions` from the CLI's and the API's strings (`--waves 1,5%,100% --soak 10m`)."""
     try:
         m = Margins(**{k: v for k, v in (margins or {}).items() if v is not None})
     except TypeError as exc:
         msg = f"unknown margin: {exc}; margins are {', '.join(Margins.__dataclass_fields__)}"
         raise InvalidDocument(msg) from None
-    return RolloutOptions(waves=parse_waves(waves), soak=parse_soak(soak), margins=m,
-                          cloud_capacity_rps=cloud_capacity_rps, stall_after_s=stall_after_s,
-                          observe_every_s=observe_every_s)
+    try:
+        e = Evidence(**{k: v for k, v in (evidence or {}).items() if v is not None})
+    except TypeError as exc:
+        msg = f"unknown evidence option: {exc}; they are {', '.join(Evidence.__dataclass_fields__)}"
+        raise InvalidDocument(msg) from None
+    return RolloutOptions(waves=parse_waves(waves), soak=parse_soak(soak), margins=m, evidence=e,
+                          max_soak=parse_soak(max_soak), on_inconclusive=on_inconclusive, holdback=holdback,
+                          control_max=control_max, cloud_capacity_rps=cloud_capacity_rps,
+                          stall_after_s=stall_after_s, observe_every_s=observe_every_s)

@@ -49,7 +49,7 @@ class RolloutFleet:
     """Context manager: broker + fleet process + `n` devices running release 1 of "digits"."""
 
     def __init__(self, tmp: Path, n: int, *, db_url: str | None = None, online_after: str = "3s",
-                 window_s: float = 0.3, rate_rps: float = 40.0, labels: str = "kind=cam") -> None:
+                 window_s: float = 0.3, rate_rps: float = 200.0, labels: str = "kind=cam") -> None:
         self.tmp, self.n, self.db_url, self.online_after = tmp, n, db_url, online_after
         self.window_s, self.rate_rps, self.labels = window_s, rate_rps, labels
         self.data = tmp / "fleet-data"
@@ -102,6 +102,9 @@ class RolloutFleet:
         # the fleet's MQTT session may come up after the devices': deploy only once it hears every one
         self.wait("the fleet to hear every device", lambda: sum(
             d["online"] for d in self.api("GET", "/v1/devices")) == self.n, timeout=60)
+        # the gates measure each device against its own baseline: some windows on the first release first
+        self.wait("a baseline of 20 windows a device", lambda: len(self.facade.telemetry.windows(
+            limit=20 * self.n)) >= 20 * self.n, timeout=60)
 
     def __exit__(self, *exc: object) -> None:
         for d in self.devices:
@@ -131,7 +134,7 @@ class RolloutFleet:
 
     def deploy(self, release: str, **options: Any) -> int:
         body = {"release": release, "label": self.labels, "waves": "1,25%,100%", "soak": "30",
-                "margins": {"min_requests": 20}, **options}
+                "margins": {"min_requests": 20}, "evidence": {"bucket_s": max(1.0, 3 * self.window_s)}, **options}
         return int(self.api("POST", "/v1/rollouts", body)["id"])
 
     def show(self, rollout_id: int) -> dict[str, Any]:

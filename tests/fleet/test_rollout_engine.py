@@ -1,5 +1,5 @@
 """The rollout engine in-process on SQLite and PostgreSQL: row lease (one of two engines acts), rollout layers
-in the effective desired document, and the gates' arithmetic."""
+in the effective desired document."""
 
 from __future__ import annotations
 
@@ -12,7 +12,6 @@ import pytest
 from cloud_service.fleet.ca import FleetCA
 from cloud_service.fleet.desired import DesiredState
 from cloud_service.fleet.errors import InvalidDocument
-from cloud_service.fleet.gates import Margins, cohort, evaluate, failed
 from cloud_service.fleet.leases import Lease, LeaseLost
 from cloud_service.fleet.registry import Registry
 from cloud_service.fleet.releases import ReleaseRegistry
@@ -79,7 +78,7 @@ def test_two_engines_on_one_database_only_one_acts(store: FleetStore, tmp_path: 
     assert shown["waves"][0]["state"] == "soaking"
     layers = [la for la in desired.layers() if la["selector"].startswith("rollout/")]
     assert len(layers) == 1
-    assert layers[0]["document"] == {"release": second, "soak": {"requests": 200}}
+    assert layers[0]["document"] == {"release": second, "soak": {"requests": 50}}
     assert a.step(now=now + 2)  # renewing its own lease
     assert len([la for la in desired.layers() if la["selector"].startswith("rollout/")]) == 1
 
@@ -106,36 +105,6 @@ def test_racing_acquires_have_one_winner(store: FleetStore) -> None:
         for th in threads:
             th.join(30)
         assert len(won) == 1, won
-
-
-def _windows(n: int, **kw: float) -> list[dict[str, float]]:
-    return [{"device_id": f"d{i % 3}", "requests": 100, "window_s": 10, "p95_ms": 10.0, "escalation_rate": 0.15,
-             "agreement": 0.96, "degraded": 1, "energy_mj_per_request": 2.0, **kw} for i in range(n)]
-
-
-def test_gates_compare_the_wave_with_control_by_margins() -> None:
-    control = cohort(_windows(6))
-    m = Margins()
-    ok = evaluate(cohort(_windows(3, escalation_rate=0.19)), control, margins=m, budget_ms=25, device_failures={},
-                  crashes=0, fleet_request_rate=100.0, cloud_capacity_rps=50.0)
-    assert failed(ok) == []
-    assert next(g for g in ok if g["gate"] == "cloud_capacity")["wave"] == pytest.approx(19.0)
-    cases = {"escalation_rate": {"escalation_rate": 0.21}, "agreement": {"agreement": 0.90},
-             "p95_vs_control": {"p95_ms": 13.0}, "p95_budget": {"p95_ms": 26.0},
-             "energy_per_request": {"energy_mj_per_request": 2.5},
-             "degraded_share": {"degraded": 7}, "crashes": {"crashes": 1}}
-    for gate, change in cases.items():
-        got = evaluate(cohort(_windows(3, **change)), control, margins=m, budget_ms=25, device_failures={},
-                       crashes=0, fleet_request_rate=None, cloud_capacity_rps=None)
-        assert gate in failed(got), (gate, got)
-    over = evaluate(cohort(_windows(3, escalation_rate=0.19)), control, margins=m, budget_ms=None,
-                    device_failures={"d1": "refused: bad signature"}, crashes=0, fleet_request_rate=300.0,
-                    cloud_capacity_rps=50.0)
-    assert set(failed(over)) == {"device_verifies", "cloud_capacity"}
-    unjudged = evaluate(cohort(_windows(3)), None, margins=m, budget_ms=None, device_failures={}, crashes=0,
-                        fleet_request_rate=None, cloud_capacity_rps=None)
-    assert failed(unjudged) == []
-    assert {g["gate"] for g in unjudged if g["ok"] is None} >= {"escalation_rate", "p95_budget", "cloud_capacity"}
 
 
 def test_offline_devices_do_not_pass_a_wave_and_rejoin_when_heard_from(store: FleetStore, tmp_path: Path) -> None:

@@ -1,0 +1,179 @@
+"""A fleet of simulated devices for the rollout gates: telemetry windows as agents publish them, drawn from a
+model with per-device levels and noise, uneven traffic and noisy neighbours (shared-load spikes that hit every
+device, whichever release it runs), and releases with known regressions.
+
+`Fleet.window(device, t, treated)` gives one window (the agent's format: requests, escalation_rate, agreement,
+compared, degraded, p95_ms, energy_mj_per_request, audits ...). `run_rollout` drives the gates in-process
+through `gates.evaluate`, wave by wave, the way the engine does, for many A/A and A/B runs in seconds.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from cloud_service.fleet.gates import STAT_GATES, Arms, Evidence, Margins, evaluate, failed, open_gates
+from cloud_service.fleet.rollouts import wave_sizes
+
+# name -> what the release does on a device that runs it
+REGRESSIONS: dict[str, dict[str, float]] = {
+    "none": {},
+    # 2 points less accurate at the same escalation rate: the extra errors are unsure ones, in escalations
+    "accuracy-2": {"esc_disagree": 0.02},
+    # one class flipped: 3 points less accurate, 1.25 of them among escalations, 1.75 confident (audits only)
+    "flip-class": {"esc_disagree": 0.0125, "conf_disagree": 0.0175},
+    "p95+30%": {"p95": 1.30},
+    "energy+10%": {"energy": 1.10},
+}
+
+
+@dataclass(frozen=True)
+class Model:
+    """Args: window_s: telemetry interval; rate_rps: median inferences/s of a device (log-normal, traffic_sd);
+    escalation: median escalation rate; disagree: disagreement among escalations; conf_disagree: among
+    confident inputs; audit_rate: share of confident inputs audited; spike_p / spike: a shared-load spike's
+    chance per window and its p95 factor range."""
+
+    window_s: float = 10.0
+    rate_rps: float = 10.0
+    traffic_sd: float = 0.8
+    escalation: float = 0.2
+    escalation_sd: float = 0.3
+    disagree: float = 0.10
+    conf_disagree: float = 0.01
+    audit_rate: float = 0.05
+    degraded: float = 0.003
+    p95_ms: float = 5.0
+    device_sd: float = 0.3
+    window_sd: float = 0.12
+    energy_mj: float = 2.0
+    spike_p: float = 0.1
+    spike: tuple[float, float] = (1.3, 2.5)
+
+
+@dataclass
+class Fleet:
+    n: int
+    seed: int
+    model: Model = field(default_factory=Model)
+    regression: str = "none"
+
+    def __post_init__(self) -> None:
+        rng = np.random.default_rng(self.seed)
+        m = self.model
+        self.rng = rng
+        self.ids = [f"sim-{self.seed}-{i:04d}" for i in range(self.n)]
+        self.rate = m.rate_rps * np.exp(rng.normal(0, m.traffic_sd, self.n))
+        logit = math.log(m.escalation / (1 - m.escalation)) + rng.normal(0, m.escalation_sd, self.n)
+        self.esc = 1 / (1 + np.exp(-logit))
+        self.disagree = np.clip(m.disagree * np.exp(rng.normal(0, 0.2, self.n)), 0, 1)
+        self.p95 = m.p95_ms * np.exp(rng.normal(0, m.device_sd, self.n))
+        self.noise = m.window_sd * np.exp(rng.normal(0, 0.3, self.n))  # some devices are noisier than others
+        self.energy = m.energy_mj * np.exp(rng.normal(0, 0.2, self.n))
+        self._load: dict[int, float] = {}
+
+    def load(self, t: float) -> float:
+        """The shared-load factor of the window ending at t (noisy neighbours, a slow cloud): same for all."""
+        k = int(t // self.model.window_s)
+        if k not in self._load:
+            r = np.random.default_rng((self.seed, k))
+            self._load[k] = float(r.uniform(*self.model.spike)) if r.random() < self.model.spike_p else 1.0
+        return self._load[k]
+
+    def window(self, i: int, t: float, treated: bool) -> dict[str, Any]:
+        m, rng = self.model, self.rng
+        reg = REGRESSIONS[self.regression] if treated else {}
+        s = self.load(t)
+        n = int(rng.poisson(self.rate[i] * m.window_s))
+        esc = int(rng.binomial(n, self.esc[i]))
+        q = min(1.0, self.disagree[i] + reg.get("esc_disagree", 0.0) / self.esc[i])
+        dis = int(rng.binomial(esc, q))
+        conf = n - esc
+        audits = int(rng.binomial(conf, m.audit_rate))
+        cq = min(1.0, m.conf_disagree + reg.get("conf_disagree", 0.0) * n / max(conf, 1))
+        degraded = int(rng.binomial(n, min(1.0, m.degraded * (1 + 4 * (s - 1)))))
+        sd = self.noise[i] * (1 + 3 / math.sqrt(max(n, 1)))
+        p95 = self.p95[i] * s * reg.get("p95", 1.0) * math.exp(rng.normal(0, sd))
+        energy = self.energy[i] * (1 + 0.3 * (s - 1)) * reg.get("energy", 1.0) * math.exp(rng.normal(0, sd / 3))
+        return {"device_id": self.ids[i], "device": self.ids[i], "server_ts": t, "ts": t, "window_s": m.window_s,
+                "requests": n, "escalation_rate": esc / n if n else 0.0, "compared": esc,
+                "tiers": {"edge": n - esc, "cloud": esc},
+                "agreement": 1 - dis / esc if esc else None, "degraded": degraded, "p95_ms": p95, "p50_ms": p95 / 2,
+                "energy_mj_per_request": energy, "audits": audits, "audit_rate": m.audit_rate,
+                "audit_disagreed": int(rng.binomial(audits, cq)), "crashes": 0}
+
+
+@dataclass
+class Outcome:
+    result: str  # succeeded | rolled_back | held
+    wave: int  # the wave that decided (or the last one)
+    gates: list[str]  # the gates that failed (or were still open)
+    canary_inferences: int  # inferences on the release in the canary wave when it was decided
+    wave_inferences: list[int]  # per wave, inferences on the release when it was decided
+    looks: int
+
+
+def run_rollout(fleet: Fleet, *, waves: tuple[str, ...] = ("1", "5%", "25%", "100%"),
+                margins: Margins | None = None, evidence: Evidence | None = None, baseline_windows: int = 60,
+                max_soak_windows: int = 60, control_max: int = 50, holdback: int = 5, look_every: int = 2) -> Outcome:
+    """One rollout over the simulated fleet: waves judged by `gates.evaluate` every window, as the engine does."""
+    margins, evidence = margins or Margins(), evidence or Evidence()
+    ws = fleet.model.window_s
+    sizes = wave_sizes(waves, fleet.n)
+    order = list(fleet.rng.permutation(fleet.n))
+    history: dict[int, list[dict[str, Any]]] = {i: [] for i in range(fleet.n)}
+    t = 0.0
+    for _ in range(baseline_windows):
+        t += ws
+        for i in range(fleet.n):
+            history[i].append(fleet.window(i, t, False))
+    treated: set[int] = set()
+    per_wave: list[int] = []
+    looks = 0
+    for w, size in enumerate(sizes):
+        last = w == len(sizes) - 1
+        new = [i for i in order[:size] if i not in treated]
+        if last:  # the last wave keeps a control back until it has passed
+            new = new[:max(1, len(new) - holdback)]
+        start = t
+        treated |= set(new)
+        control = [i for i in order if i not in treated][:control_max]
+        pre_wave = [x for i in new for x in history[i] if start - evidence.baseline_s <= x["ts"] <= start]
+        pre_control = [x for i in control for x in history[i] if start - evidence.baseline_s <= x["ts"] <= start]
+        cache: dict[Any, Any] = {}
+        for _step in range(max_soak_windows):
+            t += ws
+            for i in range(fleet.n):
+                history[i].append(fleet.window(i, t, i in treated))
+            if (_step + 1) % look_every and _step + 1 < max_soak_windows:
+                continue
+            arms = Arms(pre_wave, [x for i in new for x in history[i] if x["ts"] > start],
+                        pre_control, [x for i in control for x in history[i] if x["ts"] > start])
+            gates = evaluate(arms if control else None, margins=margins, evidence=evidence, waves=len(sizes),
+                             budget_ms=None, device_failures={}, crashes=0, fleet_request_rate=None,
+                             cloud_capacity_rps=None, cache=cache)
+            looks += 1
+            done = sum(int(x["requests"]) for x in arms.post_wave)
+            if failed(gates):
+                per_wave.append(done)
+                return Outcome("rolled_back", w, failed(gates), per_wave[0], per_wave, looks)
+            if not open_gates(gates) and done >= margins.min_requests:
+                break
+        else:
+            per_wave.append(done)
+            return Outcome("held", w, open_gates(gates), per_wave[0], per_wave, looks)
+        per_wave.append(done)
+    return Outcome("succeeded", len(sizes) - 1, [], per_wave[0], per_wave, looks)
+
+
+def summary(outcomes: list[Outcome]) -> dict[str, Any]:
+    n = len(outcomes)
+    by = {r: sum(o.result == r for o in outcomes) for r in ("succeeded", "rolled_back", "held")}
+    canary = sorted(o.canary_inferences for o in outcomes if o.wave == 0 and o.result == "rolled_back")
+    return {"runs": n, **by, "stopped_at_canary": sum(o.result == "rolled_back" and o.wave == 0 for o in outcomes),
+            "canary_inferences_median": int(np.median(canary)) if canary else None,
+            "canary_inferences_p90": int(np.percentile(canary, 90)) if canary else None,
+            "failed_gates": sorted({g for o in outcomes for g in o.gates if g in STAT_GATES})}

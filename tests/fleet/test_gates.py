@@ -1,0 +1,127 @@
+"""The rollout gates' error rates in simulation: A/A false alarms over many looks stay under alpha; A/B
+regressions of the margin's size are caught at the canary. Windows come from tests/fleet/gate_sim.py
+(per-device levels and noise, uneven traffic, shared-load spikes hitting both arms)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+from typing import Any
+
+import pytest
+
+from cloud_service.fleet.gates import SPECS, Arms, Evidence, Margins, evaluate, failed, judge, window_counts
+from cloud_service.fleet.sequential import Obs, did
+from runtimes.errors import ConfigError
+from tests.fleet.gate_sim import Fleet, Model, run_rollout
+
+SPEC = {s.name: s for s in SPECS}
+
+
+def _looks(fleet: Fleet, gates: list[str], *, alpha: float, windows: int = 40, every: int = 2,
+           baseline: int = 30) -> dict[str, int | None]:
+    """Device 0 is the wave (from window `baseline` on), the rest the control: the first look (window count)
+    at which each gate failed, None if never."""
+    ev = Evidence(bucket_s=fleet.model.window_s, baseline_s=1e9)
+    hist: list[list[dict[str, Any]]] = [[] for _ in range(fleet.n)]
+    first: dict[str, int | None] = dict.fromkeys(gates)
+    pre_w: list[dict[str, Any]] = []
+    pre_c: list[dict[str, Any]] = []
+    cache: dict[Any, list[Obs]] = {}
+    for k in range(baseline + windows):
+        t = (k + 1) * fleet.model.window_s
+        for i in range(fleet.n):
+            hist[i].append(fleet.window(i, t, i == 0 and k >= baseline))
+        if k == baseline - 1:
+            pre_w, pre_c = hist[0][:], [x for h in hist[1:] for x in h]
+        if k < baseline or (k - baseline + 1) % every:
+            continue
+        arms = Arms(pre_w, hist[0][baseline:], pre_c, [x for h in hist[1:] for x in h[baseline:]])
+        for g in gates:
+            if first[g] is None and judge(SPEC[g], arms, margins=Margins(), evidence=ev, alpha_gate=alpha,
+                                          cache=cache)["decision"] == "fail":
+                first[g] = k - baseline + 1
+    return first
+
+
+def test_aa_false_alarms_over_many_looks_stay_under_alpha() -> None:
+    """100 A/A canaries, 10 looks each, a generous alpha = 0.05 per gate so that the rate is measurable."""
+    alpha, runs = 0.05, 100
+    gates = ["escalation_rate", "agreement", "p95_vs_control", "energy_per_request"]
+    alarms = dict.fromkeys(gates, 0)
+    for seed in range(runs):
+        got = _looks(Fleet(12, seed), gates, alpha=alpha, every=4)
+        for g in gates:
+            alarms[g] += got[g] is not None
+    assert all(a / runs <= alpha for a in alarms.values()), alarms
+
+
+@pytest.mark.parametrize(("regression", "gate"), [("p95+30%", "p95_vs_control"), ("energy+10%", "energy_per_request"),
+                                                  ("accuracy-2", "agreement")])
+def test_ab_a_margin_sized_regression_is_caught_at_the_canary(regression: str, gate: str) -> None:
+    """At the rollout's own alpha per gate (0.01 over 6 gates x 4 waves), within 40 windows of a 20/s canary
+    (800 inferences), at least 80 % of 30 runs."""
+    alpha = Evidence().alpha_gate(4)
+    model = Model(rate_rps=20, traffic_sd=0.0)
+    runs, caught, at = 30, 0, []
+    for seed in range(runs):
+        got = _looks(Fleet(12, 100 + seed, model, regression), [gate], alpha=alpha, windows=40)[gate]
+        caught += got is not None
+        at += [got] if got is not None else []
+    assert caught / runs >= 0.8, (caught, at)
+
+
+def test_shared_load_and_device_levels_cancel() -> None:
+    """A spike hitting every device and a canary twice as slow as the fleet: no effect is estimated."""
+    def obs(dev: str, ts: float, v: float) -> Obs:
+        return Obs(dev, ts, 1.0, math.log(v))
+
+    spike = {t: (3.0 if t % 7 == 0 else 1.0) for t in range(60)}
+    pre_w = [obs("w", t, 10.0 * (1 + 0.01 * (t % 3))) for t in range(30)]
+    post_w = [obs("w", t, 10.0 * spike[t] * (1 + 0.01 * (t % 3))) for t in range(30, 60)]
+    pre_c = [obs(f"c{i}", t, 5.0 * (1 + 0.01 * ((t + i) % 3))) for i in range(5) for t in range(30)]
+    post_c = [obs(f"c{i}", t, 5.0 * spike[t] * (1 + 0.01 * ((t + i) % 3))) for i in range(5) for t in range(30, 60)]
+    est = did(pre_w, post_w, pre_c, post_c, bucket_s=1.0)
+    assert est is not None
+    assert abs(est.delta) < 0.01
+    assert est.radius(0.001, 30) < math.log(1.1)
+    pooled = (sum(math.exp(o.value) for o in post_w) / len(post_w)) / (
+        sum(math.exp(o.value) for o in post_c) / len(post_c))
+    assert pooled > 1.9  # what a ratio of pooled figures would have called a regression
+
+
+def test_the_record_keeps_each_tests_statistic_evidence_and_threshold() -> None:
+    fleet = Fleet(30, 7, Model(rate_rps=30, traffic_sd=0.0), "p95+30%")
+    out = run_rollout(fleet, waves=("1", "100%"), max_soak_windows=40)
+    assert out.result == "rolled_back"
+    assert out.wave == 0
+    assert out.gates == ["p95_vs_control"]
+    arms = Arms([], [], [], [])
+    gates = evaluate(arms, margins=Margins(), evidence=Evidence(), waves=4, budget_ms=None, device_failures={},
+                     crashes=0, fleet_request_rate=None, cloud_capacity_rps=None)
+    assert {g["gate"]: g["decision"] for g in gates}["escalation_rate"] is None  # no data: not judged, not open
+
+
+def test_aa_rollouts_complete_and_regressions_stop_at_the_canary() -> None:
+    model = Model(rate_rps=30, traffic_sd=0.3)
+    aa = [run_rollout(Fleet(40, s, model), waves=("1", "25%", "100%"), max_soak_windows=50) for s in range(4)]
+    assert [o.result for o in aa] == ["succeeded"] * 4, aa
+    bad = run_rollout(Fleet(40, 11, model, "accuracy-2"), waves=("1", "25%", "100%"), max_soak_windows=50)
+    assert (bad.result, bad.wave) == ("rolled_back", 0), bad
+    assert "agreement" in bad.gates
+
+
+def test_hard_gates_and_window_counts() -> None:
+    gates = evaluate(None, margins=Margins(), evidence=Evidence(), waves=4, budget_ms=25.0,
+                     device_failures={"d1": "refused: bad signature"}, crashes=1, fleet_request_rate=None,
+                     cloud_capacity_rps=None)
+    assert set(failed(gates)) == {"device_verifies", "crashes"}
+    assert all(g["decision"] is None for g in gates if g["gate"] in SPEC)  # no control: not judged
+    assert window_counts({"tiers": {"edge": 80, "cloud": 20}}) == {"compared": 20}
+    assert window_counts({"compared": 15, "audits": 4, "audit_disagreed": 1, "audit_rate": 0.05}) == {
+        "compared": 15, "audits": 4, "audit_disagreed": 1, "audit_rate": 0.05}
+    assert window_counts({"compared": "x"}) == {"compared": 0}
+    with pytest.raises(ConfigError, match="alpha"):
+        Evidence(alpha=0.0)
+    with pytest.raises(ConfigError, match="margin"):
+        replace(Margins(), p95_ratio=-1.0)
