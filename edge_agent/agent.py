@@ -159,6 +159,7 @@ class EdgeAgent:
         self.inputs = self._variant.session.inputs
         self.outputs = self._variant.session.outputs
         self.model_name = self._variant.name
+        self.release = ""  # the fleet release (digest) it serves; `tierkit agent` sets it, Prediction carries it
         self._names = frozenset(s.name for s in self.inputs)
         # the package's declared frame -> input preprocessing (`infer(frame=...)`), if it declares one
         declared = self._variant.package.manifest.preprocess
@@ -633,7 +634,7 @@ class EdgeAgent:
             outputs = {k: a[0] for k, a in outputs.items()}
         tier = "cloud" if rtt_ms is not None and not degraded else "edge"
         pred = make_prediction(outputs, tier, float(scores[0] if n == 1 else scores.min()), v.id, degraded, total_ms,
-                           energy, label, scores, cloud_rows, reason, False, seq)
+                           energy, label, scores, cloud_rows, reason, False, seq, self.release)
         # the controller's edge energy travels with `label`: the measured figure when measured, else modeled
         edge_mj = energy if self._measured_mj is not None else power.busy_watts * edge_ms
         self._obs.append((v.id, edge_ms, edge_mj, energy, label, n, wanted, tier, degraded,
@@ -642,7 +643,7 @@ class EdgeAgent:
             # the cache keeps its own copy: the app may edit the arrays it was handed
             self.cache.put(key, make_prediction({k: a.copy() for k, a in outputs.items()}, tier, pred.score, v.id,
                                                 False, total_ms, energy, label, scores.copy(), cloud_rows.copy(),
-                                                reason, False, seq))
+                                                reason, False, seq, self.release))
         return pred
 
     def _cached(self, hit: Prediction, t0: float) -> Prediction:
@@ -651,7 +652,7 @@ class EdgeAgent:
                           None, 0, None, total_ms, True, hit.score))
         return make_prediction({k: a.copy() for k, a in hit.outputs.items()}, hit.tier, hit.score, hit.variant,
                                False, total_ms, 0.0, hit.energy_label, hit.scores.copy(), hit.cloud_rows.copy(), "",
-                               True, hit.seq)
+                               True, hit.seq, self.release)
 
     # -- control -------------------------------------------------------------------------------
 

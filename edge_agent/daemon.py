@@ -61,7 +61,7 @@ from edge_agent.config import AgentConfig
 from edge_agent.fleet_sync import TelemetryWindows, load_identity, model_digest
 from edge_agent.journal import Journal, JournalEntry, drain
 from edge_agent.slots import SlotStore
-from edge_agent.swap import SwapOptions, Swapper, parse_desired
+from edge_agent.swap import SwapOptions, Swapper, golden_of, parse_desired
 from edge_agent.transports.base import TransportOptions
 from edge_agent.transports.mqtt import MqttTransport
 from edge_agent.transports.mqtt_session import MqttSession
@@ -151,7 +151,7 @@ class _Servicer(inference_pb2_grpc.GRPCInferenceServiceServicer):
             "tierkit.tier": pred.tier, "tierkit.degraded": pred.degraded, "tierkit.score": pred.score,
             "tierkit.variant": pred.variant, "tierkit.latency_ms": pred.latency_ms,
             "tierkit.energy_mj": pred.energy_mj, "tierkit.energy_label": pred.energy_label,
-            "tierkit.reason": pred.reason, topics.PARAM_SEQ: pred.seq}
+            "tierkit.reason": pred.reason, topics.PARAM_SEQ: pred.seq, topics.PARAM_RELEASE: pred.release}
         return encode_response(agent.model_name, outputs, request_id=request.id, parameters=params)
 
 
@@ -166,6 +166,7 @@ class AgentDaemon:
         self.config = config
         opts = config.options
         self.device = opts.device_id
+        self._configured_digest: str | None = None
         self.port = 0
         self._server: grpc.aio.Server | None = None
         self._servicer: _Servicer | None = None
@@ -249,12 +250,19 @@ class AgentDaemon:
         agent = EdgeAgent(release.variants_dir if release else cfg.model, cloud=cfg.cloud, budget=budget,
                           policy=policy, controller=cfg.controller, options=opts, telemetry=self._publish_telemetry,
                           successor_of=successor_of)
+        # answers name what answered: the release, else the configured model's digest
+        agent.release = release.digest if release is not None else self._model_id()
         if self._desired_budget:
             b = dataclasses.replace(agent.budget, **self._desired_budget)
             agent.set_budget(Budget(b.latency_ms, b.energy_mj, b.max_escalations_per_s))
         if self._desired_threshold is not None:
             agent.set_threshold(self._desired_threshold[0])
         return agent
+
+    def _model_id(self) -> str:
+        if self._configured_digest is None:
+            self._configured_digest = model_digest(Path(self.config.model))
+        return self._configured_digest
 
     async def start(self) -> AgentDaemon:
         """Start the agent, bind the local endpoint, connect the control channel."""
@@ -263,6 +271,7 @@ class AgentDaemon:
             if self._windows is not None:
                 self._windows.crashes += 1
         await self.agent.start()
+        await self._golden_after_restart()
         if self.config.options.journal_path is not None:
             path = Path(self.config.options.journal_path)
             # opening runs SQLite's integrity check: off the loop
@@ -285,7 +294,33 @@ class AgentDaemon:
         self._start_control()
         if self.swapper is not None:
             self._tasks.append(asyncio.create_task(self.swapper.run(), name="tierkit-swap"))
+        if self.slots is not None:  # enrolled: the fleet learns what runs here without waiting for a desired doc
+            self._tasks.append(asyncio.create_task(self._first_report(), name="tierkit-first-report"))
         return self
+
+    async def _golden_after_restart(self) -> None:
+        """A restart (clean or not) on a release clears nothing the fleet relies on: its golden inputs are
+        re-run here when the journal holds no result for what runs (`slots.recover` drops it on a rollback)."""
+        if self.slots is None or self.release is None or self.slots.state.golden is not None:
+            return
+        session = self.swapper.options.session if self.swapper is not None else None
+        try:
+            golden = await asyncio.to_thread(golden_of, self.release, session)
+        except TierkitError as exc:
+            golden = {"ok": False, "reason": str(exc)[:300], "max_rel_error": None}
+        self.slots.state.golden = golden
+        await asyncio.to_thread(self.slots.save)
+
+    async def _first_report(self) -> None:
+        """Publish the reported document once a broker is connected (retried every second until it is)."""
+        while True:
+            try:
+                async with self._report_lock:
+                    await self._publish(topics.reported_topic(self.device), json.dumps(self._report_doc()).encode(),
+                                        retain=True)
+                return
+            except (TierkitError, TimeoutError, ConnectionError):
+                await asyncio.sleep(1.0)
 
     def _control_broker(self) -> tuple[str, int] | None:
         if self.config.broker is not None:

@@ -28,6 +28,8 @@ class Prediction:
             "journal_full", "late"; empty otherwise.
         cached: answered from the result cache.
         seq: the request's sequence number on this agent (its id in the journal and telemetry).
+        release: the fleet release that answered (its digest) where the agent runs one (`tierkit agent`
+            enrolled in a fleet: else the digest of its configured model); empty for a model loaded directly.
 
     Example:
         >>> pred = model.predict(x)
@@ -47,14 +49,15 @@ class Prediction:
     reason: str = ""
     cached: bool = False
     seq: int = 0
+    release: str = ""
 
 
 def make_prediction(outputs: dict[str, np.ndarray], tier: str, score: float, variant: str, degraded: bool,
                 latency_ms: float, energy_mj: float, energy_label: str, scores: np.ndarray, cloud_rows: np.ndarray,
-                reason: str, cached: bool, seq: int) -> Prediction:
+                reason: str, cached: bool, seq: int, release: str = "") -> Prediction:
     """`Prediction(...)` without the frozen dataclass's per-field `object.__setattr__` (~3 µs per request)."""
     pred = object.__new__(Prediction)
     pred.__dict__.update(outputs=outputs, tier=tier, score=score, variant=variant, degraded=degraded,
                          latency_ms=latency_ms, energy_mj=energy_mj, energy_label=energy_label, scores=scores,
-                         cloud_rows=cloud_rows, reason=reason, cached=cached, seq=seq)
+                         cloud_rows=cloud_rows, reason=reason, cached=cached, seq=seq, release=release)
     return pred

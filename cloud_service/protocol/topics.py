@@ -19,6 +19,7 @@ PARAM_SEQ = "tierkit.seq"
 PARAM_EDGE_ANSWER = "tierkit.edge_answer"
 PARAM_EDGE_SCORE = "tierkit.edge_score"
 PARAM_VARIANT = "tierkit.variant"
+PARAM_RELEASE = "tierkit.release"  # the release (digest) or configured model that answered
 PARAM_TRACE = "tierkit.trace_id"
 # Absolute deadline (Unix epoch, milliseconds): MQTT has no deadlines of its own, so a server drops
 # a request that is past it before computing anything.

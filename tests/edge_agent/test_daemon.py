@@ -17,6 +17,7 @@ from cloud_service.protocol import get_parameters, topics
 from compilers.package import ModelPackage
 from edge_agent.config import load_config, parse_config
 from edge_agent.daemon import AgentDaemon
+from edge_agent.fleet_sync import model_digest
 from runtimes.errors import ConfigError
 from sdk import zoo
 from tests.sdk.packages import make_package
@@ -124,6 +125,7 @@ def test_tritonclient_gets_an_edge_answer(package: ModelPackage, digits: zoo.Spl
     logits, info, error = asyncio.run(main())
     np.testing.assert_allclose(logits, local, rtol=1e-6)
     assert info["params"]["tierkit.tier"] == "edge"
+    assert info["params"]["tierkit.release"] == model_digest(Path(package.directory))  # no release: its model
     assert info["params"]["tierkit.degraded"] is False
     assert str(info["params"]["tierkit.energy_label"]).startswith("modeled:")
     assert info["meta"].inputs[0].name == "x"

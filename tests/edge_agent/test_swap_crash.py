@@ -81,11 +81,11 @@ class Agent:
             self._log.close()
 
 
-def infer(port: int, x: Any) -> str:
+def infer(port: int, x: Any, param: str = "tierkit.variant") -> str:
     with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
         stub = inference_pb2_grpc.GRPCInferenceServiceStub(channel)  # type: ignore[no-untyped-call]
         reply = stub.ModelInfer(encode_request("digits", {"x": x}, request_id="crash"), timeout=10)
-    return str(get_parameters(reply.parameters)["tierkit.variant"])
+    return str(get_parameters(reply.parameters)[param])
 
 
 def _commit_r1(config: Path, kit: Kit, x: Any) -> None:
@@ -162,6 +162,8 @@ def _crash_at(state: str, kit: Kit, server: ReleaseServer, broker: Any, digits: 
             assert all(r["release"] in (kit.digests["r1"], kit.digests["r2"]) for r in seen), seen  # never none
             assert seen[-1]["crashes"] == 1
             assert seen[-1]["slots"]["A"] == kit.digests["r1"]
+            assert (seen[-1]["golden"] or {}).get("ok") is True, seen[-1]  # re-run after the restart
+            assert infer(port, x, "tierkit.release") == expect["release"]  # answers name the release that ran
             if state in ("active", "soaking"):
                 assert seen[-1]["swap"]["error"] == RESTARTED
                 assert seen[-1]["swap"]["target"] == kit.digests["r2"]
