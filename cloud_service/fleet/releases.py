@@ -88,11 +88,12 @@ class ReleaseRegistry:
 
     def create(self, variants_dir: Path, policy_file: Path, *, sign_key: Ed25519PrivateKey,
                rollback_to: Sequence[str] | None = None) -> dict[str, Any]:
-        """`create_release` + `register`. `rollback_to` default: the newest registered release of the same name."""
+        """`create_release` + `register`. `rollback_to` default: the newest registered release of the same name
+        that was not rolled back (its latest rollout did not end rolled back)."""
         policy = load_policy(policy_file)
         if rollback_to is None:
             name = policy.get("name") or VariantSet.load(variants_dir).name
-            newest = self.newest(str(name))
+            newest = self.newest(str(name), skip=self.rolled_back())
             rollback_to = [newest["digest"]] if newest else []
         for digest in rollback_to:
             self.get(digest)  # a rollback target the fleet does not hold could never be sent to a device
@@ -130,9 +131,18 @@ class ReleaseRegistry:
             rows = conn.execute(sa.select(t.releases).order_by(t.releases.c.created_at)).all()
         return [_release_dict(r) for r in rows]
 
-    def newest(self, name: str, *, exclude: str | None = None) -> dict[str, Any] | None:
-        hits = [r for r in self.list() if r["name"] == name and r["digest"] != exclude]
+    def newest(self, name: str, *, exclude: str | None = None, skip: set[str] | None = None) -> dict[str, Any] | None:
+        hits = [r for r in self.list() if r["name"] == name and r["digest"] != exclude
+                and r["digest"] not in (skip or set())]
         return hits[-1] if hits else None
+
+    def rolled_back(self) -> set[str]:
+        """Releases whose latest rollout ended rolled back (or is being rolled back)."""
+        r = t.rollouts.c
+        with self.store.begin() as conn:
+            last: dict[str, str] = {row.release: row.state for row in conn.execute(
+                sa.select(r.release, r.state).order_by(r.id))}
+        return {d for d, state in last.items() if state in ("rolled_back", "rollback_asked")}
 
     def archive(self, digest: str) -> Path:
         rel = self.get(digest)

@@ -136,3 +136,28 @@ def test_offline_devices_do_not_pass_a_wave_and_rejoin_when_heard_from(store: Fl
     eff = desired.effective(reg.device(devices[1]))
     assert eff is not None
     assert eff["document"]["release"] == digest
+
+
+def test_a_new_releases_default_rollback_target_was_never_rolled_back(store: FleetStore, tmp_path: Path) -> None:
+    reg = Registry(store, FleetCA.load_or_create(tmp_path))
+    devices = _devices(reg, 2)
+    desired = DesiredState(store)
+    key, pub = generate_keypair(tmp_path / "ops")
+    releases = ReleaseRegistry(store, tmp_path / "data", [load_public_key(pub)])
+    variants = tiny_variant_set(tmp_path / "model")
+    policy = tmp_path / "p.yaml"
+    policy.write_text("version: '1'\n")
+    first = releases.create(variants, policy, sign_key=load_private_key(key))["digest"]
+    policy.write_text("version: '2'\n")
+    bad = releases.create(variants, policy, sign_key=load_private_key(key))["digest"]
+    assert releases.get(bad)["rollback_to"] == [first]
+    for d in devices:
+        desired.record_reported(d, {"release": first})
+    rollouts = Rollouts(store, releases)
+    rid = rollouts.deploy(bad, {}, make_options(waves="1,100%"))
+    rollouts.request_rollback(rid)
+    RolloutEngine(store, desired, releases, holder="e").step()
+    assert rollouts.get(rid)["state"] == "rolled_back"
+    policy.write_text("version: '3'\n")
+    third = releases.create(variants, policy, sign_key=load_private_key(key))
+    assert third["rollback_to"] == [first]  # not the release that was just rolled back
