@@ -373,8 +373,15 @@ class RolloutEngine:
             by.setdefault(x["device_id"], []).append(x)
 
         def pre(devs: list[str]) -> list[dict[str, Any]]:
-            return [x for d in devs for x in by.get(d, []) if x["release"] != release
-                    and start - ev.baseline_s <= x["server_ts"] < start]
+            """Each device's windows before the wave, on the release it ran before this rollout where it sent
+            any (else on whatever it ran: windows that name no release)."""
+            out = []
+            for d in devs:
+                before = [x for x in by.get(d, []) if x["release"] != release
+                          and start - ev.baseline_s <= x["server_ts"] < start]
+                on_previous = [x for x in before if x["release"] == ctx.devs[d]["previous"]]
+                out += on_previous or before
+            return out
 
         post_wave = [x for d in current for x in by.get(d, []) if x["release"] == release
                      and x["server_ts"] >= max(start, ctx.devs[d]["assigned_at"] or ctx.now)]

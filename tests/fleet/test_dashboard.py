@@ -91,7 +91,8 @@ def _rollout(store: FleetStore, data: Path, desired: DesiredState, tel: Telemetr
 
     for dev in devices:
         report(dev, release=first)
-    rid = Rollouts(store, releases).deploy(second, {"kind": "cam"}, make_options(waves="1,100%", soak="100"))
+    rid = Rollouts(store, releases).deploy(second, {"kind": "cam"}, make_options(
+        waves="1,100%", soak="100", evidence={"bucket_s": 5.0}))
     engine = RolloutEngine(store, desired, releases, holder="dashboard-test")
     engine.step(now=t0)
     shown = Rollouts(store, releases).show(rid)
@@ -101,8 +102,10 @@ def _rollout(store: FleetStore, data: Path, desired: DesiredState, tel: Telemetr
         ts = t0 + 5 * (k + 1)
         for i, dev in enumerate(devices):
             on = dev == canary
-            doc = {"device": dev, "boot_id": "r", "seq": k, "ts": ts, "window_s": 5, "requests": 40,
-                   "p95_ms": 10 + i, "escalation_rate": (0.27 if on else 0.16) + 0.005 * (k % 3), "agreement": 0.95,
+            # the canary escalates 11 points more than before; the others as before (each its own level)
+            doc = {"device": dev, "boot_id": "r", "seq": k, "ts": ts, "window_s": 5, "requests": 100,
+                   "p95_ms": 10 + i, "escalation_rate": 0.1 + 0.02 * i + (0.11 if on else 0) + 0.005 * (k % 3),
+                   "agreement": 0.95,
                    "energy_mj_per_request": 2.0, "energy_label": "modeled", "degraded": 0, "variant": "int8",
                    "release": second if on else first, "crashes": 0}
             batch.append((dev, json.dumps(doc).encode(), ts))
@@ -176,11 +179,15 @@ def test_dashboard_shows_devices_plots_and_drift(dashboard: tuple[FleetProcess, 
             assert "failed" in waves.first.inner_text()
             gate = page.locator("#gates tr[data-gate='escalation_rate']")
             assert "FAIL" in gate.inner_text()
-            assert "0.27" in gate.inner_text()  # the canary's figure, against control's 0.16
+            estimate = float(gate.locator("td").nth(3).inner_text())
+            assert 0.09 < estimate < 0.13  # the canary's change against control's: +11 points
+            test_lines = page.locator(".plot[data-test-gate='escalation_rate'] polyline.series")
+            assert test_lines.count() == 3  # estimate and its confidence bounds over time
             for metric in ("escalation_rate", "p95_ms"):
                 lines = page.locator(f".plot[data-rollout-metric='{metric}'] polyline.series")
                 assert lines.count() == 2, metric  # wave and control
-                assert len((lines.first.get_attribute("points") or "").split()) >= 2
+                # one look or more: the gate fails as soon as the regression is clear
+                assert len((lines.first.get_attribute("points") or "").split()) >= 1
             shot = tmp_path / "dashboard.png"
             page.screenshot(path=str(shot), full_page=True)
             assert shot.stat().st_size > 20_000
