@@ -10,6 +10,8 @@ through `gates.evaluate`, wave by wave, the way the engine does, for many A/A an
 from __future__ import annotations
 
 import math
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -17,6 +19,7 @@ import numpy as np
 
 from cloud_service.fleet.gates import STAT_GATES, Arms, Evidence, Margins, evaluate, failed, open_gates
 from cloud_service.fleet.rollouts import wave_sizes
+from tests.fleet.rollout_device import SimDevice
 
 # name -> what the release does on a device that runs it
 REGRESSIONS: dict[str, dict[str, float]] = {
@@ -83,9 +86,11 @@ class Fleet:
             self._load[k] = float(r.uniform(*self.model.spike)) if r.random() < self.model.spike_p else 1.0
         return self._load[k]
 
-    def window(self, i: int, t: float, treated: bool) -> dict[str, Any]:
-        m, rng = self.model, self.rng
-        reg = REGRESSIONS[self.regression] if treated else {}
+    def window(self, i: int, t: float, treated: bool, *, regression: str | None = None,
+               rng: np.random.Generator | None = None) -> dict[str, Any]:
+        """Device i's window ending at t; `treated`: it runs the release (with `regression`, else the fleet's)."""
+        m, rng = self.model, rng or self.rng
+        reg = REGRESSIONS[regression or self.regression] if treated else {}
         s = self.load(t)
         n = int(rng.poisson(self.rate[i] * m.window_s))
         esc = int(rng.binomial(n, self.esc[i]))
@@ -167,6 +172,41 @@ def run_rollout(fleet: Fleet, *, waves: tuple[str, ...] = ("1", "5%", "25%", "10
             return Outcome("held", w, open_gates(gates), per_wave[0], per_wave, looks)
         per_wave.append(done)
     return Outcome("succeeded", len(sizes) - 1, [], per_wave[0], per_wave, looks)
+
+
+class ModelDevice(SimDevice):
+    """A rollout device double (the swap contract over a real broker, rollout_device.py) whose windows come
+    from a `Fleet` model: per-device levels, uneven traffic, shared-load spikes; a release named in
+    `REGRESSING` (release digest -> regression) regresses while it runs."""
+
+    model_fleet: Fleet | None = None
+    index = 0
+    regressing: dict[str, str] = {}  # noqa: RUF012  (shared by every device of a run, set by the bench)
+
+    def figures(self) -> dict[str, Any]:
+        fleet = self.model_fleet
+        assert fleet is not None
+        if not hasattr(self, "_gen"):
+            self._gen = np.random.default_rng((fleet.seed, self.index))
+        release = self.running or ""
+        regression = self.regressing.get(release)
+        w = fleet.window(self.index % fleet.n, time.time(), regression is not None, regression=regression,
+                         rng=self._gen)
+        keep = ("window_s", "requests", "escalation_rate", "compared", "tiers", "agreement", "degraded", "p50_ms",
+                "p95_ms", "energy_mj_per_request", "audits", "audit_rate", "audit_disagreed", "crashes")
+        return {k: w[k] for k in keep} | {"window_s": self.window_s}
+
+
+def model_devices(fleet: Fleet, regressing: dict[str, str]) -> Callable[..., SimDevice]:
+    """A `RolloutFleet(make_device=...)` factory: device k draws its windows from `fleet`'s device k."""
+    counter = iter(range(10**9))
+
+    def make(*args: Any, **kw: Any) -> SimDevice:
+        dev = ModelDevice(*args, **kw)
+        dev.model_fleet, dev.index, dev.regressing = fleet, next(counter), regressing
+        return dev
+
+    return make
 
 
 def summary(outcomes: list[Outcome]) -> dict[str, Any]:

@@ -133,18 +133,23 @@ class SimDevice:
     def _behaviour(self) -> Behaviour:
         return self.behaviours.get(self.running or "", HEALTHY)
 
-    def _window(self) -> None:
+    def figures(self) -> dict[str, Any]:
+        """The window's figures (what the running release is scripted to produce)."""
         b = self._behaviour()
         n = max(1, round(self.rate_rps * self.window_s))
         noise = self.rng.uniform(-0.01, 0.01)
-        self.seq += 1
         self.crashes += b.crashes_per_window
+        return {"window_s": self.window_s, "requests": n, "p50_ms": b.p95_ms / 2, "p95_ms": b.p95_ms * (1 + noise),
+                "escalation_rate": min(1.0, max(0.0, b.escalation_rate + noise)), "agreement": b.agreement,
+                "energy_mj_per_request": b.energy_mj, "degraded": 0, "crashes": b.crashes_per_window}
+
+    def _window(self) -> None:
+        fig = self.figures()
+        n = int(fig["requests"])
+        self.seq += 1
         self._publish("telemetry", {
             "device": self.device_id, "boot_id": self.boot_id, "seq": self.seq, "ts": time.time(),
-            "window_s": self.window_s, "requests": n, "p50_ms": b.p95_ms / 2, "p95_ms": b.p95_ms * (1 + noise),
-            "escalation_rate": min(1.0, max(0.0, b.escalation_rate + noise)), "agreement": b.agreement,
-            "energy_mj_per_request": b.energy_mj, "energy_label": "modeled:test", "degraded": 0,
-            "variant": "fp32", "threshold": 0.8, "release": self.running, "crashes": b.crashes_per_window})
+            "energy_label": "modeled:test", "variant": "fp32", "threshold": 0.8, **fig, "release": self.running})
         if self.swap and self.swap["state"] in ("active", "soaking"):
             self.soaked_requests += n
             self.swap["soak"] = {"requests": self.soaked_requests, "seconds": time.time() - self.soak_started}

@@ -49,9 +49,11 @@ class RolloutFleet:
     """Context manager: broker + fleet process + `n` devices running release 1 of "digits"."""
 
     def __init__(self, tmp: Path, n: int, *, db_url: str | None = None, online_after: str = "3s",
-                 window_s: float = 0.3, rate_rps: float = 200.0, labels: str = "kind=cam") -> None:
+                 window_s: float = 0.3, rate_rps: float = 200.0, labels: str = "kind=cam",
+                 make_device: Callable[..., SimDevice] = SimDevice) -> None:
         self.tmp, self.n, self.db_url, self.online_after = tmp, n, db_url, online_after
         self.window_s, self.rate_rps, self.labels = window_s, rate_rps, labels
+        self.make_device = make_device  # (ident, host, port, first release, behaviours, rate_rps=, window_s=)
         self.data = tmp / "fleet-data"
         self.behaviours: dict[str, Behaviour] = {}
         self.devices: list[SimDevice] = []
@@ -87,8 +89,8 @@ class RolloutFleet:
                   for i in range(self.n)]
         time.sleep(0.5)  # the broker rereads its password file on SIGHUP
         for ident in idents:
-            dev = SimDevice(ident, self.broker.host, self.broker.port, self.first, self.behaviours,
-                            rate_rps=self.rate_rps, window_s=self.window_s)
+            dev = self.make_device(ident, self.broker.host, self.broker.port, self.first, self.behaviours,
+                                   rate_rps=self.rate_rps, window_s=self.window_s)
             dev.ran.add(self.first)
             self.devices.append(dev)
             for attempt in range(20):

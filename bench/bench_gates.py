@@ -1,0 +1,146 @@
+"""Rollout gates at fleet scale: false rollbacks of good releases (A/A), detection of known regressions (A/B).
+
+Devices are drawn from a model (tests/fleet/gate_sim.py): per-device levels of latency, energy and
+escalation, per-device noise, uneven traffic (log-normal rates), and noisy neighbours (shared-load spikes
+that hit every device, whichever release it runs). Releases: the same model (A/A), or one with a known
+regression (A/B): 2 points less accurate at the same escalation rate, one class flipped (confident errors,
+seen only by audits), +30 % p95, +10 % energy.
+
+Two parts:
+
+1. statistics (in-process, many runs): `--runs` A/A rollouts and `--ab-runs` per regression, every look
+   judged by the same gate code the engine runs (`gates.evaluate`) on simulated windows;
+2. end to end (`--e2e-devices`, 0 to skip): a real `tierkit fleet serve` and a real Mosquitto on loopback,
+   that many simulated devices enrolled over HTTP, following their desired release over MQTT (download,
+   verify, soak, commit, rollback) and publishing the agents' telemetry windows; one A/A rollout and one
+   rollout per regression through the real rollout engine.
+
+Reported: the A/A false-rollback rate (target <= 1 % of 100) and how many were held inconclusive; per
+regression, the share stopped at the canary wave and the canary inferences each decision needed (target
+<= 2,000); the soak inferences a good release needed per wave against the fixed default before the gates
+were sequential (200 requests on every device of the wave).
+
+    python bench/bench_gates.py [--devices 200] [--runs 100] [--ab-runs 25] [--e2e-devices 200] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing
+import sys
+import tempfile
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from tests.fleet.gate_sim import REGRESSIONS, Fleet, Model, Outcome, model_devices, run_rollout, summary  # noqa: E402
+
+WAVES = ("1", "5%", "25%", "100%")
+OLD_SOAK = 200  # requests per device: the fixed soak before the gates were sequential
+
+
+def _one(job: tuple[str, int, int]) -> dict[str, Any]:
+    regression, seed, n = job
+    return asdict(run_rollout(Fleet(n, seed, regression=regression), waves=WAVES, max_soak_windows=90))
+
+
+def statistics_part(n: int, runs: int, ab_runs: int, procs: int) -> dict[str, Any]:
+    jobs = [("none", s, n) for s in range(runs)]
+    jobs += [(r, 10_000 + k * 1000 + s, n) for k, r in enumerate(REGRESSIONS) if r != "none" for s in range(ab_runs)]
+    t0 = time.monotonic()
+    with multiprocessing.get_context("fork").Pool(procs) as pool:
+        got = pool.map(_one, jobs, chunksize=2)
+    out: dict[str, Any] = {"devices": n, "waves": ",".join(WAVES), "wall_s": round(time.monotonic() - t0, 1)}
+    for regression in REGRESSIONS:
+        outs = [Outcome(**g) for (r, _s, _n), g in zip(jobs, got, strict=True) if r == regression]
+        if not outs:
+            continue
+        out[regression] = summary(outs)
+        if regression == "none":
+            done = [o for o in outs if o.result == "succeeded"]
+            sizes = _wave_devices(n)
+            out[regression]["soak_inferences_per_wave_median"] = [
+                int(np.median([o.wave_inferences[i] for o in done])) for i in range(len(WAVES))] if done else None
+            out[regression]["old_default_soak_per_wave"] = [OLD_SOAK * s for s in sizes]
+    return out
+
+
+def _wave_devices(n: int) -> list[int]:
+    from cloud_service.fleet.rollouts import wave_sizes
+
+    sizes = wave_sizes(WAVES, n)
+    return [b - a for a, b in zip([0, *sizes[:-1]], sizes, strict=True)]
+
+
+def e2e_part(n: int) -> dict[str, Any]:
+    from tests.fleet.rollout_device import HEALTHY
+    from tests.fleet.rollout_harness import RolloutFleet
+
+    model = Model(window_s=1.0, rate_rps=60.0)  # a window a second, each worth a minute of a busy device
+    regressing: dict[str, str] = {}
+    results: dict[str, Any] = {"devices": n}
+    t0 = time.monotonic()
+    with tempfile.TemporaryDirectory(prefix="tierkit-bench-gates-") as tmp, RolloutFleet(
+            Path(tmp), n, window_s=1.0, online_after="30s", make_device=model_devices(Fleet(n, 7, model),
+                                                                                       regressing)) as fleet:
+        results["setup_s"] = round(time.monotonic() - t0, 1)
+        for name in ("none", *[r for r in REGRESSIONS if r != "none"]):
+            release = fleet.release(HEALTHY)
+            if name != "none":
+                regressing[release] = name
+            started = time.time()
+            rid = fleet.deploy(release, waves=",".join(WAVES), soak="50", margins={},
+                               evidence={"bucket_s": 1.0, "baseline_s": 600}, max_soak="5m")
+            shown = fleet.wait(f"the {name} rollout to end", lambda rid=rid: (
+                s := fleet.show(rid))["state"] not in ("running",) and s, timeout=900)
+            decisive = [d for d in shown["decisions"] if d["kind"] in ("fail", "pass", "inconclusive")]
+            last = decisive[-1] if decisive else {"wave": None, "figures": {}, "at": time.time()}
+            gates = {g["gate"]: g for g in last["figures"].get("gates", [])}
+            results[name] = {
+                "state": shown["state"], "decided_at_wave": last["wave"], "seconds": round(last["at"] - started, 1),
+                "failed": [g for g, v in gates.items() if v["ok"] is False],
+                "canary_inferences": (shown["waves"][0]["figures"].get("wave") or {}).get("requests"),
+                "tests": {g: {k: v.get(k) for k in ("decision", "estimate", "lower", "upper", "evidence")}
+                          for g, v in gates.items() if "estimate" in v}}
+            if shown["state"] == "paused":
+                fleet.api("POST", f"/v1/rollouts/{rid}/rollback")
+            fleet.wait("every device back on one release", lambda: len({d.running for d in fleet.devices}) == 1,
+                       timeout=300)
+    results["wall_s"] = round(time.monotonic() - t0, 1)
+    return results
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--devices", type=int, default=200, help="simulated fleet size (statistics part)")
+    ap.add_argument("--runs", type=int, default=100, help="A/A rollouts")
+    ap.add_argument("--ab-runs", type=int, default=25, help="rollouts per regression")
+    ap.add_argument("--e2e-devices", type=int, default=200, help="devices over the real fleet and broker; 0: skip")
+    ap.add_argument("--procs", type=int, default=2, help="processes for the statistics part")
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args()
+    out: dict[str, Any] = {"statistics": statistics_part(args.devices, args.runs, args.ab_runs, args.procs)}
+    if args.e2e_devices:
+        out["end_to_end"] = e2e_part(args.e2e_devices)
+    stats = out["statistics"]
+    aa = stats["none"]
+    out["checks"] = {
+        "aa_false_rollback_rate": aa["rolled_back"] / max(1, aa["runs"]),
+        "aa_false_rollback_ok": aa["rolled_back"] <= max(1, aa["runs"] // 100),
+        **{f"{r}_stopped_at_canary": stats[r]["stopped_at_canary"] / max(1, stats[r]["runs"])
+           for r in REGRESSIONS if r != "none" and r in stats},
+        **{f"{r}_canary_inferences_median": stats[r]["canary_inferences_median"]
+           for r in REGRESSIONS if r != "none" and r in stats}}
+    print(json.dumps(out, indent=None if args.json else 1, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
