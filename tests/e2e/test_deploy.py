@@ -167,7 +167,8 @@ def _run(fleet: FleetProcess, admin: str, broker: DeployBroker, cloud: ServeProc
         with Fleet.open(FleetConfig(data_dir=data, release_keys=(key.with_suffix(".pub"),))) as facade:
             digest = str(facade.releases.create(vs, policy, sign_key=load_private_key(key))["digest"])
         status, got = fleet.call("POST", "/v1/rollouts", {"release": digest, "label": "kind=cam", "waves": "100%",
-                                                          "soak": "10", "margins": {"min_requests": 10}}, token=admin)
+                                                          "soak": "10", "margins": {"min_requests": 10},
+                                                          "holdback": 0}, token=admin)  # no control: soak only
         assert status == 200, got
         rid = got["id"]
         wait_for("the rollout to succeed", lambda: _rollout_state(fleet, admin, rid) == "succeeded", timeout=120)
