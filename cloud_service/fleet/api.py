@@ -16,6 +16,7 @@ from fastapi import Depends, FastAPI, Header, Request
 from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse
 from pydantic import BaseModel, Field
 
+from cloud_service.fleet import view
 from cloud_service.fleet.errors import FleetError
 from cloud_service.fleet.fleet import Fleet
 from cloud_service.fleet.registry import parse_labels
@@ -125,6 +126,18 @@ def create_app(fleet: Fleet) -> FastAPI:
     from cloud_service.fleet.rollout_api import router
 
     app.include_router(router(fleet, reader, admin))
+
+    @app.get("/v1/fleet/bands", tags=["telemetry"])
+    def fleet_bands(by: str = "fleet", hours: int = 24, _op: str = Depends(reader)) -> dict[str, Any]:
+        """p50 / p95 across devices of each figure, per group (fleet, release, label:KEY) and hour."""
+        return view.bands(fleet.store, by=by, hours=max(1, min(hours, 24 * 31)))
+
+    @app.get("/v1/fleet/devices", tags=["devices"])
+    def fleet_devices(offset: int = 0, limit: int = 50, q: str = "", state: str = "",
+                      _op: str = Depends(reader)) -> dict[str, Any]:
+        """One page of devices, filtered by text (id or labels) and state (online, offline, revoked)."""
+        return view.page(fleet.store, offset=offset, limit=limit, q=q[:200], state=state,
+                         online_after_s=fleet.config.online_after_s, data_drift=fleet.telemetry.data_drift)
 
     @app.get("/v1/stats", tags=["telemetry"])
     def stats(_op: str = Depends(reader)) -> dict[str, Any]:

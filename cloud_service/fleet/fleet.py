@@ -15,6 +15,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import sqlalchemy as sa
+
+from cloud_service.fleet import schema as t
 from cloud_service.fleet.ca import FleetCA
 from cloud_service.fleet.desired import DesiredState
 from cloud_service.fleet.dynsec import BrokerUnavailable, DynsecAdmin, DynsecOptions
@@ -202,9 +205,14 @@ class Fleet:
                 "rollups": self.telemetry.rollups(devices, since=since)}
 
     def stats(self) -> dict[str, Any]:
-        devs = self.devices()
-        return {"devices": len(devs), "online": sum(d["online"] for d in devs),
-                "revoked": sum(d["revoked_at"] is not None for d in devs),
-                "drift": sum(d["drift"] for d in devs), "dropped": self.telemetry.drops(),
+        """Counts by SQL (a 10,000-device fleet is not listed to count it)."""
+        d = t.devices.c
+        live = d.revoked_at.is_(None)
+        with self.store.begin() as conn:
+            total, revoked, online = conn.execute(sa.select(
+                sa.func.count(), sa.func.count(d.revoked_at),
+                sa.func.count().filter(live, d.last_seen >= time.time() - self.config.online_after_s))).one()
+        return {"devices": int(total), "online": int(online), "revoked": int(revoked),
+                "drift": len(self.desired.drift()), "dropped": self.telemetry.drops(),
                 "ingest": dict(self.ingest.stats) if self.ingest is not None else {},
                 "mqtt_connected": bool(self.ingest is not None and self.ingest.connected.is_set())}

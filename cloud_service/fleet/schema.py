@@ -129,6 +129,23 @@ telemetry_rollup = Table(
     Column("agreement_weight", Float, nullable=False, server_default="0"),
 )
 
+# Every window folded at ingest into sums per device and hour (migration 0004): the fleet view's bands read
+# these, never the raw windows. Figures are sums; divide by `windows` or `requests` (or agreement_weight).
+telemetry_hourly = Table(
+    "telemetry_hourly", metadata,
+    Column("device_id", String(128), primary_key=True),
+    Column("hour", BigInteger, primary_key=True),  # Unix seconds at the start of the hour
+    Column("windows", Integer, nullable=False),
+    Column("requests", BigInteger, nullable=False),
+    Column("p95_sum", Float, nullable=False),  # Σ window p95 (ms)
+    Column("escalations", Float, nullable=False),  # Σ requests x escalation rate
+    Column("energy_mj", Float, nullable=False),  # Σ requests x energy per request
+    Column("degraded", BigInteger, nullable=False),
+    Column("agreement_sum", Float, nullable=False),  # Σ agreement x its weight (escalations)
+    Column("agreement_weight", Float, nullable=False),
+)
+Index("ix_telemetry_hourly_hour", telemetry_hourly.c.hour)
+
 # Bytes accepted and cut per device and UTC day (the cellular-bill cap).
 telemetry_usage = Table(
     "telemetry_usage", metadata,

@@ -106,6 +106,28 @@ def _agreement(old: Any, rows: list[Any]) -> dict[str, Any]:
     return {"agreement": total / weight if weight else None, "agreement_weight": weight}
 
 
+def _hourly(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Stored windows as sums per device and hour (`telemetry_hourly`)."""
+    acc: dict[tuple[str, int], dict[str, Any]] = {}
+    for r in rows:
+        key = (r["device_id"], int(r["server_ts"] // 3600 * 3600))
+        h = acc.setdefault(key, {"device_id": key[0], "hour": key[1], "windows": 0, "requests": 0, "p95_sum": 0.0,
+                                 "escalations": 0.0, "energy_mj": 0.0, "degraded": 0, "agreement_sum": 0.0,
+                                 "agreement_weight": 0.0})
+        n = int(r["requests"])
+        h["windows"] += 1
+        h["requests"] += n
+        h["p95_sum"] += float(r["p95_ms"])
+        h["escalations"] += n * float(r["escalation_rate"])
+        h["energy_mj"] += n * float(r["energy_mj_per_request"])
+        h["degraded"] += int(r["degraded"])
+        if r["agreement"] is not None:
+            w = n * float(r["escalation_rate"]) or 1.0
+            h["agreement_sum"] += w * float(r["agreement"])
+            h["agreement_weight"] += w
+    return list(acc.values())
+
+
 class TelemetryStore:
     """Ingest, query and roll up telemetry windows over a `FleetStore`."""
 
@@ -150,6 +172,7 @@ class TelemetryStore:
             # replays first, so that a redelivered window is never counted against the byte cap
             accepted, cut, cut_bytes = Counter[_DayKey](), Counter[_DayKey](), Counter[_DayKey]()
             take_back: list[tuple[Any, ...]] = []
+            kept: list[dict[str, Any]] = []
             last_seen: dict[str, float] = {}
             for r in rows:
                 k, day = _key(r), _day(r)
@@ -165,12 +188,14 @@ class TelemetryStore:
                     usage[day] = usage.get(day, 0) + r["bytes"]
                     accepted[day] += r["bytes"]
                     res.stored += 1
+                    kept.append(r)
                     last_seen[r["device_id"]] = max(last_seen.get(r["device_id"], 0.0), r["server_ts"])
             self.bulk.delete(conn, t.telemetry, take_back, key)
             self.bulk.add_counts(conn, t.telemetry_usage, [
                 {"device_id": d, "day": day, "bytes": accepted[(d, day)], "cut_windows": cut[(d, day)],
                  "cut_bytes": cut_bytes[(d, day)]} for d, day in set(accepted) | set(cut)], ("device_id", "day"))
             self.bulk.raise_to(conn, t.devices, "device_id", "last_seen", last_seen)
+            self.bulk.add_counts(conn, t.telemetry_hourly, _hourly(kept), ("device_id", "hour"))
             self.count_drops(conn, res.dropped)
         return res
 
