@@ -98,7 +98,7 @@ def page(store: FleetStore, *, offset: int = 0, limit: int = 50, q: str = "", st
         raise InvalidDocument(msg)
     now = time.time() if now is None else now
     d = t.devices.c
-    where = []
+    where: list[sa.ColumnElement[bool]] = []
     q = q.replace("%", "").replace("_", "").replace('"', "")
     if "=" in q:  # a label: k=v (labels are stored as a JSON object)
         key, _, value = q.partition("=")
