@@ -84,6 +84,8 @@ class Evidence:
         beta: per gate and wave, the chance a release a full margin worse still passes that wave.
         bucket_s: windows are compared with the control's over buckets this long (the telemetry interval).
         baseline_s: each device's baseline: its windows on the previous release this long before the wave.
+        warmup_windows: each wave device's first windows on the release are left out (the swap's own window,
+            a cold start: not what the release costs once it runs).
         plan: scales each gate's planned evidence (2,500 inferences for rates, 150 audits, 30 windows for p95
             and energy): a gate passes once its upper bound is under the margin, or once it has the planned
             evidence with no regression found; a wave that reaches its maximum soak first is inconclusive.
@@ -93,6 +95,7 @@ class Evidence:
     beta: float = 0.05
     bucket_s: float = 10.0
     baseline_s: float = 3600.0
+    warmup_windows: int = 2
     plan: float = 1.0
 
     def __post_init__(self) -> None:

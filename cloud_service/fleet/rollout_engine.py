@@ -383,8 +383,10 @@ class RolloutEngine:
                 out += on_previous or before
             return out
 
-        post_wave = [x for d in current for x in by.get(d, []) if x["release"] == release
-                     and x["server_ts"] >= max(start, ctx.devs[d]["assigned_at"] or ctx.now)]
+        post_wave = [x for d in current for x in sorted(
+            (x for x in by.get(d, []) if x["release"] == release
+             and x["server_ts"] >= max(start, ctx.devs[d]["assigned_at"] or ctx.now)),
+            key=lambda x: x["server_ts"])[ev.warmup_windows:]]
         post_control = [x for d in control for x in by.get(d, []) if x["release"] != release
                         and x["server_ts"] >= start]
         arms = Arms(pre(current), post_wave, pre(control), post_control) if control and current else None

@@ -35,7 +35,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-MIN_BUCKETS = 3  # a delayed start (Bibaut et al.): no decision on fewer buckets with both arms
+MIN_BUCKETS = 10  # a delayed start (Bibaut et al.): no decision on fewer buckets with both arms
 PRIOR_WINDOWS = 10.0  # the wave's variance starts from the control's, worth this many windows
 
 

@@ -8,8 +8,8 @@ within a bound measured here: (a) golden inputs that do not reproduce, (b) an ed
 confidence (+20 points of escalations), (c) a model whose p95 latency is about three times the control's.
 The slow version also stops a quarter of the fleet before a rollout and restarts it afterwards.
 
-The p95 and energy margins are loosened to 2.5x control for every deployment (MARGINS says why); the heavy
-release is sized at about 3.5x the control's p95.
+Every deployment uses the default margins and evidence (gates.py); the heavy release is sized at about 3.5x
+the control's p95.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+from cloud_service.fleet.gates import Margins
 from compilers.signing import load_private_key
 from sdk import zoo
 from tests.cloud_service.helpers import ServeProcess
@@ -34,10 +35,7 @@ from tests.sdk.packages import make_package
 pytestmark = pytest.mark.mqtt
 
 WAVES = "1,5%,25%,100%"
-# p95 and energy (modelled from time) at most 2.5x control; escalation, agreement, degraded: the defaults. On
-# this shared 2-core host, the last wave's 15 agents activating a release at once raise its p95 to ~2x their
-# baseline's (each device has its own CPU in the field).
-MARGINS = {"p95_ratio": 1.5, "energy_ratio": 1.5}
+MARGINS = Margins()
 RESTORE_BOUND_S = 20.0  # failed gate -> every agent that took the release back on the previous one
 
 
@@ -79,8 +77,10 @@ class _Run:
         return str(rel["digest"])
 
     def deploy(self, release: str, waves: str) -> int:
-        return self.fleet.deploy(release, waves=waves, soak=str(self.soak),
-                                 margins={**MARGINS, "min_requests": self.soak})
+        # the agents send a window a second; five agents at 20 requests/s each cannot gather the default planned
+        # evidence (2,500 inferences a gate) in a test's time: 40 % of it (pass side only: alpha is the default)
+        return self.fleet.deploy(release, waves=waves, soak=str(self.soak), margins={"min_requests": self.soak},
+                                 evidence={"bucket_s": 1.0, "plan": 0.4})
 
     def until(self, rid: int, state: str, timeout: float) -> dict[str, Any]:
         def check() -> dict[str, Any] | None:
@@ -90,7 +90,16 @@ class _Run:
                 raise AssertionError(msg)
             return shown if shown["state"] == state else None
 
-        return dict(self.fleet.wait(f"rollout {rid} {state}", check, timeout=timeout))
+        try:
+            return dict(self.fleet.wait(f"rollout {rid} {state}", check, timeout=timeout))
+        except AssertionError as exc:  # say where the evidence stood
+            shown = self.fleet.show(rid)
+            looks = [d for d in shown["decisions"] if d["figures"].get("gates")]
+            tests = {g["gate"]: {k: g.get(k) for k in ("decision", "estimate", "lower", "upper", "pass_upper",
+                                                       "evidence", "plan")}
+                     for g in (looks[-1]["figures"]["gates"] if looks else []) if "estimate" in g}
+            msg = f"{exc}: wave {shown['wave']}, {shown['states']}; last look: {json.dumps(tests)}"
+            raise AssertionError(msg) from None
 
     def on(self, digest: str | None, indices: list[int] | None = None) -> bool:
         return all(self.agents.running(i) == digest for i in (range(self.agents.n) if indices is None else indices))
@@ -175,12 +184,12 @@ def _scenario(run: _Run, *, bad: tuple[str, ...], offline: bool) -> None:
     fleet.wait("the fleet to hear every agent", lambda: sum(
         d["online"] for d in fleet.api("GET", "/v1/devices")) == n, timeout=60)
     r1 = run.release("base", "10", [])
-    shown = run.roll_out(r1, "100%", 90)
+    shown = run.roll_out(r1, "100%", 200)
     assert shown["states"] == {"committed": n}
     assert run.on(r1)
 
     r2 = run.release("good", "11", [r1])
-    shown = run.roll_out(r2, WAVES, 180)
+    shown = run.roll_out(r2, WAVES, 400)
     sizes = [math.ceil(float(s[:-1]) / 100 * n) if s.endswith("%") else int(s) for s in WAVES.split(",")]
     assert [w["size"] for w in shown["waves"]] == [min(max(s, i + 1), n) for i, s in enumerate(sizes)]
     assert [w["state"] for w in shown["waves"]] == ["passed"] * 4
@@ -215,7 +224,7 @@ def _scenario(run: _Run, *, bad: tuple[str, ...], offline: bool) -> None:
             g = run.timings["restore_s"][kind]["gate"]
             g["ratio"] = round(g["wave"] / g["control"], 2)
             g["layers"], g["control_p95_before_ms"] = layers, round(control_ms, 2)
-            assert g["ratio"] >= 1 + MARGINS["p95_ratio"], g
+            assert g["ratio"] >= 1 + MARGINS.p95_ratio, g
         assert run.on(r2)
 
     if offline:
@@ -239,11 +248,11 @@ def _scenario(run: _Run, *, bad: tuple[str, ...], offline: bool) -> None:
         run.timings["offline_converge_s"] = round(time.monotonic() - started, 1)
 
 
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(600)
 def test_a_small_fleet_of_agents_takes_a_good_release_and_stops_a_bad_one(
         tmp_path: Path, models: DigitsModels, cloud_models: Path, digits: zoo.Split) -> None:
     _fleet_run(tmp_path, 5, models, cloud_models, digits, bad=("escalation",), offline=False, rate_rps=20, soak=30,
-               max_s=200)
+               max_s=560)
 
 
 @pytest.mark.slow
@@ -253,3 +262,14 @@ def test_twenty_agents_every_wave_three_bad_releases_and_an_offline_quarter(
     timings = _fleet_run(tmp_path, 20, models, cloud_models, digits, bad=("golden", "escalation", "p95"),
                          offline=True, rate_rps=12, soak=40, max_s=1200)
     assert set(timings["restore_s"]) == {"golden", "escalation", "p95"}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(700)
+@pytest.mark.parametrize("run", range(10))
+def test_the_small_fleet_again_no_false_rollback(run: int, tmp_path: Path, models: DigitsModels,
+                                                 cloud_models: Path, digits: zoo.Split) -> None:
+    """The default-margin scenario ten times: every good release passes every wave (no false rollback on
+    this shared 2-core host, where the agents slow each other), the bad one is stopped at the canary."""
+    _fleet_run(tmp_path, 5, models, cloud_models, digits, bad=("escalation",), offline=False, rate_rps=20, soak=30,
+               max_s=560)

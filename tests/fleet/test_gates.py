@@ -125,3 +125,19 @@ def test_hard_gates_and_window_counts() -> None:
         Evidence(alpha=0.0)
     with pytest.raises(ConfigError, match="margin"):
         replace(Margins(), p95_ratio=-1.0)
+
+
+def test_rollout_show_prints_the_capacity_the_gate_was_judged_against() -> None:
+    from cloud_service.fleet.rollout_cli import format_rollout
+
+    gates = evaluate(None, margins=Margins(), evidence=Evidence(), waves=2, budget_ms=None, device_failures={},
+                     crashes=0, fleet_request_rate=100.0, cloud_capacity_rps=400.0)
+    shown = {"id": 3, "state": "running", "release": "sha256:ab", "previous": None, "selector": "*",
+             "states": {"assigned": 1}, "reason": "", "decisions": [],
+             "options": {"soak": {"requests": 50}, "max_soak": {"seconds": 1800}, "cloud_capacity_rps": None,
+                         "evidence": {"alpha": 0.01}},
+             "waves": [{"idx": 0, "spec": "1", "size": 1, "state": "soaking", "devices": {"assigned": 1},
+                        "gates": gates, "figures": {"control_kind": None}}]}
+    text = format_rollout(shown)
+    assert "cloud capacity 400 escalations/s" in text  # the fleet's --cloud-capacity, as the gate judged it
+    assert "alpha 0.01 per rollout" in text
