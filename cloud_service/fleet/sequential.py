@@ -63,6 +63,13 @@ class Estimate:
     wave_mean: float  # raw means over the span (for display)
     control_mean: float
 
+    @property
+    def information(self) -> float:
+        """Effective weight: `weight` discounted by the share of the variance the baselines add (a short
+        baseline caps what more windows since the wave can tell)."""
+        total = self.var_post + self.weight ** 2 * self.var_base
+        return self.weight * self.var_post / total if total > 0 else self.weight
+
     def radius(self, alpha: float, t_star: float) -> float:
         """Half-width of the (1 - alpha) confidence sequence at this look.
 

@@ -199,6 +199,10 @@ def _scenario(run: _Run, *, bad: tuple[str, ...], offline: bool) -> None:
     assert shown["waves"][0]["figures"]["control_kind"] == "cohort"
     assert canary["escalation_rate"]["control"] == pytest.approx(run.models.base_rate, abs=0.04)
     assert run.on(r2)
+    # each device's baseline for the next rollout: some windows on r2 (the last to take it just did)
+    done = time.time()
+    fleet.wait("windows on r2", lambda: len([w for w in fleet.api("GET", f"/v1/telemetry?since={done}")["windows"]
+                                            if w.get("requests")]) >= 15 * n, timeout=60)
 
     version = iter(range(12, 100))
     for kind in bad:
