@@ -46,6 +46,7 @@ STAT_GATES = ("escalation_rate", "degraded_share", "agreement", "audit_agreement
               "energy_per_request")
 HARD_GATES = ("device_verifies", "crashes")
 MIN_WINDOW_REQUESTS = 5  # a window's p95 and energy from fewer inferences are too coarse to count
+MIN_BASELINE_WINDOWS = 5  # a device with fewer windows before the wave has no baseline (just started or swapped)
 
 
 @dataclass(frozen=True)
@@ -88,7 +89,8 @@ class Evidence:
             a cold start: not what the release costs once it runs).
         plan: scales each gate's planned evidence (2,500 inferences for rates, 150 audits, 30 windows for p95
             and energy; the baselines' error counted against it): a gate passes once its upper bound is
-            under the margin, or once it has the planned evidence with an estimate under half the margin; a wave that reaches its maximum soak first is inconclusive.
+            under the margin, or once it has the planned evidence with an estimate under half the margin; a
+            wave that reaches its maximum soak first is inconclusive.
     """
 
     alpha: float = 0.01
@@ -248,11 +250,18 @@ def judge(spec: _Spec, arms: Arms, *, margins: Margins, evidence: Evidence, alph
 
     pw, pc = obs(arms.pre_wave), obs(arms.pre_control)
     qw, qc = _obs(spec, arms.post_wave), _obs(spec, arms.post_control)
-    est = did(pw, qw, pc, qc, bucket_s=evidence.bucket_s, floor=None if spec.per_window else binomial_floor())
+    est = did(pw, qw, pc, qc, bucket_s=evidence.bucket_s, floor=None if spec.per_window else binomial_floor(),
+              min_baseline=MIN_BASELINE_WINDOWS)
     margin = spec.margin(margins)
     if est is None:
         # it holds the wave only where both arms have windows from devices with a baseline
-        due = all({o.device for o in post} & {o.device for o in pre} for pre, post in ((pw, qw), (pc, qc)))
+        def based(pre: list[Obs]) -> set[str]:
+            count: dict[str, int] = {}
+            for o in pre:
+                count[o.device] = count.get(o.device, 0) + 1
+            return {d for d, k in count.items() if k >= MIN_BASELINE_WINDOWS}
+
+        due = all({o.device for o in post} & based(pre) for pre, post in ((pw, qw), (pc, qc)))
         out = _record(spec, None, None, margin, alpha_gate, evidence.beta, None,
                       "not judged yet: too few time buckets with both arms" if due else
                       "not judged: no figure with a baseline in one arm (a device new to the fleet, or none sent)")

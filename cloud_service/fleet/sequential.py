@@ -83,13 +83,16 @@ class Estimate:
         return math.sqrt(v * math.log(v / (rho * alpha * alpha))) / self.weight
 
 
-def _baselines(pre: Iterable[Obs]) -> dict[str, tuple[float, float]]:
-    acc: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0])
+def _baselines(pre: Iterable[Obs], min_windows: int) -> dict[str, tuple[float, float]]:
+    """device -> (mean, weight) of its baseline windows; devices with fewer than `min_windows` are left out
+    (a device just started or just swapped: its few windows are a cold start, not its level)."""
+    acc: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0, 0.0])
     for o in pre:
         if o.weight > 0:
             acc[o.device][0] += o.weight * o.value
             acc[o.device][1] += o.weight
-    return {d: (s / n, n) for d, (s, n) in acc.items() if n > 0}
+            acc[o.device][2] += 1
+    return {d: (s / n, n) for d, (s, n, k) in acc.items() if n > 0 and k >= min_windows}
 
 
 class _Arm:
@@ -136,12 +139,13 @@ class _Arm:
 
 def did(pre_wave: Iterable[Obs], post_wave: Iterable[Obs], pre_control: Iterable[Obs],
         post_control: Iterable[Obs], *, bucket_s: float,
-        floor: Callable[[float], float] | None = None) -> Estimate | None:
+        floor: Callable[[float], float] | None = None, min_baseline: int = 5) -> Estimate | None:
     """The wave's effect (difference in differences over shared time buckets); None with too little data.
 
     `floor(mean)` gives the least variance of one unit of weight (the binomial p(1-p) for rates).
-    Devices with no baseline window are left out (their change cannot be told from their level)."""
-    bw, bc = _baselines(pre_wave), _baselines(pre_control)
+    Devices with fewer than `min_baseline` baseline windows are left out (their change cannot be told from
+    their level)."""
+    bw, bc = _baselines(pre_wave, min_baseline), _baselines(pre_control, min_baseline)
     wave, ctl = _Arm(post_wave, bw, bucket_s), _Arm(post_control, bc, bucket_s)
     keep = set(wave.n) & set(ctl.n)
     if len(keep) < MIN_BUCKETS:
