@@ -88,7 +88,7 @@ class Evidence:
         warmup_windows: each wave device's first windows on the release are left out (the swap's own window,
             a cold start: not what the release costs once it runs).
         plan: scales each gate's planned evidence (2,500 inferences for rates, 150 audits, 30 windows for p95
-            and energy; the baselines' error counted against it): a gate passes once its upper bound is
+            and energy): a gate passes once its upper bound is
             under the margin, or once it has the planned evidence with an estimate under half the margin; a
             wave that reaches its maximum soak first is inconclusive.
     """
@@ -269,7 +269,7 @@ def judge(spec: _Spec, arms: Arms, *, margins: Margins, evidence: Evidence, alph
     r_fail, r_pass = est.radius(alpha_gate, spec.t_star), est.radius(evidence.beta, spec.t_star)
     lower, upper, pass_upper = est.delta - r_fail, est.delta + r_fail, est.delta + r_pass
     plan = spec.t_star * evidence.plan
-    info = est.information
+    info = est.weight
     if lower > 0 and est.delta >= margin / 2:
         decision, note = "fail", "a regression: the confidence sequence excludes none"
     elif pass_upper < margin:
@@ -297,7 +297,8 @@ def _record(spec: _Spec, est: Estimate | None, decision: str | None, margin: flo
         "scale": "ratio" if spec.per_window else "points", "note": note}
     if est is not None and bounds is not None:
         out.update(estimate=r(shown(est.delta)), lower=r(shown(bounds[0])), upper=r(shown(bounds[1])),
-                   pass_upper=r(shown(bounds[2])), evidence=r(est.information), buckets=est.buckets,
+                   pass_upper=r(shown(bounds[2])), evidence=r(est.weight), information=r(est.information),
+                   buckets=est.buckets,
                    wave=r(math.exp(est.wave_mean) if spec.per_window else est.wave_mean),
                    control=r(math.exp(est.control_mean) if spec.per_window else est.control_mean),
                    wave_n=r(est.wave_n), control_n=r(est.control_n))

@@ -183,6 +183,10 @@ def _scenario(run: _Run, *, bad: tuple[str, ...], offline: bool) -> None:
     fleet, agents, n = run.fleet, run.agents, run.agents.n
     fleet.wait("the fleet to hear every agent", lambda: sum(
         d["online"] for d in fleet.api("GET", "/v1/devices")) == n, timeout=60)
+    heard = time.time()  # a baseline for the first rollout: each agent's first windows are a cold start
+    fleet.wait("windows on the configured model", lambda: len([
+        w for w in fleet.api("GET", f"/v1/telemetry?since={heard}")["windows"] if w.get("requests")]) >= 15 * n,
+        timeout=60)
     r1 = run.release("base", "10", [])
     shown = run.roll_out(r1, "100%", 200)
     assert shown["states"] == {"committed": n}
