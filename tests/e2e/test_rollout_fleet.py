@@ -78,9 +78,9 @@ class _Run:
 
     def deploy(self, release: str, waves: str) -> int:
         # the agents send a window a second; five agents at 20 requests/s each cannot gather the default planned
-        # evidence (2,500 inferences a gate) in a test's time: 40 % of it (pass side only: alpha is the default)
+        # evidence (2,500 inferences a gate) in a test's time: a fifth of it (pass side only: alpha is the default)
         return self.fleet.deploy(release, waves=waves, soak=str(self.soak), margins={"min_requests": self.soak},
-                                 evidence={"bucket_s": 1.0, "plan": 0.4})
+                                 evidence={"bucket_s": 1.0, "plan": 0.2})
 
     def until(self, rid: int, state: str, timeout: float) -> dict[str, Any]:
         def check() -> dict[str, Any] | None:
@@ -193,7 +193,7 @@ def _scenario(run: _Run, *, bad: tuple[str, ...], offline: bool) -> None:
     assert run.on(r1)
 
     r2 = run.release("good", "11", [r1])
-    shown = run.roll_out(r2, WAVES, 400)
+    shown = run.roll_out(r2, WAVES, 600)
     sizes = [math.ceil(float(s[:-1]) / 100 * n) if s.endswith("%") else int(s) for s in WAVES.split(",")]
     assert [w["size"] for w in shown["waves"]] == [min(max(s, i + 1), n) for i, s in enumerate(sizes)]
     assert [w["state"] for w in shown["waves"]] == ["passed"] * 4
@@ -256,11 +256,11 @@ def _scenario(run: _Run, *, bad: tuple[str, ...], offline: bool) -> None:
         run.timings["offline_converge_s"] = round(time.monotonic() - started, 1)
 
 
-@pytest.mark.timeout(600)
+@pytest.mark.timeout(900)
 def test_a_small_fleet_of_agents_takes_a_good_release_and_stops_a_bad_one(
         tmp_path: Path, models: DigitsModels, cloud_models: Path, digits: zoo.Split) -> None:
     _fleet_run(tmp_path, 5, models, cloud_models, digits, bad=("escalation",), offline=False, rate_rps=20, soak=30,
-               max_s=560)
+               max_s=850)
 
 
 @pytest.mark.slow
@@ -280,4 +280,4 @@ def test_the_small_fleet_again_no_false_rollback(run: int, tmp_path: Path, model
     """The default-margin scenario ten times: every good release passes every wave (no false rollback on
     this shared 2-core host, where the agents slow each other), the bad one is stopped at the canary."""
     _fleet_run(tmp_path, 5, models, cloud_models, digits, bad=("escalation",), offline=False, rate_rps=20, soak=30,
-               max_s=560)
+               max_s=850)
