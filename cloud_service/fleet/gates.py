@@ -160,13 +160,16 @@ def cohort(windows: Iterable[Mapping[str, Any]]) -> Cohort:
 
 def window_counts(doc: Mapping[str, Any]) -> dict[str, Any]:
     """The counts a window document carries beside its table columns: escalations compared with the cloud
-    (`compared`, else the cloud's answers) and, where the agent audits, audits, audit_disagreed, audit_rate."""
+    (`compared`, else the cloud's answers) and, where the agent audits, audits and audit_disagreed (from the
+    agent's `audited` and `audit_agreement`, or given as such)."""
     tiers: Mapping[str, Any] = doc["tiers"] if isinstance(doc.get("tiers"), dict) else {}
     out: dict[str, Any] = {"compared": _int(doc.get("compared", tiers.get("cloud")))}
-    audits: Mapping[str, Any] = doc["audit"] if isinstance(doc.get("audit"), dict) else doc
-    if _int(audits.get("audits")) and isinstance(audits.get("audit_rate"), int | float):
-        out.update(audits=_int(audits.get("audits")), audit_disagreed=_int(audits.get("audit_disagreed")),
-                   audit_rate=float(audits["audit_rate"]))
+    if _int(doc.get("audits")) and isinstance(doc.get("audit_rate"), int | float):
+        out.update(audits=_int(doc.get("audits")), audit_disagreed=_int(doc.get("audit_disagreed")),
+                   audit_rate=float(doc["audit_rate"]))
+    elif _int(doc.get("audited")) and isinstance(doc.get("audit_agreement"), int | float):  # the agent's window
+        n = _int(doc.get("audited"))
+        out.update(audits=n, audit_disagreed=round(n * (1 - min(1.0, max(0.0, float(doc["audit_agreement"]))))))
     return out
 
 

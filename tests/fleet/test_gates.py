@@ -121,6 +121,8 @@ def test_hard_gates_and_window_counts() -> None:
     assert window_counts({"compared": 15, "audits": 4, "audit_disagreed": 1, "audit_rate": 0.05}) == {
         "compared": 15, "audits": 4, "audit_disagreed": 1, "audit_rate": 0.05}
     assert window_counts({"compared": "x"}) == {"compared": 0}
+    assert window_counts({"compared": 3, "audited": 10, "audit_agreement": 0.8}) == {
+        "compared": 3, "audits": 10, "audit_disagreed": 2}
     with pytest.raises(ConfigError, match="alpha"):
         Evidence(alpha=0.0)
     with pytest.raises(ConfigError, match="margin"):
