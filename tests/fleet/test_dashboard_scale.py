@@ -100,9 +100,9 @@ def test_ten_thousand_devices_first_paint(db_url: str, tmp_path: Path) -> None:
                 lines = page.locator(".plot[data-metric='p95_ms'] polyline.series")
                 assert lines.count() == 2
                 assert len((lines.first.get_attribute("points") or "").split()) >= HOURS - 1
-                page.select_option("#group", "release")
+                page.select_option("#group", "label:site")
                 page.wait_for_function(
-                    "document.querySelectorAll(\".plot[data-metric='p95_ms'] polyline\").length == 6")
+                    "document.querySelectorAll(\".plot[data-metric='p95_ms'] polyline\").length == 8", timeout=60_000)
                 shot = tmp_path / "dashboard.png"
                 page.screenshot(path=str(shot), full_page=True)
                 keep = os.environ.get("TIERKIT_DASHBOARD_SCREENSHOT")
