@@ -353,4 +353,7 @@ def failed(gates: Iterable[Mapping[str, Any]], names: Iterable[str] | None = Non
 
 def open_gates(gates: Iterable[Mapping[str, Any]]) -> list[str]:
     """Statistical gates still collecting evidence (neither passed nor failed, with data to come)."""
-    return [g["gate"] for g in gates if g["gate"] in STAT_GATES and g["decision"] == "open"]
+    # audits are sparse (a small share of confident inputs): the audit gate stops a wave when its evidence is
+    # clear, but never holds one up
+    return [g["gate"] for g in gates if g["gate"] in STAT_GATES and g["gate"] != "audit_agreement"
+            and g["decision"] == "open"]
