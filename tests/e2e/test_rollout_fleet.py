@@ -256,6 +256,7 @@ def _scenario(run: _Run, *, bad: tuple[str, ...], offline: bool) -> None:
         run.timings["offline_converge_s"] = round(time.monotonic() - started, 1)
 
 
+@pytest.mark.slow  # five agents sharing two cores: the sequential gates need minutes of windows here
 @pytest.mark.timeout(900)
 def test_a_small_fleet_of_agents_takes_a_good_release_and_stops_a_bad_one(
         tmp_path: Path, models: DigitsModels, cloud_models: Path, digits: zoo.Split) -> None:
