@@ -181,7 +181,7 @@ class Ladder:
         self._eval_s = 0.0
         cand = self._build(vid, base, rung)
         spent = time.monotonic() - now
-        seconds = {"build": round(spent - self._eval_s, 2), "validate": round(self._eval_s, 2)}
+        seconds = {"build": round(spent - self._eval_s, 3), "validate": round(self._eval_s, 3)}
         if cand is not None:
             cand.seconds = seconds
         elif self.rejected and self.rejected[-1]["id"] == vid:
@@ -498,7 +498,7 @@ class Ladder:
             for c in candidates:
                 c.golden_outputs = runners[c.id].run(self.golden_inputs)
             for c in candidates:
-                c.seconds["time"] = round(spent.get(c.id, 0.0), 2)
+                c.seconds["time"] = round(spent.get(c.id, 0.0), 3)
                 c.latency = latency_record(timing[c.id], self.threads)
                 if self.task == Task.CLASSIFICATION and c.outputs.ndim == 2:
                     outs = run_all(runners[c.id], self._ood_data.batches(self._eval_batch()), self.out_axes)
