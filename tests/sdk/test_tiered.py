@@ -111,7 +111,9 @@ def test_predict_from_many_threads(package: ModelPackage, digits: zoo.Split, dig
     assert stats["requests"] == 160
     cloud_answered = [(i, p) for i, p in results if p.tier == "cloud"]
     assert 0 < len(cloud_answered) < 160
-    assert stats["cloud_answers"] == len(cloud_answered) == served
+    assert stats["cloud_answers"] == len(cloud_answered)
+    # the server also answers the audits of a few confident answers (never returned, never counted as escalations)
+    assert 0 <= served - len(cloud_answered) <= stats["audits_drawn"]
     assert len({p.seq for _, p in results}) == 160
     with open_session(digits_cnn_onnx) as cnn:
         expected = cnn.run({"x": digits.x_test[:160]})["logits"]
@@ -168,8 +170,10 @@ def test_load_with_controller_true_builds_one(ladder: VariantSet, digits: zoo.Sp
         preds = [model.predict(x) for x in digits.x_test[:20]]
         assert {p.variant for p in preds} == {decision.variant}
         doc = model.stats()["decision"]
-        assert doc["variant"] == decision.variant
-        assert doc["threshold"] == pytest.approx(decision.threshold, abs=1e-6)
+        now = model.decision  # the controller may re-decide between two reads (its own thread)
+        assert isinstance(now, Decision)
+        assert any(doc["variant"] == d.variant and doc["threshold"] == pytest.approx(d.threshold, abs=1e-6)
+                   for d in (decision, now))
         assert doc["reason"]
         assert doc["inputs"]["budget"]["latency_ms"] == 200
     with sdk.load(ladder.directory, controller=None) as plain:
