@@ -165,22 +165,11 @@ class Router:
     # -- scoring -------------------------------------------------------------------------------
 
     def risk_row(self, row: list[float]) -> float:
-        """P(the cloud's top-1 differs) for one row of logits (`_row_features` and the dot product, inlined)."""
-        (w0, w1, w2, w3, w4, w5, w6, w7), mu, sd = self._fit  # swapped whole by a refit: one fit, never half
-        top = max(row)
-        e = [math.exp(v - top) for v in row]
-        total = sum(e)
-        inv = 1.0 / total
-        ps = sorted(e, reverse=True)
-        p1 = ps[0] * inv
-        p2 = ps[1] * inv if len(ps) > 1 else 0.0
-        p3 = ps[2] * inv if len(ps) > 2 else 0.0
-        log_total = math.log(total)
-        h = log_total - (sum(map(operator.mul, e, row)) * inv - top)
-        lo = math.log(p1) - math.log(1.0 - p1) if p1 < 1.0 else _LOG_ODDS_CAP
-        lo = (_LOG_ODDS_CAP if lo > _LOG_ODDS_CAP else -_LOG_ODDS_CAP if lo < -_LOG_ODDS_CAP else lo) / _LOG_ODDS_CAP
-        s = (w0 + w1 * p1 + w2 * (p1 - p2) + w3 * (1.0 - h / math.log(max(len(row), 2))) + w4 * p2 + w5 * p3
-             + w6 * lo + w7 * (-(top + log_total) - mu) / sd)
+        """P(the cloud's top-1 differs) for one row of logits (`_row_features` and the dot product)."""
+        w, mu, sd = self._fit  # swapped whole by a refit: one fit, never half
+        f = _row_features(row)
+        f[-1] = (f[-1] - mu) / sd
+        s = sum(map(operator.mul, w, f))
         return 1.0 / (1.0 + math.exp(-max(-50.0, min(50.0, s))))
 
     def risk(self, logits: np.ndarray) -> np.ndarray:
