@@ -44,12 +44,13 @@ from pathlib import Path
 from typing import Any
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from compilers import signing
 from compilers.package import pack, sha256_file, unpack
 from compilers.variants import VariantSet, is_variant_set
 from compilers.version_floor import VersionFloor
+from runtimes.budget import BudgetOverride
 from runtimes.documents import read_document, validation_problems
 from runtimes.errors import ConfigError, IntegrityError, PackageError, SignatureError, UnsafeArchiveError
 
@@ -60,12 +61,6 @@ SCHEMA = 1
 KIND = "tierkit-release"
 
 
-class _Budget(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    latency_ms: float | None = Field(default=None, gt=0, allow_inf_nan=False)
-    energy_mj: float | None = Field(default=None, gt=0, allow_inf_nan=False)
-
-
 class ReleasePolicy(BaseModel):
     """What `policy.yaml` may hold. Unknown keys are refused: a typo would silently do nothing."""
 
@@ -74,9 +69,14 @@ class ReleasePolicy(BaseModel):
     version: str = Field(min_length=1, max_length=64, pattern=r"^[0-9A-Za-z][0-9A-Za-z.\-]*$")
     threshold: float | None = Field(default=None, ge=0, le=1, allow_inf_nan=False)
     policy: dict[str, Any] = Field(default_factory=dict)
-    budget: _Budget = Field(default_factory=_Budget)
+    budget: dict[str, Any] = Field(default_factory=dict)  # the fields of `runtimes.budget.Budget` it sets
     energy_profile: str | dict[str, Any] | None = None
     rollback_to: list[str] = Field(default_factory=list)
+
+    @field_validator("budget")
+    @classmethod
+    def _budget(cls, value: dict[str, Any]) -> dict[str, Any]:
+        return BudgetOverride.parse(value).to_json()  # Budget's own rules; ConfigError is a ValueError
 
 
 @dataclass(frozen=True)
@@ -106,8 +106,9 @@ class Release:
         return dict(self.document.get("policy") or {})
 
     @property
-    def budget(self) -> dict[str, Any]:
-        return {k: v for k, v in (self.document.get("budget") or {}).items() if v is not None}
+    def budget(self) -> BudgetOverride:
+        """The budget fields the release sets (checked when the release was opened)."""
+        return BudgetOverride.parse({k: v for k, v in (self.document.get("budget") or {}).items() if v is not None})
 
     @property
     def energy_profile(self) -> str | dict[str, Any] | None:

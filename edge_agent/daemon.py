@@ -237,7 +237,7 @@ class AgentDaemon:
                 settings = {**dict.fromkeys(_THRESHOLDS), **settings}
             try:
                 policy = dataclasses.replace(policy, **settings)
-                budget = dataclasses.replace(budget, **release.budget)
+                budget = release.budget.apply(budget)
             except TypeError as exc:
                 msg = f"release {release.digest}: its policy or budget does not fit this agent ({exc})"
                 raise ConfigError(msg) from None

@@ -2,8 +2,8 @@
 
 `edge_agent` may import `cloud_service.protocol` (the published wire contract) and nothing else of
 `cloud_service`; the protocol itself imports only the standard library, numpy, protobuf, grpc and,
-of tierkit, the bottom layer's shared vocabulary: `runtimes.spec` (the one dtype table) and
-`runtimes.errors` (the root of `CodecError`).
+of tierkit, the bottom layer's shared vocabulary: `runtimes.spec` (the one dtype table),
+`runtimes.errors` (the root of `CodecError`) and `runtimes.budget` (the budget the fleet's documents carry).
 """
 
 from __future__ import annotations
@@ -23,7 +23,8 @@ ALLOWED = {
     "sdk": {"sdk", "edge_agent", "cloud_service", "cloud_service.protocol", "compilers", "runtimes"},
 }
 OWN = {"runtimes", "compilers", "edge_agent", "cloud_service", "sdk"}
-VOCABULARY = {"runtimes.spec", "runtimes.errors"}  # what the wire contract may take from the bottom layer
+# what the wire contract may take from the bottom layer
+VOCABULARY = {"runtimes.spec", "runtimes.errors", "runtimes.budget"}
 
 
 def _layer(module: str) -> str:
