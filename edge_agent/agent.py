@@ -191,6 +191,8 @@ class EdgeAgent:
         self.breaker = CircuitBreaker(opts.breaker, link=self.link)
         if (encoder := getattr(cloud, "encoder", None)) is not None:
             encoder.meter = self.link  # the bandwidth the transport times is the link's
+            if isinstance(ctl, Controller):
+                ctl.attach_encoder(encoder)  # the encoding is chosen with the variant and threshold
         self.pushback = Pushback()  # the cloud's "busy, retry after" (edge_agent.pushback)
         self._pace = DrainPace(opts.drain_rate_per_s)
         self.cache: ResultCache[Prediction] | None = (ResultCache(self.policy.cache_size)

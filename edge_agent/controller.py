@@ -6,9 +6,12 @@ module feeds that rule with measurements and says when to apply it.
 
 `Controller` learns the device's speed and energy, the live score distribution, the cloud's accuracy
 (from edge/cloud agreement) and the budgets' observed windows; the link is the agent's one
-`link.Link`, seen through `profiles.LinkProfile`. It re-decides when one of these drifts (at most
-every `redecide_gap_s`), at once when the link changes state (down, up, a round trip that moved by
-half: the link's `epoch`) or a budget changes, and at least every `redecide_interval_s`.
+`link.Link`, seen through `profiles.LinkProfile`. With a wire encoder that may choose
+(`attach_encoder`), it chooses the escalations' encoding together with the variant and threshold
+from the encodings the encoder measured, and sets the encoder's `planned` encoding. It re-decides
+when one of these drifts (at most every `redecide_gap_s`), at once when the link changes state
+(down, up, a round trip that moved by half: the link's `epoch`) or a budget changes, and at least
+every `redecide_interval_s`.
 
 Thread ownership: one thread owns a controller's state, the one that calls `observe_*`,
 `maybe_redecide` and `set_budget` (the agent folds observations in a worker thread under its fold
@@ -48,6 +51,7 @@ from edge_agent.decide import (
     spare,
     switch_reason,
 )
+from edge_agent.encoding import WireEncoder, WireOption
 from edge_agent.plan import Conditions
 from edge_agent.profiles import LinkProfile, VariantProfile
 from runtimes.errors import ConfigError
@@ -101,9 +105,20 @@ class Controller:
         self._last_inference_ms: float | None = None
         self._redecided_at, self.redecisions = -math.inf, 0
         self._epoch = link.link.epoch if link is not None else 0
+        self._epoch_at = -math.inf  # when the link last changed state
+        self._excused_until = -math.inf  # windows closing before this do not tighten the latency target
+        self._cut: tuple[float, float] | None = None  # the last tightening: when, and the scale before it
         self.latency_windows = BudgetWindows("p95", window_s=self.config.window_s, calm=20)
         self._deadline_scale = 1.0
+        self.encoder: WireEncoder | None = None
+        self._wires: tuple[WireOption, ...] = ()
         self.current = self._commit(self._choose(), "initial")
+
+    def attach_encoder(self, encoder: WireEncoder | None) -> None:
+        """The transport's wire encoder: its measured encodings join the decision, and each decision's
+        encoding becomes its `planned` one (the agent attaches its transport's)."""
+        self.encoder = encoder
+        self._flag("wire encodings")
 
     # -- measurements ----------------------------------------------------------------------------
     def observe_inference(self, variant: str, latency_ms: float, energy_mj: float | None = None, *,
@@ -181,9 +196,14 @@ class Controller:
         now = self._clock()
         self._arrivals.append(now)
         # every request counts for the windows, whichever variant answered: that is what the device spent
+        before = self.latency_windows.scale
         if self.latency_windows.add(now, total_latency_ms, self.budget.latency_ms):
-            self._flag("observed p95 over budget" if self.latency_windows.scale < self._deadline_scale
-                       else "observed p95 back under budget")
+            if self.latency_windows.scale < before and now < self._excused_until:
+                self.latency_windows.scale = before  # a stall of the link spoiled it, not the plan (see `_link_event`)
+            else:
+                self._cut = (now, before) if self.latency_windows.scale < before else None
+                self._flag("observed p95 over budget" if self.latency_windows.scale < self._deadline_scale
+                           else "observed p95 back under budget")
         if energy_mj is not None and math.isfinite(energy_mj) and self.budget.energy_mj is not None:
             self._calibrate_energy(energy_mj)
         if not escalated and self._last_inference_ms is not None:
@@ -241,7 +261,9 @@ class Controller:
         now = self._clock()
         if self.link is not None and (epoch := self.link.link.epoch) != self._epoch:
             self._epoch = epoch
-            self._flag(_EVENTS.get(self.link.link.event, f"link {self.link.link.event}"))
+            self._link_event(now)
+        if self.encoder is not None and self.encoder.options() is not self._wires:
+            self._flag("wire encodings")
         if self._pending:
             urgent = any(r.startswith(("cloud ", "round trip ")) for r in self._pending)
             if not urgent and now - self._redecided_at < self.config.redecide_gap_s:
@@ -249,6 +271,23 @@ class Controller:
         elif self._n == 0 or now - self.current.at < self.config.redecide_interval_s:
             return None
         return self._redecide()
+
+    def _link_event(self, now: float) -> None:
+        """The link changed state: re-decide at once. A run of timeouts or refusals (a loss burst, an
+        outage) is not evidence about the plan: the 1-s windows it spoiled (the one that closed within
+        a window before, and the one open now) do not tighten the latency target, and a move that only
+        saves energy waits `link_settle_s`, so that a burst shorter than that does not take the
+        escalations away and give them back (each return costs the time to notice the link again)."""
+        link = self.link.link if self.link is not None else None
+        if link is None:
+            return
+        self._epoch_at = now
+        if not link.up or link.slow:
+            self._excused_until = now + self.config.window_s
+            if self._cut is not None and now - self._cut[0] <= self.config.window_s:
+                self.latency_windows.scale = self._cut[1]
+            self._cut = None
+        self._flag(_EVENTS.get(link.event, f"link {link.event}"))
 
     def conditions(self) -> Conditions:
         """The measured request rate, agent overhead and device slowdown in force now."""
@@ -261,10 +300,23 @@ class Controller:
         if current is not None and (p := self._by_id[current.variant]).live_scores:
             live = float(p.curve(np.array([-np.inf]))[1][0])  # reweighted accuracy, nothing escalated
             shift = min(max((1 - live) / max(1 - p.accuracy, 1e-6), 0.25), 4.0)
+        ref = self._wire(current.encoding if current is not None else "")
         return Conditions(request_rate=rate, edge_overhead_ms=overhead, slowdown=slowdown,
                           current_variant=current.variant if current is not None else None,
                           shift_error_scale=shift, latency_scale=self.latency_windows.scale,
-                          energy_scale=self._energy_scale, deadline_guard_ms=self.deadline_guard_ms())
+                          energy_scale=self._energy_scale, deadline_guard_ms=self.deadline_guard_ms(),
+                          wire_ref_bytes=None if ref is None else ref.nbytes,
+                          wire_ref_encode_ms=0.0 if ref is None else ref.encode_ms)
+
+    def _wire(self, encoding: str) -> WireOption | None:
+        """The option of `encoding` among those measured; unplanned (""), the one the encoder last
+        chose per request, else plain fp32; None before any was measured."""
+        if not self._wires:
+            return None
+        if not encoding and self.encoder is not None and self.encoder.last is not None:
+            encoding = self.encoder.last.encoding
+        by_name = {w.encoding: w for w in self._wires}
+        return by_name.get(encoding) or by_name.get("fp32") or self._wires[0]
 
     def deadline_guard_ms(self) -> float | None:
         """How long before the (scaled) budget the agent's timer ends an escalation, as the agent
@@ -289,44 +341,48 @@ class Controller:
 
     def _choose(self) -> Decision:
         link = self.link.state() if self.link is not None else None
-        return choose(self.profiles, link, self.budget, self.config, conditions=self.conditions())
+        return choose(self.profiles, link, self.budget, self.config, conditions=self.conditions(), wires=self._wires)
 
     def _redecide(self) -> Decision | None:
         self._redecided_at, self.redecisions = self._clock(), self.redecisions + 1
         trigger = ", ".join(self._pending) or "periodic"
         self._pending.clear()
+        if self.encoder is not None:
+            self._wires = self.encoder.options()  # one tuple, replaced whole by the encoder
         link = self.link.state() if self.link is not None else None
         cond = self.conditions()
-        cand = choose(self.profiles, link, self.budget, self.config, conditions=cond)
+        cand = choose(self.profiles, link, self.budget, self.config, conditions=cond, wires=self._wires)
         cur = evaluate(self._by_id[self.current.variant], self.current.threshold, link, self.budget, self.config,
-                       conditions=cond)
+                       conditions=cond, wire=self._wire(self.current.encoding))
         why = self._switch_reason(cur, cand)
         if not why and cand.feasible and cand.key != cur.key and not spare(cand, self.config):
             # the rule's choice is too close to a budget to move to for accuracy: the best point that
             # leaves the spare room may still beat the current one
             tight = replace(cond, latency_scale=cond.latency_scale * (1 - self.config.switch_headroom),
                             energy_scale=cond.energy_scale * (1 - self.config.energy_switch_headroom))
-            alt = choose(self.profiles, link, self.budget, self.config, conditions=tight)
+            alt = choose(self.profiles, link, self.budget, self.config, conditions=tight, wires=self._wires)
             alt = replace(evaluate(self._by_id[alt.variant], alt.threshold, link, self.budget, self.config,
-                                   conditions=cond), binding=cand.binding)
+                                   conditions=cond, wire=self._wire(alt.encoding)), binding=cand.binding)
             if alt.feasible and (alt_why := self._switch_reason(cur, alt)):
                 cand, why = replace(alt, reason=f"the best point with room to spare (the best, "
                                                 f"{cand.variant}@{cand.threshold:.4g}, is closer)"), alt_why
         if why:
             chosen = replace(cand, reason=f"{why}; {cand.reason}")
-            log.info("controller: %s@%.4g -> %s@%.4g (%s: %s)", cur.variant, cur.threshold, chosen.variant,
-                     chosen.threshold, trigger, why)
+            log.info("controller: %s@%.4g/%s -> %s@%.4g/%s (%s: %s)", cur.variant, cur.threshold, cur.encoding,
+                     chosen.variant, chosen.threshold, chosen.encoding, trigger, why)
         else:
             chosen = replace(cur, binding=cand.binding, reason=f"kept: {cur.reason}; the rule's choice "
-                             f"{cand.variant}@{cand.threshold:.4g} acc {cand.predicted_accuracy:.4f}")
-        changed = chosen.key != self.current.key
+                             f"{cand.variant}@{cand.threshold:.4g}/{cand.encoding or 'as built'} "
+                             f"acc {cand.predicted_accuracy:.4f}")
+        changed = chosen.point != self.current.point
         self._commit(chosen, trigger, record=changed or trigger != "periodic")
         return self.current if changed else None
 
     def _switch_reason(self, cur: Decision, cand: Decision) -> str:
         link = self.link.state() if self.link is not None else None
+        settled = self._clock() - self._epoch_at >= self.config.link_settle_s
         return switch_reason(cur, cand, self.config, noise=self._cloud_noise(cur, cand),
-                             energy_evidence=self._energy_evidence(cur.variant, cand.variant),
+                             energy_evidence=settled and self._energy_evidence(cur.variant, cand.variant),
                              floor=probe_floor(link, self.config))
 
     def _energy_evidence(self, current: str, other: str) -> bool:
@@ -361,6 +417,8 @@ class Controller:
             self._by_id[self.current.variant].live_scores.clear()  # they will be stale when it runs again
         self._deadline_scale = self.latency_windows.scale
         self.current = decision  # one reference replaced whole: what other threads read
+        if self.encoder is not None and decision.encoding:
+            self.encoder.planned = decision.encoding  # one string replaced whole: what the event loop reads
         if record:
             self.decisions.append(decision)
         self._n = self._n_esc = self._n_agree = self._k_agree = 0

@@ -1,7 +1,7 @@
 """The controller's decision rule, as pure functions a reader can follow.
 
-**The rule.** Of every (variant, threshold) on the grid, take the one with the highest expected
-accuracy (`plan.predict`) among those that keep
+**The rule.** Of every (variant, threshold, wire encoding) on the grid, take the one with the highest
+expected accuracy (`plan.predict`) among those that keep
 
 - the latency budget: the predicted p95 (a mixture of edge time, answered round trips and escalations
   the agent's timer ends at its deadline) at most `latency_headroom` x the budget x what the observed
@@ -15,10 +15,18 @@ accuracy (`plan.predict`) among those that keep
 - and, where a cloud is configured, escalating at least `probe_escalation_rate` (at least
   `down_probe_escalation_rate` while the link is down), so that live escalations keep measuring it.
 
+The wire encodings are those the agent's encoder measured on a real request (`encoding.WireOption`:
+its bytes and encode time); each one moves an escalation's round trip by its bytes over the link's
+measured bandwidth plus its encode time, and its radio energy by its bytes, so a smaller encoding can
+make a higher threshold fit the latency or energy budget. Without an encoder that may choose, the
+requests go as built and only the (variant, threshold) grid is searched.
+
 Accuracies closer than `tie_tolerance` are equal: then, where escalations are answered, the point
-escalating most wins (each answered escalation gains, however little, so the budget is used); where
-none is answered (the link down or too slow), the one with less energy, then lower p95. When no
-point keeps every budget, the one closest to them (smallest summed relative excess).
+escalating most wins (each answered escalation gains, however little, so the budget is used), then
+the more faithful encoding (lossless before fp16: `encoding.FIDELITY_ORDER`), then less energy; where
+none is answered (the link down or too slow), the one with less energy, then lower p95, then the more
+faithful encoding. When no point keeps every budget, the one closest to them (smallest summed
+relative excess).
 
 **Hysteresis** (`switch_reason`): the controller moves from its current point to the rule's choice
 only when (1) the current point breaks a budget by more than `violation_tolerance`, or breaks one at
@@ -26,14 +34,18 @@ all and the choice is as accurate; or (2) the choice is more accurate by more th
 margin plus the noise of the fitted cloud accuracy (`accuracy_z` standard errors over the escalations
 the move adds) and it fits the latency target with `switch_headroom` and the energy target with
 `energy_switch_headroom` to spare; or (3) the choice is as accurate (within `tie_tolerance`) and
-spends `energy_margin` less energy (across variants, on measured figures only); or (4) the current
+spends `energy_margin` less energy (across variants, on measured figures only; not within
+`link_settle_s` of a change of the link's state, so that a loss burst does not move it); or (4) the current
 point escalates clearly less than the probe floor (under three quarters of it) and the choice, as
-accurate, does not. Nothing else moves
+accurate, does not; or (5) the choice differs only in its encoding, as accurate, more faithful and
+with the spare room of (2). Nothing else moves
 it: the same rule runs when the link goes down or comes back, when the round trip moves, and when a
 budget changes.
 
 **The binding constraint** of a decision is the budget the next more accurate point breaks
 ("latency", "energy", "escalations"), or "none" when the choice is the most accurate point there is.
+A decision names its encoding ("" where no encoder may choose: the requests go as the transport
+builds them).
 """
 
 from __future__ import annotations
@@ -41,14 +53,18 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from edge_agent.budget import Budget
+from edge_agent.encoding import FIDELITY_ORDER
 from edge_agent.plan import Conditions, Predictions, predict
 from edge_agent.profiles import LinkState, VariantProfile
 from runtimes.errors import ConfigError
+
+if TYPE_CHECKING:
+    from edge_agent.encoding import WireOption
 
 __all__ = ["ControllerConfig", "Decision", "candidate_thresholds", "choose", "evaluate", "switch_reason"]
 
@@ -77,6 +93,8 @@ class ControllerConfig:
         probe_escalation_rate, down_probe_escalation_rate: the least share escalated while the link is
             up, and while it is down (live escalations keep measuring it).
         min_observations: requests (or samples) before a measured rate or latency is trusted.
+        link_settle_s: a move that only saves energy waits this long after the link changed state (a
+            loss burst shorter than this neither takes the escalations away nor waits to get them back).
         redecide_interval_s: re-decide at least this often while requests flow.
         redecide_gap_s: a drift re-decides at most this often (a link event and a budget change at once).
         latency_drift, latency_drift_abs_ms: relative and absolute move of the device speed that re-decides.
@@ -102,6 +120,7 @@ class ControllerConfig:
     probe_escalation_rate: float = 0.03
     down_probe_escalation_rate: float = 0.1
     min_observations: int = 20
+    link_settle_s: float = 1.0
     redecide_interval_s: float = 1.0
     redecide_gap_s: float = 0.25
     latency_drift: float = 0.3
@@ -129,9 +148,11 @@ class ControllerConfig:
             msg = (f"ControllerConfig switch_headroom and energy_switch_headroom must be in [0, 1), got "
                    f"{self.switch_headroom!r}, {self.energy_switch_headroom!r}")
             raise ConfigError(msg)
-        if self.min_observations < 1 or self.history < 1 or self.redecide_interval_s <= 0 or self.redecide_gap_s < 0:
-            msg = ("ControllerConfig min_observations and history must be >= 1, redecide_interval_s > 0 and "
-                   "redecide_gap_s >= 0")
+        if (self.min_observations < 1 or self.history < 1 or self.redecide_interval_s <= 0 or self.redecide_gap_s < 0
+                or self.link_settle_s < 0):
+            msg = ("ControllerConfig min_observations and history must be >= 1, redecide_interval_s > 0, "
+                   f"redecide_gap_s and link_settle_s >= 0; got {self.min_observations!r}, {self.history!r}, "
+                   f"{self.redecide_interval_s!r}, {self.redecide_gap_s!r}, {self.link_settle_s!r}")
             raise ConfigError(msg)
 
 
@@ -163,10 +184,16 @@ class Decision:
     trigger: str = "initial"
     at: float = 0.0
     binding: str = "none"
+    encoding: str = ""
 
     @property
     def key(self) -> tuple[str, float]:
         return self.variant, self.threshold
+
+    @property
+    def point(self) -> tuple[str, float, str]:
+        """The whole operating point: variant, threshold and wire encoding."""
+        return self.variant, self.threshold, self.encoding
 
     def to_json(self) -> dict[str, Any]:
         doc = asdict(self)
@@ -230,11 +257,14 @@ def _decision(p: Predictions, i: int, shortfall: float, violated: list[str], rea
               "variant": {"id": profile.id, "p50_ms": profile.latency.quantile(0.5),
                           "p95_ms": profile.latency.quantile(0.95), "energy_mj": profile.energy_mj,
                           "energy_label": profile.energy_label, "validation_size": profile.validation_size},
+              "wire": (None if p.wire is None else
+                       {"encoding": p.wire.encoding, "bytes": p.wire.nbytes, "encode_ms": p.wire.encode_ms,
+                        "shift_ms": conditions.wire_shift_ms(link, p.wire) if link is not None else 0.0}),
               **extra}
     return Decision(p.variant, float(p.thresholds[i]), float(p.accuracy[i]), float(p.p95_ms[i]),
                     float(p.energy_mj[i]), float(p.escalation[i]), not violated, tuple(violated), reason,
                     inputs, p.energy_label, float(p.escalations_per_s[i]), float(p.edge_accuracy_escalated[i]),
-                    float(shortfall), binding=binding)
+                    float(shortfall), binding=binding, encoding=p.wire.encoding if p.wire is not None else "")
 
 
 def probe_floor(link: LinkState | None, config: ControllerConfig) -> float:
@@ -254,9 +284,15 @@ def _binding(acc: np.ndarray, feasible: np.ndarray, names: list[list[str]], best
     return " and ".join(names[int(better[np.argmax(acc[better])])]) or "none"
 
 
+def _fidelity(wire: WireOption | None) -> int:
+    return 0 if wire is None else wire.fidelity
+
+
 def choose(profiles: Sequence[VariantProfile], link: LinkState | None, budget: Budget,
-           config: ControllerConfig | None = None, *, conditions: Conditions | None = None) -> Decision:
-    """The rule's (variant, threshold) for these profiles, link and budget; pure and deterministic.
+           config: ControllerConfig | None = None, *, conditions: Conditions | None = None,
+           wires: Sequence[WireOption] = ()) -> Decision:
+    """The rule's (variant, threshold, encoding) for these profiles, link, budget and wire encodings
+    (none: the requests as built); pure and deterministic.
 
     Raises:
         ConfigError: no profiles.
@@ -265,9 +301,12 @@ def choose(profiles: Sequence[VariantProfile], link: LinkState | None, budget: B
         msg = "choose() needs at least one variant profile"
         raise ConfigError(msg)
     config, conditions = config or ControllerConfig(), conditions or Conditions()
-    preds = [predict(p, candidate_thresholds(p, link, config), link, budget, conditions) for p in profiles]
+    options: Sequence[WireOption | None] = tuple(wires) if wires and link is not None else (None,)
+    grid = [(p, w) for p in profiles for w in options]
+    preds = [predict(p, candidate_thresholds(p, link, config), link, budget, conditions, w) for p, w in grid]
     assessed = [_assess(p, budget, config, conditions) for p in preds]
     index = [(v, i) for v, p in enumerate(preds) for i in range(p.thresholds.size)]
+    fid = np.concatenate([np.full(p.thresholds.size, _fidelity(p.wire)) for p in preds])
     acc, energy, p95, esc = (np.concatenate([getattr(p, k) for p in preds])
                              for k in ("accuracy", "energy_mj", "p95_ms", "escalation"))
     short = np.concatenate([a[0] for a in assessed])
@@ -281,13 +320,13 @@ def choose(profiles: Sequence[VariantProfile], link: LinkState | None, budget: B
     if pool.any():
         cands = np.flatnonzero(pool & (acc >= acc[pool].max() - config.tie_tolerance))
         # where escalations are answered, each one gains (however little: `plan._cloud_accuracy`)
-        order = (np.lexsort((energy[cands], -esc[cands])) if answered[cands].max() > ANSWERED_MIN
-                 else np.lexsort((p95[cands], energy[cands])))
+        order = (np.lexsort((energy[cands], fid[cands], -esc[cands])) if answered[cands].max() > ANSWERED_MIN
+                 else np.lexsort((fid[cands], p95[cands], energy[cands])))
         best = int(cands[order[0]])
     else:
         cands = np.flatnonzero(short <= short.min() + 1e-9)
         cands = cands[acc[cands] >= acc[cands].max() - config.tie_tolerance]
-        best = int(cands[np.lexsort((p95[cands], energy[cands]))[0]])
+        best = int(cands[np.lexsort((fid[cands], p95[cands], energy[cands]))[0]])
     v, i = index[best]
     violated = assessed[v][1][i]
     if violated:
@@ -301,15 +340,16 @@ def choose(profiles: Sequence[VariantProfile], link: LinkState | None, budget: B
                   + (f", <= {budget.max_escalations_per_s:g} escalations/s"
                      if budget.max_escalations_per_s is not None else "") + ")")
     binding = _binding(acc, feasible, names, best, config.tie_tolerance)
-    return _decision(preds[v], i, float(short[best]), violated, reason, profiles[v], link, budget, config,
+    return _decision(preds[v], i, float(short[best]), violated, reason, grid[v][0], link, budget, config,
                      conditions, binding, candidates=len(index), feasible_candidates=int(feasible.sum()))
 
 
 def evaluate(profile: VariantProfile, threshold: float, link: LinkState | None, budget: Budget,
-             config: ControllerConfig | None = None, *, conditions: Conditions | None = None) -> Decision:
-    """The predictions for one given (variant, threshold), as a `Decision` record."""
+             config: ControllerConfig | None = None, *, conditions: Conditions | None = None,
+             wire: WireOption | None = None) -> Decision:
+    """The predictions for one given (variant, threshold, encoding), as a `Decision` record."""
     config, conditions = config or ControllerConfig(), conditions or Conditions()
-    p = predict(profile, np.array([threshold]), link, budget, conditions)
+    p = predict(profile, np.array([threshold]), link, budget, conditions, wire if link is not None else None)
     short, names = _assess(p, budget, config, conditions)
     reason = "current point" + (f" violates the {' and '.join(names[0])} budget" if names[0] else " meets the budgets")
     return _decision(p, 0, float(short[0]), names[0], reason, profile, link, budget, config, conditions)
@@ -340,7 +380,7 @@ def switch_reason(cur: Decision, cand: Decision, config: ControllerConfig, *, no
     whether their energy difference is evidence (a threshold move always; across variants, measured
     figures that differ beyond `energy_z` standard errors: modeled noise never moves a variant).
     `floor` is the least share escalated that keeps the link measured (`probe_floor`)."""
-    if cand.key == cur.key:
+    if cand.point == cur.point:
         return ""
     over = " and ".join(cur.violated)
     if not cur.feasible and cur.shortfall > config.violation_tolerance:
@@ -363,4 +403,11 @@ def switch_reason(cur: Decision, cand: Decision, config: ControllerConfig, *, no
     if (energy_evidence and cand.predicted_accuracy >= cur.predicted_accuracy - config.tie_tolerance
             and cand.predicted_energy_mj < cur.predicted_energy_mj * (1 - config.energy_margin)):
         return f"as accurate, energy {cur.predicted_energy_mj:.3g} -> {cand.predicted_energy_mj:.3g} mJ"
+    if (cand.key == cur.key and cand.predicted_accuracy >= cur.predicted_accuracy - config.tie_tolerance
+            and _rank(cand.encoding) < _rank(cur.encoding)):
+        return f"as accurate, more faithful encoding {cur.encoding} -> {cand.encoding}"
     return ""
+
+
+def _rank(encoding: str) -> int:
+    return FIDELITY_ORDER.index(encoding) if encoding in FIDELITY_ORDER else len(FIDELITY_ORDER)

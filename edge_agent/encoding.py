@@ -21,6 +21,7 @@ Example:
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -30,12 +31,33 @@ from cloud_service.protocol.encoding import check_encoding, encode_input
 from edge_agent.link import Bandwidth, Link, LinkEstimate
 from runtimes.errors import ConfigError
 
-__all__ = ["FIDELITY_ORDER", "Choice", "LinkEstimate", "LinkMeter", "WireEncoder", "choose_encoding"]
+__all__ = ["EXACT", "FIDELITY_ORDER", "Choice", "LinkEstimate", "LinkMeter", "WireEncoder", "WireOption",
+           "choose_encoding"]
+
+log = logging.getLogger(__name__)
 
 LinkMeter = Bandwidth  # the link's bandwidth estimator, under its former name
 
 FIDELITY_ORDER = ("fp32", "zstd", "fp16", "fp16+zstd")  # most faithful first; the first two are exact
+EXACT = frozenset({"fp32", "zstd"})  # the encodings the cloud decodes to the very same tensor
 HEADROOM = 0.8  # plan to use at most this share of the budget: the estimate is noisy
+
+
+@dataclass(frozen=True, slots=True)
+class WireOption:
+    """One wire encoding the controller may choose for escalations: the request's bytes in it (the
+    latest request's size) and what encoding it costs the edge (ms, measured once on a real request).
+    `exact`: the cloud decodes the very tensor the edge had (fp32, zstd); fp16 rounds it."""
+
+    encoding: str
+    nbytes: int
+    encode_ms: float = 0.0
+    exact: bool = True
+
+    @property
+    def fidelity(self) -> int:
+        """Rank in `FIDELITY_ORDER` (0 = most faithful)."""
+        return FIDELITY_ORDER.index(self.encoding) if self.encoding in FIDELITY_ORDER else len(FIDELITY_ORDER)
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,6 +103,11 @@ def choose_encoding(sizes: Mapping[str, int], link: LinkEstimate, budget_s: floa
 class WireEncoder:
     """Re-encodes requests for the link (`wire_encoding` "auto"), or always to one encoding.
 
+    With "auto", a controller chooses the encoding together with the variant and the threshold
+    (`edge_agent.decide`): it reads `options()` (each encoding's bytes and encode time, measured on
+    the first request) and sets `planned`, which every request then uses. Without a controller (or
+    before its first plan), each request takes `choose_encoding`'s pick for the time it has left.
+
     Args:
         wire_encoding: "auto", or one of `FIDELITY_ORDER`.
         meter: the link it reads and feeds (the agent hands its own; a fresh one by default).
@@ -94,18 +121,27 @@ class WireEncoder:
                 raise ConfigError(msg)
         self.wire_encoding = wire_encoding
         self.meter = meter or Link()
-        self.zstd_ratio: float | None = None  # compressed / raw bytes, learned from requests sent
-        self.zstd_s_per_byte: float = 0.0
         self.last: Choice | None = None
+        self.planned: str | None = None  # the controller's choice (read on the event loop, set whole elsewhere)
+        # per encoding: wire bytes of the raw contents per raw fp32 byte, encode seconds per raw byte
+        self._costs: dict[str, tuple[float, float]] | None = None
+        self._shape: tuple[int, int] | None = None  # the latest request: raw fp32 bytes, other bytes
+        self._options: tuple[WireOption, ...] = ()
+
+    def options(self) -> tuple[WireOption, ...]:
+        """The encodings a controller may choose from, sized for the latest request (none before one);
+        only the configured one when `wire_encoding` is fixed."""
+        return self._options
 
     def prepare(self, request: inference_pb2.ModelInferRequest,
                 timeout_s: float) -> inference_pb2.ModelInferRequest:
         """`request` in the encoding chosen for `timeout_s`; plain requests pass through untouched."""
         if not _plain_fp32(request):
             return request
+        self._measure(request)
         encoding = self.wire_encoding
         if encoding == "auto":
-            encoding = self._choose(request, timeout_s)
+            encoding = self.planned if self.planned in FIDELITY_ORDER else self._choose(request, timeout_s)
         if encoding == "fp32":
             return request
         return self._reencode(request, encoding)
@@ -120,37 +156,49 @@ class WireEncoder:
 
     def _choose(self, request: inference_pb2.ModelInferRequest, timeout_s: float) -> str:
         link = self.meter.estimate()
-        raw = sum(len(c) for c in request.raw_input_contents)
-        if link is None:
+        if link is None or not self._options:
             return "fp32"  # first large escalations measure the link
-        rest = request.ByteSize() - raw
-        sizes = {"fp32": rest + raw, "fp16": rest + raw // 2}
-        cpu: dict[str, float] = {}
-        if self.zstd_ratio is not None:
-            sizes["zstd"] = rest + int(raw * self.zstd_ratio)
-            sizes["fp16+zstd"] = rest + int(raw // 2 * self.zstd_ratio)
-            cpu = {"zstd": raw * self.zstd_s_per_byte, "fp16+zstd": raw / 2 * self.zstd_s_per_byte}
-        else:
-            sizes["zstd"] = sizes["fp32"]  # unknown ratio: counted as no gain, tried below when it might help
+        sizes = {o.encoding: o.nbytes for o in self._options}
+        cpu = {o.encoding: o.encode_ms / 1e3 for o in self._options}
         self.last = choose_encoding(sizes, link, timeout_s, cpu_s=cpu)
-        if self.zstd_ratio is None and self.last.encoding != "fp32":
-            return "fp16+zstd" if self.last.encoding == "fp16" else "zstd"  # learn the ratio once
         return self.last.encoding
 
+    def _measure(self, request: inference_pb2.ModelInferRequest) -> None:
+        """Each encoding's bytes and encode time, measured once on a real request (compression depends
+        on the data); the options follow the size of the latest request."""
+        raw = sum(len(c) for c in request.raw_input_contents)
+        shape = (raw, request.ByteSize() - raw)
+        if shape == self._shape or not raw:
+            return
+        if self._costs is None:
+            costs = {"fp32": (1.0, 0.0)}
+            candidates = FIDELITY_ORDER[1:] if self.wire_encoding == "auto" else (self.wire_encoding,)
+            for encoding in candidates:
+                if encoding == "fp32":
+                    continue
+                started = time.perf_counter()
+                try:
+                    encoded = self._reencode(request, encoding)
+                except Exception:
+                    log.debug("wire encoding %s unavailable", encoding, exc_info=True)
+                    continue
+                spent = time.perf_counter() - started
+                wire = sum(len(c) for c in encoded.raw_input_contents)
+                costs[encoding] = (wire / raw, spent / raw)
+            self._costs = costs
+        self._shape = shape
+        allowed = FIDELITY_ORDER if self.wire_encoding == "auto" else (self.wire_encoding,)
+        self._options = tuple(WireOption(e, shape[1] + round(raw * self._costs[e][0]), raw * self._costs[e][1] * 1e3,
+                                         e in EXACT) for e in allowed if e in self._costs)
+
     def _reencode(self, request: inference_pb2.ModelInferRequest, encoding: str) -> inference_pb2.ModelInferRequest:
-        started = time.perf_counter()
         out = inference_pb2.ModelInferRequest(model_name=request.model_name, model_version=request.model_version,
                                               id=request.id)
         for key, value in request.parameters.items():
             out.parameters[key].CopyFrom(value)
         out.outputs.extend(request.outputs)
-        raw = encoded = 0
         for name, array in decode_inputs(request).items():
-            raw += array.nbytes // (2 if "fp16" in encoding else 1)
-            encoded += encode_input(out, name, array, encoding)
-        if "zstd" in encoding and raw:
-            self.zstd_ratio = encoded / raw
-            self.zstd_s_per_byte = (time.perf_counter() - started) / raw
+            encode_input(out, name, array, encoding)
         return out
 
 

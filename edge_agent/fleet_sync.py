@@ -184,8 +184,8 @@ def enrolled_config(config: AgentConfig) -> AgentConfig:
 LATENCY_BOUNDS_MS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000)
 
 
-_DECISION_KEYS = ("variant", "threshold", "binding", "trigger", "reason", "feasible", "violated", "predicted_accuracy",
-                  "predicted_p95_ms", "predicted_energy_mj", "predicted_escalation_rate")
+_DECISION_KEYS = ("variant", "threshold", "encoding", "binding", "trigger", "reason", "feasible", "violated",
+                  "predicted_accuracy", "predicted_p95_ms", "predicted_energy_mj", "predicted_escalation_rate")
 _LINK_KEYS = ("up", "rtt_ms", "rtt_high_ms", "availability", "cloud_accuracy", "epoch", "event")
 
 

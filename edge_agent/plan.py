@@ -8,6 +8,10 @@ variant at each threshold it predicts
   round trips, so a few escalations sit in the tail and many shift the body); the others end at
   the budget's deadline (timeouts) or after the failure latency (cloud down, fast fail);
 - the mean energy per request: inference plus, per escalation, radio bytes and waiting power;
+- for a wire encoding (`encoding.WireOption`), escalations whose round trips move by its bytes'
+  difference over the link's measured bandwidth plus its encode time's difference, against the
+  encoding the round trips were measured with (`Conditions.wire_ref_bytes`), and whose radio energy
+  is its own bytes;
 - the expected tiered accuracy (1 − e)·acc_accepted + e·(s·cloud + (1 − s)·acc_escalated), where s
   is the share of escalations the cloud answers in time (availability × timely), the edge's
   accuracies are read per score bin (shrunk towards its overall accuracy), and the cloud's error on
@@ -37,6 +41,7 @@ from edge_agent.profiles import LinkState, VariantProfile
 
 if TYPE_CHECKING:
     from edge_agent.decide import ControllerConfig, Decision
+    from edge_agent.encoding import WireOption
 
 __all__ = ["Conditions", "PlanReport", "Predictions", "format_table", "pareto_front", "plot_frontier",
            "predict", "what_if"]
@@ -62,6 +67,8 @@ class Conditions:
             agent's own timer abandons every escalation that long before the (scaled) budget ends,
             its margin plus the timer lateness it measured: escalations then end by that point,
             answered or not, whatever the link does.
+        wire_ref_bytes, wire_ref_encode_ms: the request bytes and encode time of the wire encoding the
+            link's round trips were measured with (None: the link's mean request size, no encode time).
     """
 
     request_rate: float | None = None
@@ -72,6 +79,18 @@ class Conditions:
     latency_scale: float = 1.0
     energy_scale: float = 1.0
     deadline_guard_ms: float | None = None
+    wire_ref_bytes: float | None = None
+    wire_ref_encode_ms: float = 0.0
+
+    def wire_shift_ms(self, link: LinkState, wire: WireOption | None) -> float:
+        """How much longer (ms; < 0: shorter) an escalation's round trip is in `wire` than in the
+        encoding its round trips were measured with: bytes over the measured bandwidth (unknown: no
+        difference) plus encode time."""
+        if wire is None:
+            return 0.0
+        ref = link.bytes_per_escalation if self.wire_ref_bytes is None else self.wire_ref_bytes
+        transfer = (wire.nbytes - ref) * 8e3 / link.bandwidth_bps if link.bandwidth_bps else 0.0
+        return transfer + wire.encode_ms - self.wire_ref_encode_ms
 
     def deadline_ms(self, budget: Budget) -> float:
         """When an escalation ends at the latest, answered or not (ms after the request began)."""
@@ -95,6 +114,7 @@ class Predictions:
     edge_accuracy_escalated: np.ndarray
     edge_p95_ms: float = 0.0
     answered: float = 0.0  # the share of escalations the cloud answers in time (0 without a link)
+    wire: WireOption | None = None  # the wire encoding priced (None: the requests as the link saw them)
 
 
 def _cdf(points: np.ndarray, samples: np.ndarray) -> np.ndarray:
@@ -102,8 +122,9 @@ def _cdf(points: np.ndarray, samples: np.ndarray) -> np.ndarray:
 
 
 def predict(profile: VariantProfile, thresholds: np.ndarray, link: LinkState | None, budget: Budget,
-            conditions: Conditions) -> Predictions:
-    """Predicted accuracy, p95 latency, energy and escalations of `profile` at each threshold."""
+            conditions: Conditions, wire: WireOption | None = None) -> Predictions:
+    """Predicted accuracy, p95 latency, energy and escalations of `profile` at each threshold, with
+    escalations sent in `wire` (None: as the link saw them)."""
     t = np.atleast_1d(np.asarray(thresholds, dtype=float))
     esc, acc_acc, validation_acc_esc = profile.curve(t, smoothed=True)
     scale = link.edge_error_scale if link else 1.0  # > 1 when agreement says the edge errs more than validation
@@ -120,11 +141,14 @@ def predict(profile: VariantProfile, thresholds: np.ndarray, link: LinkState | N
         avail = timely = fail_ms = rtt_mean = radio = wait = 0.0
     else:
         avail, wait, fail_ms = link.availability, link.wait_power_w, min(link.failure_latency_ms, deadline)
-        timely = link.timely(deadline - med)
-        in_time = link.rtt_samples[link.rtt_samples <= deadline - med]
-        ok_rtt = in_time if in_time.size else np.array([min(link.rtt_high_ms, deadline)])
-        rtt_mean = min(link.rtt_ms, deadline) if math.isfinite(link.rtt_ms) else float(np.mean(ok_rtt))
-        radio = link.bytes_per_escalation * link.energy_per_byte_mj
+        shift = conditions.wire_shift_ms(link, wire)
+        timely = link.timely(deadline - med - shift)
+        samples = np.maximum(link.rtt_samples + shift, 0.0)
+        in_time = samples[samples <= deadline - med]
+        ok_rtt = in_time if in_time.size else np.array([min(max(link.rtt_high_ms + shift, 0.0), deadline)])
+        rtt_mean = (min(max(link.rtt_ms + shift, 0.0), deadline) if math.isfinite(link.rtt_ms)
+                    else float(np.mean(ok_rtt)))
+        radio = (link.bytes_per_escalation if wire is None else wire.nbytes) * link.energy_per_byte_mj
 
     def capped(extra: np.ndarray | float) -> np.ndarray:
         return np.maximum(edge, np.minimum(edge + extra, deadline))
@@ -154,7 +178,7 @@ def predict(profile: VariantProfile, thresholds: np.ndarray, link: LinkState | N
         rate = 1000.0 / np.maximum(mean_ms, 1e-3)
     label = profile.energy_label if link is None else f"{profile.energy_label} + radio {link.energy_label}"
     return Predictions(profile.id, label, t, esc, accuracy, p95, energy, esc * rate,
-                       validation_acc_esc, float(np.quantile(edge, 0.95)), float(success))
+                       validation_acc_esc, float(np.quantile(edge, 0.95)), float(success), wire)
 
 
 def _cloud_accuracy(profile: VariantProfile, link: LinkState | None, edge_esc: np.ndarray) -> np.ndarray:

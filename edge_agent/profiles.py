@@ -342,6 +342,7 @@ class LinkState:
     epoch: int = 0
     event: str = ""
     cloud_reference_accuracy: float | None = None
+    bandwidth_bps: float | None = None  # measured on the wire (None until a large request was timed)
     rtt_samples: np.ndarray = field(default_factory=lambda: np.empty(0), repr=False, compare=False)
 
     def timely(self, within_ms: float) -> float:
@@ -500,7 +501,9 @@ class LinkProfile:
                          wait_power_w=self.wait_power_w, energy_label=self.energy_label, cloud_accuracy=cloud,
                          edge_error_scale=scale, failure_latency_ms=v.failure_latency_ms, agreement_rate=rate,
                          agreement_n=len(self._agree), epoch=v.epoch, event=v.event,
-                         cloud_reference_accuracy=self._reference(), rtt_samples=v.rtt_samples)
+                         cloud_reference_accuracy=self._reference(),
+                         bandwidth_bps=v.bandwidth.bandwidth_bps if v.bandwidth is not None else None,
+                         rtt_samples=v.rtt_samples)
 
     def _reference(self) -> float | None:
         """The edge's mean validation accuracy on the escalations the cloud accuracy was fitted on (None

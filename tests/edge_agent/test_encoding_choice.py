@@ -76,7 +76,7 @@ def test_meter_follows_a_rate_step_within_three_escalations() -> None:
     assert switched_after <= 3
 
 
-def test_wire_encoder_reencodes_fp32_and_learns_the_zstd_ratio() -> None:
+def test_wire_encoder_reencodes_fp32_and_measures_each_encoding() -> None:
     x = np.repeat(np.repeat(np.random.default_rng(0).random((1, 3, 28, 28), dtype=np.float32), 8, 2), 8, 3)
     request = encode_request("m", {"x": x}, parameters={"tierkit.seq": 7})
     fixed = WireEncoder("fp16+zstd").prepare(request, timeout_s=1.0)
@@ -85,14 +85,28 @@ def test_wire_encoder_reencodes_fp32_and_learns_the_zstd_ratio() -> None:
     np.testing.assert_allclose(decode_inputs(fixed)["x"], x, atol=1e-3)
 
     auto = WireEncoder("auto")
+    assert auto.options() == ()
     assert auto.prepare(request, timeout_s=0.15) is request  # no estimate yet: plain, to measure the link
+    options = {o.encoding: o for o in auto.options()}  # measured on that first request
+    assert list(options) == ["fp32", "zstd", "fp16", "fp16+zstd"]
+    assert options["fp32"].nbytes == request.ByteSize()
+    assert options["fp16"].nbytes < request.ByteSize() * 0.51
+    assert options["zstd"].nbytes < request.ByteSize() * 0.5  # an upsampled image compresses well
+    assert options["fp16+zstd"].nbytes < options["zstd"].nbytes
+    assert options["zstd"].exact
+    assert not options["fp16"].exact
+    assert options["zstd"].encode_ms > 0
     auto.observe(100, 0.03)
     auto.observe(request.ByteSize(), _trip(LinkEstimate(5e6, 0.03), request.ByteSize()))
     sent = auto.prepare(request, timeout_s=0.15)
-    assert encoding_of(sent.inputs[0]) == ("fp16", "zstd")
-    assert auto.zstd_ratio is not None
-    assert 0 < auto.zstd_ratio < 0.5  # an upsampled image compresses well
+    assert encoding_of(sent.inputs[0]) == ("zstd",)  # lossless and within the time left at 5 Mbit/s
     assert sent.ByteSize() < request.ByteSize() * HEADROOM / 2
+    auto.planned = "fp16"  # a controller's plan wins over the per-request choice
+    assert encoding_of(auto.prepare(request, timeout_s=0.15).inputs[0]) == ("fp16",)
+    assert [o.encoding for o in WireEncoder("fp16").options()] == []
+    fixed_encoder = WireEncoder("fp16")
+    fixed_encoder.prepare(request, timeout_s=1.0)
+    assert [o.encoding for o in fixed_encoder.options()] == ["fp16"]
 
 
 def test_wire_encoder_refuses_unknown_encodings() -> None:

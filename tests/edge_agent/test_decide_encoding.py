@@ -1,0 +1,108 @@
+"""The rule chooses the wire encoding with the variant and the threshold (synthetic measurements).
+
+The stream and the edge model are `test_decide`'s (an 89 % edge model, a cloud right on 99.9 %). The
+request is an MNIST-sized one: 3,200 bytes as fp32, 1,600 as fp16.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from cloud_service.protocol import encode_request
+from edge_agent.budget import Budget
+from edge_agent.controller import Controller, ControllerConfig, choose
+from edge_agent.encoding import WireEncoder, WireOption
+from edge_agent.fleet_sync import decision_summary
+from edge_agent.profiles import LinkProfile
+
+from .test_decide import Clock, profile
+
+FP32 = WireOption("fp32", 3200, 0.0, exact=True)
+FP16 = WireOption("fp16", 1600, 0.05, exact=False)
+
+
+def narrow_link(mbps: float = 1.0, base_ms: float = 2.0, **kw: float) -> LinkProfile:
+    """A link whose round trips were measured with fp32 requests: `base_ms` plus 3,200 bytes at `mbps`."""
+    trip_ms = base_ms + FP32.nbytes * 8e-3 / mbps
+    args = {"rtt_ms": trip_ms, "rtt_high_ms": trip_ms * 1.05, "bytes_per_escalation": float(FP32.nbytes),
+            "energy_per_byte_mj": 1e-3, "wait_power_w": 0.3, **kw}
+    lp = LinkProfile(**args)  # type: ignore[arg-type]
+    lp.link.observe_transfer(100, base_ms / 1e3)
+    for _ in range(3):
+        lp.link.observe_transfer(FP32.nbytes, trip_ms / 1e3)
+        lp.link.observe_answer(trip_ms)
+    return lp
+
+
+def test_a_smaller_encoding_that_lets_more_escalations_fit_the_latency_budget_is_chosen() -> None:
+    """1 Mbit/s: fp32 escalations take ~27.6 ms, over a 25 ms p95 budget's target; fp16 ones take ~15 ms.
+    Searched alone, (variant, threshold) can escalate only what the p95 hides; jointly, fp16 escalates
+    far more and is more accurate."""
+    lp = narrow_link()
+    state = lp.state()
+    assert state.bandwidth_bps == pytest.approx(1e6, rel=0.01)
+    budget = Budget(latency_ms=25)
+    alone = choose([profile()], state, budget, ControllerConfig(), wires=[FP32])
+    joint = choose([profile()], state, budget, ControllerConfig(), wires=[FP32, FP16])
+    assert alone.encoding == "fp32"
+    assert alone.predicted_escalation_rate < 0.06
+    assert joint.encoding == "fp16"
+    assert joint.predicted_escalation_rate > 0.3
+    assert joint.predicted_accuracy > alone.predicted_accuracy + 0.02
+    assert joint.feasible
+    assert joint.inputs["wire"]["encoding"] == "fp16"
+    assert joint.inputs["wire"]["shift_ms"] == pytest.approx(-12.75, abs=0.2)  # 1,600 bytes fewer at 1 Mbit/s
+    doc = joint.to_json()
+    assert doc["encoding"] == "fp16"
+    assert doc["binding"] in {"none", "latency"}
+
+
+def test_on_a_fast_link_the_lossless_encoding_wins_a_tie() -> None:
+    """At 100 Mbit/s the bytes cost nothing that matters: fp16 is no more accurate, so fp32 stays."""
+    d = choose([profile()], narrow_link(mbps=100.0).state(), Budget(latency_ms=60), ControllerConfig(),
+               wires=[FP16, FP32])
+    assert d.encoding == "fp32"
+    assert d.predicted_escalation_rate > 0.3
+
+
+def test_an_energy_budget_prices_each_encodings_bytes() -> None:
+    """1 uJ per byte: an fp32 escalation's radio costs 3.2 mJ, fp16's 1.6 mJ. Under an energy budget that
+    binds, fp16 buys more escalations for the same energy, and the record says energy binds."""
+    lp = narrow_link(mbps=100.0)
+    budget = Budget(latency_ms=60, energy_mj=2.0)
+    alone = choose([profile()], lp.state(), budget, ControllerConfig(), wires=[FP32])
+    joint = choose([profile()], lp.state(), budget, ControllerConfig(), wires=[FP32, FP16])
+    assert alone.binding == "energy"
+    assert joint.encoding == "fp16"
+    assert joint.predicted_escalation_rate > alone.predicted_escalation_rate * 1.5
+    assert joint.predicted_energy_mj <= 2.0
+    assert joint.binding == "energy"
+
+
+def test_the_controller_plans_the_encoders_encoding_and_telemetry_names_it() -> None:
+    """A real encoder measures each encoding on a real request; the controller chooses among them and
+    sets the encoder's plan; a budget that loosens brings the lossless encoding back."""
+    clock = Clock()
+    lp = narrow_link()
+    c = Controller([profile()], Budget(latency_ms=25), link=lp, clock=clock)
+    assert c.current.encoding == ""  # no encoder: requests as built
+    encoder = WireEncoder("auto", meter=lp.link)
+    x = np.random.default_rng(0).random((1, 1, 28, 28), dtype=np.float32)
+    encoder.prepare(encode_request("m", {"x": x}), timeout_s=1.0)
+    c.attach_encoder(encoder)
+    c.observe_request(escalated=False, agreed=None, total_latency_ms=1.0)
+    clock.t += 1.0
+    decision = c.maybe_redecide()
+    assert decision is not None
+    assert decision.encoding in {"fp16", "fp16+zstd"}  # random pixels: zstd gains little, fp16 halves
+    assert encoder.planned == decision.encoding
+    summary = decision_summary(decision.to_json())
+    assert summary is not None
+    assert summary["encoding"] == decision.encoding
+    assert summary["binding"] == decision.binding
+    clock.t += 1.0
+    loose = c.set_budget(Budget(latency_ms=200))
+    assert loose is not None
+    assert loose.encoding == "fp32"
+    assert encoder.planned == "fp32"
