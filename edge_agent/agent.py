@@ -23,6 +23,10 @@ thread with no hop to the event loop; only escalations (`escalate`) run on the l
 observations go to a deque (thread-safe append, no lock on the hot path) that a background task
 folds into the statistics, the telemetry and the controller.
 
+The agent is assembled from parts that share its state (`edge_agent.agent_state`): the escalation
+path (`edge_agent.escalation`), result assembly (`edge_agent.results`) and background work
+(`edge_agent.background`: statistics, telemetry, the journal's drain).
+
 Example:
     >>> async with EdgeAgent("variants/", cloud="grpc://127.0.0.1:8001/digits",
     ...                      budget=Budget(latency_ms=20)) as agent:
@@ -39,75 +43,44 @@ import math
 import threading
 import time
 from collections import deque
-from collections.abc import Awaitable, Callable, Iterable, Mapping
-from dataclasses import dataclass
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from cloud_service.protocol import inference_pb2, topics
 from cloud_service.protocol.preprocess import Preprocess
-from cloud_service.protocol.wire import Request, raw_request, serialize_request, wire_size
 from compilers.package import ModelPackage
 from compilers.variants import VariantSet
 from compilers.version_floor import VersionFloor
 from edge_agent.adaptive import build_controller
+from edge_agent.agent_state import LateReply, Pending, Telemetry, perf_counter
 from edge_agent.audit import Auditor
+from edge_agent.background import Background
 from edge_agent.breaker import CircuitBreaker
 from edge_agent.budget import Budget
 from edge_agent.cache import ResultCache, input_key
-from edge_agent.controller import Controller, Decision
-from edge_agent.frames import from_frame, mark_frame
-from edge_agent.journal import Journal, JournalEntry, drain
+from edge_agent.controller import Controller
+from edge_agent.escalation import EscalationPath
+from edge_agent.frames import from_frame
+from edge_agent.journal import Journal
 from edge_agent.ladder import Variant, load_packages, open_variants
-from edge_agent.link import Link, TimerLateness
+from edge_agent.link import Link
 from edge_agent.options import AgentOptions
 from edge_agent.policy import Policy
-from edge_agent.prediction import Prediction, make_prediction
-from edge_agent.pushback import DrainPace, Pushback, retry_hint_s
-from edge_agent.replies import check_reply, decode_reply
-from edge_agent.stats import Stats, feed_controller, top1_agreed
+from edge_agent.prediction import Prediction
+from edge_agent.pushback import DrainPace, Pushback
+from edge_agent.stats import Stats
 from edge_agent.transports.base import Transport, open_transport
-from runtimes.errors import (
-    CloudTimeout,
-    CloudUnavailable,
-    EscalationError,
-    InputError,
-    JournalError,
-    JournalFull,
-    ModelClosed,
-)
+from runtimes.errors import InputError, ModelClosed
 from runtimes.spec import check_inputs
 
 __all__ = ["AgentOptions", "EdgeAgent", "LateReply", "Pending", "Telemetry"]
 
 logger = logging.getLogger(__name__)
 
-perf_counter = time.perf_counter
-Telemetry = Callable[[dict[str, Any]], Awaitable[None]]
-LateReply = Callable[[int, dict[str, np.ndarray] | None], None]
 
-
-@dataclass
-class Pending:
-    """An edge result with rows to escalate: what `escalate` needs to finish the request."""
-
-    variant: Variant
-    inputs: dict[str, np.ndarray]
-    outputs: dict[str, np.ndarray]
-    scores: np.ndarray
-    mask: np.ndarray
-    single: bool
-    t0: float
-    edge_ms: float
-    keep: bool
-    key: bytes | None
-    seq: int
-    frame: np.ndarray | None = None  # the raw [N, H, W, C] uint8 frame the inputs were made from
-
-
-class EdgeAgent:
+class EdgeAgent(EscalationPath, Background):
     """Composes edge sessions, an escalation policy, a transport, a breaker, a cache and a journal.
 
     Args:
@@ -344,13 +317,6 @@ class EdgeAgent:
             raise InputError(msg)
         return inputs, flags == {True}
 
-    def _current(self) -> tuple[Variant, float | None]:
-        ctl = self.controller
-        if ctl is None:
-            return self._variant, self._threshold
-        decision = ctl.current
-        return self.variants.get(decision.variant, self._variant), decision.threshold
-
     def edge(self, x: Any, *, t0: float, keep: bool = False, frame: np.ndarray | None = None) -> Prediction | Pending:
         """The synchronous part: check, cache, run the variant, score. Escalation is left `Pending`."""
         if self._closed:
@@ -394,268 +360,6 @@ class EdgeAgent:
             self.audits.submit(v.id, inputs, outputs, seq)
         return self._finish(v, outputs, scores, single, t0, edge_ms, seq, key=key)
 
-    async def escalate(self, p: Pending) -> Prediction:
-        """The asynchronous part: send the unsure rows within the deadline, merge or degrade."""
-        rows = np.flatnonzero(p.mask)
-        # capped at a quarter of the budget: a burst of load must not make every escalation look out of time
-        guard_ms = self.options.margin_ms + min(self.link.margin_ms(), self.budget.latency_ms / 4)
-        budget_ms = self.budget.latency_ms
-        if (ctl := self.controller) is not None:  # it plans escalations to end where this timer ends them
-            budget_ms *= ctl.deadline_scale()
-        left_ms = budget_ms - (perf_counter() - p.t0) * 1e3 - guard_ms
-        needed_ms = self._rtt_needed()
-        reason = self._skip_reason(left_ms, needed_ms)
-        if reason:
-            return await self._degrade(p, rows, reason, None)
-        whole = len(rows) == len(p.mask)
-        sub = p.inputs if whole else {k: a[rows] for k, a in p.inputs.items()}
-        expected = p.outputs if whole else {k: a[rows] for k, a in p.outputs.items()}
-        request = self._request(p, sub, rows, left_ms)
-        kept: str | None = None  # with `keep`: "" once journaled ahead of the send, else why it could not be
-        if p.keep and self.journal is not None:
-            kept = await self._journal_ahead(p, request)
-            left_ms = budget_ms - (perf_counter() - p.t0) * 1e3 - guard_ms
-            if left_ms < self.options.min_deadline_ms:  # the fsync took what was left: it is sent later
-                self._settle(p.seq, answered=False)
-                return await self._degrade(p, rows, kept or "budget", None, kept=kept)
-        try:
-            return await self._send(p, rows, request, expected, left_ms, needed_ms, whole, kept)
-        except BaseException:
-            self._settle(p.seq, answered=False)  # cancelled or strict: the journaled entry stays for the drain
-            raise
-
-    async def _send(self, p: Pending, rows: np.ndarray, request: Request,
-                    expected: dict[str, np.ndarray], left_ms: float, needed_ms: float, whole: bool,
-                    kept: str | None) -> Prediction:
-        timeout_s = left_ms / 1e3
-        self.link.attempted()
-        sent = perf_counter()
-        due = sent + timeout_s
-        error: EscalationError | None = None
-        try:
-            # The agent's own timer ends the call, whatever the transport's deadline does (gRPC's fires
-            # 2-3 ms late on a loaded host): cancelling the call abandons it, and no reply can come
-            # after the answer. It is set `guard_ms` before the budget ends, what abandoning has been
-            # observed to take, so the degraded answer is still ready inside the budget.
-            async with asyncio.timeout_at(asyncio.get_running_loop().time() + timeout_s):
-                response = await self.transport.escalate(request, timeout_s=timeout_s)  # type: ignore[union-attr]
-        except TimeoutError:
-            error = CloudTimeout(f"the cloud did not answer within {left_ms:.1f} ms")
-        except EscalationError as exc:
-            error = exc
-        rtt_ms = (perf_counter() - sent) * 1e3
-        if error is not None:
-            timed_out = isinstance(error, CloudTimeout)
-            busy = not timed_out and self.pushback.note(error)  # the cloud is there, shedding load
-            self._link_failed(error, rtt_ms, busy=busy)
-            self.breaker.record_failure(timeout=timed_out)
-            if self.options.strict:
-                if timed_out:
-                    self.link.observe_lateness((perf_counter() - due) * 1e3)
-                raise error
-            kind = ("timeout" if timed_out else "cloud_busy" if busy
-                    else "unavailable" if isinstance(error, CloudUnavailable) else "error")
-            logger.debug("escalation %d failed (%s): %s", p.seq, kind, error)
-            self._settle(p.seq, answered=False)
-            pred = await self._degrade(p, rows, kind, request, rtt_ms=rtt_ms, kept=kept)
-            if timed_out:  # how late the answer is past the timer's due time: the next timer ends that much earlier
-                self.link.observe_lateness((perf_counter() - due) * 1e3)
-            return pred
-        self._settle(p.seq, answered=True)  # answered (even unusably): sending it again would not help
-        cloud = check_reply(response, self.cloud_model, expected)
-        if isinstance(cloud, str):
-            self.link.observe_refusal()
-            self.breaker.record_failure()
-            logger.warning("ignoring the cloud's answer to request %d: %s", p.seq, cloud)
-            return await self._degrade(p, rows, "bad_reply", None, rtt_ms=rtt_ms)
-        # a probe (sent although the view said it would not fit) answered in time: the slow samples are stale
-        self.link.observe_answer(rtt_ms, probe=needed_ms > left_ms)
-        self.breaker.record_success()
-        if self.journal is not None and self.journal.count() and self._drain_wake is not None:
-            self._drain_wake.set()  # the cloud answers again: deliver what waits, now rather than on a timer
-        first = self.outputs[0].name
-        agreed = top1_agreed(expected[first], cloud[first])
-        self.audits.label(expected[first], cloud[first], 1.0)  # an escalation: compared with probability 1
-        if whole:
-            merged = cloud
-        else:
-            merged = p.outputs  # ours: onnxruntime hands back fresh arrays
-            for k, a in cloud.items():
-                merged[k][rows] = a
-        cloud_rows = p.mask.copy()
-        return self._finish(p.variant, merged, p.scores, p.single, p.t0, p.edge_ms, p.seq, cloud_rows=cloud_rows,
-                            rtt_ms=rtt_ms, nbytes=wire_size(request), key=p.key, wanted=len(rows), agreed=agreed)
-
-    @property
-    def lateness(self) -> TimerLateness:
-        """The agent timer's measured lateness (the link's)."""
-        return self.link.lateness
-
-    def _link_failed(self, error: EscalationError, waited_ms: float, *, busy: bool) -> None:
-        """Tell the link how an escalation failed: a timeout, a busy cloud (its hint is `pushback`'s), a refusal."""
-        if isinstance(error, CloudTimeout):
-            self.link.observe_timeout(waited_ms)  # censored, but it teaches the link it is slow
-        else:
-            self.link.observe_refusal(waited_ms, busy=busy, retry_after_s=retry_hint_s(error) if busy else None)
-
-    def _rtt_needed(self) -> float:
-        """The round trip an escalation must fit in: a high quantile of the recent ones; with a
-        controller, whose threshold already accounts for the link, a share of the median only."""
-        if self.controller is None:
-            return self.link.quantile(self.options.rtt_quantile)
-        return self.options.rtt_skip_share * self.link.quantile(0.5)
-
-    def _skip_reason(self, left_ms: float, needed_ms: float) -> str:
-        if left_ms < self.options.min_deadline_ms:
-            return "budget"
-        # while the link is judged too slow, one escalation in `rtt_probe_s` goes anyway: the probe that
-        # notices a returned link (its answer still helps the request it carries)
-        if needed_ms > left_ms and time.monotonic() - self.link.last_attempt < self.options.rtt_probe_s:
-            return "rtt"
-        cap = self.budget.max_escalations_per_s
-        if cap is not None:
-            tokens, last = self._tokens
-            now = time.monotonic()
-            tokens = min(max(cap, 1.0), tokens + (now - last) * cap)
-            if tokens < 1.0:
-                self._tokens = (tokens, now)
-                return "rate"
-            self._tokens = (tokens - 1.0, now)
-        if self.pushback.active():
-            return "cloud_busy"
-        return "" if self.breaker.allow() else "breaker_open"
-
-    def spare_token(self) -> bool:
-        """Take a token of the `max_escalations_per_s` bucket for background work (an audit) only when one
-        is left over for the next escalation (on the loop, where escalations take theirs)."""
-        cap = self.budget.max_escalations_per_s
-        if cap is None:
-            return True
-        tokens, last = self._tokens
-        now = time.monotonic()
-        tokens = min(max(cap, 1.0), tokens + (now - last) * cap)
-        if tokens < 2.0:
-            self._tokens = (tokens, now)
-            return False
-        self._tokens = (tokens - 1.0, now)
-        return True
-
-    def _request(self, p: Pending, sub: Mapping[str, np.ndarray], rows: np.ndarray,
-                 left_ms: float) -> Request:
-        edge_answer = p.outputs[self.outputs[0].name][rows].reshape(len(rows), -1).argmax(axis=1)
-        params: dict[str, str | int | float] = {
-            topics.PARAM_DEVICE: self.options.device_id, topics.PARAM_BOOT: self.options.boot_id,
-            topics.PARAM_SEQ: p.seq, topics.PARAM_VARIANT: p.variant.id,
-            topics.PARAM_EDGE_SCORE: float(p.scores[rows].min()),
-            topics.PARAM_EDGE_ANSWER: ",".join(map(str, edge_answer.tolist())),
-            topics.PARAM_DEADLINE_MS: int(time.time() * 1e3 + left_ms),
-            topics.PARAM_TRACE: f"{self.options.boot_id}-{p.seq}",
-        }
-        rid = f"{self.options.boot_id}-{p.seq}"
-        if p.frame is not None and self.options.send_frames and self._single_input is not None:
-            # the raw frame instead of the input: the cloud applies the package's declared preprocessing
-            frames = p.frame if len(rows) == len(p.mask) else p.frame[rows]
-            return mark_frame(raw_request(self.cloud_model, {self._single_input: frames}, request_id=rid,
-                                          parameters=params))
-        # the tensors travel beside the message: serialized once, straight from the arrays (protocol.wire)
-        return raw_request(self.cloud_model, sub, request_id=rid, parameters=params)
-
-    async def _journal_ahead(self, p: Pending, request: Request) -> str:
-        """Journal the escalation durably before it is sent; "" when held, else why not (then it is only sent)."""
-        assert self.journal is not None
-        self._inflight[p.seq] = asyncio.get_running_loop().create_future()
-        try:  # fsync: off the loop
-            await asyncio.to_thread(self.journal.append, "escalation", serialize_request(request),
-                                    device=self.options.device_id, boot_id=self.options.boot_id, seq=p.seq)
-        except JournalError as exc:
-            logger.warning("escalation %d not kept: %s", p.seq, exc)
-            self._settle(p.seq, answered=False)
-            return "journal_full" if isinstance(exc, JournalFull) else "journal_error"
-        return ""
-
-    def _settle(self, seq: int, *, answered: bool) -> None:
-        """A journaled-ahead escalation's send ended: clear its entry (in the background) once answered."""
-        flight = self._inflight.get(seq)
-        if flight is None or flight.done():
-            return
-        flight.set_result(answered)
-        if not answered or self.journal is None:
-            self._inflight.pop(seq, None)
-            return
-        task = asyncio.get_running_loop().create_task(asyncio.to_thread(
-            self.journal.clear, device=self.options.device_id, boot_id=self.options.boot_id, seq=seq))
-        self._background.add(task)
-        task.add_done_callback(lambda t: self._cleared(seq, t))
-
-    def _cleared(self, seq: int, task: asyncio.Task[Any]) -> None:
-        self._background.discard(task)
-        self._inflight.pop(seq, None)
-        if not task.cancelled() and task.exception() is not None:  # it stays; the drain sends it (deduplicated)
-            logger.warning("could not clear answered escalation %d from the journal: %s", seq, task.exception())
-
-    async def _degrade(self, p: Pending, rows: np.ndarray, reason: str,
-                       request: Request | None, *, rtt_ms: float | None = None,
-                       kept: str | None = None) -> Prediction:
-        """The local answer, marked degraded. With `keep`, the escalation stays journaled for the drain (it
-        was journaled before the send; `kept` says how that went), or is journaled now when it was not sent."""
-        if kept is not None:
-            if kept:
-                reason = kept
-            else:
-                self.stats.journaled += 1
-        elif p.keep and self.journal is not None and reason != "bad_reply":
-            if request is None:
-                request = self._request(p, {k: a[rows] for k, a in p.inputs.items()}, rows, 0.0)
-            try:
-                # durable before the answer returns (fsync: off the loop), so kill -9 loses nothing
-                await asyncio.to_thread(self.journal.append, "escalation", serialize_request(request),
-                                        device=self.options.device_id, boot_id=self.options.boot_id, seq=p.seq)
-                self.stats.journaled += 1
-            except JournalError as exc:  # a full journal, a full or failing disk: answer anyway, say why
-                logger.warning("escalation %d not kept: %s", p.seq, exc)
-                reason = "journal_full" if isinstance(exc, JournalFull) else "journal_error"
-        return self._finish(p.variant, p.outputs, p.scores, p.single, p.t0, p.edge_ms, p.seq, degraded=True,
-                            reason=reason, rtt_ms=rtt_ms, wanted=len(rows))
-
-    def _finish(self, v: Variant, outputs: dict[str, np.ndarray], scores: np.ndarray, single: bool, t0: float,
-                edge_ms: float, seq: int, *, cloud_rows: np.ndarray | None = None, degraded: bool = False,
-                reason: str = "", rtt_ms: float | None = None, nbytes: int = 0, key: bytes | None = None,
-                wanted: int = 0, agreed: bool | None = None) -> Prediction:
-        total_ms = (perf_counter() - t0) * 1e3
-        power = self.options.power
-        if self._measured_mj is not None:
-            energy, label = self._measured_mj, self.meter.label
-        else:  # watts x milliseconds = millijoules
-            energy = (power.busy_watts * edge_ms + power.idle_watts * (rtt_ms or 0.0)
-                      + power.joules_per_byte_sent * nbytes * 1e3)
-            label = power.label
-        n = len(scores)
-        if cloud_rows is None:
-            cloud_rows = np.zeros(n, dtype=bool)
-        if single:
-            outputs = {k: a[0] for k, a in outputs.items()}
-        tier = "cloud" if rtt_ms is not None and not degraded else "edge"
-        pred = make_prediction(outputs, tier, float(scores[0] if n == 1 else scores.min()), v.id, degraded, total_ms,
-                           energy, label, scores, cloud_rows, reason, False, seq, self.release)
-        # the controller's edge energy travels with `label`: the measured figure when measured, else modeled
-        edge_mj = energy if self._measured_mj is not None else power.busy_watts * edge_ms
-        self._obs.append((v.id, edge_ms, edge_mj, energy, label, n, wanted, tier, degraded,
-                          reason, rtt_ms, nbytes, agreed, total_ms, False, pred.score))
-        if key is not None and not degraded and self.cache is not None:
-            # the cache keeps its own copy: the app may edit the arrays it was handed
-            self.cache.put(key, make_prediction({k: a.copy() for k, a in outputs.items()}, tier, pred.score, v.id,
-                                                False, total_ms, energy, label, scores.copy(), cloud_rows.copy(),
-                                                reason, False, seq, self.release))
-        return pred
-
-    def _cached(self, hit: Prediction, t0: float) -> Prediction:
-        total_ms = (perf_counter() - t0) * 1e3
-        self._obs.append((hit.variant, 0.0, 0.0, 0.0, hit.energy_label, len(hit.scores), 0, hit.tier, False, "",
-                          None, 0, None, total_ms, True, hit.score))
-        return make_prediction({k: a.copy() for k, a in hit.outputs.items()}, hit.tier, hit.score, hit.variant,
-                               False, total_ms, 0.0, hit.energy_label, hit.scores.copy(), hit.cloud_rows.copy(), "",
-                               True, hit.seq, self.release)
-
     # -- control -------------------------------------------------------------------------------
 
     def set_budget(self, budget: Budget) -> None:
@@ -679,11 +383,6 @@ class EdgeAgent:
     def variant(self) -> str:
         """The id of the variant requests run on now."""
         return self._current()[0].id
-
-    @property
-    def decision(self) -> Decision | None:
-        """The controller's decision in force (inputs, predictions, why), or None without a controller."""
-        return None if self.controller is None else self.controller.current
 
     @property
     def inline(self) -> bool:
@@ -712,140 +411,3 @@ class EdgeAgent:
             self._batch_ms[key] = 0.8 * old + 0.2 * ms
         elif len(self._batch_ms) < 1024:  # bounded: one entry per batch size seen
             self._batch_ms[key] = ms
-
-    def late(self, p: Pending) -> Prediction:
-        """The local answer to a pending request whose escalation could not finish (thread-safe)."""
-        return self._finish(p.variant, p.outputs, p.scores, p.single, p.t0, p.edge_ms, p.seq, degraded=True,
-                            reason="late", wanted=int(p.mask.sum()))
-
-    # -- background: statistics, controller, telemetry, journal ------------------------------
-
-    def fold(self) -> None:
-        """Fold pending observations into `stats` and the controller (any thread)."""
-        if not self._obs:
-            return
-        with self._fold_lock:
-            ctl = self.controller
-            while self._obs:
-                rec = self._obs.popleft()
-                self.stats.add(rec)
-                if ctl is not None:
-                    feed_controller(ctl, rec)
-            if ctl is not None:
-                try:
-                    ctl.maybe_redecide()
-                except Exception:
-                    logger.exception("the controller failed to redecide; keeping its last decision")
-
-    def snapshot(self) -> dict[str, Any]:
-        """Counters, latency quantiles and state, as published in telemetry."""
-        self.fold()
-        variant, threshold = self._current()
-        to_json = getattr(self.decision, "to_json", None)
-        return {"device": self.options.device_id, "boot_id": self.options.boot_id, "ts": time.time(),
-                "model": self.model_name, "variant": variant.id,
-                "threshold": variant.policy.threshold if threshold is None else threshold,
-                "budget_ms": self.budget.latency_ms, "breaker": self.breaker.state,
-                "journal_pending": self._journal_pending(),
-                "journal_recovered_from": str(self.journal.recovered_from or "") if self.journal else "",
-                "decision": to_json() if to_json is not None else None, "refused_variants": dict(self.refused),
-                **(stats := self.stats.snapshot()), **self.audits.snapshot(stats)}
-
-    async def _housekeeping(self) -> None:
-        """Fold observations, read the meter, publish telemetry. Folding feeds the controller, which may
-        re-decide: that runs in a worker thread. The loop wakes 20 times a second only while a controller
-        has fresh observations to learn from; otherwise at most once a second."""
-        next_telemetry = time.monotonic() + self.options.telemetry_interval_s
-        next_meter, seen = time.monotonic() + 1.0, 0
-        while True:
-            busy = self.controller is not None and bool(self._obs)
-            if busy:
-                await asyncio.to_thread(self.fold)
-            elif self._obs:
-                self.fold()  # statistics only: a few µs per observation
-            now = time.monotonic()
-            wait = 0.05 if busy else 1.0
-            if self.meter is not None:
-                wait = min(wait, next_meter - now)
-            if self.telemetry is not None:
-                wait = min(wait, next_telemetry - now)
-            await asyncio.sleep(max(wait, 0.01))
-            now = time.monotonic()
-            if self.meter is not None and now >= next_meter:
-                reading = self.meter.stop()
-                self.meter.start()
-                served, seen = self.stats.requests - seen, self.stats.requests
-                if served and str(reading.label).startswith("measured:"):
-                    self._measured_mj = reading.joules * 1e3 / served
-                next_meter = now + 1.0
-            if self.telemetry is not None and now >= next_telemetry:
-                next_telemetry = now + self.options.telemetry_interval_s
-                try:
-                    await self.telemetry(self.snapshot())
-                except Exception:
-                    logger.exception("publishing telemetry failed; it is skipped this time")
-
-    def _journal_pending(self) -> int:
-        return 0 if self.journal is None else self.journal.count()
-
-    async def _drain_loop(self) -> None:
-        """Deliver the journal: woken at once when a live escalation is answered, else every `drain_interval_s`.
-
-        A drain starts with one entry sent with the short `drain_probe_s` deadline, whatever the breaker
-        says (it is background work and costs no request its budget): once the cloud answers that probe,
-        the rest follows `drain_window` at a time. A transport that says it is disconnected is not probed.
-        """
-        assert self._drain_wake is not None
-        wake = self._drain_wake
-        while True:
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(self.options.drain_interval_s):
-                    await wake.wait()
-            wake.clear()
-            if not self._journal_pending() or getattr(self.transport, "connected", True) is False:
-                continue
-            if (busy_s := self.pushback.remaining_s()) > 0:  # the cloud asked for a pause: drain after it
-                await asyncio.sleep(busy_s)
-            try:
-                await self.drain_journal()
-            except Exception:
-                logger.exception("draining the journal failed; retrying later")
-
-    async def drain_journal(self) -> int:
-        """Send journaled escalations, oldest first, until one fails; returns how many were delivered."""
-        if self.journal is None:
-            return 0
-        first = True
-
-        async def send(entry: JournalEntry) -> None:
-            nonlocal first
-            probe, first = first, False
-            await self._send_journaled(entry, probe=probe)
-
-        return await drain(self.journal, send, window=self.options.drain_window, pace=self._pace)
-
-    async def _send_journaled(self, entry: JournalEntry, *, probe: bool = False) -> None:
-        if entry.boot_id == self.options.boot_id and entry.device == self.options.device_id:
-            flight = self._inflight.get(entry.seq)
-            if flight is not None and await asyncio.shield(flight):
-                return  # its live send was answered; the journal entry is being cleared
-        request = inference_pb2.ModelInferRequest.FromString(entry.payload)
-        timeout_s = min(self.options.drain_probe_s, self.options.drain_timeout_s) if probe else \
-            self.options.drain_timeout_s
-        request.parameters[topics.PARAM_DEADLINE_MS].int64_param = int(time.time() * 1e3 + timeout_s * 1e3)
-        try:
-            response = await self.transport.escalate(request, timeout_s=timeout_s)  # type: ignore[union-attr]
-        except EscalationError as exc:
-            if self.pushback.note(exc):  # busy: the drain slows down and pauses for the hint
-                self._pace.on_busy()
-                self.link.observe_refusal(busy=True, retry_after_s=retry_hint_s(exc))  # the link's view too
-            raise
-        self._pace.on_answer()
-        self.breaker.record_success()
-        self.stats.late_replies += 1
-        if self.on_late_reply is not None:
-            try:
-                self.on_late_reply(entry.seq, decode_reply(response))
-            except Exception:
-                logger.exception("the late-reply callback failed for seq %d", entry.seq)
-
