@@ -273,16 +273,17 @@ class Controller:
         return self._redecide()
 
     def _link_event(self, now: float) -> None:
-        """The link changed state: re-decide at once. A run of timeouts or refusals (a loss burst, an
-        outage) is not evidence about the plan: the 1-s windows it spoiled (the one that closed within
-        a window before, and the one open now) do not tighten the latency target, and a move that only
-        saves energy waits `link_settle_s`, so that a burst shorter than that does not take the
-        escalations away and give them back (each return costs the time to notice the link again)."""
+        """The link changed state: re-decide at once. A link that got worse (a run of timeouts, a loss
+        burst, an outage, round trips that moved up) is no evidence about the plan, which was made for
+        the link before: the 1-s windows the change spoiled (the one that closed within a window
+        before, and the one open now) do not tighten the latency target, and a move that only saves
+        energy waits `link_settle_s`, so that a burst shorter than that does not take the escalations
+        away and give them back (each return costs the time to notice the link again)."""
         link = self.link.link if self.link is not None else None
         if link is None:
             return
         self._epoch_at = now
-        if not link.up or link.slow:
+        if not link.up or link.slow or link.event == "slower":
             self._excused_until = now + self.config.window_s
             if self._cut is not None and now - self._cut[0] <= self.config.window_s:
                 self.latency_windows.scale = self._cut[1]

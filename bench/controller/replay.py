@@ -77,6 +77,7 @@ def replay(controller: Any, models: Models, phases: list[Phase], trace: np.ndarr
                                                  ("guard_ms", float), ("deadline_scale", float))}
     variants: list[str] = []
     reasons: list[str] = []
+    encodings: list[str] = []  # the controller's planned wire encoding ("" where none is planned)
     labels: set[str] = set()
     # The warm-up runs on the plain link under a loose budget whatever the first phase is: it opens the
     # channel and teaches the agent the round trip. Under a tight first budget (12 ms with jitter) the
@@ -107,7 +108,7 @@ def replay(controller: Any, models: Models, phases: list[Phase], trace: np.ndarr
                 due = start + k / rate
                 if (wait := due - time.perf_counter()) > 0:
                     time.sleep(wait)
-                i = trace[k]
+                i = trace[k % trace.size]  # a calibration phase may be longer than a shortened trace
                 threshold = float(controller.current.threshold)
                 # what the agent's timer ends escalations by: its learned lateness, and the share of the budget
                 rec["guard_ms"][k] = model.agent.lateness.margin_ms()
@@ -119,6 +120,7 @@ def replay(controller: Any, models: Models, phases: list[Phase], trace: np.ndarr
                 rec["wanted"][k] = pred.score < threshold
                 rec["correct"][k] = int(pred.outputs["logits"].argmax()) == int(y[i])
                 rec["threshold"][k] = threshold
+                encodings.append(str(getattr(controller.current, "encoding", "")))
                 variants.append(pred.variant)
                 reasons.append(pred.reason)
                 labels.add(pred.energy_label)
@@ -126,6 +128,6 @@ def replay(controller: Any, models: Models, phases: list[Phase], trace: np.ndarr
         decisions = [d.to_json() for d in getattr(controller, "decisions", [])]
     finally:
         model.close()
-    return {**rec, "variant": np.array(variants), "reason": np.array(reasons),
+    return {**rec, "variant": np.array(variants), "reason": np.array(reasons), "encoding": np.array(encodings),
             "energy_label": ", ".join(sorted(labels)), "decisions": decisions,
             "redecisions": getattr(controller, "redecisions", 0)}

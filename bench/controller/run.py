@@ -241,6 +241,7 @@ def main(argv: list[str] | None = None) -> int:
     print(table(results, plan, labels))
     print(f"\ncontroller: {records['controller']['redecisions']} re-decisions, "
           f"{len(records['controller']['decisions'])} recorded decisions")
+    print_encodings(records["controller"], plan)
     ctl, oracle = results["controller"], results["oracle"]
     if binding:
         check_binding(ctl, results, plan)
@@ -264,6 +265,17 @@ def main(argv: list[str] | None = None) -> int:
               f"proxy on loopback. Plot: `{png}`.")
     print("\n" + markdown(results, plan, header=header, labels=labels["controller"]))
     return 0
+
+
+def print_encodings(rec: dict[str, Any], plan: list[Phase]) -> None:
+    """The wire encodings the controller planned in each phase (share of requests), where it planned any."""
+    if not any(rec["encoding"]):
+        return
+    print("controller's wire encoding per phase (share of requests): " + "; ".join(
+        f"{phase.name}: " + ", ".join(f"{e or 'per request'} {n / (rec['phase'] == pi).sum():.0%}" for e, n in
+                                      zip(*np.unique(rec["encoding"][rec["phase"] == pi], return_counts=True),
+                                          strict=True))
+        for pi, phase in enumerate(plan)))
 
 
 def meets(row: dict[str, Any], phase: Phase) -> bool:
