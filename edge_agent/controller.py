@@ -9,9 +9,9 @@ module feeds that rule with measurements and says when to apply it.
 `link.Link`, seen through `profiles.LinkProfile`. With a wire encoder that may choose
 (`attach_encoder`), it chooses the escalations' encoding together with the variant and threshold
 from the encodings the encoder measured, and sets the encoder's `planned` encoding. It re-decides
-when one of these drifts (at most every `redecide_gap_s`), at once when the link changes state
-(down, up, a round trip that moved by half: the link's `epoch`) or a budget changes, and at least
-every `redecide_interval_s`.
+when one of these drifts or the round trip moves by half (at most every `redecide_gap_s`), at once
+when the link goes down or comes up (the link's `epoch`) or a budget changes, and at least every
+`redecide_interval_s`.
 
 Thread ownership: one thread owns a controller's state, the one that calls `observe_*`,
 `maybe_redecide` and `set_budget` (the agent folds observations in a worker thread under its fold
@@ -265,7 +265,10 @@ class Controller:
         if self.encoder is not None and self.encoder.options() is not self._wires:
             self._flag("wire encodings")
         if self._pending:
-            urgent = any(r.startswith(("cloud ", "round trip ")) for r in self._pending)
+            # the cloud going or coming back re-decides at once; a round trip that moved waits the gap like
+            # any drift (on a link at the edge of the deadline it moves every few requests, and each
+            # re-decision is CPU the agent's timer competes with)
+            urgent = any(r.startswith("cloud ") for r in self._pending)
             if not urgent and now - self._redecided_at < self.config.redecide_gap_s:
                 return None
         elif self._n == 0 or now - self.current.at < self.config.redecide_interval_s:
