@@ -146,6 +146,18 @@ class WireEncoder:
             return request
         return self._reencode(request, encoding)
 
+    def sent_bytes(self, plain_bytes: int) -> int:
+        """The bytes a plain fp32 request of `plain_bytes` goes out as: in the planned encoding (or the
+        one last chosen per request), by the sizes measured on the latest request; what the agent
+        charges radio energy for, as the controller's plan does."""
+        encoding = self.planned if self.wire_encoding == "auto" else self.wire_encoding
+        if encoding is None and self.last is not None:
+            encoding = self.last.encoding
+        if self._costs is None or self._shape is None or encoding not in self._costs:
+            return plain_bytes
+        raw, rest = self._shape
+        return round(plain_bytes * (rest + raw * self._costs[encoding][0]) / max(rest + raw, 1))
+
     def observe(self, nbytes: int, elapsed_s: float) -> None:
         """A completed escalation: bytes both ways and round-trip seconds."""
         self.meter.observe_transfer(nbytes, elapsed_s)

@@ -130,12 +130,18 @@ class EscalationPath(ResultAssembly):
                 merged[k][rows] = a
         cloud_rows = p.mask.copy()
         return self._finish(p.variant, merged, p.scores, p.single, p.t0, p.edge_ms, p.seq, cloud_rows=cloud_rows,
-                            rtt_ms=rtt_ms, nbytes=wire_size(request), key=p.key, wanted=len(rows), agreed=agreed)
+                            rtt_ms=rtt_ms, nbytes=self._sent_bytes(request), key=p.key, wanted=len(rows),
+                            agreed=agreed)
 
     @property
     def lateness(self) -> TimerLateness:
         """The agent timer's measured lateness (the link's)."""
         return self.link.lateness
+
+    def _sent_bytes(self, request: Request) -> int:
+        """The request's bytes as the transport's wire encoder sends them (radio energy is charged on those)."""
+        encoder = getattr(self.transport, "encoder", None)
+        return wire_size(request) if encoder is None else int(encoder.sent_bytes(wire_size(request)))
 
     def _link_failed(self, error: EscalationError, waited_ms: float, *, busy: bool) -> None:
         """Tell the link how an escalation failed: a timeout, a busy cloud (its hint is `pushback`'s), a refusal."""

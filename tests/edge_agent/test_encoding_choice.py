@@ -102,7 +102,9 @@ def test_wire_encoder_reencodes_fp32_and_measures_each_encoding() -> None:
     assert encoding_of(sent.inputs[0]) == ("zstd",)  # lossless and within the time left at 5 Mbit/s
     assert sent.ByteSize() < request.ByteSize() * HEADROOM / 2
     auto.planned = "fp16"  # a controller's plan wins over the per-request choice
-    assert encoding_of(auto.prepare(request, timeout_s=0.15).inputs[0]) == ("fp16",)
+    sent = auto.prepare(request, timeout_s=0.15)
+    assert encoding_of(sent.inputs[0]) == ("fp16",)
+    assert auto.sent_bytes(request.ByteSize()) == pytest.approx(sent.ByteSize(), rel=0.02)  # what radio costs
     assert [o.encoding for o in WireEncoder("fp16").options()] == []
     fixed_encoder = WireEncoder("fp16")
     fixed_encoder.prepare(request, timeout_s=1.0)
