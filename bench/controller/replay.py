@@ -125,9 +125,10 @@ def replay(controller: Any, models: Models, phases: list[Phase], trace: np.ndarr
                 reasons.append(pred.reason)
                 labels.add(pred.energy_label)
                 k += 1
-        decisions = [d.to_json() for d in getattr(controller, "decisions", [])]
     finally:
         model.close()
+    # read once the agent is closed: its fold thread appends decisions while requests flow
+    decisions = [d.to_json() for d in getattr(controller, "decisions", [])]
     return {**rec, "variant": np.array(variants), "reason": np.array(reasons), "encoding": np.array(encodings),
             "energy_label": ", ".join(sorted(labels)), "decisions": decisions,
             "redecisions": getattr(controller, "redecisions", 0)}
