@@ -78,9 +78,9 @@ def bench_raw(store: FleetStore, tel: TelemetryStore, devices: list[str], n: int
 
 
 def _parse(payload: bytes) -> Any:
-    from cloud_service.fleet.telemetry import _Window
+    from cloud_service.protocol.fleet_docs import parse_telemetry
 
-    return _Window.model_validate_json(payload)
+    return parse_telemetry(payload)
 
 
 def bench_store(tel: TelemetryStore, devices: list[str], n: int) -> float:

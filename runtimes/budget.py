@@ -91,14 +91,14 @@ class BudgetOverride:
             if k not in FIELDS:
                 msg = f"{where}.{k} is not a budget field; use {', '.join(FIELDS)}"
                 raise ConfigError(msg)
-            if v is not None and not _number(v):
-                msg = f"{where}.{k} must be a number or null, got {v!r}"
-                raise ConfigError(msg)
-        try:
-            return cls(tuple((str(k), None if v is None else float(v)) for k, v in sorted(value.items())))
-        except ConfigError as exc:
-            msg = f"{where}: {exc}"
-            raise ConfigError(msg) from None
+            try:
+                if v is not None and not _number(v):
+                    raise ConfigError(f"must be a number or null, got {v!r}")  # noqa: EM102
+                Budget(**{k: None if v is None else float(v)})  # type: ignore[arg-type]  # its own rule
+            except ConfigError as exc:
+                msg = f"{where}.{k}: {exc}"
+                raise ConfigError(msg) from None
+        return cls(tuple((str(k), None if v is None else float(v)) for k, v in sorted(value.items())))
 
     def apply(self, base: Budget) -> Budget:
         return dataclasses.replace(base, **dict(self.values))  # type: ignore[arg-type]

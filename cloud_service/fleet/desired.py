@@ -5,7 +5,8 @@ those labels) or `device=ID`. A device's effective document merges its matching 
 priority order (higher wins; key by key, nested mappings merged), and its version is the highest
 version among them. A rollout assigns a release to a device through a layer of its own,
 `rollout/device=ID` (no operator selector can take that form), at a priority above labels and
-below the operator's device layers: `{"release": "sha256:...", "soak": {"requests": 200}}`.
+below the operator's device layers: `{"release": "sha256:...", "soak": {"requests": 50}}`.
+Every document is a `cloud_service.protocol.fleet_docs.Desired` (the one parser of the wire contract).
 Versions come from one counter, so a device's effective version only grows.
 The agent reports on `.../reported` once a document has taken effect, naming that version and the
 model digest it runs; a device whose reported version stays behind for `drift_after_s` is drift.
@@ -24,56 +25,48 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Mapping
 from typing import Any
 
 import sqlalchemy as sa
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from cloud_service.fleet import schema as t
 from cloud_service.fleet.errors import InvalidDocument
 from cloud_service.fleet.registry import parse_labels
 from cloud_service.fleet.store import FleetStore
-from runtimes.documents import validation_problems
+from cloud_service.protocol.fleet_docs import Desired, Reported, parse_desired, parse_reported
+from runtimes.errors import ConfigError
 
 DEFAULT_PRIORITY = {"fleet": 0, "labels": 100, "rollout": 500, "device": 1000}
 ROLLOUT_PREFIX = "rollout/"
 
 
-class _Budget(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    latency_ms: float | None = Field(default=None, gt=0, allow_inf_nan=False)
-    energy_mj: float | None = Field(default=None, gt=0, allow_inf_nan=False)
-    max_escalations_per_s: float | None = Field(default=None, ge=0, allow_inf_nan=False)
-
-
-class _Soak(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    requests: int | None = Field(default=None, ge=1)
-    seconds: float | None = Field(default=None, gt=0, allow_inf_nan=False)
-
-
-class DesiredDocument(BaseModel):
-    """What a layer may set. Unknown keys are refused (a typo would otherwise silently do nothing)."""
-
-    model_config = ConfigDict(extra="forbid")
-    budget: _Budget | None = None
-    threshold: float | None = Field(default=None, ge=0, le=1, allow_inf_nan=False)
-    telemetry_interval_s: float | None = Field(default=None, ge=1, le=86400)
-    release: str | None = Field(default=None, max_length=128)  # a release digest (rollouts)
-    soak: _Soak | None = None
-    rollback: bool | None = None  # the release is a rollback target (informational for the device)
-
-
-def validate_document(doc: Any) -> dict[str, Any]:
-    """The document with unset keys left out; `InvalidDocument` naming each problem."""
-    if not isinstance(doc, dict) or not doc:
+def validate_document(doc: Any) -> Desired:
+    """A layer's document (`fleet_docs.Desired`, without a version); `InvalidDocument` naming the field."""
+    if not isinstance(doc, Desired | dict) or not doc or (isinstance(doc, Desired) and doc.is_empty()):
         msg = f"a desired document must be a non-empty mapping, got {doc!r}"
         raise InvalidDocument(msg)
     try:
-        return DesiredDocument.model_validate(doc).model_dump(exclude_unset=True)
-    except ValidationError as exc:
-        msg = f"desired document does not validate: {validation_problems(exc)}"
-        raise InvalidDocument(msg) from None
+        parsed = doc if isinstance(doc, Desired) else parse_desired(doc)
+    except ConfigError as exc:
+        raise InvalidDocument(str(exc)) from None
+    if parsed.version is not None:
+        msg = "a desired layer carries no version: the fleet numbers the documents it publishes"
+        raise InvalidDocument(msg)
+    return parsed
+
+
+def _document(doc: Desired | Mapping[str, Any]) -> Desired:
+    return doc if isinstance(doc, Desired) else validate_document(doc)
+
+
+def stored_reported(text: str | bytes) -> Reported:
+    """A reported document as stored (ingest parsed it); one an older fleet stored and that no longer parses
+    reads as an empty report."""
+    try:
+        return parse_reported(text)
+    except ConfigError:
+        return Reported()
 
 
 def parse_selector(selector: str) -> tuple[str, dict[str, str]]:
@@ -116,6 +109,13 @@ def matches(selector: str, device: dict[str, Any]) -> bool:
     return all(device["labels"].get(k) == v for k, v in labels.items())
 
 
+def _hits(layer: dict[str, Any], device: dict[str, Any]) -> bool:
+    """Whether `layer` applies to `device` (a rollout layer by a string compare: there is one per device)."""
+    if layer["selector"].startswith(ROLLOUT_PREFIX):
+        return bool(layer["selector"] == rollout_selector(device["device_id"]))
+    return matches(layer["selector"], device)
+
+
 def _merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
     out = dict(base)
     for k, v in over.items():
@@ -128,10 +128,11 @@ class DesiredState:
 
     def __init__(self, store: FleetStore, *, drift_after_s: float = 300.0) -> None:
         self.store, self.drift_after_s = store, drift_after_s
+        self._seen = 0  # the newest layer version the last `refresh` took into account
 
     def set_layer(self, selector: str, document: Any, *, priority: int | None = None) -> int:
         """Create or replace the layer for `selector`; returns its new version."""
-        doc = validate_document(document)
+        doc = validate_document(document).to_json()
         sel = canonical_selector(selector)
         if sel.startswith(ROLLOUT_PREFIX):
             msg = f"selector {selector!r} is a rollout's layer; start a rollout with `tierkit fleet deploy`"
@@ -150,12 +151,12 @@ class DesiredState:
                 conn.execute(t.desired_layers.insert().values(selector=sel, **values))
         return version
 
-    def assign(self, documents: dict[str, dict[str, Any]], *, conn: Any = None) -> int:
+    def assign(self, documents: Mapping[str, Desired | Mapping[str, Any]], *, conn: Any = None) -> int:
         """Set the rollout layer of each device (device id -> document), all at one new version, in one
         transaction (`conn`: the caller's, so that the assignment commits with the rollout's own rows)."""
         if not documents:
             return 0
-        docs = {d: json.dumps(validate_document(doc), sort_keys=True) for d, doc in documents.items()}
+        docs = {d: json.dumps(_document(doc).to_json(), sort_keys=True) for d, doc in documents.items()}
         if conn is None:
             with self.store.begin() as own:
                 return self.assign(documents, conn=own)
@@ -184,10 +185,7 @@ class DesiredState:
 
     def effective(self, device: dict[str, Any], layers: list[dict[str, Any]] | None = None) -> dict[str, Any] | None:
         """{"version", "document", "layers"} for `device` (a registry dict), or None when no layer matches."""
-        mine = rollout_selector(device["device_id"])
-        hits = [la for la in (self.layers() if layers is None else layers)  # rollout layers: a string compare
-                if (la["selector"] == mine if la["selector"].startswith(ROLLOUT_PREFIX)
-                    else matches(la["selector"], device))]
+        hits = [la for la in (self.layers() if layers is None else layers) if _hits(la, device)]
         if not hits:
             return None
         doc: dict[str, Any] = {}
@@ -197,30 +195,42 @@ class DesiredState:
                 "layers": [la["selector"] for la in hits]}
 
     def refresh(self, devices: list[dict[str, Any]]) -> list[tuple[str, int, dict[str, Any]]]:
-        """Recompute every device's effective document; returns those not yet published at their version."""
+        """The devices whose effective document is not yet published at its version: recomputed only for the
+        devices a layer changed since the last refresh matches (and new ones); the others are looked up."""
         layers = self.layers()
+        fresh = [la for la in layers if la["version"] > self._seen]
         changed: list[tuple[str, int, dict[str, Any]]] = []
         now = time.time()
         with self.store.begin() as conn:
             rows = {r.device_id: r for r in conn.execute(sa.select(t.desired_effective)).all()}
-            known = {d: r.version for d, r in rows.items()}
             for dev in devices:
+                if dev.get("revoked_at") is not None:
+                    continue
+                row = rows.get(dev["device_id"])
+                if row is not None and not any(_hits(la, dev) for la in fresh):
+                    if row.published_version != row.version:
+                        changed.append((dev["device_id"], int(row.version), json.loads(row.document)))
+                    continue
                 eff = self.effective(dev, layers)
-                if eff is None or dev.get("revoked_at") is not None:
-                    continue
-                if known.get(dev["device_id"]) == eff["version"]:
-                    if rows[dev["device_id"]].published_version != eff["version"]:
-                        changed.append((dev["device_id"], eff["version"], eff["document"]))
-                    continue
-                row = {"version": eff["version"], "document": json.dumps(eff["document"], sort_keys=True),
-                       "since": now}
-                if dev["device_id"] in known:
-                    conn.execute(t.desired_effective.update()
-                                 .where(t.desired_effective.c.device_id == dev["device_id"]).values(**row))
-                else:
-                    conn.execute(t.desired_effective.insert().values(device_id=dev["device_id"], **row))
-                changed.append((dev["device_id"], eff["version"], eff["document"]))
+                if eff is not None:
+                    self._store_effective(conn, dev["device_id"], eff, row, now, changed)
+        self._seen = max((la["version"] for la in layers), default=self._seen)
         return changed
+
+    @staticmethod
+    def _store_effective(conn: Any, device_id: str, eff: dict[str, Any], row: Any, now: float,
+                         changed: list[tuple[str, int, dict[str, Any]]]) -> None:
+        if row is not None and row.version == eff["version"]:
+            if row.published_version != eff["version"]:
+                changed.append((device_id, eff["version"], eff["document"]))
+            return
+        values = {"version": eff["version"], "document": json.dumps(eff["document"], sort_keys=True), "since": now}
+        if row is not None:
+            conn.execute(t.desired_effective.update().where(t.desired_effective.c.device_id == device_id)
+                         .values(**values))
+        else:
+            conn.execute(t.desired_effective.insert().values(device_id=device_id, **values))
+        changed.append((device_id, eff["version"], eff["document"]))
 
     def effective_versions(self) -> dict[str, int]:
         """Device id -> the version of its effective document, as last computed."""
@@ -239,20 +249,22 @@ class DesiredState:
             conn.execute(t.desired_effective.update().where(t.desired_effective.c.device_id == device_id)
                          .values(published_version=version))
 
-    def record_reported(self, device_id: str, document: dict[str, Any], *, now: float | None = None) -> None:
+    def record_reported(self, device_id: str, document: Reported | Mapping[str, Any], *,
+                        now: float | None = None) -> None:
         """Store what the device says it runs, and copy digest/variant/threshold into the registry."""
         now = time.time() if now is None else now
-        version = document.get("desired_version")
-        row = {"version": int(version) if isinstance(version, int) else None,
-               "document": json.dumps(document, sort_keys=True), "received_at": now}
+        try:
+            report = document if isinstance(document, Reported) else parse_reported(document)
+        except ConfigError as exc:
+            raise InvalidDocument(str(exc)) from None
+        row = {"version": report.desired_version, "document": json.dumps(report.to_json(), sort_keys=True),
+               "received_at": now}
         with self.store.begin() as conn:
             if conn.execute(t.reported.update().where(t.reported.c.device_id == device_id).values(**row)).rowcount == 0:
                 conn.execute(t.reported.insert().values(device_id=device_id, **row))
-            threshold = document.get("threshold")
             conn.execute(t.devices.update().where(t.devices.c.device_id == device_id).values(
-                model_digest=str(document.get("model_digest", ""))[:128],
-                variant=str(document.get("variant", ""))[:128],
-                threshold=float(threshold) if isinstance(threshold, int | float) else None, last_seen=now))
+                model_digest=report.model_digest[:128], variant=report.variant[:128], threshold=report.threshold,
+                last_seen=now))
 
     def reported(self, device_id: str) -> dict[str, Any] | None:
         with self.store.begin() as conn:

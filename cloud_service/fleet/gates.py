@@ -40,6 +40,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from cloud_service.fleet.sequential import Estimate, Obs, binomial_floor, did
+from cloud_service.protocol.fleet_docs import TelemetryWindow
 from runtimes.errors import ConfigError
 
 STAT_GATES = ("escalation_rate", "degraded_share", "agreement", "audit_agreement", "p95_vs_control",
@@ -158,23 +159,19 @@ def cohort(windows: Iterable[Mapping[str, Any]]) -> Cohort:
         energy_mj_per_request=weighted("energy_mj_per_request"), crashes=sum(int(w.get("crashes") or 0) for w in ws))
 
 
-def window_counts(doc: Mapping[str, Any]) -> dict[str, Any]:
+def window_counts(doc: TelemetryWindow | None) -> dict[str, Any]:
     """The counts a window document carries beside its table columns: escalations compared with the cloud
     (`compared`, else the cloud's answers) and, where the agent audits, audits and audit_disagreed (from the
     agent's `audited` and `audit_agreement`, or given as such)."""
-    tiers: Mapping[str, Any] = doc["tiers"] if isinstance(doc.get("tiers"), dict) else {}
-    out: dict[str, Any] = {"compared": _int(doc.get("compared", tiers.get("cloud")))}
-    if _int(doc.get("audits")) and isinstance(doc.get("audit_rate"), int | float):
-        out.update(audits=_int(doc.get("audits")), audit_disagreed=_int(doc.get("audit_disagreed")),
-                   audit_rate=float(doc["audit_rate"]))
-    elif _int(doc.get("audited")) and isinstance(doc.get("audit_agreement"), int | float):  # the agent's window
-        n = _int(doc.get("audited"))
-        out.update(audits=n, audit_disagreed=round(n * (1 - min(1.0, max(0.0, float(doc["audit_agreement"]))))))
+    if doc is None:
+        return {"compared": 0}
+    out: dict[str, Any] = {"compared": doc.compared if doc.compared is not None else doc.cloud}
+    if doc.audits and doc.audit_rate is not None:
+        out.update(audits=doc.audits, audit_disagreed=doc.audit_disagreed, audit_rate=doc.audit_rate)
+    elif doc.audited and doc.audit_agreement is not None:  # the agent's window
+        n = doc.audited
+        out.update(audits=n, audit_disagreed=round(n * (1 - min(1.0, max(0.0, doc.audit_agreement)))))
     return out
-
-
-def _int(v: Any) -> int:
-    return int(v) if isinstance(v, int | float) and not isinstance(v, bool) and v >= 0 else 0
 
 
 # -- what each gate reads from a window ------------------------------------------------------------

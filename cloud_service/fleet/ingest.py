@@ -35,7 +35,9 @@ from cloud_service.fleet.errors import FleetError, StoreUnavailable
 from cloud_service.fleet.registry import Registry
 from cloud_service.fleet.telemetry import TelemetryStore
 from cloud_service.protocol import topics
+from cloud_service.protocol.fleet_docs import parse_reported
 from cloud_service.security import MqttTls
+from runtimes.errors import ConfigError
 
 logger = logging.getLogger(__name__)
 CONTROL_RESPONSE_TOPIC = "$CONTROL/dynamic-security/v1/response"
@@ -196,16 +198,14 @@ class MqttIngest:
     def _reported(self, device: str, payload: bytes, ts: float) -> None:
         dropped: Counter[str] = Counter()
         try:
-            doc = json.loads(payload)
-            if not isinstance(doc, dict):
-                raise TypeError
-            if doc.get("device", device) != device:
+            report = parse_reported(payload)
+            if report.device not in (None, device):
                 dropped["impersonating"] += 1
             else:
                 self.registry.check_active(device)
-                self.desired.record_reported(device, doc, now=ts)
+                self.desired.record_reported(device, report, now=ts)
                 self.stats["reported"] += 1
-        except (ValueError, TypeError):
+        except ConfigError:
             dropped["malformed"] += 1
         except StoreUnavailable:
             raise

@@ -25,6 +25,7 @@ from cloud_service.fleet.fleet import Fleet
 from cloud_service.fleet.registry import parse_labels
 from cloud_service.fleet.releases import authenticate_device
 from cloud_service.fleet.rollouts import make_options
+from cloud_service.protocol.fleet_docs import ROLLOUT_MAX_SOAK, ROLLOUT_SOAK, WAVES_TEXT
 
 MAX_ARCHIVE_BYTES = 2 * 1024**3
 
@@ -32,9 +33,9 @@ MAX_ARCHIVE_BYTES = 2 * 1024**3
 class DeployRequest(BaseModel):
     release: str = Field(min_length=1, max_length=200, examples=["sha256:9f2c...", "digits@7"])
     label: str = Field(default="", max_length=512, examples=["kind=cam"])
-    waves: str = Field(default="1,5%,25%,100%", max_length=200)
-    soak: str = Field(default="50", max_length=32, examples=["500", "10m"])
-    max_soak: str = Field(default="30m", max_length=32, examples=["30m", "20000"])
+    waves: str = Field(default=WAVES_TEXT, max_length=200)
+    soak: str = Field(default=ROLLOUT_SOAK, max_length=32, examples=["500", "10m"])
+    max_soak: str = Field(default=ROLLOUT_MAX_SOAK, max_length=32, examples=["30m", "20000"])
     on_inconclusive: str = Field(default="hold", max_length=16, examples=["hold", "extend", "rollback"])
     holdback: float = Field(default=0.05, ge=0, lt=1)
     previous: str | None = Field(default=None, max_length=200)

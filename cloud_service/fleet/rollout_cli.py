@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from cloud_service.fleet.gates import Evidence, Margins
+from cloud_service.protocol.fleet_docs import ROLLOUT_MAX_SOAK, ROLLOUT_SOAK, WAVES_TEXT
 
 _MARGINS = {"p95_margin": "p95_ratio", "escalation_margin": "escalation_points",
             "agreement_margin": "agreement_points", "degraded_margin": "degraded_points",
@@ -52,9 +53,11 @@ def add_parsers(sub: Any, common: argparse.ArgumentParser, fleet: Any) -> None:
     d = sub.add_parser("deploy", parents=[common], help="roll a release out in waves gated on model behaviour")
     d.add_argument("release", help="digest, digest prefix, or NAME@VERSION")
     d.add_argument("--label", default="", help="the devices with these labels (k=v[,k=v]; default: all)")
-    d.add_argument("--waves", default="1,5%,25%,100%", help="cumulative wave sizes, counts or percentages")
-    d.add_argument("--soak", default="50", help="requests (500) or time (10m) a device runs the release at least")
-    d.add_argument("--max-soak", default="30m", help="a wave still inconclusive this long (or requests per device)...")
+    d.add_argument("--waves", default=WAVES_TEXT, help="cumulative wave sizes, counts or percentages")
+    d.add_argument("--soak", default=ROLLOUT_SOAK,
+                   help="requests (500) or time (10m) a device runs the release at least")
+    d.add_argument("--max-soak", default=ROLLOUT_MAX_SOAK,
+                   help="a wave still inconclusive this long (or requests per device)...")
     d.add_argument("--on-inconclusive", default="hold", choices=("hold", "extend", "rollback"),
                    help="...is held for the operator, soaks on, or is rolled back")
     d.add_argument("--alpha", type=float, help=f"false-rollback rate per rollout (default {Evidence().alpha})")

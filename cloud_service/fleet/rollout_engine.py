@@ -22,7 +22,6 @@ rolled-back devices restored once they report the previous release again.
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import os
@@ -35,16 +34,28 @@ from typing import Any
 import sqlalchemy as sa
 
 from cloud_service.fleet import schema as t
-from cloud_service.fleet.desired import DesiredState
+from cloud_service.fleet.desired import DesiredState, stored_reported
 from cloud_service.fleet.errors import FleetError
 from cloud_service.fleet.gates import HARD_GATES, STAT_GATES, Arms, cohort, evaluate, failed, open_gates, window_counts
 from cloud_service.fleet.leases import Lease, LeaseLost
 from cloud_service.fleet.releases import ReleaseRegistry
-from cloud_service.fleet.rollouts import ACTIVE, OPEN_STATES, RAN_STATES, SWAP_STATES, RolloutOptions, order_key, record
+from cloud_service.fleet.rollouts import (
+    ACTIVE,
+    MOVING_STATES,
+    OPEN_STATES,
+    RAN_STATES,
+    RolloutOptions,
+    order_key,
+    record,
+)
 from cloud_service.fleet.store import FleetStore
+from cloud_service.fleet.telemetry import stored_window
+from cloud_service.protocol.fleet_docs import Desired, Reported, Soak, SoakProgress
+from runtimes.budget import BudgetOverride
 
 logger = logging.getLogger(__name__)
 LEASE = "rollouts"
+_NOTHING = (Reported(), 0.0)  # a device that has not reported
 RATE_LOOKBACK_S = 300.0
 
 
@@ -55,7 +66,7 @@ class _Ctx:
     row: Any
     opts: RolloutOptions
     devs: dict[str, dict[str, Any]]
-    reported: dict[str, tuple[dict[str, Any], float]]
+    reported: dict[str, tuple[Reported, float]]
     seen: dict[str, float | None]
     now: float
 
@@ -99,7 +110,7 @@ class RolloutEngine:
             devs = {r.device_id: dict(r._mapping) for r in conn.execute(
                 sa.select(t.rollout_devices).where(t.rollout_devices.c.rollout_id == rid))}
             ids = sorted(devs)
-            reported = {r.device_id: (json.loads(r.document), float(r.received_at)) for r in conn.execute(
+            reported = {r.device_id: (stored_reported(r.document), float(r.received_at)) for r in conn.execute(
                 sa.select(t.reported).where(t.reported.c.device_id.in_(ids)))}
             seen = {r.device_id: r.last_seen for r in conn.execute(
                 sa.select(t.devices.c.device_id, t.devices.c.last_seen, t.devices.c.revoked_at)
@@ -130,20 +141,20 @@ class RolloutEngine:
         for dev, d in ctx.devs.items():
             if d["assigned_at"] is None or d["state"] in ("restored", "kept", "superseded", "catch_up"):
                 continue
-            doc, at = ctx.reported.get(dev, ({}, 0.0))
+            doc, at = ctx.reported.get(dev, _NOTHING)
             if at < d["assigned_at"]:
                 continue  # nothing reported since it was given the release (or sent back)
-            running, swap = doc.get("release"), doc.get("swap") or {}
+            running, swap = doc.release, doc.swap
             new = d["state"]
             if d["state"] == "rollback":
                 if running == (d["previous"] or ctx.row.previous):
                     new = "restored"
-            elif swap.get("target") == release and swap.get("state") in SWAP_STATES:
-                new = swap["state"]
+            elif swap is not None and swap.target == release:
+                new = swap.state.value
             elif running == release:
-                new = "committed" if not swap else "active"
+                new = "committed" if swap is None else "active"
             ran = bool(d["ran"]) or new in RAN_STATES or running == release
-            detail = str(swap.get("error") or "")[:500] if swap.get("target") == release else d["detail"]
+            detail = (swap.error or "")[:500] if swap is not None and swap.target == release else d["detail"]
             if (new, ran, detail) != (d["state"], bool(d["ran"]), d["detail"]):
                 changes[dev] = {"state": new, "ran": ran, "detail": detail, "updated_at": ctx.now}
                 d.update(changes[dev])
@@ -154,15 +165,15 @@ class RolloutEngine:
         crashes = 0
         for dev in devices:
             d = ctx.devs[dev]
-            doc, at = ctx.reported.get(dev, ({}, 0.0))
+            doc, at = ctx.reported.get(dev, _NOTHING)
             if d["state"] in ("refused", "rolled_back"):
                 fails[dev] = f"{d['state']}: {d['detail'] or 'no reason given'}"
-            golden = doc.get("golden")
-            if (at >= (d["assigned_at"] or 0) and doc.get("release") == ctx.row.release and isinstance(golden, dict)
-                    and golden.get("ok") is False):
-                fails[dev] = f"golden inputs do not reproduce (max rel. error {golden.get('max_rel_error')})"
-            if at >= (d["assigned_at"] or 0) and isinstance(doc.get("crashes"), int):
-                crashes += max(0, doc["crashes"] - int(d["crashes0"]))
+            golden = doc.golden
+            if (at >= (d["assigned_at"] or 0) and doc.release == ctx.row.release and golden is not None
+                    and not golden.ok):
+                fails[dev] = f"golden inputs do not reproduce (max rel. error {golden.max_rel_error})"
+            if at >= (d["assigned_at"] or 0) and dev in ctx.reported:
+                crashes += max(0, doc.crashes - int(d["crashes0"]))
         return fails, crashes
 
     def _run(self, ctx: _Ctx, changes: dict[str, dict[str, Any]]) -> None:
@@ -277,19 +288,18 @@ class RolloutEngine:
             return True
         if d["state"] not in ("active", "soaking"):
             return False
-        done = (ctx.reported.get(device, ({}, 0.0))[0].get("swap") or {}).get("soak") or {}
-        want = opts.soak
-        return bool(("requests" in want and (done.get("requests") or 0) >= want["requests"])
-                    or ("seconds" in want and (done.get("seconds") or 0) >= want["seconds"]))
+        swap = ctx.reported.get(device, _NOTHING)[0].swap
+        done = swap.soak if swap is not None and swap.soak is not None else SoakProgress()
+        return Soak.parse(opts.soak, where="the rollout's soak").reached(done)
 
-    def _fill(self, ctx: _Ctx, changes: dict[str, dict[str, Any]], w: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    def _fill(self, ctx: _Ctx, changes: dict[str, dict[str, Any]], w: dict[str, Any]) -> dict[str, Desired]:
         """Give the release to pending devices, in the rollout's order, until the waves so far hold `size`
         online devices; offline ones met on the way go to the catch-up set and take no place. The last
         wave takes every pending device. Returns the assignments."""
         taken = sum(1 for v in ctx.devs.values() if v["wave"] is not None and v["assigned_at"] is not None
                     and v["state"] != "catch_up")
         need = w["size"] - taken
-        assign: dict[str, dict[str, Any]] = {}
+        assign: dict[str, Desired] = {}
         pending = sorted((d for d, v in ctx.devs.items() if v["state"] == "pending"),
                          key=lambda d: order_key(ctx.row.id, d))
         last = w["idx"] == len(ctx.opts.waves) - 1
@@ -306,7 +316,7 @@ class RolloutEngine:
             values = {"wave": w["idx"], "updated_at": ctx.now}
             if self._online(ctx, dev):
                 values.update(state="assigned", assigned_at=ctx.now, detail="")
-                assign[dev] = {"release": ctx.row.release, "soak": ctx.opts.soak}
+                assign[dev] = Desired(release=ctx.row.release, soak=Soak.parse(ctx.opts.soak))
                 need -= 1
             else:
                 values.update(state="catch_up", detail="offline when its wave started")
@@ -327,11 +337,11 @@ class RolloutEngine:
 
     def _stall(self, ctx: _Ctx, changes: dict[str, dict[str, Any]], opts: RolloutOptions) -> None:
         for dev, d in ctx.devs.items():
-            if d["assigned_at"] is None or d["state"] not in ("assigned", *SWAP_STATES[:6]):
+            if d["assigned_at"] is None or d["state"] not in ("assigned", *MOVING_STATES):
                 continue
             # progress: a reported document (one at every swap state change); while it runs the release
             # (active, soaking), its telemetry too, since a long soak changes no state
-            quiet_since = max(d["assigned_at"], d["updated_at"], ctx.reported.get(dev, ({}, 0.0))[1],
+            quiet_since = max(d["assigned_at"], d["updated_at"], ctx.reported.get(dev, _NOTHING)[1],
                               (ctx.seen.get(dev) or 0.0) if d["state"] in ("active", "soaking") else 0.0)
             if ctx.now - quiet_since > opts.stall_after_s:
                 values = {"state": "catch_up", "updated_at": ctx.now,
@@ -412,22 +422,18 @@ class RolloutEngine:
         out = []
         for r in rows:
             w = dict(r._mapping)
-            try:
-                doc = json.loads(w.pop("document"))
-            except ValueError:
-                doc = {}
-            w["release"] = doc.get("release")
-            w["crashes"] = doc.get("crashes") if isinstance(doc.get("crashes"), int) else 0
+            doc = stored_window(w.pop("document"))
+            w["release"] = doc.release if doc is not None else None
+            w["crashes"] = doc.crashes if doc is not None else 0
             w.update(window_counts(doc))
             out.append(w)
         return out
 
     def _budget(self, release: str) -> float | None:
         try:
-            value = self.releases.get(release)["budget"].get("latency_ms")
+            return BudgetOverride.parse(self.releases.get(release)["budget"], where="the release's budget").latency_ms
         except FleetError:  # a release removed from the table: judge without a budget
             return None
-        return float(value) if value is not None else None
 
     @staticmethod
     def _observe_due(conn: Any, rid: int, now: float, every: float) -> bool:
@@ -437,11 +443,11 @@ class RolloutEngine:
 
     # -- writes --------------------------------------------------------------------------------
 
-    def _write(self, conn: Any, ctx: _Ctx, changes: dict[str, dict[str, Any]], assign: dict[str, dict[str, Any]],
+    def _write(self, conn: Any, ctx: _Ctx, changes: dict[str, dict[str, Any]], assign: dict[str, Desired],
                wave: int, wave_updates: dict[str, Any]) -> None:
         for dev, values in changes.items():
             if values.pop("catch_up_assign", False):
-                assign[dev] = {"release": ctx.row.release, "soak": ctx.opts.soak}
+                assign[dev] = Desired(release=ctx.row.release, soak=Soak.parse(ctx.opts.soak))
         self.desired.assign(assign, conn=conn)
         rd = t.rollout_devices.c
         for dev, values in changes.items():
@@ -464,7 +470,7 @@ class RolloutEngine:
 
     def _roll_back(self, ctx: _Ctx, changes: dict[str, dict[str, Any]], kind: str, figures: dict[str, Any],
                    note: str, *, wave_updates: dict[str, Any] | None = None,
-                   assign: dict[str, dict[str, Any]] | None = None) -> None:
+                   assign: dict[str, Desired] | None = None) -> None:
         with self.store.begin() as conn:
             self.lease.fence(conn, now=ctx.now)
             self._write(conn, ctx, changes, assign or {}, ctx.row.wave, wave_updates or {})
@@ -472,7 +478,7 @@ class RolloutEngine:
 
     def _roll_back_in(self, conn: Any, ctx: _Ctx, kind: str, figures: dict[str, Any], note: str, wave: int) -> None:
         """Send every device that was given the release back to what it ran before; the rollout is over."""
-        back: dict[str, dict[str, Any]] = {}
+        back: dict[str, Desired] = {}
         rd = t.rollout_devices.c
         for dev, d in ctx.devs.items():
             if d["state"] in ("restored", "kept", "superseded"):
@@ -480,7 +486,7 @@ class RolloutEngine:
             if d["assigned_at"] is None:
                 values = {"state": "kept", "updated_at": ctx.now}
             else:
-                back[dev] = {"release": d["previous"] or ctx.row.previous, "rollback": True}
+                back[dev] = Desired(release=d["previous"] or ctx.row.previous, rollback=True)
                 values = {"state": "rollback", "assigned_at": ctx.now, "updated_at": ctx.now}
             conn.execute(t.rollout_devices.update().where(rd.rollout_id == ctx.row.id, rd.device_id == dev)
                          .values(**values))

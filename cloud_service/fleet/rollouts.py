@@ -31,18 +31,28 @@ from typing import Any
 import sqlalchemy as sa
 
 from cloud_service.fleet import schema as t
+from cloud_service.fleet.desired import stored_reported
 from cloud_service.fleet.errors import InvalidDocument, RolloutConflict, UnknownRollout
 from cloud_service.fleet.gates import Evidence, Margins
 from cloud_service.fleet.releases import ReleaseRegistry
 from cloud_service.fleet.store import FleetStore
+from cloud_service.protocol.fleet_docs import (
+    IN_PROGRESS,
+    RAN,
+    ROLLOUT_MAX_SOAK,
+    ROLLOUT_SOAK,
+    WAVES,
+    WAVES_TEXT,
+    SwapState,
+)
 
 ACTIVE = ("running", "paused")
-SWAP_STATES = ("downloading", "verifying", "staged", "golden", "active", "soaking", "committed", "rolled_back",
-               "refused")
-RAN_STATES = ("active", "soaking", "committed")
+# the device states a swap reports (fleet_docs.SwapState), as the plain strings the tables hold
+SWAP_STATES = tuple(s.value for s in SwapState)
+MOVING_STATES = tuple(s.value for s in IN_PROGRESS)  # a swap not yet ended
+RAN_STATES = tuple(s.value for s in RAN)
 # device states the engine still has work for (a rollout stays open while any device is in one of them)
-OPEN_STATES = ("catch_up", "control", "assigned", "downloading", "verifying", "staged", "golden", "active", "soaking",
-               "rollback")
+OPEN_STATES = ("catch_up", "control", "assigned", *MOVING_STATES, "rollback")
 
 
 def parse_waves(text: str | list[str] | tuple[str, ...]) -> tuple[str, ...]:
@@ -109,11 +119,11 @@ class RolloutOptions:
     observe_every_s: how often the figures of a soaking wave are recorded (the dashboard's plots).
     """
 
-    waves: tuple[str, ...] = ("1", "5%", "25%", "100%")
-    soak: dict[str, Any] = field(default_factory=lambda: {"requests": 50})
+    waves: tuple[str, ...] = WAVES
+    soak: dict[str, Any] = field(default_factory=lambda: parse_soak(ROLLOUT_SOAK))
     margins: Margins = field(default_factory=Margins)
     evidence: Evidence = field(default_factory=Evidence)
-    max_soak: dict[str, Any] = field(default_factory=lambda: {"seconds": 1800.0})
+    max_soak: dict[str, Any] = field(default_factory=lambda: parse_soak(ROLLOUT_MAX_SOAK))
     on_inconclusive: str = "hold"
     holdback: float = 0.05
     control_max: int = 200
@@ -193,9 +203,9 @@ class Rollouts:
                 msg = (f"device {busy.device_id} is in rollout {busy.rollout_id}, which is still running or paused; "
                        f"let it finish or roll it back first")
                 raise RolloutConflict(msg)
-            reported = {r.device_id: json.loads(r.document) for r in conn.execute(
+            reported = {r.device_id: stored_reported(r.document) for r in conn.execute(
                 sa.select(t.reported.c.device_id, t.reported.c.document).where(t.reported.c.device_id.in_(ids)))}
-            runs = {d: doc.get("release") for d, doc in reported.items()}
+            runs = {d: doc.release for d, doc in reported.items()}
             if previous is None:
                 common = Counter(v for v in runs.values() if isinstance(v, str) and v != rel["digest"]).most_common(1)
                 previous = common[0][0] if common else (rel["rollback_to"][-1] if rel["rollback_to"] else None)
@@ -213,7 +223,7 @@ class Rollouts:
                 {"rollout_id": rid, "device_id": d, "wave": None, "state": "pending",
                  "previous": runs.get(d) if isinstance(runs.get(d), str) and runs.get(d) != rel["digest"]
                  else previous, "ran": False,
-                 "crashes0": int(reported.get(d, {}).get("crashes") or 0), "assigned_at": None, "updated_at": now,
+                 "crashes0": reported[d].crashes if d in reported else 0, "assigned_at": None, "updated_at": now,
                  "detail": ""} for d in ids])
             note = f"{rel['name']}@{rel['version']} to {len(ids)} device(s) matching {selector_text(labels)!r}"
             if previous is not None and previous not in rel["rollback_to"]:
@@ -312,10 +322,10 @@ def _rollout_dict(row: Any) -> dict[str, Any]:
     return d
 
 
-def make_options(*, waves: str = "1,5%,25%,100%", soak: str = "50", cloud_capacity_rps: float | None = None,
+def make_options(*, waves: str = WAVES_TEXT, soak: str = ROLLOUT_SOAK, cloud_capacity_rps: float | None = None,
                  stall_after_s: float = 300.0, observe_every_s: float = 10.0,
                  margins: dict[str, Any] | None = None, evidence: dict[str, Any] | None = None,
-                 max_soak: str = "30m", on_inconclusive: str = "hold", holdback: float = 0.05,
+                 max_soak: str = ROLLOUT_MAX_SOAK, on_inconclusive: str = "hold", holdback: float = 0.05,
                  control_max: int = 200) -> RolloutOptions:
     """`RolloutOptions` from the CLI's and the API's strings (`--waves 1,5%,100% --soak 10m`)."""
     try:

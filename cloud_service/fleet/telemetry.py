@@ -1,13 +1,14 @@
 """The telemetry store: per-window aggregates from devices, deduplicated, capped per day, rolled up.
 
-One telemetry window (JSON, published by the agent on `tierkit/v1/{device}/telemetry`):
+One telemetry window (JSON, published by the agent on `tierkit/v1/{device}/telemetry`; its type and parser
+are `cloud_service.protocol.fleet_docs.TelemetryWindow` / `parse_telemetry`):
 
 ```json
 {"device": "dev-1a2b", "boot_id": "9f0c...", "seq": 17, "ts": 1763900000.0, "window_s": 60,
  "requests": 412, "tiers": {"edge": 350, "cloud": 62}, "p50_ms": 3.1, "p95_ms": 14.2,
  "latency_hist": {"bounds_ms": [1, 2, 5, 10, 20, 50, 100, 1000], "counts": [0, 40, 300, 50, 20, 2, 0, 0, 0]},
  "escalation_rate": 0.15, "agreement": 0.97, "energy_mj_per_request": 2.4, "energy_label": "modeled:cpu",
- "degraded": 3, "degraded_reasons": {"cloud_timeout": 3}, "variant": "int8", "threshold": 0.8,
+ "degraded": 3, "degraded_reasons": {"timeout": 3}, "variant": "int8", "threshold": 0.8,
  "model_digest": "sha256:...", "audited": 4, "audit_agreement": 1.0, "agreement_est": 0.95,
  "agreement_low": 0.91, "agreement_high": 0.99, "data_drift": false, "drift_events": 0}
 ```
@@ -28,11 +29,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import sqlalchemy as sa
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from cloud_service.fleet import schema as t
 from cloud_service.fleet.bulk import Bulk
 from cloud_service.fleet.store import FleetStore
+from cloud_service.protocol.fleet_docs import TelemetryWindow, parse_telemetry
+from runtimes.errors import ConfigError
 
 DROP_REASONS = ("oversized", "malformed", "unknown", "revoked", "impersonating", "replayed", "capped")
 
@@ -49,30 +51,12 @@ class TelemetryLimits:
     retention_s: float = 7 * 86400.0
 
 
-class _Window(BaseModel):
-    model_config = ConfigDict(extra="allow")
-    device: str = Field(min_length=1, max_length=128)
-    boot_id: str = Field(min_length=1, max_length=64)
-    seq: int = Field(ge=0, lt=2**62)
-    ts: float = Field(allow_inf_nan=False)
-    window_s: float = Field(default=0.0, ge=0, allow_inf_nan=False)
-    requests: int = Field(default=0, ge=0)
-    p50_ms: float = Field(default=0.0, ge=0, allow_inf_nan=False)
-    p95_ms: float = Field(default=0.0, ge=0, allow_inf_nan=False)
-    escalation_rate: float = Field(default=0.0, ge=0, le=1, allow_inf_nan=False)
-    agreement: float | None = Field(default=None, ge=0, le=1, allow_inf_nan=False)
-    energy_mj_per_request: float = Field(default=0.0, ge=0, allow_inf_nan=False)
-    energy_label: str = Field(default="", max_length=64)
-    degraded: int = Field(default=0, ge=0)
-    variant: str = Field(default="", max_length=128)
-    threshold: float | None = Field(default=None, allow_inf_nan=False)
-    # audits (edge_agent.audit): confident answers compared with the cloud, the whole-stream agreement
-    # estimate with its 95 % interval, and whether a data-drift event is flagged on the device
-    audited: int = Field(default=0, ge=0)
-    agreement_est: float | None = Field(default=None, ge=0, le=1, allow_inf_nan=False)
-    agreement_low: float | None = Field(default=None, ge=0, le=1, allow_inf_nan=False)
-    agreement_high: float | None = Field(default=None, ge=0, le=1, allow_inf_nan=False)
-    data_drift: bool = False
+def stored_window(text: str | bytes | None) -> TelemetryWindow | None:
+    """A stored window's document (ingest parsed it); None when an older fleet stored one that no longer parses."""
+    try:
+        return None if text is None else parse_telemetry(text)
+    except ConfigError:
+        return None
 
 
 @dataclass
@@ -199,19 +183,17 @@ class TelemetryStore:
             self.count_drops(conn, res.dropped)
         return res
 
-    def _parse(self, batch: list[tuple[str, bytes, float]], res: IngestResult) -> list[tuple[_Window, int, float, str]]:
-        parsed: list[tuple[_Window, int, float, str]] = []
+    def _parse(self, batch: list[tuple[str, bytes, float]],
+               res: IngestResult) -> list[tuple[TelemetryWindow, int, float, str]]:
+        parsed: list[tuple[TelemetryWindow, int, float, str]] = []
         for device, payload, server_ts in batch:
             if len(payload) > self.limits.max_message_bytes:
                 res.dropped["oversized"] += 1
                 continue
-            try:
-                win = _Window.model_validate_json(payload)
-            except ValidationError:
+            try:  # the parser refuses NUL in text too: no database text column holds one
+                win = parse_telemetry(payload)
+            except ConfigError:
                 res.dropped["malformed"] += 1
-                continue
-            if "\x00" in win.device + win.boot_id + win.energy_label + win.variant:
-                res.dropped["malformed"] += 1  # no database text column holds NUL: it must not fail a batch
                 continue
             if win.device != device:
                 res.dropped["impersonating"] += 1
@@ -219,7 +201,7 @@ class TelemetryStore:
             parsed.append((win, len(payload), server_ts, payload.decode()))
         return parsed
 
-    def _row(self, w: _Window, size: int, server_ts: float, text: str) -> dict[str, Any]:
+    def _row(self, w: TelemetryWindow, size: int, server_ts: float, text: str) -> dict[str, Any]:
         return {"device_id": w.device, "boot_id": w.boot_id, "seq": w.seq, "device_ts": w.ts, "server_ts": server_ts,
                 "skewed": abs(w.ts - server_ts) > self.limits.max_skew_s, "window_s": w.window_s,
                 "requests": w.requests, "p50_ms": w.p50_ms, "p95_ms": w.p95_ms,
@@ -242,13 +224,7 @@ class TelemetryStore:
             latest = latest.where(c.device_id.in_(devices))
         with self.store.begin() as conn:
             rows = conn.execute(sa.select(c.device_id, c.document).where(c.id.in_(latest))).all()
-        out = {}
-        for r in rows:
-            try:
-                out[r.device_id] = _Window.model_validate_json(r.document).data_drift
-            except ValidationError:  # stored before the field existed, or by an older agent
-                out[r.device_id] = False
-        return out
+        return {r.device_id: (w := stored_window(r.document)) is not None and w.data_drift for r in rows}
 
     def drops(self) -> dict[str, int]:
         with self.store.begin() as conn:

@@ -22,6 +22,7 @@ import numpy as np
 import sqlalchemy as sa
 
 from cloud_service.fleet import schema as t
+from cloud_service.fleet.desired import stored_reported
 from cloud_service.fleet.errors import InvalidDocument
 from cloud_service.fleet.store import FleetStore
 
@@ -32,7 +33,7 @@ STATES = ("online", "offline", "revoked")
 def _groups(conn: Any, by: str) -> dict[str, str]:
     """device -> its group's name."""
     if by == "release":
-        return {r.device_id: (json.loads(r.document).get("release") or "none")[:23]
+        return {r.device_id: (stored_reported(r.document).release or "none")[:23]
                 for r in conn.execute(sa.select(t.reported.c.device_id, t.reported.c.document))}
     if by.startswith("label:") and len(by) > 6:
         key = by[6:]
@@ -127,13 +128,13 @@ def page(store: FleetStore, *, offset: int = 0, limit: int = 50, q: str = "", st
     out = []
     for r in rows:
         rep = reported.get(r.device_id)
-        doc = json.loads(rep.document) if rep is not None else {}
+        release = stored_reported(rep.document).release if rep is not None else None
         seen = r.last_seen
         out.append({"device_id": r.device_id, "labels": json.loads(r.labels), "agent_version": r.agent_version,
                     "state": "revoked" if r.revoked_at is not None else "online"
                     if seen is not None and now - seen <= online_after_s else "offline",
                     "last_seen": seen, "model_digest": r.model_digest, "variant": r.variant, "threshold": r.threshold,
-                    "release": doc.get("release"), "desired_version": desired.get(r.device_id),
+                    "release": release, "desired_version": desired.get(r.device_id),
                     "reported_version": rep.version if rep is not None else None,
                     "data_drift": drifting.get(r.device_id, False)})
     return {"total": total, "offset": offset, "limit": limit, "devices": out}

@@ -12,6 +12,7 @@ import pytest
 
 from cloud_service.fleet.gates import SPECS, Arms, Evidence, Margins, evaluate, failed, judge, window_counts
 from cloud_service.fleet.sequential import Obs, did
+from cloud_service.protocol.fleet_docs import parse_telemetry
 from runtimes.errors import ConfigError
 from tests.fleet.gate_sim import Fleet, Model, run_rollout
 
@@ -117,12 +118,14 @@ def test_hard_gates_and_window_counts() -> None:
                      cloud_capacity_rps=None)
     assert set(failed(gates)) == {"device_verifies", "crashes"}
     assert all(g["decision"] is None for g in gates if g["gate"] in SPEC)  # no control: not judged
-    assert window_counts({"tiers": {"edge": 80, "cloud": 20}}) == {"compared": 20}
-    assert window_counts({"compared": 15, "audits": 4, "audit_disagreed": 1, "audit_rate": 0.05}) == {
+    def counts(**doc: object) -> dict[str, object]:
+        return window_counts(parse_telemetry({"device": "d", "boot_id": "b", "seq": 1, "ts": 0.0, **doc}))
+
+    assert counts(tiers={"edge": 80, "cloud": 20}) == {"compared": 20}
+    assert counts(compared=15, audits=4, audit_disagreed=1, audit_rate=0.05) == {
         "compared": 15, "audits": 4, "audit_disagreed": 1, "audit_rate": 0.05}
-    assert window_counts({"compared": "x"}) == {"compared": 0}
-    assert window_counts({"compared": 3, "audited": 10, "audit_agreement": 0.8}) == {
-        "compared": 3, "audits": 10, "audit_disagreed": 2}
+    assert window_counts(None) == {"compared": 0}  # a stored document that no longer parses
+    assert counts(compared=3, audited=10, audit_agreement=0.8) == {"compared": 3, "audits": 10, "audit_disagreed": 2}
     with pytest.raises(ConfigError, match="alpha"):
         Evidence(alpha=0.0)
     with pytest.raises(ConfigError, match="margin"):
