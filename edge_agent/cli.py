@@ -9,12 +9,18 @@ import argparse
 import asyncio
 import contextlib
 import dataclasses
+import os
 import signal
 import sys
 from pathlib import Path
 from typing import Any
 
 from edge_agent.config import load_config, parse_listen
+from runtimes.errors import ConfigError
+
+# read here, at the command's edge, and handed down as `SwapOptions.pause_at`: a crash test stops the swap at
+# a state (`downloading` ... `committed`) and kills the agent there
+PAUSE_ENV = "TIERKIT_TEST_SWAP_PAUSE_AT"
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -33,9 +39,23 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[
     p.set_defaults(func=run)
 
 
+def _pause_at() -> Any:
+    from cloud_service.protocol.fleet_docs import SwapState
+
+    value = os.environ.get(PAUSE_ENV)
+    if not value:
+        return None
+    try:
+        return SwapState(value)
+    except ValueError:
+        msg = f"{PAUSE_ENV}={value!r} is not a swap state; use one of {', '.join(SwapState)}"
+        raise ConfigError(msg) from None
+
+
 def run(args: argparse.Namespace) -> int:
     from edge_agent.daemon import run_daemon
 
+    pause_at = _pause_at()
     config = load_config(args.config)
     if args.listen:
         config = dataclasses.replace(config, listen=parse_listen(args.listen, "--listen"))
@@ -71,7 +91,7 @@ def run(args: argparse.Namespace) -> int:
         for sig in (signal.SIGINT, signal.SIGTERM):
             with contextlib.suppress(NotImplementedError):
                 loop.add_signal_handler(sig, stop.set)
-        await run_daemon(config, stop=stop, ready=ready)
+        await run_daemon(config, stop=stop, ready=ready, pause_swap_at=pause_at)
 
     asyncio.run(main())
     return 0

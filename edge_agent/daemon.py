@@ -19,7 +19,8 @@ Enrolled in a fleet, the desired document may also name a release (`"release": "
 `"rollback"`): the agent takes it through its A/B slots (`edge_agent.swap`, `edge_agent.slots`) and
 reports at every step what it runs (`release`, `swap`, `slots`, `golden`, `crashes`). A release's
 threshold, policy, budget and energy profile take effect with it; the desired document's own budget and
-threshold still override them.
+threshold still override them. The documents are `cloud_service.protocol.fleet_docs`'s; desired and
+reported handling is `edge_agent.fleet_sync.FleetSync`; what runs is recorded by the slot store alone.
 
 Example:
     >>> daemon = await AgentDaemon(load_config("agent.yaml")).start()
@@ -52,16 +53,16 @@ from cloud_service.protocol import (
     topics,
 )
 from cloud_service.protocol.codec import NP_TO_OIP
+from cloud_service.protocol.fleet_docs import SwapState
 from compilers import signing
 from compilers.release import Release, open_release
 from edge_agent.agent import EdgeAgent
 from edge_agent.audit import with_router_state
-from edge_agent.budget import Budget
 from edge_agent.config import AgentConfig
-from edge_agent.fleet_sync import TelemetryWindows, load_identity, model_digest
+from edge_agent.fleet_sync import FleetSync, TelemetryWindows, load_identity, model_digest
 from edge_agent.journal import Journal, JournalEntry, drain
 from edge_agent.slots import SlotStore
-from edge_agent.swap import SwapOptions, Swapper, golden_of, parse_desired
+from edge_agent.swap import SwapOptions, Swapper, golden_of
 from edge_agent.transports.base import TransportOptions
 from edge_agent.transports.mqtt import MqttTransport
 from edge_agent.transports.mqtt_session import MqttSession
@@ -160,31 +161,25 @@ class AgentDaemon:
 
     Args:
         config: the validated `agent.yaml`.
+        pause_swap_at: stop a swap for good at this state (`SwapOptions.pause_at`, for the crash tests).
     """
 
-    def __init__(self, config: AgentConfig) -> None:
+    def __init__(self, config: AgentConfig, *, pause_swap_at: SwapState | None = None) -> None:
         self.config = config
         opts = config.options
         self.device = opts.device_id
-        self._configured_digest: str | None = None
+        self._digests: dict[str | None, str] = {}  # release digest (None: the configured model) -> model digest
         self.port = 0
         self._server: grpc.aio.Server | None = None
         self._servicer: _Servicer | None = None
         self._control: MqttSession | None = None
         self._telemetry_journal: Journal | None = None
         self._telemetry_seq = itertools.count(1)
-        self.desired_applied = 0
-        self._desired_budget: dict[str, Any] = {}  # what desired documents set: it overrides a release's
-        self._desired_threshold: tuple[float | None] | None = None
-        self._desired_version: int | None = None
         self._tasks: list[asyncio.Task[None]] = []
-        self._report_lock = asyncio.Lock()
         # enrolled in a fleet: telemetry goes out as per-window aggregates, reports name the release it runs
         self._windows: TelemetryWindows | None = None
         self.slots: SlotStore | None = None
-        self.swapper: Swapper | None = None
-        self.release: Release | None = None
-        self.model_digest = ""
+        self.sync = FleetSync(self, None, None)
         self.agent: EdgeAgent
         if config.fleet is None:
             self.agent = self.build_agent(None)
@@ -193,12 +188,30 @@ class AgentDaemon:
         note = self.slots.recover()
         if note:
             logger.warning("swap journal: %s", note)
-        swap_opts = self._swap_options()
-        self.release, self.agent = self._boot(swap_opts)
-        self.model_digest = model_digest(self.release.variants_dir if self.release else Path(config.model))
-        self._windows = TelemetryWindows(opts.boot_id, model_digest=self.model_digest,
-                                         release=self.release.digest if self.release else None)
-        self.swapper = Swapper(self.slots, self, swap_opts, self.release)
+        swap_opts = dataclasses.replace(self._swap_options(), pause_at=pause_swap_at)
+        self.agent = self._boot(swap_opts)
+        self._windows = TelemetryWindows(opts.boot_id)
+        swapper = Swapper(self.slots, swap_opts, lambda release: self.build_agent(release, successor_of=self.agent))
+        self.sync = FleetSync(self, self.slots, swapper)
+
+    @property
+    def release(self) -> Release | None:
+        """The release that runs (None: the configured model), as the slot store records it."""
+        return self.slots.running_release() if self.slots is not None else None
+
+    @property
+    def model_digest(self) -> str:
+        """The digest of the model that runs (enrolled agents report it; "" otherwise)."""
+        return self._model_id(self.release) if self.slots is not None else ""
+
+    @property
+    def desired_applied(self) -> int:
+        return self.sync.applied
+
+    def served(self) -> int:
+        """Requests the serving agent answered (the soak counts them)."""
+        self.agent.fold()
+        return int(self.agent.stats.requests)
 
     def _swap_options(self) -> SwapOptions:
         fleet = self.config.fleet
@@ -209,19 +222,24 @@ class AgentDaemon:
         return SwapOptions(keys=keys, fleet_url=identity.fleet_url if identity else None, auth=auth,
                            session=self.config.options.session, ca_file=str(fleet.ca_file) if fleet.ca_file else None)
 
-    def _boot(self, swap_opts: SwapOptions) -> tuple[Release | None, EdgeAgent]:
-        """The committed release, verified, and its agent; the configured model when there is none or it fails."""
-        assert self.slots is not None
-        slot, digest = self.slots.state.committed, self.slots.committed_release()
+    def _boot(self, swap_opts: SwapOptions) -> EdgeAgent:
+        """The committed release's agent (verified, and recorded as running in the slot store); the configured
+        model's when there is none or it fails."""
+        slots = self.slots
+        assert slots is not None
+        slot, digest = slots.state.committed, slots.committed_release()
         if slot is not None and digest is not None:
             try:
-                release = open_release(self.slots.slot_dir(slot), trusted_keys=list(swap_opts.keys),
-                                       expect_digest=digest)
-                return release, self.build_agent(release)
+                release = open_release(slots.slot_dir(slot), trusted_keys=list(swap_opts.keys), expect_digest=digest)
+                agent = self.build_agent(release)
+                slots.opened(slot, release)
+                return agent
             except TierkitError as exc:
                 logger.error("the committed release %s does not open (%s); running the configured model %s",
                              digest, exc, self.config.model)
-        return None, self.build_agent(None)
+        if slots.state.active is not None:
+            slots.activate(None, None)
+        return self.build_agent(None)
 
     def build_agent(self, release: Release | None, *, successor_of: EdgeAgent | None = None) -> EdgeAgent:
         """An agent for `release` (None: the configured model), with the desired overrides (any thread)."""
@@ -251,18 +269,15 @@ class AgentDaemon:
                           policy=policy, controller=cfg.controller, options=opts, telemetry=self._publish_telemetry,
                           successor_of=successor_of)
         # answers name what answered: the release, else the configured model's digest
-        agent.release = release.digest if release is not None else self._model_id()
-        if self._desired_budget:
-            b = dataclasses.replace(agent.budget, **self._desired_budget)
-            agent.set_budget(Budget(b.latency_ms, b.energy_mj, b.max_escalations_per_s))
-        if self._desired_threshold is not None:
-            agent.set_threshold(self._desired_threshold[0])
+        agent.release = release.digest if release is not None else self._model_id(None)
+        self.sync.overrides(agent)
         return agent
 
-    def _model_id(self) -> str:
-        if self._configured_digest is None:
-            self._configured_digest = model_digest(Path(self.config.model))
-        return self._configured_digest
+    def _model_id(self, release: Release | None) -> str:
+        key = None if release is None else release.digest
+        if key not in self._digests:
+            self._digests[key] = model_digest(release.variants_dir if release is not None else Path(self.config.model))
+        return self._digests[key]
 
     async def start(self) -> AgentDaemon:
         """Start the agent, bind the local endpoint, connect the control channel."""
@@ -292,35 +307,24 @@ class AgentDaemon:
         await server.start()
         self._server = server
         self._start_control()
-        if self.swapper is not None:
-            self._tasks.append(asyncio.create_task(self.swapper.run(), name="tierkit-swap"))
+        if self.sync.swapper is not None:
+            self._tasks.append(asyncio.create_task(self.sync.run_swaps(), name="tierkit-swap"))
         if self.slots is not None:  # enrolled: the fleet learns what runs here without waiting for a desired doc
-            self._tasks.append(asyncio.create_task(self._first_report(), name="tierkit-first-report"))
+            self._tasks.append(asyncio.create_task(self.sync.first_report(), name="tierkit-first-report"))
         return self
 
     async def _golden_after_restart(self) -> None:
         """A restart (clean or not) on a release clears nothing the fleet relies on: its golden inputs are
         re-run here when the journal holds no result for what runs (`slots.recover` drops it on a rollback)."""
-        if self.slots is None or self.release is None or self.slots.state.golden is not None:
+        release = self.release
+        if self.slots is None or release is None or self.slots.state.golden is not None:
             return
-        session = self.swapper.options.session if self.swapper is not None else None
+        session = self.sync.swapper.options.session if self.sync.swapper is not None else None
         try:
-            golden = await asyncio.to_thread(golden_of, self.release, session)
+            golden = await asyncio.to_thread(golden_of, release, session)
         except TierkitError as exc:
             golden = {"ok": False, "reason": str(exc)[:300], "max_rel_error": None}
-        self.slots.state.golden = golden
-        await asyncio.to_thread(self.slots.save)
-
-    async def _first_report(self) -> None:
-        """Publish the reported document once a broker is connected (retried every second until it is)."""
-        while True:
-            try:
-                async with self._report_lock:
-                    await self._publish(topics.reported_topic(self.device), json.dumps(self._report_doc()).encode(),
-                                        retain=True)
-                return
-            except (TierkitError, TimeoutError, ConnectionError):
-                await asyncio.sleep(1.0)
+        await asyncio.to_thread(self.slots.set_golden, golden)
 
     def _control_broker(self) -> tuple[str, int] | None:
         if self.config.broker is not None:
@@ -333,7 +337,7 @@ class AgentDaemon:
         transport = self.agent.transport
         if isinstance(transport, MqttTransport) and self.config.broker in (None, transport.cloud.targets[0]):
             # one session, one client id (the device id): the per-device broker ACL covers it all
-            transport.listen(desired, self._on_desired)
+            transport.listen(desired, self.sync.on_desired)
             return
         broker = self._control_broker()
         if broker is None:
@@ -341,7 +345,7 @@ class AgentDaemon:
         tls = self.config.broker_tls if self.config.broker is not None else False
         self._control = MqttSession(broker[0], broker[1], client_id=self.device, subscribe=desired, tls=tls,
                                     options=self.agent.options.transport or TransportOptions(),
-                                    on_message=self._on_desired, on_down=lambda why: None)
+                                    on_message=self.sync.on_desired, on_down=lambda why: None)
         self._control.start()
 
     async def aclose(self) -> None:
@@ -360,24 +364,21 @@ class AgentDaemon:
         if self.slots is not None:
             self.slots.clear_running()
 
-    # -- model swaps (edge_agent.swap calls these) -------------------------------------------------
+    # -- model swaps (the fleet sync applies the swap's `active` step here) --------------------------
 
-    async def switch(self, agent: EdgeAgent, release: Release | None) -> None:
+    async def switch(self, agent: EdgeAgent) -> None:
         """Serve from `agent` (built with `successor_of=` the running one) from now on; requests in flight
         finish on the old agent, which is closed once they have (bounded by the drain timeout)."""
         old = self.agent
         agent.take_over()
         await agent.start()
         old.telemetry = None
-        last = (self._windows.window(old.snapshot(), old.stats.recent_latencies) if self._windows is not None
-                else None)
+        last = self._window(old) if self._windows is not None else None  # named by what ran until now
         self.agent = agent
         if self._servicer is not None:
             self._servicer.agent = agent
-        self.release = release
-        self.model_digest = model_digest(release.variants_dir if release else Path(self.config.model))
         if self._windows is not None:
-            self._windows.restart(model_digest=self.model_digest, release=release.digest if release else None)
+            self._windows.restart()
         if last is not None:
             await self._send_window(last)
         loop = asyncio.get_running_loop()
@@ -385,26 +386,6 @@ class AgentDaemon:
         while self._servicer is not None and self._servicer.busy.get(old) and loop.time() < deadline:
             await asyncio.sleep(0.005)
         await old.aclose()
-
-    def report(self) -> None:
-        """Publish the reported document now (retained), in the order of the calls."""
-        doc = self._report_doc()
-        task = asyncio.get_running_loop().create_task(self._report(doc))
-        task.add_done_callback(lambda t: t.cancelled() or t.exception())
-
-    def _report_doc(self, **extra: Any) -> dict[str, Any]:
-        agent = self.agent
-        report: dict[str, Any] = {"device": self.device, "boot_id": agent.options.boot_id}
-        if self._desired_version is not None:
-            report["desired_version"] = self._desired_version
-        report.update(extra)
-        report.update(budget=dataclasses.asdict(agent.budget), threshold=agent.threshold, variant=agent.variant)
-        if self.model_digest:
-            report["model_digest"] = self.model_digest
-        if self.slots is not None:
-            report.update(self.slots.report())
-            report["release"] = self.release.digest if self.release else None  # what actually runs
-        return report
 
     async def __aenter__(self) -> AgentDaemon:
         return await self.start()
@@ -414,7 +395,8 @@ class AgentDaemon:
 
     # -- telemetry ------------------------------------------------------------------------------
 
-    async def _publish(self, topic: str, payload: bytes, *, retain: bool = False) -> None:
+    async def publish(self, topic: str, payload: bytes, *, retain: bool = False) -> None:
+        """Publish through the cloud link when it is MQTT and up, else through the control session."""
         transport = self.agent.transport
         if getattr(transport, "name", "") == "mqtt" and transport.connected:  # type: ignore[union-attr]
             await transport.publish(topic, payload, qos=1, retain=retain)  # type: ignore[union-attr]
@@ -426,9 +408,15 @@ class AgentDaemon:
         info = control.publish(topic, payload, qos=1, retain=retain)
         await control.acknowledged(info, 5.0)
 
+    def _window(self, agent: EdgeAgent, snapshot: dict[str, Any] | None = None) -> dict[str, Any]:
+        assert self._windows is not None
+        release = self.release
+        return self._windows.window(agent.snapshot() if snapshot is None else snapshot, agent.stats.recent_latencies,
+                                    release=release.digest if release is not None else None,
+                                    model_digest=self.model_digest)
+
     async def _publish_telemetry(self, doc: dict[str, Any]) -> None:
-        await self._send_window(self._windows.window(doc, self.agent.stats.recent_latencies)
-                                if self._windows is not None else doc)
+        await self._send_window(self._window(self.agent, doc) if self._windows is not None else doc)
 
     async def _send_window(self, doc: dict[str, Any]) -> None:
         payload = json.dumps(doc, default=str).encode()
@@ -437,7 +425,7 @@ class AgentDaemon:
         try:
             if journal is not None and journal.count():
                 await drain(journal, self._send_telemetry)
-            await self._publish(topic, payload)
+            await self.publish(topic, payload)
         except (TierkitError, TimeoutError, ConnectionError) as exc:
             if journal is None:
                 logger.debug("telemetry dropped (no broker, no journal): %s", exc)
@@ -449,58 +437,7 @@ class AgentDaemon:
                 logger.warning("telemetry dropped: %s", full)
 
     async def _send_telemetry(self, entry: JournalEntry) -> None:
-        await self._publish(topics.telemetry_topic(self.device), entry.payload)
-
-    # -- desired / reported -----------------------------------------------------------------------
-
-    def _on_desired(self, topic: str, payload: bytes, props: Any) -> None:
-        if not payload:  # a cleared retained message
-            return
-        report: dict[str, Any] = {}
-        try:
-            desired = json.loads(payload)
-            if not isinstance(desired, dict) or set(desired) - {"budget", "threshold", "version",
-                                                                 "telemetry_interval_s", "release", "soak",
-                                                                 "rollback"}:
-                msg = ('desired state must be a JSON object with "budget", "threshold", "telemetry_interval_s" '
-                       'and/or "release", "soak", "rollback" (and the fleet\'s "version")')
-                raise ConfigError(msg)
-            if "release" in desired and self.swapper is None:
-                msg = "this agent has no fleet section (agent.yaml fleet:), so it cannot take releases"
-                raise ConfigError(msg)
-            parse_desired(desired)  # a malformed release or soak changes nothing
-            if "budget" in desired:
-                budget = dataclasses.replace(self.agent.budget, **desired["budget"])
-                self.agent.set_budget(Budget(budget.latency_ms, budget.energy_mj, budget.max_escalations_per_s))
-                self._desired_budget.update(desired["budget"])
-            if "threshold" in desired:
-                value = desired["threshold"]
-                self._desired_threshold = (None if value is None else float(value),)
-                self.agent.set_threshold(self._desired_threshold[0])
-            if "telemetry_interval_s" in desired:
-                interval = float(desired["telemetry_interval_s"])
-                if not interval >= 1:
-                    msg = f"telemetry_interval_s must be at least 1 s, got {interval}"
-                    raise ConfigError(msg)
-                self.agent.options = dataclasses.replace(self.agent.options, telemetry_interval_s=interval)
-            if self.swapper is not None:
-                self.swapper.want(desired)  # checks "release" and "soak"; the swap runs in the background
-            if isinstance(desired.get("version"), int):
-                self._desired_version = desired["version"]  # only once it has taken effect
-            self.desired_applied += 1
-        except (ValueError, TypeError, ConfigError) as exc:
-            report["error"] = f"desired state not applied: {exc}"
-            logger.warning("%s", report["error"])
-        doc = self._report_doc(**report)
-        task = asyncio.get_running_loop().create_task(self._report(doc))
-        task.add_done_callback(lambda t: t.cancelled() or t.exception())
-
-    async def _report(self, report: dict[str, Any]) -> None:
-        async with self._report_lock:  # reports go out in the order they were made
-            try:
-                await self._publish(topics.reported_topic(self.device), json.dumps(report).encode(), retain=True)
-            except (TierkitError, TimeoutError, ConnectionError) as exc:
-                logger.info("could not report the applied state: %s", exc)
+        await self.publish(topics.telemetry_topic(self.device), entry.payload)
 
 
 def _power(profile: str | dict[str, Any] | None, current: PowerProfile) -> PowerProfile:
@@ -518,9 +455,10 @@ def _power(profile: str | dict[str, Any] | None, current: PowerProfile) -> Power
     return current
 
 
-async def run_daemon(config: AgentConfig, *, stop: asyncio.Event, ready: Any = None) -> None:
+async def run_daemon(config: AgentConfig, *, stop: asyncio.Event, ready: Any = None,
+                     pause_swap_at: SwapState | None = None) -> None:
     """Run until `stop` is set; `ready(daemon)` is called once it serves."""
-    async with AgentDaemon(config) as daemon:
+    async with AgentDaemon(config, pause_swap_at=pause_swap_at) as daemon:
         if ready is not None:
             ready(daemon)
         await stop.wait()

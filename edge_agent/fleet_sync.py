@@ -1,9 +1,16 @@
-"""Fleet sync, the agent's side of the fleet service: enrollment, reported state, telemetry windows.
+"""Fleet sync, the agent's side of the fleet service: enrollment, desired and reported state, telemetry windows.
 
 Enrollment: the agent generates its own EC key, sends a CSR with the one-time token to
 `POST {fleet}/v1/enroll`, and keeps what comes back (device id, certificate signed by the fleet CA,
 the CA certificate, MQTT user and password) in a state directory with the key, so a restart reuses
 the identity instead of enrolling again. The private key never leaves the device.
+
+Desired and reported (`FleetSync`): a desired document is parsed once (`fleet_docs.parse_desired`) and
+applied: budget and threshold over the serving agent (and every agent a swap builds), the telemetry
+interval, and the release, which goes to the swapper. The swap's transitions come back here
+(`async for step in swapper.transitions(...)`): the daemon serves from the new agent at `active`, and
+each step is reported. A reported document is built from the one holder of what runs, the slot store,
+and the serving agent, and published (retained) in the order reports are made.
 
 Telemetry windows: the agent's counters are cumulative since it started; `TelemetryWindows` turns
 successive snapshots into per-window aggregates (requests, tier mix, latency quantiles, escalation
@@ -19,10 +26,12 @@ Example:
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import hashlib
 import importlib.metadata
 import json
+import logging
 import os
 import ssl
 import time
@@ -39,11 +48,28 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
+from cloud_service.protocol import topics
+from cloud_service.protocol.fleet_docs import (
+    UNSET,
+    Desired,
+    LatencyHistogram,
+    Reported,
+    TelemetryWindow,
+    Unset,
+    parse_desired,
+)
 from edge_agent.audit import window_fields
+from runtimes.budget import BudgetOverride
 from runtimes.errors import ConfigError, TierkitError
 
 if TYPE_CHECKING:
+    from edge_agent.agent import EdgeAgent
     from edge_agent.config import AgentConfig
+    from edge_agent.daemon import AgentDaemon
+    from edge_agent.slots import SlotStore
+    from edge_agent.swap import Swapper
+
+logger = logging.getLogger(__name__)
 
 
 class EnrollmentError(TierkitError):
@@ -208,8 +234,6 @@ class TelemetryWindows:
 
     Args:
         boot_id: this run's id; with `seq` it makes every window unique, so redeliveries dedupe.
-        model_digest: the digest of the model the agent actually runs.
-        release: the digest of the release it runs (None: its configured model).
 
     `crashes` counts unclean stops found since the last window (the daemon adds them); each window
     carries and resets it.
@@ -218,21 +242,23 @@ class TelemetryWindows:
     _COUNTERS = ("requests", "escalations_sent", "cloud_answers", "degraded", "cache_hits", "escalations_compared",
                  "escalations_agreed")
 
-    def __init__(self, boot_id: str, *, model_digest: str = "", release: str | None = None) -> None:
-        self.boot_id, self.model_digest, self.release = boot_id, model_digest, release
+    def __init__(self, boot_id: str) -> None:
+        self.boot_id = boot_id
         self.seq = 0
         self.crashes = 0
         self._last: dict[str, Any] = {}
         self._last_ts = time.time()
 
-    def restart(self, *, model_digest: str, release: str | None) -> None:
+    def restart(self) -> None:
         """A new agent (a model swap): its counters start at zero; the sequence numbers go on."""
-        self.model_digest, self.release, self._last = model_digest, release, {}
+        self._last = {}
 
-    def window(self, snap: dict[str, Any], recent: Callable[[int], np.ndarray] | None = None) -> dict[str, Any]:
-        """The window since the last call. `recent(n)` gives the last n request latencies (the agent's
-        `stats.recent_latencies`): with it, p50, p95 and the histogram are this window's own; without,
-        the snapshot's quantiles over its recent requests stand in."""
+    def window(self, snap: dict[str, Any], recent: Callable[[int], np.ndarray] | None = None, *,
+               release: str | None = None, model_digest: str = "") -> dict[str, Any]:
+        """The window since the last call, as sent (`fleet_docs.TelemetryWindow`), naming the release and
+        model that run. `recent(n)` gives the last n request latencies (the agent's `stats.recent_latencies`):
+        with it, p50, p95 and the histogram are this window's own; without, the snapshot's quantiles over its
+        recent requests stand in."""
         prev = self._last
         d = {k: int(snap.get(k, 0)) - int(prev.get(k, 0)) for k in self._COUNTERS}
         reasons = {k: v - prev.get("reasons", {}).get(k, 0) for k, v in snap.get("reasons", {}).items()}
@@ -254,16 +280,119 @@ class TelemetryWindows:
             p50, p95 = (float(v) for v in np.percentile(lat, [50, 95]))
             counts = np.bincount(np.searchsorted(LATENCY_BOUNDS_MS, lat, side="left"),
                                  minlength=len(LATENCY_BOUNDS_MS) + 1)
-            hist = {"bounds_ms": list(LATENCY_BOUNDS_MS), "counts": counts.tolist()}
-        return {"device": snap.get("device"), "boot_id": self.boot_id, "seq": self.seq, "ts": now,
-                "window_s": window_s, "requests": n,
-                "tiers": {"edge": n - d["cloud_answers"], "cloud": d["cloud_answers"]},
-                "p50_ms": p50, "p95_ms": p95, "latency_hist": hist,
-                "escalation_rate": min(1.0, d["escalations_sent"] / n) if n else 0.0,
-                "agreement": agreement,
-                "energy_mj_per_request": max(0.0, energy_total - prev_energy) / n if n else 0.0,
-                "energy_label": str(snap.get("energy_label") or "unknown"),
-                "degraded": d["degraded"], "degraded_reasons": {k: v for k, v in reasons.items() if v > 0},
-                "variant": str(snap.get("variant", "")), "threshold": snap.get("threshold"),
-                "model_digest": self.model_digest, "release": self.release, "crashes": crashes,
-                "decision": decision_summary(snap.get("decision")), **window_fields(snap, prev)}
+            hist = LatencyHistogram(tuple(float(b) for b in LATENCY_BOUNDS_MS), tuple(int(c) for c in counts))
+        return TelemetryWindow(
+            device=str(snap.get("device") or ""), boot_id=self.boot_id, seq=self.seq, ts=now, window_s=window_s,
+            requests=n, edge=n - d["cloud_answers"], cloud=d["cloud_answers"], p50_ms=p50, p95_ms=p95,
+            latency_hist=hist, escalation_rate=min(1.0, d["escalations_sent"] / n) if n else 0.0, agreement=agreement,
+            energy_mj_per_request=max(0.0, energy_total - prev_energy) / n if n else 0.0,
+            energy_label=str(snap.get("energy_label") or "unknown"), degraded=d["degraded"],
+            degraded_reasons={k: v for k, v in reasons.items() if v > 0}, variant=str(snap.get("variant", "")),
+            threshold=snap.get("threshold"), model_digest=model_digest, release=release, crashes=crashes,
+            decision=decision_summary(snap.get("decision")), **window_fields(snap, prev)).to_json()
+
+
+class FleetSync:
+    """Desired in, reported out, and the swap between them, for one enrolled (or broker-connected) daemon.
+
+    Args:
+        daemon: the daemon whose agent it steers and through which it publishes.
+        slots: the slot store, the one record of what runs (None: not enrolled in a fleet).
+        swapper: takes the releases desired documents name (None: not enrolled).
+
+    Example:
+        >>> sync = FleetSync(daemon, slots, swapper)
+        >>> session.listen(topics.desired_topic(device), sync.on_desired)
+    """
+
+    def __init__(self, daemon: AgentDaemon, slots: SlotStore | None, swapper: Swapper | None) -> None:
+        self.daemon, self.slots, self.swapper = daemon, slots, swapper
+        self.applied = 0  # desired documents applied
+        self.version: int | None = None  # the version of the last one that took effect
+        self._budget: BudgetOverride | None = None  # what desired documents set: it overrides a release's
+        self._threshold: float | Unset | None = UNSET
+        self._lock = asyncio.Lock()
+        self._pending: set[asyncio.Task[None]] = set()
+
+    def overrides(self, agent: EdgeAgent) -> None:
+        """Lay what desired documents set (budget, threshold) over a newly built agent."""
+        if self._budget is not None:
+            agent.set_budget(self._budget.apply(agent.budget))
+        if self._threshold is not UNSET:
+            agent.set_threshold(self._threshold)
+
+    def on_desired(self, topic: str, payload: bytes, props: Any) -> None:
+        """A desired document arrived (on the event loop): parse, apply, report what took effect."""
+        if not payload:  # a cleared retained message
+            return
+        error = None
+        try:
+            self.apply(parse_desired(payload))
+        except (ValueError, TypeError, ConfigError) as exc:
+            error = f"desired state not applied: {exc}"
+            logger.warning("%s", error)
+        self.report(error=error)
+
+    def apply(self, desired: Desired) -> None:
+        if desired.release is not UNSET and self.swapper is None:
+            msg = "this agent has no fleet section (agent.yaml fleet:), so it cannot take releases"
+            raise ConfigError(msg)
+        agent = self.daemon.agent
+        if desired.budget is not None:
+            agent.set_budget(desired.budget.apply(agent.budget))
+            self._budget = desired.budget if self._budget is None else self._budget.merged(desired.budget)
+        if desired.threshold is not UNSET:
+            self._threshold = desired.threshold
+            agent.set_threshold(desired.threshold)
+        if desired.telemetry_interval_s is not None:
+            agent.options = dataclasses.replace(agent.options, telemetry_interval_s=desired.telemetry_interval_s)
+        if self.swapper is not None:
+            self.swapper.want(desired)  # the swap runs in the background
+        if desired.version is not None:
+            self.version = desired.version  # only once it has taken effect
+        self.applied += 1
+
+    def report_doc(self, error: str | None = None) -> Reported:
+        """What runs here now: the slot store's record and the serving agent's settings."""
+        agent, slots = self.daemon.agent, self.slots
+        report = Reported(device=self.daemon.device, boot_id=agent.options.boot_id, desired_version=self.version,
+                          budget=agent.budget, threshold=agent.threshold, variant=agent.variant,
+                          model_digest=self.daemon.model_digest, error=error)
+        if slots is None:
+            return report
+        swap, held, golden = slots.report()
+        return dataclasses.replace(report, release=slots.running, swap=swap, slots=held, golden=golden,
+                                   crashes=slots.state.crashes)
+
+    def report(self, error: str | None = None) -> None:
+        """Publish the reported document now (retained), in the order of the calls."""
+        task = asyncio.get_running_loop().create_task(self._publish(self.report_doc(error)))
+        self._pending.add(task)
+        task.add_done_callback(self._pending.discard)
+
+    async def _publish(self, report: Reported) -> None:
+        async with self._lock:  # reports go out in the order they were made
+            try:
+                await self.daemon.publish(topics.reported_topic(self.daemon.device),
+                                          json.dumps(report.to_json()).encode(), retain=True)
+            except (TierkitError, TimeoutError, ConnectionError) as exc:
+                logger.info("could not report the applied state: %s", exc)
+
+    async def first_report(self) -> None:
+        """Publish the reported document once a broker is connected (retried every second until it is)."""
+        while True:
+            try:
+                async with self._lock:
+                    await self.daemon.publish(topics.reported_topic(self.daemon.device),
+                                              json.dumps(self.report_doc().to_json()).encode(), retain=True)
+                return
+            except (TierkitError, TimeoutError, ConnectionError):
+                await asyncio.sleep(1.0)
+
+    async def run_swaps(self) -> None:
+        """Report every transition of the swap; at `active`, the daemon serves from the new agent first."""
+        assert self.swapper is not None
+        async for step in self.swapper.transitions(self.daemon.served):
+            if step.agent is not None:
+                await self.daemon.switch(step.agent)
+            self.report()

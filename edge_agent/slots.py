@@ -40,21 +40,27 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from cloud_service.protocol.fleet_docs import (
+    LIVE,
+    PRE_ACTIVE,
+    GoldenReport,
+    SlotsReport,
+    SoakProgress,
+    SwapReport,
+    SwapState,
+)
+from compilers.release import Release
 from compilers.version_floor import VersionFloor
 from runtimes.errors import ConfigError
 
 SLOTS = ("A", "B")
-PRE_ACTIVE = ("downloading", "verifying", "staged", "golden")
-LIVE = ("active", "soaking")
-FINAL = ("committed", "rolled_back", "refused")
-STATES = (*PRE_ACTIVE, *LIVE, *FINAL)
 RESTARTED = "agent restarted during soak"
 MAX_INTERRUPTED = 3  # a swap interrupted this often before `active` is refused (a crash loop otherwise)
 _HISTORY = 16
 
 
 @dataclass
-class SwapState:
+class Journal:
     """swap.json. `swap` is the swap in progress or the last one; `failed` maps a release that was refused or
     rolled back here to the desired version it failed under (it is not tried again for that version)."""
 
@@ -98,13 +104,14 @@ class SlotStore:
         self.path = self.root / "swap.json"
         self.floor = VersionFloor(self.root / "floor.json")
         self.state = self._load()
+        self._opened: dict[str, Release] = {}  # slot -> its release, verified when it was opened
 
-    def _load(self) -> SwapState:
+    def _load(self) -> Journal:
         if not self.path.exists():
-            return SwapState()
+            return Journal()
         try:
             doc = json.loads(self.path.read_bytes())
-            state = SwapState(**doc)
+            state = Journal(**doc)
             if set(state.slots) != set(SLOTS) or state.active not in (*SLOTS, None):
                 raise ValueError("slots must be A and B")  # noqa: EM101
         except (OSError, ValueError, TypeError) as exc:
@@ -149,29 +156,64 @@ class SlotStore:
     def committed_release(self) -> str | None:
         return self.digest(self.state.committed)
 
+    def running_release(self) -> Release | None:
+        """The verified release that runs (None: the configured model)."""
+        slot = self.state.active
+        release = None if slot is None else self._opened.get(slot)
+        return release if release is not None and release.digest == self.state.slots[slot or ""] else None
+
+    def opened(self, slot: str, release: Release) -> None:
+        """Keep the verified `release` that `slot` holds (the swap and the boot open it)."""
+        self._opened[slot] = release
+
+    def place(self, slot: str, digest: str | None) -> None:
+        """Record what `slot` holds (None while it is being replaced)."""
+        self.state.slots[slot] = digest
+        self._opened.pop(slot, None)
+        self.save()
+
+    def activate(self, slot: str | None, golden: dict[str, Any] | None) -> None:
+        """The release in `slot` (None: the configured model) serves from now on, with its golden result."""
+        self.state.active, self.state.golden = slot, golden
+        self.save()
+
+    def set_golden(self, golden: dict[str, Any] | None) -> None:
+        self.state.golden = golden
+        self.save()
+
+    def soak_progress(self, requests: int) -> tuple[SoakProgress, dict[str, Any]] | None:
+        """While soaking: how far it came (recorded in the journal, unsaved) and the soak it needs."""
+        swap = self.state.swap
+        if swap is None or swap.get("state") != SwapState.SOAKING:
+            return None
+        done = SoakProgress(requests, round(time.time() - float(swap["since"]), 1))
+        swap["soak"] = done.to_json()
+        return done, swap.get("soak_target") or {}
+
     def clear_incoming(self) -> None:
         shutil.rmtree(self.incoming, ignore_errors=True)
 
     # -- steps ---------------------------------------------------------------------------------
 
-    def begin(self, state: str, target: str | None, **extra: Any) -> dict[str, Any]:
+    def begin(self, state: SwapState, target: str | None, **extra: Any) -> dict[str, Any]:
         """Record that the swap to `target` is in `state` now (durable before the step runs)."""
-        swap = {"state": state, "target": target, "since": round(time.time(), 3), **extra}
+        state = SwapState(state)
+        swap = {"state": state.value, "target": target, "since": round(time.time(), 3), **extra}
         self.state.swap = swap
-        if state in FINAL:
+        if state.final:
             self.state.last = swap
         self.save()
-        self.log("begin", state=state, target=target)
+        self.log("begin", state=state.value, target=target)
         return swap
 
-    def end(self, state: str) -> None:
+    def end(self, state: SwapState) -> None:
         """Record that the step `state` finished (its effect is in the journal)."""
         if self.state.swap is not None:
             self.state.swap["done"] = True
         self.save()
-        self.log("end", state=state, target=(self.state.swap or {}).get("target"))
+        self.log("end", state=SwapState(state).value, target=(self.state.swap or {}).get("target"))
 
-    def fail(self, target: str | None, state: str, error: str, desired_version: int) -> dict[str, Any]:
+    def fail(self, target: str | None, state: SwapState, error: str, desired_version: int) -> dict[str, Any]:
         if target is not None:
             self.state.failed[target] = desired_version
             if len(self.state.failed) > _HISTORY:
@@ -196,14 +238,14 @@ class SlotStore:
         st = self.state
         swap, note = st.swap, ""
         self.clear_incoming()
-        if swap is not None and swap.get("state") in PRE_ACTIVE:
+        if swap is not None and swap.get("state") in PRE_ACTIVE:  # the journal's own fields (swap.json)
             target = str(swap.get("target"))
             st.interrupted[target] = tries = st.interrupted.get(target, 0) + 1
             st.swap = st.last
             note = f"swap to {target} interrupted at {swap['state']}; it is done again"
             if tries >= MAX_INTERRUPTED:  # the step itself may be what kills the agent: stop trying
                 st.failed[target] = int(swap.get("desired_version", 0))
-                st.last = st.swap = {"state": "refused", "target": target, "since": round(time.time(), 3),
+                st.last = st.swap = {"state": SwapState.REFUSED.value, "target": target, "since": round(time.time(), 3),
                                      "error": f"the agent stopped {tries} times during this swap "
                                               f"(last at {swap['state']}); not tried again"}
                 note = f"swap to {target} refused: interrupted {tries} times"
@@ -212,7 +254,7 @@ class SlotStore:
             desired = swap.get("desired_version", 0)
             if live is not None:
                 st.failed[live] = int(desired)
-            st.last = st.swap = {"state": "rolled_back", "target": live, "since": round(time.time(), 3),
+            st.last = st.swap = {"state": SwapState.ROLLED_BACK.value, "target": live, "since": round(time.time(), 3),
                                  "error": RESTARTED, "soak": swap.get("soak")}
             note = f"swap to {live} rolled back: {RESTARTED}"
         if st.active != st.committed:
@@ -236,11 +278,16 @@ class SlotStore:
     def clear_running(self) -> None:
         (self.root / "running").unlink(missing_ok=True)
 
-    def report(self) -> dict[str, Any]:
-        """The reported document's release, swap, slots, golden and crashes."""
-        st = self.state
-        swap = None
-        if st.swap is not None:
-            swap = {k: st.swap[k] for k in ("state", "target", "since", "error", "soak") if st.swap.get(k) is not None}
-        return {"release": self.running, "swap": swap, "slots": {**st.slots, "active": st.active},
-                "golden": st.golden, "crashes": st.crashes}
+    def report(self) -> tuple[SwapReport | None, SlotsReport, GoldenReport | None]:
+        """The reported document's swap, slots and golden check."""
+        st, swap, golden = self.state, self.state.swap, self.state.golden
+        report = None
+        if swap is not None:
+            soak = swap.get("soak")
+            report = SwapReport(SwapState(swap["state"]), swap.get("target"), float(swap.get("since") or 0.0),
+                                swap.get("error"), SoakProgress(int(soak.get("requests") or 0),
+                                                                float(soak.get("seconds") or 0.0)) if soak else None)
+        checked = None if golden is None else GoldenReport(
+            bool(golden.get("ok")), golden.get("max_rel_error"), golden.get("variant"), golden.get("tolerance"),
+            golden.get("reason"))
+        return report, SlotsReport(st.slots["A"], st.slots["B"], st.active), checked

@@ -1,9 +1,10 @@
 """Taking a release on the device: download, verify, stage, golden check, activate, soak, commit.
 
 The fleet names the release a device must run in its desired state (`"release": "sha256:..."`, with
-`"soak": {"requests": N}` or `{"seconds": T}`). `Swapper` does the swap in the background, every
-step journaled in `edge_agent.slots` and reported (the daemon publishes a reported document at each
-state change):
+`"soak": {"requests": N}` or `{"seconds": T}`; `fleet_docs.Desired`). `Swapper` does the swap in the
+background, every step journaled in `edge_agent.slots`, and yields each transition
+(`async for step in swapper.transitions(served)`): the fleet sync reports it, and at `active` the daemon
+serves from the new agent before the swap goes on:
 
 ```
 downloading  GET {fleet}/v1/releases/{digest}/archive, HTTP Basic auth with the device's MQTT user
@@ -23,32 +24,33 @@ in the other slot that this device committed before is taken back by a pointer f
 (hashes, signature) but not downloaded, and committed at once. `"release": null` goes back to the
 configured local model.
 
-Test hook: with `TIERKIT_TEST_SWAP_PAUSE_AT=<state>` in the environment, the swap stops once it has
-journaled and reported that state, so a test can `kill -9` the agent there (the crash matrix).
+`SwapOptions.pause_at` stops the swap once it has journaled and reported a state, so a test can
+`kill -9` the agent there (the crash matrix; `tierkit agent` sets it from the environment).
 """
 
 from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import dataclasses
 import logging
 import os
-import re
 import shutil
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Mapping
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
+from cloud_service.protocol.fleet_docs import DEFAULT_SOAK, UNSET, Desired, Soak, SwapState
 from compilers.golden import check_golden
 from compilers.release import Release, open_release, unpack_release
 from edge_agent.fleet_sync import https_context
 from edge_agent.slots import SlotStore
-from runtimes.errors import ConfigError, TierkitError
+from runtimes.errors import TierkitError
 from runtimes.session import SessionOptions
 
 if TYPE_CHECKING:
@@ -58,9 +60,6 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-PAUSE_ENV = "TIERKIT_TEST_SWAP_PAUSE_AT"  # test hook (see the module docstring)
-DEFAULT_SOAK = {"requests": 200}
-_DIGEST = re.compile(r"^sha256:[0-9a-f]{64}$")
 _RETRY_S = (2.0, 5.0, 15.0, 60.0)
 
 
@@ -84,6 +83,7 @@ class SwapOptions:
         timeout_s: the socket timeout of a download.
         session: session options of the golden check.
         ca_file: the CA of an `https://` fleet's certificate (None: the system's CAs).
+        pause_at: stop the swap for good once it reached this state (the crash tests kill the agent there).
     """
 
     keys: tuple[Ed25519PublicKey, ...] = ()
@@ -93,35 +93,25 @@ class SwapOptions:
     timeout_s: float = 30.0
     session: SessionOptions | None = None
     ca_file: str | None = None
+    pause_at: SwapState | None = None
 
 
-class SwapHost(Protocol):
-    """What the swap needs of the daemon."""
+@dataclass(frozen=True)
+class Transition:
+    """One step of a swap, journaled before it is yielded.
 
-    @property
-    def agent(self) -> EdgeAgent: ...
+    Args:
+        state: the swap's state now (None: the journal changed without a new state, e.g. a refusal retried).
+        target: the release it takes (None: the configured model).
+        agent: at `active`, the agent built for it: serve from it before asking for the next step.
+    """
 
-    def build_agent(self, release: Release | None, *, successor_of: EdgeAgent | None = None) -> EdgeAgent: ...
-
-    async def switch(self, agent: EdgeAgent, release: Release | None) -> None: ...
-
-    def report(self) -> None: ...
+    state: SwapState | None
+    target: str | None
+    agent: EdgeAgent | None = None
 
 
-def parse_desired(desired: Mapping[str, Any]) -> tuple[str | None, dict[str, float], bool] | None:
-    """(release or None for the configured model, soak, rollback) of a desired document; None without "release"."""
-    if "release" not in desired:
-        return None
-    target = desired["release"]
-    if target is not None and not (isinstance(target, str) and _DIGEST.match(target)):
-        msg = f'"release" must be a release digest "sha256:<64 hex>" or null, got {str(target)[:80]!r}'
-        raise ConfigError(msg)
-    soak = desired.get("soak") or DEFAULT_SOAK
-    if (not isinstance(soak, Mapping) or not soak or set(soak) - {"requests", "seconds"}
-            or not all(isinstance(v, (int, float)) and not isinstance(v, bool) and v >= 0 for v in soak.values())):
-        msg = f'"soak" must be {{"requests": N}} or {{"seconds": T}} with N, T >= 0, got {soak!r}'
-        raise ConfigError(msg)
-    return target, {k: float(v) for k, v in soak.items()}, bool(desired.get("rollback", False))
+_Wish = tuple[str | None, Soak, int]
 
 
 def download(url: str, dest: Path, auth: tuple[str, str] | None, *, max_bytes: int, timeout_s: float,
@@ -187,68 +177,78 @@ class _Refused(Exception):
 class Swapper:
     """Runs the swaps a device's desired state asks for, one at a time, off the request path.
 
+    The slot store is the one record of what runs: the swapper changes it through its methods and yields
+    each transition; it neither reports nor switches agents itself.
+
     Args:
         store: the slots and journal (already recovered).
-        host: the daemon.
         options: keys, fleet address and credentials.
-        running: the verified release the daemon runs now (None: its configured model).
+        build: the agent for a release (None: the configured model), a successor of the one serving now;
+            called in a worker thread.
+
+    Example:
+        >>> async for step in Swapper(store, options, build).transitions(served=lambda: agent.stats.requests):
+        ...     if step.agent is not None:
+        ...         await daemon.switch(step.agent)
+        ...     sync.report()
     """
 
-    def __init__(self, store: SlotStore, host: SwapHost, options: SwapOptions, running: Release | None) -> None:
-        self.store, self.host, self.options, self.running = store, host, options, running
-        self._wish: tuple[str | None, dict[str, float], int] | None = None
-        self._wake: asyncio.Event | None = None
+    def __init__(self, store: SlotStore, options: SwapOptions, build: Callable[[Release | None], EdgeAgent]) -> None:
+        self.store, self.options, self.build = store, options, build
+        self._wish: _Wish | None = None
+        self._wake = asyncio.Event()
         self._retry_at = 0.0
         self._retries = 0
+        self._staged: Release | None = None
         self.busy = False
 
-    def want(self, desired: Mapping[str, Any]) -> None:
-        """Take a desired document (on the event loop); raises `ConfigError` for malformed release keys."""
-        parsed = parse_desired(desired)
-        if parsed is None:
+    def want(self, desired: Desired) -> None:
+        """Take a desired document (on the event loop); one without "release" changes nothing here."""
+        if desired.release is UNSET:
             return
-        target, soak, _rollback = parsed
-        version = desired.get("version")
-        self._wish = (target, soak, version if isinstance(version, int) else 0)
+        self._wish = (desired.release, desired.soak_or_default(), desired.version or 0)
         self._retries, self._retry_at = 0, 0.0
-        if self._wake is not None:
-            self._wake.set()
+        self._wake.set()
 
-    async def run(self) -> None:
-        """The background task: apply the latest wish, watch the soak."""
-        self._wake = wake = asyncio.Event()
+    async def transitions(self, served: Callable[[], int]) -> AsyncIterator[Transition]:
+        """The background loop: the latest wish applied, the soak watched (`served()`: the requests the serving
+        agent answered), each step yielded once journaled; it runs until the consumer stops."""
         while True:
-            try:
+            with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(0.2):
-                    await wake.wait()
-            except TimeoutError:
-                pass
-            wake.clear()
+                    await self._wake.wait()
+            self._wake.clear()
             try:
-                await self._soak_check()
-                wish = self._wish
-                if wish is not None and time.monotonic() >= self._retry_at:
-                    self._wish = None
-                    self.busy = True
-                    try:
-                        await self._apply(*wish)
-                    finally:
-                        self.busy = False
-            except asyncio.CancelledError:
-                raise
+                async for step in self._steps(served):
+                    yield step
+                    if step.state is not None and step.state == self.options.pause_at:
+                        logger.warning("the swap stops at %s (SwapOptions.pause_at)", step.state)
+                        await asyncio.sleep(3600)
             except Exception:
                 logger.exception("the swap failed unexpectedly; the running model keeps serving")
 
+    async def _steps(self, served: Callable[[], int]) -> AsyncIterator[Transition]:
+        if not self.busy:
+            committed = await self._soak_check(served)
+            if committed is not None:
+                yield committed
+        wish = self._wish
+        if wish is not None and time.monotonic() >= self._retry_at:
+            self._wish = None
+            self.busy = True
+            try:
+                async for step in self._apply(*wish):
+                    yield step
+            finally:
+                self.busy = False
+
     # -- the swap ------------------------------------------------------------------------------
 
-    async def _step(self, state: str, target: str | None, **extra: Any) -> None:
+    async def _begin(self, state: SwapState, target: str | None, **extra: Any) -> Transition:
         await asyncio.to_thread(self.store.begin, state, target, **extra)
-        self.host.report()
-        if os.environ.get(PAUSE_ENV) == state:
-            logger.warning("test hook %s: the swap stops at %s", PAUSE_ENV, state)
-            await asyncio.sleep(3600)
+        return Transition(state, target)
 
-    async def _apply(self, target: str | None, soak: dict[str, float], version: int) -> None:
+    async def _apply(self, target: str | None, soak: Soak, version: int) -> AsyncIterator[Transition]:
         store, st = self.store, self.store.state
         if target == store.running:
             return  # running it (soaking, or committed)
@@ -256,52 +256,69 @@ class Swapper:
             return  # refused or rolled back here under this desired version: the journal says why
         slot = None if target is None else store.holding(target)
         if target is None or (slot is not None and (slot == st.committed or store.committed_here(target))):
-            await self._flip(slot, target)
+            async for step in self._flip(slot, target):
+                yield step
             return
         if st.active != st.committed:  # an uncommitted release is running: back to the committed one first
-            await self._flip(st.committed, store.committed_release())
+            async for step in self._flip(st.committed, store.committed_release()):
+                yield step
         try:
-            release = await self._stage(target, version)
-            await self._step("golden", target, desired_version=version)
-            golden = await asyncio.to_thread(golden_of, release, self.options.session)
-            if golden is not None and not golden["ok"]:
-                msg = f"golden check failed on {golden['variant']}: {golden.get('reason', '')}"
-                raise _Refused(msg)
-            agent = await asyncio.to_thread(self._build, release)
-            rec = release.variant_set().recommended.id
-            if rec in agent.refused:
-                await agent.aclose()
-                msg = f"golden check failed on {rec}: {agent.refused[rec]}"
-                raise _Refused(msg)
-            await asyncio.to_thread(store.end, "golden")
+            async for step in self._stage(target, version):
+                yield step
+            yield await self._begin(SwapState.GOLDEN, target, desired_version=version)
+            release, golden, agent = await self._check(target)
         except Exception as exc:  # any failure before activation refuses the release; the old model serves on
-            permanent = getattr(exc, "permanent", True)
-            await asyncio.to_thread(store.fail if permanent else self._transient, target, "refused", str(exc),
-                                    version)
-            if not permanent:
-                self._wish = self._wish or (target, soak, version)
-            logger.warning("release %s refused: %s", target, exc)
-            self.host.report()
+            yield await self._refuse(target, soak, version, exc)
             return
-        st.active, st.golden = store.holding(target), golden
-        await self._step("active", target, desired_version=version)
-        await self.host.switch(agent, release)
-        self.running = release
-        await asyncio.to_thread(store.end, "active")
-        await self._step("soaking", target, desired_version=version, soak={"requests": 0, "seconds": 0.0},
-                         soak_target=soak)
+        await self._begin(SwapState.ACTIVE, target, desired_version=version)
+        yield Transition(SwapState.ACTIVE, target, agent)  # the consumer serves from the new agent before it resumes
+        self._activate(release, golden)
+        await asyncio.to_thread(store.end, SwapState.ACTIVE)
+        yield await self._begin(SwapState.SOAKING, target, desired_version=version,
+                                soak={"requests": 0, "seconds": 0.0}, soak_target=soak.to_json())
 
-    def _build(self, release: Release | None) -> EdgeAgent:
-        return self.host.build_agent(release, successor_of=self.host.agent)
+    async def _check(self, target: str) -> tuple[Release, dict[str, Any] | None, EdgeAgent]:
+        """The staged release's golden check, then its agent (sessions opened, golden-checked, warmed)."""
+        release = self._staged
+        assert release is not None
+        golden = await asyncio.to_thread(golden_of, release, self.options.session)
+        if golden is not None and not golden["ok"]:
+            msg = f"golden check failed on {golden['variant']}: {golden.get('reason', '')}"
+            raise _Refused(msg)
+        agent = await asyncio.to_thread(self.build, release)
+        rec = release.variant_set().recommended.id
+        if rec in agent.refused:
+            await agent.aclose()
+            msg = f"golden check failed on {rec}: {agent.refused[rec]}"
+            raise _Refused(msg)
+        await asyncio.to_thread(self.store.end, SwapState.GOLDEN)
+        return release, golden, agent
 
-    def _transient(self, target: str | None, state: str, error: str, version: int) -> None:
+    async def _refuse(self, target: str, soak: Soak, version: int, exc: Exception) -> Transition:
+        permanent = getattr(exc, "permanent", True)
+        await asyncio.to_thread(self.store.fail if permanent else self._transient, target, SwapState.REFUSED,
+                                str(exc), version)
+        if not permanent:
+            self._wish = self._wish or (target, soak, version)
+        logger.warning("release %s refused: %s", target, exc)
+        return Transition(SwapState.REFUSED, target)
+
+    def _activate(self, release: Release | None, golden: dict[str, Any] | None) -> None:
+        slot = None if release is None else self.store.holding(release.digest)
+        if slot is not None and release is not None:
+            self.store.opened(slot, release)
+        self.store.activate(slot, golden)
+
+    def _transient(self, target: str | None, state: SwapState, error: str, version: int) -> None:
         delay = _RETRY_S[min(self._retries, len(_RETRY_S) - 1)]
         self._retries += 1
         self._retry_at = time.monotonic() + delay
         self.store.begin(state, target, error=f"{error} (retrying in {delay:.0f} s)", desired_version=version)
 
-    async def _stage(self, target: str, version: int) -> Release:
+    async def _stage(self, target: str, version: int) -> AsyncIterator[Transition]:
+        """Download (unless the staging slot holds it), verify and stage `target`; the result in `_staged`."""
         store, opts = self.store, self.options
+        self._staged = None
         if not opts.keys:
             msg = ("this device has no release key (agent.yaml fleet.release_keys) and refuses every release; "
                    "add the operators' public key")
@@ -311,18 +328,19 @@ class Swapper:
             if opts.fleet_url is None or opts.auth is None:
                 msg = "this device is not enrolled in a fleet (no fleet identity): it cannot download releases"
                 raise _Refused(msg)
-            await self._step("downloading", target, desired_version=version)
+            yield await self._begin(SwapState.DOWNLOADING, target, desired_version=version)
             url = f"{opts.fleet_url.rstrip('/')}/v1/releases/{target}/archive"
             await asyncio.to_thread(self._download, url)
-            await self._step("verifying", target, desired_version=version)
+            yield await self._begin(SwapState.VERIFYING, target, desired_version=version)
             release = await asyncio.to_thread(self._verify, store.incoming / "release", target)
-            await asyncio.to_thread(store.end, "verifying")
-            await self._step("staged", target, desired_version=version)
+            await asyncio.to_thread(store.end, SwapState.VERIFYING)
+            yield await self._begin(SwapState.STAGED, target, desired_version=version)
             await asyncio.to_thread(self._move_into, slot, target)
-            return dataclasses.replace(release, directory=store.slot_dir(slot))
+            self._staged = dataclasses.replace(release, directory=store.slot_dir(slot))
+            return
         # staged here before (an interrupted swap): verified again, not downloaded
-        await self._step("verifying", target, desired_version=version)
-        return await asyncio.to_thread(self._verify, store.slot_dir(slot), target)
+        yield await self._begin(SwapState.VERIFYING, target, desired_version=version)
+        self._staged = await asyncio.to_thread(self._verify, store.slot_dir(slot), target)
 
     def _download(self, url: str) -> None:
         self.store.clear_incoming()
@@ -332,24 +350,23 @@ class Swapper:
                         timeout_s=self.options.timeout_s, ca_file=self.options.ca_file)
         unpack_release(archive, self.store.incoming / "release")
         archive.unlink()
-        self.store.end("downloading")
+        self.store.end(SwapState.DOWNLOADING)
         logger.info("downloaded %d bytes from %s", size, url)
 
     def _verify(self, directory: Path, target: str) -> Release:
         return open_release(directory, trusted_keys=list(self.options.keys), floor=self.store.floor,
-                            leaving=self.running, expect_digest=target)
+                            leaving=self.store.running_release(), expect_digest=target)
 
     def _move_into(self, slot: str, target: str) -> None:
         store = self.store
-        store.state.slots[slot] = None
-        store.save()
+        store.place(slot, None)
         shutil.rmtree(store.slot_dir(slot), ignore_errors=True)
         os.replace(store.incoming / "release", store.slot_dir(slot))
-        store.state.slots[slot] = target
-        store.end("staged")
+        store.place(slot, target)
+        store.end(SwapState.STAGED)
         store.clear_incoming()
 
-    async def _flip(self, slot: str | None, target: str | None) -> None:
+    async def _flip(self, slot: str | None, target: str | None) -> AsyncIterator[Transition]:
         """A/B pointer flip to a release this device committed before (or None: the configured model)."""
         store = self.store
         try:
@@ -358,17 +375,16 @@ class Swapper:
                 release = await asyncio.to_thread(open_release, store.slot_dir(slot),
                                                   trusted_keys=list(self.options.keys), expect_digest=target)
             golden = None if release is None else await asyncio.to_thread(golden_of, release, self.options.session)
-            agent = await asyncio.to_thread(self._build, release)
+            agent = await asyncio.to_thread(self.build, release)
         except TierkitError as exc:
-            await asyncio.to_thread(store.fail, target, "refused", f"cannot go back to {target}: {exc}", 0)
-            self.host.report()
+            await asyncio.to_thread(store.fail, target, SwapState.REFUSED, f"cannot go back to {target}: {exc}", 0)
+            yield Transition(SwapState.REFUSED, target)
             return
-        store.state.active, store.state.golden = slot, golden
-        await self._step("active", target)
-        await self.host.switch(agent, release)
-        self.running = release
+        await self._begin(SwapState.ACTIVE, target)
+        yield Transition(SwapState.ACTIVE, target, agent)
+        self._activate(release, golden)
         await asyncio.to_thread(self._commit, release, slot)
-        self.host.report()
+        yield Transition(SwapState.COMMITTED, target)
 
     def _commit(self, release: Release | None, slot: str | None) -> None:
         store = self.store
@@ -377,20 +393,16 @@ class Swapper:
                                       rollback_ok=True, record=True)
         store.commit(slot)
         soak = (store.state.swap or {}).get("soak")
-        store.begin("committed", release.digest if release else None, **({"soak": soak} if soak else {}))
-        store.end("committed")
+        store.begin(SwapState.COMMITTED, release.digest if release else None, **({"soak": soak} if soak else {}))
+        store.end(SwapState.COMMITTED)
 
-    async def _soak_check(self) -> None:
-        swap = self.store.state.swap
-        if swap is None or swap.get("state") != "soaking" or self.busy:
-            return
-        agent = self.host.agent
-        agent.fold()
-        done = {"requests": agent.stats.requests, "seconds": round(time.time() - float(swap["since"]), 1)}
-        swap["soak"] = done
-        need = swap.get("soak_target") or DEFAULT_SOAK
-        if all(done[k] >= v for k, v in need.items()):
-            await asyncio.to_thread(self._commit, self.running, self.store.state.active)
-            self.host.report()
-            if os.environ.get(PAUSE_ENV) == "committed":
-                await asyncio.sleep(3600)
+    async def _soak_check(self, served: Callable[[], int]) -> Transition | None:
+        progress = self.store.soak_progress(served())
+        if progress is None:
+            return None
+        done, need = progress
+        if not (Soak.parse(need, where="the journal's soak") if need else DEFAULT_SOAK).reached(done):
+            return None
+        release = self.store.running_release()
+        await asyncio.to_thread(self._commit, release, self.store.state.active)
+        return Transition(SwapState.COMMITTED, release.digest if release else None)

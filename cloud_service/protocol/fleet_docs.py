@@ -81,11 +81,11 @@ MAX_TELEMETRY_INTERVAL_S: Final = 86400.0
 DIGEST = re.compile(r"^sha256:[0-9a-f]{64}$")
 
 
-class _Unset(enum.Enum):
+class Unset(enum.Enum):
     UNSET = "unset"
 
 
-UNSET: Final = _Unset.UNSET  # a key the document does not carry (unlike null, which it sets)
+UNSET: Final = Unset.UNSET  # a key the document does not carry (unlike null, which it sets)
 
 # -- field readers (the only string-keyed reads of the documents) ------------------------------------
 
@@ -251,9 +251,9 @@ class Desired:
 
     version: int | None = None
     budget: BudgetOverride | None = None
-    threshold: float | _Unset | None = UNSET
+    threshold: float | Unset | None = UNSET
     telemetry_interval_s: float | None = None
-    release: str | _Unset | None = UNSET
+    release: str | Unset | None = UNSET
     soak: Soak | None = None
     rollback: bool | None = None
 

@@ -282,7 +282,7 @@ def test_desired_budget_reaches_the_controller(package: ModelPackage, tmp_path: 
             assert ctl is not None
             before = ctl.current
             assert before.predicted_escalation_rate > 0
-            daemon._on_desired(topics.desired_topic(daemon.device), json.dumps(
+            daemon.sync.on_desired(topics.desired_topic(daemon.device), json.dumps(
                 {"budget": {"max_escalations_per_s": 0.5}}).encode(), None)
             assert daemon.desired_applied == 1
             assert ctl.budget.max_escalations_per_s == 0.5

@@ -50,7 +50,7 @@ def swap_state(daemon: AgentDaemon) -> dict[str, Any]:
 
 
 def desire(daemon: AgentDaemon, **doc: Any) -> None:
-    daemon._on_desired(topics.desired_topic(DEVICE), json.dumps(doc).encode(), None)
+    daemon.sync.on_desired(topics.desired_topic(DEVICE), json.dumps(doc).encode(), None)
 
 
 async def infer(stub: Any, x: np.ndarray) -> str:
@@ -184,7 +184,7 @@ def test_golden_failure_and_security_refusals_keep_the_old_model(kit: Kit, digit
                 assert daemon.release is not None
                 assert daemon.release.digest == kit.digests["r2"]  # the old model keeps serving
                 assert await infer(stub, x) == "lin2"
-                assert daemon._report_doc()["release"] == kit.digests["r2"]
+                assert daemon.sync.report_doc().release == kit.digests["r2"]
             desire(daemon, release=kit.digests["bad"], version=7)  # retried only under a newer desired version
             await until("bad refused again", lambda: swap_state(daemon)["target"] == kit.digests["bad"]
                         and swap_state(daemon)["state"] == "refused")
@@ -192,7 +192,7 @@ def test_golden_failure_and_security_refusals_keep_the_old_model(kit: Kit, digit
             await until("the local model",
                         lambda: daemon.release is None and swap_state(daemon)["state"] == "committed")
             assert await infer(stub, x) == "local"
-            assert daemon._report_doc()["release"] is None
+            assert daemon.sync.report_doc().release is None
         return errors
 
     with ReleaseServer({USER: PASSWORD}) as server:
@@ -233,12 +233,12 @@ def test_a_device_without_release_keys_refuses_every_release_and_bad_credentials
 def test_telemetry_windows_name_the_release_and_count_crashes_across_a_swap() -> None:
     from edge_agent.fleet_sync import TelemetryWindows
 
-    w = TelemetryWindows("boot", model_digest="m1", release="sha256:r1")
+    w = TelemetryWindows("boot")
     w.crashes += 1
-    first = w.window({"requests": 10, "escalations_sent": 2, "ts": 1.0})
+    first = w.window({"requests": 10, "escalations_sent": 2, "ts": 1.0}, release="sha256:r1", model_digest="m1")
     assert (first["release"], first["crashes"], first["requests"], first["seq"]) == ("sha256:r1", 1, 10, 1)
-    w.restart(model_digest="m2", release="sha256:r2")  # a new agent: its counters start again at zero
-    second = w.window({"requests": 4, "escalations_sent": 1, "ts": 2.0})
+    w.restart()  # a new agent: its counters start again at zero
+    second = w.window({"requests": 4, "escalations_sent": 1, "ts": 2.0}, release="sha256:r2", model_digest="m2")
     assert (second["release"], second["crashes"], second["requests"], second["seq"]) == ("sha256:r2", 0, 4, 2)
     assert second["escalation_rate"] == 0.25
 
@@ -279,12 +279,13 @@ def test_the_new_agent_keeps_the_cloud_link_request_numbering_and_desired_overri
 
 
 def test_a_swap_interrupted_again_and_again_before_active_is_refused(tmp_path: Path) -> None:
+    from cloud_service.protocol.fleet_docs import SwapState
     from edge_agent.slots import MAX_INTERRUPTED, SlotStore
 
     target = "sha256:" + "1" * 64
     for _ in range(MAX_INTERRUPTED):
         store = SlotStore(tmp_path)
-        store.begin("golden", target, desired_version=5)  # then killed
+        store.begin(SwapState.GOLDEN, target, desired_version=5)  # then killed
         note = SlotStore(tmp_path).recover()
     assert "refused" in note
     store = SlotStore(tmp_path)

@@ -26,10 +26,10 @@ import grpc
 import pytest
 
 from cloud_service.protocol import encode_request, get_parameters, inference_pb2_grpc, topics
+from edge_agent.cli import PAUSE_ENV
 from edge_agent.config import load_config
 from edge_agent.daemon import AgentDaemon
 from edge_agent.slots import RESTARTED
-from edge_agent.swap import PAUSE_ENV
 from sdk import zoo
 from tests import waiting
 from tests.doubles.release_server import ReleaseServer
@@ -91,7 +91,8 @@ def infer(port: int, x: Any, param: str = "tierkit.variant") -> str:
 def _commit_r1(config: Path, kit: Kit, x: Any) -> None:
     async def main() -> None:
         async with AgentDaemon(load_config(config)) as daemon:
-            daemon._on_desired("", json.dumps({"release": kit.digests["r1"], "soak": {"requests": 1}}).encode(), None)
+            daemon.sync.on_desired("", json.dumps({"release": kit.digests["r1"], "soak": {"requests": 1}}).encode(),
+                                   None)
             deadline = time.monotonic() + 30
             while daemon.slots is not None and (daemon.slots.state.swap or {}).get("state") != "committed":
                 assert time.monotonic() < deadline, daemon.slots.state.swap
