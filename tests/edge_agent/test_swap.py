@@ -289,9 +289,11 @@ def test_a_swap_interrupted_again_and_again_before_active_is_refused(tmp_path: P
         note = SlotStore(tmp_path).recover()
     assert "refused" in note
     store = SlotStore(tmp_path)
-    assert store.report()["swap"]["state"] == "refused"
+    swap, _slots, _golden = store.report()
+    assert swap is not None
+    assert swap.state is SwapState.REFUSED
     assert store.state.failed == {target: 5}
-    assert store.report()["release"] is None
+    assert store.running is None
 
 
 def test_a_fleet_that_is_down_is_retried_and_the_swap_then_completes(kit: Kit, digits: zoo.Split,
