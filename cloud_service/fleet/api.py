@@ -9,6 +9,7 @@ Every `FleetError` becomes its `http_status` with `{"error": message}`.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -105,17 +106,7 @@ def create_app(fleet: Fleet) -> FastAPI:
         return {"token": fleet.registry.create_token(req.labels, expires_s=req.expires_s),
                 "expires_at": time.time() + req.expires_s}
 
-    @app.get("/v1/desired", tags=["desired"])
-    def layers(_op: str = Depends(reader)) -> list[dict[str, Any]]:
-        return fleet.desired.layers()
-
-    @app.put("/v1/desired", tags=["desired"])
-    def set_layer(req: LayerRequest, _op: str = Depends(admin)) -> dict[str, Any]:
-        return {"version": fleet.set_layer(req.selector, req.document, priority=req.priority)}
-
-    @app.get("/v1/drift", tags=["desired"])
-    def drift(_op: str = Depends(reader)) -> list[dict[str, Any]]:
-        return fleet.desired.drift()
+    _desired_routes(app, fleet, reader, admin)
 
     @app.get("/v1/telemetry", tags=["telemetry"])
     def telemetry(device: str | None = None, label: str | None = None, since: float = 0.0,
@@ -144,3 +135,19 @@ def create_app(fleet: Fleet) -> FastAPI:
         return fleet.stats()
 
     return app
+
+
+def _desired_routes(app: FastAPI, fleet: Fleet, reader: Callable[..., str], admin: Callable[..., str]) -> None:
+    """The desired layers (`fleet_docs.Desired` documents by selector) and the devices drifting from them."""
+
+    @app.get("/v1/desired", tags=["desired"])
+    def layers(_op: str = Depends(reader)) -> list[dict[str, Any]]:
+        return fleet.desired.layers()
+
+    @app.put("/v1/desired", tags=["desired"])
+    def set_layer(req: LayerRequest, _op: str = Depends(admin)) -> dict[str, Any]:
+        return {"version": fleet.set_layer(req.selector, req.document, priority=req.priority)}
+
+    @app.get("/v1/drift", tags=["desired"])
+    def drift(_op: str = Depends(reader)) -> list[dict[str, Any]]:
+        return fleet.desired.drift()

@@ -124,7 +124,13 @@ def test_desired_layers_merge_by_priority(registry: Registry, store: FleetStore)
         state.mark_published(d, v)
     assert state.refresh(registry.devices()) == []  # nothing new: nothing to republish
     v4 = state.set_layer("kind=cam,site=berlin", {"threshold": 0.6})  # more specific label layer, same priority
+    computed: list[str] = []
+    effective = state.effective
+    state.effective = lambda dev, layers=None: computed.append(dev["device_id"]) or effective(dev, layers)  # type: ignore[method-assign]
     assert [(d, v) for d, v, _ in state.refresh(registry.devices())] == [(berlin, v4)]
+    assert computed == [berlin]  # only the device the new layer matches is recomputed
+    assert state.refresh(registry.devices()) == [(berlin, v4, state.effective(registry.device(berlin))["document"])]
+    del state.effective
     eb2 = state.effective(registry.device(berlin))
     assert eb2 is not None
     assert eb2["version"] == v4
