@@ -70,7 +70,7 @@ from edge_agent.options import AgentOptions
 from edge_agent.policy import Policy
 from edge_agent.prediction import Prediction
 from edge_agent.pushback import DrainPace, Pushback
-from edge_agent.stats import Stats
+from edge_agent.stats import Observation, Stats
 from edge_agent.transports.base import Transport, open_transport
 from runtimes.errors import InputError, ModelClosed
 from runtimes.spec import check_inputs
@@ -176,7 +176,7 @@ class EdgeAgent(EscalationPath, Background):
         self.on_late_reply = on_late_reply
         self.journal: Journal | None = None
         self._seq = itertools.count(1)
-        self._obs: deque[tuple[Any, ...]] = deque()
+        self._obs: deque[Observation] = deque()
         self._fold_lock = threading.Lock()
         self._measured_mj: float | None = None
         self._tokens = (math.inf, time.monotonic())  # a full bucket, whatever the cap

@@ -41,7 +41,7 @@ if TYPE_CHECKING:
     from edge_agent.policy import Policy
     from edge_agent.prediction import Prediction
     from edge_agent.pushback import DrainPace, Pushback
-    from edge_agent.stats import Stats
+    from edge_agent.stats import Observation, Stats
     from edge_agent.transports.base import Transport
     from runtimes.spec import TensorSpec
 
@@ -98,7 +98,7 @@ class AgentState:
     on_late_reply: LateReply | None
     journal: Journal | None
     _seq: itertools.count[int]
-    _obs: deque[tuple[Any, ...]]
+    _obs: deque[Observation]
     _fold_lock: threading.Lock
     _measured_mj: float | None
     _tokens: tuple[float, float]

@@ -56,7 +56,7 @@ from cloud_service.protocol import topics
 from cloud_service.protocol.wire import raw_request, wire_size
 from edge_agent.drift import DriftMonitor, DriftOptions
 from edge_agent.policy import threshold_for_rate
-from edge_agent.replies import check_reply
+from edge_agent.replies import UnusableReply, check_reply
 from edge_agent.router import Router, RouterOptions
 from runtimes.errors import ConfigError, EscalationError
 
@@ -322,11 +322,11 @@ class Auditor:
             power = opts.power  # radio and waiting: watts x ms = mJ
             self.counts["audit_mj"] += (power.idle_watts * (time.perf_counter() - sent) * 1e3
                                         + power.joules_per_byte_sent * wire_size(request) * 1e3)
-        cloud = check_reply(response, agent.cloud_model, {self._output: job.logits})
-        if isinstance(cloud, str):
+        reply = check_reply(response, agent.cloud_model, {self._output: job.logits})
+        if isinstance(reply, UnusableReply):
             self.counts["audits_failed"] += 1
             return
-        self._compared(job.logits, cloud[self._output], job.pi)
+        self._compared(job.logits, reply.outputs[self._output], job.pi)
 
     def _compared(self, edge: np.ndarray, cloud: np.ndarray, pi: float) -> None:
         e = edge.reshape(-1, edge.shape[-1]) if edge.ndim else edge.reshape(1, 1)

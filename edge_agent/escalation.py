@@ -29,7 +29,7 @@ from edge_agent.frames import mark_frame
 from edge_agent.link import TimerLateness
 from edge_agent.prediction import Prediction
 from edge_agent.pushback import retry_hint_s
-from edge_agent.replies import check_reply
+from edge_agent.replies import UnusableReply, check_reply
 from edge_agent.results import ResultAssembly
 from edge_agent.stats import top1_agreed
 from runtimes.errors import CloudTimeout, CloudUnavailable, EscalationError, JournalError, JournalFull
@@ -108,12 +108,13 @@ class EscalationPath(ResultAssembly):
                 self.link.observe_lateness((perf_counter() - due) * 1e3)
             return pred
         self._settle(p.seq, answered=True)  # answered (even unusably): sending it again would not help
-        cloud = check_reply(response, self.cloud_model, expected)
-        if isinstance(cloud, str):
+        reply = check_reply(response, self.cloud_model, expected)
+        if isinstance(reply, UnusableReply):
             self.link.observe_refusal()
             self.breaker.record_failure()
-            logger.warning("ignoring the cloud's answer to request %d: %s", p.seq, cloud)
+            logger.warning("ignoring the cloud's answer to request %d: %s", p.seq, reply.why)
             return await self._degrade(p, rows, "bad_reply", None, rtt_ms=rtt_ms)
+        cloud = reply.outputs
         # a probe (sent although the view said it would not fit) answered in time: the slow samples are stale
         self.link.observe_answer(rtt_ms, probe=needed_ms > left_ms)
         self.breaker.record_success()

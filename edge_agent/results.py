@@ -11,6 +11,7 @@ import numpy as np
 from edge_agent.agent_state import AgentState, Pending, perf_counter
 from edge_agent.ladder import Variant
 from edge_agent.prediction import Prediction, make_prediction
+from edge_agent.stats import Observation
 
 
 class ResultAssembly(AgentState):
@@ -38,8 +39,8 @@ class ResultAssembly(AgentState):
                            energy, label, scores, cloud_rows, reason, False, seq, self.release)
         # the controller's edge energy travels with `label`: the measured figure when measured, else modeled
         edge_mj = energy if self._measured_mj is not None else power.busy_watts * edge_ms
-        self._obs.append((v.id, edge_ms, edge_mj, energy, label, n, wanted, tier, degraded,
-                          reason, rtt_ms, nbytes, agreed, total_ms, False, pred.score))
+        self._obs.append(Observation(v.id, edge_ms, edge_mj, energy, label, n, wanted, tier, degraded,
+                                     reason, rtt_ms, nbytes, agreed, total_ms, False, pred.score))
         if key is not None and not degraded and self.cache is not None:
             # the cache keeps its own copy: the app may edit the arrays it was handed
             self.cache.put(key, make_prediction({k: a.copy() for k, a in outputs.items()}, tier, pred.score, v.id,
@@ -49,8 +50,8 @@ class ResultAssembly(AgentState):
 
     def _cached(self, hit: Prediction, t0: float) -> Prediction:
         total_ms = (perf_counter() - t0) * 1e3
-        self._obs.append((hit.variant, 0.0, 0.0, 0.0, hit.energy_label, len(hit.scores), 0, hit.tier, False, "",
-                          None, 0, None, total_ms, True, hit.score))
+        self._obs.append(Observation(hit.variant, 0.0, 0.0, 0.0, hit.energy_label, len(hit.scores), 0, hit.tier,
+                                     False, "", None, 0, None, total_ms, True, hit.score))
         return make_prediction({k: a.copy() for k, a in hit.outputs.items()}, hit.tier, hit.score, hit.variant,
                                False, total_ms, 0.0, hit.energy_label, hit.scores.copy(), hit.cloud_rows.copy(), "",
                                True, hit.seq, self.release)

@@ -6,34 +6,51 @@ import itertools
 import logging
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
 logger = logging.getLogger(__name__)
 
 
-# An observation, one per request, in this order (a plain tuple: the hot path appends it):
-# variant, edge_ms, edge_mj, energy_mj, energy_label, rows, wanted_rows, tier, degraded, reason, rtt_ms,
-# bytes_sent, agreed, total_ms, cached, score
-# `rtt_ms` is None exactly when nothing was sent (no escalation wanted, or it was skipped: breaker open,
-# rate cap, no time left, round trip too slow); otherwise the round trip, or how long a failure took.
+class Observation(NamedTuple):
+    """One request, as the agent saw it: appended on the hot path (a tuple underneath, immutable), folded
+    into `Stats` and the controller by the agent's background task."""
+
+    variant: str
+    edge_ms: float
+    edge_mj: float
+    energy_mj: float
+    energy_label: str
+    rows: int
+    wanted_rows: int  # rows below the threshold (0: no escalation wanted)
+    tier: str  # "edge" or "cloud"
+    degraded: bool
+    reason: str
+    # None exactly when nothing was sent (no escalation wanted, or it was skipped: breaker open, rate cap,
+    # no time left, round trip too slow); otherwise the round trip, or how long a failure took
+    rtt_ms: float | None
+    bytes_sent: int
+    agreed: bool | None  # the cloud's top-1 equalled the edge's on every escalated row (None: not comparable)
+    total_ms: float
+    cached: bool
+    score: float
 
 
-def feed_controller(ctl: Any, rec: tuple[Any, ...]) -> None:
+def feed_controller(ctl: Any, rec: Observation) -> None:
     """Report one observation to the controller: the inference, the escalation if one was wanted, the request."""
-    (variant, edge_ms, edge_mj, energy_mj, label, _n, wanted, tier, degraded, reason, rtt_ms, nbytes, agreed,
-     total_ms, cached, score) = rec
-    if cached:
+    if rec.cached:
         return
+    rtt_ms = rec.rtt_ms
     try:
-        ctl.observe_inference(variant, edge_ms, edge_mj, energy_label=label)
-        if wanted and (rtt_ms is not None or degraded):
-            ok = tier == "cloud"
+        ctl.observe_inference(rec.variant, rec.edge_ms, rec.edge_mj, energy_label=rec.energy_label)
+        if rec.wanted_rows and (rtt_ms is not None or rec.degraded):
+            ok = rec.tier == "cloud"
             # the agent told its link as the escalation ended: the controller takes the request size only
-            ctl.observe_escalation(rtt_ms if ok else None, ok, nbytes, elapsed_ms=rtt_ms,
-                                   attempted=rtt_ms is not None, timeout=reason == "timeout", fed=True)
-        ctl.observe_request(bool(wanted), agreed, total_ms, score=score, variant=variant, energy_mj=energy_mj)
+            ctl.observe_escalation(rtt_ms if ok else None, ok, rec.bytes_sent, elapsed_ms=rtt_ms,
+                                   attempted=rtt_ms is not None, timeout=rec.reason == "timeout", fed=True)
+        ctl.observe_request(bool(rec.wanted_rows), rec.agreed, rec.total_ms, score=rec.score, variant=rec.variant,
+                            energy_mj=rec.energy_mj)
     except Exception:
         logger.exception("the controller rejected an observation; it is dropped")
 
@@ -67,23 +84,21 @@ class Stats:
     energy_mj: float = 0.0
     latencies: deque[float] = field(default_factory=lambda: deque(maxlen=2048))
 
-    def add(self, rec: tuple[Any, ...]) -> None:
-        (_v, _edge_ms, _edge_mj, energy, _label, n, wanted, tier, degraded, reason, rtt_ms, _nb, agreed, total_ms,
-         cached, _score) = rec
+    def add(self, rec: Observation) -> None:
         self.requests += 1
-        self.rows += n
-        self.escalations_wanted += wanted > 0
-        self.escalations_sent += rtt_ms is not None
-        self.cloud_answers += tier == "cloud"
-        self.degraded += degraded
-        self.cache_hits += cached
-        self.energy_mj += energy
-        if agreed is not None and not cached:
+        self.rows += rec.rows
+        self.escalations_wanted += rec.wanted_rows > 0
+        self.escalations_sent += rec.rtt_ms is not None
+        self.cloud_answers += rec.tier == "cloud"
+        self.degraded += rec.degraded
+        self.cache_hits += rec.cached
+        self.energy_mj += rec.energy_mj
+        if rec.agreed is not None and not rec.cached:
             self.escalations_compared += 1
-            self.escalations_agreed += bool(agreed)
-        if reason:
-            self.reasons[reason] = self.reasons.get(reason, 0) + 1
-        self.latencies.append(total_ms)
+            self.escalations_agreed += bool(rec.agreed)
+        if rec.reason:
+            self.reasons[rec.reason] = self.reasons.get(rec.reason, 0) + 1
+        self.latencies.append(rec.total_ms)
 
     def recent_latencies(self, n: int) -> np.ndarray:
         """The last `n` request latencies (ms), newest first; at most the 2048 kept."""

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 from edge_agent.fleet_sync import LATENCY_BOUNDS_MS, TelemetryWindows
-from edge_agent.stats import Stats
+from edge_agent.stats import Observation, Stats
 
 
 def _requests(stats: Stats, latencies_ms: list[float]) -> None:
     for ms in latencies_ms:
-        stats.add(("v", ms, 0.0, 0.0, "modeled", 1, 0, "edge", False, "", None, 0, None, ms, False, 0.9))
+        stats.add(Observation("v", ms, 0.0, 0.0, "modeled", 1, 0, "edge", False, "", None, 0, None, ms, False, 0.9))
 
 
 def test_a_fast_window_after_a_slow_one_reports_its_own_p95() -> None:
