@@ -249,7 +249,7 @@ def run_fleet_demo(*, agents: int = 3, duration_s: float | None = None, workdir:
             data = work / "fleet-data"
             fleet_url = stack.spawn("fleet", [
                 "fleet", "serve", "--data-dir", str(data), "--http", "127.0.0.1:0", "--mqtt", broker.url,
-                "--mqtt-ca", str(broker.ca), "--mqtt-user", "tierkit-fleet", "--broker-dynsec", "--release-key",
+                "--mqtt-ca", str(broker.ca), "--mqtt-username", "tierkit-fleet", "--broker-dynsec", "--release-key",
                 str(pub), "--online-after", "5s"], env={"TIERKIT_FLEET_MQTT_PASSWORD": broker.passwords[
                     "tierkit-fleet"]}, ready=r"API on (\S+),")
             stack.spawn("cloud", ["serve", "--models", str(cloud_dir), "--no-grpc", "--mqtt", broker.url,

@@ -30,6 +30,7 @@ import os
 import re
 import signal
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +39,17 @@ from runtimes.errors import ConfigError
 
 _UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
 
+
+
+class _Deprecated(argparse.Action):
+    """An old spelling of an option: still accepted, with a warning naming the new one."""
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
+                 option_string: str | None = None) -> None:
+        new = "--" + self.dest.replace("_", "-")
+        # FutureWarning: a deprecation meant for the person at the command line (shown by default)
+        warnings.warn(f"{option_string} is deprecated; use {new}", FutureWarning, stacklevel=2)
+        setattr(namespace, self.dest, values)
 
 def parse_duration(text: str) -> float:
     """`90s`, `15m`, `24h`, `7d` or plain seconds."""
@@ -66,11 +78,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[
     s.add_argument("--mqtt-ca", type=Path, help="CA of the broker's certificate (default: the system's)")
     s.add_argument("--mqtt-cert", type=Path, help="client certificate for the broker, if it asks for one")
     s.add_argument("--mqtt-key", type=Path, help="the key of --mqtt-cert")
-    s.add_argument("--mqtt-user", help="the fleet's broker account (password: $TIERKIT_FLEET_MQTT_PASSWORD)")
+    s.add_argument("--mqtt-username", help="the fleet's broker account (password: $TIERKIT_FLEET_MQTT_PASSWORD)")
+    s.add_argument("--mqtt-user", dest="mqtt_username", action=_Deprecated, help=argparse.SUPPRESS)
     s.add_argument("--group", default="tierkit-fleet", help="shared-subscription group of all fleet processes "
                    "(a group other than tierkit-fleet: tierkit broker init --fleet-group)")
     s.add_argument("--client-id", default="", help="MQTT client id, stable across restarts (default: the "
-                   "--mqtt-user account, whose client id the broker pins; without one, host-pid)")
+                   "--mqtt-username account, whose client id the broker pins; without one, host-pid)")
     s.add_argument("--broker-passwd", type=Path, help="Mosquitto password file to keep in sync with the registry")
     s.add_argument("--broker-reload", metavar="CMD", help="command that makes the broker reread that file")
     s.add_argument("--crl-file", type=Path, help="write the CA's revocation list (PEM) here for a broker's crlfile; "
@@ -159,14 +172,14 @@ def _serve(args: argparse.Namespace) -> int:
         raise ConfigError(msg)
     mqtt = _ingest_options(args) if args.mqtt else None
     limits = TelemetryLimits(daily_bytes=args.daily_bytes, retention_s=parse_duration(args.retention))
-    users = {args.mqtt_user: mqtt.password} if mqtt is not None and args.mqtt_user and mqtt.password else {}
+    users = {args.mqtt_username: mqtt.password} if mqtt is not None and args.mqtt_username and mqtt.password else {}
     dynsec = None
     if args.broker_dynsec:
-        if mqtt is None or not args.mqtt_user or args.broker_passwd:
-            msg = ("--broker-dynsec needs --mqtt and --mqtt-user (whose role may use $CONTROL/dynamic-security/v1) "
+        if mqtt is None or not args.mqtt_username or args.broker_passwd:
+            msg = ("--broker-dynsec needs --mqtt and --mqtt-username (whose role may use $CONTROL/dynamic-security/v1) "
                    "and replaces --broker-passwd: give one of the two")
             raise ConfigError(msg)
-        dynsec = DynsecOptions(host=mqtt.host, port=mqtt.port, username=args.mqtt_user, password=mqtt.password,
+        dynsec = DynsecOptions(host=mqtt.host, port=mqtt.port, username=args.mqtt_username, password=mqtt.password,
                                client_id=mqtt.client_id, tls=mqtt.tls)
     fleet = _fleet(args, broker_passwd=args.broker_passwd, broker_reload=args.broker_reload, broker_users=users,
                    drift_after_s=parse_duration(args.drift_after), limits=limits, dynsec=dynsec,
@@ -204,8 +217,8 @@ def _ingest_options(args: argparse.Namespace) -> Any:
     host, port, secure = MqttConfig(url=args.mqtt, tls=tls).endpoint
     if secure and tls is None:
         tls = MqttTls()  # mqtts:// with the system's CAs
-    return IngestOptions(host=host, port=port, group=args.group, client_id=args.client_id or args.mqtt_user or "",
-                         username=args.mqtt_user, password=os.environ.get("TIERKIT_FLEET_MQTT_PASSWORD"), tls=tls)
+    return IngestOptions(host=host, port=port, group=args.group, client_id=args.client_id or args.mqtt_username or "",
+                         username=args.mqtt_username, password=os.environ.get("TIERKIT_FLEET_MQTT_PASSWORD"), tls=tls)
 
 
 def _token_create(args: argparse.Namespace) -> int:

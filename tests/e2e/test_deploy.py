@@ -96,7 +96,8 @@ def test_the_shipped_deployment_over_tls(tmp_path: Path, digits_linear: Any, dig
     assert set(broker.passwords) == {"tierkit-cloud", "tierkit-fleet"}
     fleet = FleetProcess(
         data, None, "--http-cert", str(pki.server_cert), "--http-key", str(pki.server_key),
-        "--mqtt", f"mqtts://127.0.0.1:{broker.cloud_port}", "--mqtt-ca", str(pki.ca), "--mqtt-user", "tierkit-fleet",
+        "--mqtt", f"mqtts://127.0.0.1:{broker.cloud_port}", "--mqtt-ca", str(pki.ca),
+        "--mqtt-username", "tierkit-fleet",
         "--broker-dynsec", "--crl-file", str(broker.crl), "--broker-reload", f"kill -HUP $(cat {broker.pid_file})",
         "--release-key", str(pub), "--online-after", "3s",
         env={"TIERKIT_FLEET_MQTT_PASSWORD": broker.passwords["tierkit-fleet"]}, ca=pki.ca).start()

@@ -70,7 +70,7 @@ def stack(tmp_path: Path, db_url: str) -> Iterator[tuple[FleetProcess, Broker, P
     """A fleet process and a Mosquitto that authenticates from the password file the fleet writes."""
     data, passwd, pid = tmp_path / "fleet-data", tmp_path / "passwd", tmp_path / "mosquitto.pid"
     port = _free_port()
-    fleet = FleetProcess(data, db_url, "--mqtt", f"mqtt://127.0.0.1:{port}", "--mqtt-user", "tierkit-fleet",
+    fleet = FleetProcess(data, db_url, "--mqtt", f"mqtt://127.0.0.1:{port}", "--mqtt-username", "tierkit-fleet",
                          "--broker-passwd", str(passwd), "--broker-reload", f"kill -HUP $(cat {pid})",
                          "--drift-after", "2s", env={"TIERKIT_FLEET_MQTT_PASSWORD": FLEET_PASSWORD}).start()
     broker = Broker(tmp_path / "broker", port=port, extra_conf=(

@@ -64,7 +64,7 @@ class RolloutFleet:
         self.key, pub = generate_keypair(tmp / "ops")
         passwd, pid, port = tmp / "passwd", tmp / "mosquitto.pid", _free_port()
         self.fleet = FleetProcess(
-            self.data, self.db_url, "--mqtt", f"mqtt://127.0.0.1:{port}", "--mqtt-user", "tierkit-fleet",
+            self.data, self.db_url, "--mqtt", f"mqtt://127.0.0.1:{port}", "--mqtt-username", "tierkit-fleet",
             "--broker-passwd", str(passwd), "--broker-reload", f"kill -HUP $(cat {pid})", "--release-key", str(pub),
             "--online-after", self.online_after, env={"TIERKIT_FLEET_MQTT_PASSWORD": FLEET_PASSWORD})
         self.broker = Broker(tmp / "broker", port=port, extra_conf=(

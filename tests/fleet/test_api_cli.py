@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import argparse
 import json
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
+from cloud_service.fleet.cli import add_parser
 from edge_agent.fleet_sync import EnrollmentError, enroll, load_identity
 from tests.fleet.fleet_process import FleetProcess, cli
 
@@ -89,3 +92,17 @@ def test_enroll_operate_and_revoke(fleet: tuple[FleetProcess, Path, str], tmp_pa
     bad = cli("revoke", "dev-nope", data_dir=data, db=db, check=False)
     assert bad.returncode == 1
     assert "no device 'dev-nope'" in bad.stderr
+
+
+def _serve_args(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    add_parser(parser.add_subparsers())
+    return parser.parse_args(["fleet", "serve", *argv])
+
+
+def test_the_broker_account_option_has_one_spelling_and_the_old_one_still_works_with_a_warning() -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the current spelling warns about nothing
+        assert _serve_args("--mqtt-username", "tierkit-fleet").mqtt_username == "tierkit-fleet"
+    with pytest.warns(FutureWarning, match="--mqtt-user is deprecated; use --mqtt-username"):
+        assert _serve_args("--mqtt-user", "tierkit-fleet").mqtt_username == "tierkit-fleet"

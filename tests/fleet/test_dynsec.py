@@ -59,7 +59,7 @@ def test_enroll_and_revoke_manage_the_broker_account(tmp_path: Path) -> None:
     broker = DynsecBroker(tmp_path / "broker", pki)
     broker.write_conf()  # the passwords exist before the broker first starts (tierkit broker init)
     data = tmp_path / "fleet-data"
-    fleet = FleetProcess(data, None, "--mqtt", broker.url, "--mqtt-ca", str(pki.ca), "--mqtt-user", "tierkit-fleet",
+    fleet = FleetProcess(data, None, "--mqtt", broker.url, "--mqtt-ca", str(pki.ca), "--mqtt-username", "tierkit-fleet",
                          "--broker-dynsec", env={"TIERKIT_FLEET_MQTT_PASSWORD": broker.passwords["tierkit-fleet"]}
                          ).start()
     device = None

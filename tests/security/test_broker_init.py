@@ -88,7 +88,7 @@ def test_a_group_the_roles_do_not_allow_is_refused_by_name(grouped: DeployBroker
         serve(models_dir, grpc_address=None, mqtt=wrong)
     data = tmp_path / "fleet-data"
     fleet = FleetProcess(data, None, "--mqtt", f"mqtts://127.0.0.1:{grouped.cloud_port}", "--mqtt-ca", str(pki.ca),
-                         "--mqtt-user", "tierkit-fleet",
+                         "--mqtt-username", "tierkit-fleet",
                          env={"TIERKIT_FLEET_MQTT_PASSWORD": grouped.passwords["tierkit-fleet"]}).start()
     try:
         admin = cli("operator", "create", "ops", "--role", "admin", data_dir=data).stdout.strip()
