@@ -18,8 +18,9 @@
   Interval; the batcher's admission refuses at once what it cannot answer by then (RESOURCE_EXHAUSTED,
   with the retry hint as the user property `tierkit.retry_after_ms`). Escalations the broker holds
   beyond `receive_maximum` wait in the broker, unseen: their deadline is checked when they arrive.
-- Duplicates (same device, boot id and sequence number) are answered from a short-lived result
-  cache, or join the computation already running, instead of being computed again.
+- Duplicates (same device, boot id and sequence number) are answered from the service's duplicate
+  cache (`cloud_service.duplicates`, shared with the gRPC servicer), or join the computation already
+  running, instead of being computed again.
 - paho's network thread hands every message to the event loop with `call_soon_threadsafe`.
 - TCP_NODELAY is set on every socket: without it a QoS 1 round trip through Mosquitto takes ~88 ms
   (Nagle's algorithm against delayed ACKs) instead of ~1.4 ms.
@@ -32,7 +33,6 @@
 from __future__ import annotations
 
 import asyncio
-import collections
 import logging
 import math
 import random
@@ -49,6 +49,7 @@ from paho.mqtt.subscribeoptions import SubscribeOptions
 
 from cloud_service.config import MqttConfig
 from cloud_service.device_limits import DeviceLimited, DeviceLimits
+from cloud_service.duplicates import DuplicateCache, request_key
 from cloud_service.errors import MessageTooLarge, ServerBusy
 from cloud_service.infer import clip, infer, model_label, status_of
 from cloud_service.metrics import UNKNOWN_MODEL, Metrics
@@ -74,30 +75,6 @@ _MAX_CORRELATION = 1024
 _TOPIC_FORBIDDEN = set("+#\x00")
 
 
-class _ResultCache:
-    """Answers by (device, boot id, seq) for `ttl_s`, at most `max_entries` (oldest evicted first)."""
-
-    def __init__(self, ttl_s: float, max_entries: int) -> None:
-        self.ttl_s, self.max_entries = ttl_s, max_entries
-        self._items: collections.OrderedDict[tuple[str, str, int], tuple[float, pb.ModelInferResponse]] = (
-            collections.OrderedDict())
-
-    def get(self, key: tuple[str, str, int]) -> pb.ModelInferResponse | None:
-        item = self._items.get(key)
-        if item is None or item[0] < time.monotonic():
-            return None
-        return item[1]
-
-    def put(self, key: tuple[str, str, int], response: pb.ModelInferResponse) -> None:
-        if self.max_entries == 0 or self.ttl_s == 0:
-            return
-        now = time.monotonic()
-        self._items[key] = (now + self.ttl_s, response)
-        self._items.move_to_end(key)
-        while self._items and (len(self._items) > self.max_entries or next(iter(self._items.values()))[0] < now):
-            self._items.popitem(last=False)
-
-
 def _expiry(message: paho.MQTTMessage) -> float | None:
     """Seconds left of the message's Message Expiry Interval (the broker sends what remains), if set."""
     left = getattr(message.properties, "MessageExpiryInterval", None)
@@ -113,17 +90,19 @@ class MqttBridge:
         metrics: where requests are counted.
         max_message_bytes: largest payload accepted.
         backend: answers requests instead of the local models (`cloud_service.forward`), if given.
+        duplicates: the duplicate cache shared with the gRPC servicer (default: one of its own, sized by `config`).
     """
 
     def __init__(self, config: MqttConfig, repository: ModelRepository, metrics: Metrics, *,
-                 max_message_bytes: int, backend: ForwardBackend | None = None) -> None:
+                 max_message_bytes: int, backend: ForwardBackend | None = None,
+                 duplicates: DuplicateCache | None = None) -> None:
         self.config = config
         self.backend = backend
         self.repository = repository
         self.metrics = metrics
         self.max_message_bytes = max_message_bytes
         self.subscription = topics.shared_escalate_subscription(config.group)
-        self._cache = _ResultCache(config.dedupe_ttl_s, config.dedupe_max_entries)
+        self._cache = duplicates or DuplicateCache(config.dedupe_ttl_s, config.dedupe_max_entries)
         self._limits = DeviceLimits(config.device_max_inflight, config.device_rate_per_s)
         self._running: dict[tuple[str, str, int], asyncio.Task[pb.ModelInferResponse]] = {}
         self._tasks: set[asyncio.Task[None]] = set()
@@ -395,17 +374,13 @@ class MqttBridge:
         if isinstance(params.get(topics.PARAM_DEADLINE_MS), int):
             due = loop.time() + int(params[topics.PARAM_DEADLINE_MS]) / 1000 - time.time()
             deadline = due if deadline is None else min(deadline, due)
-        seq = params.get(topics.PARAM_SEQ)
-        if not isinstance(seq, int) or isinstance(seq, bool):
+        key = request_key(params, device)
+        if key is None:
             return await self._infer(request, deadline)
-        key = (device or str(params.get(topics.PARAM_DEVICE, "")), str(params.get(topics.PARAM_BOOT, "")), seq)
-        cached = self._cache.get(key)
+        cached = self._cache.message(key)
         if cached is not None:
             self.metrics.mqtt_duplicates.inc()
-            reply = pb.ModelInferResponse()
-            reply.CopyFrom(cached)
-            reply.parameters[topics.PARAM_CACHED].bool_param = True
-            return reply
+            return cached
         running = self._running.get(key)
         if running is not None:  # the same escalation, delivered twice while the first is computing
             self.metrics.mqtt_duplicates.inc()

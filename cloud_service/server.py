@@ -38,6 +38,7 @@ from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection, reflection_pb2
 
+from cloud_service.duplicates import DuplicateCache, message_key
 from cloud_service.errors import MessageTooLarge
 from cloud_service.infer import clip, infer_blocking, model_label, status_of
 from cloud_service.metrics import UNKNOWN_MODEL, Metrics
@@ -80,15 +81,18 @@ class InferenceServicer:
         metrics: where requests are counted.
         version: reported in ServerMetadata.
         max_message_bytes: largest ModelInfer request accepted.
+        duplicates: answers to escalations by (device, boot id, seq), shared with the MQTT bridge: a
+            resend (a journaled escalation sent again) is answered from it (`cloud_service.duplicates`).
     """
 
     def __init__(self, repository: ModelRepository, metrics: Metrics, *, version: str,
-                 max_message_bytes: int) -> None:
+                 max_message_bytes: int, duplicates: DuplicateCache | None = None) -> None:
         self.repository = repository
         self.metrics = metrics
         self.version = version
         self.max_message_bytes = max_message_bytes
         self.ready = False
+        self.duplicates = duplicates if duplicates is not None else DuplicateCache()
         self._streams = StreamRunner(workers=STREAM_WORKERS, window=STREAM_WINDOW)
 
     # -- server -----------------------------------------------------------------------------
@@ -163,9 +167,16 @@ class InferenceServicer:
         try:
             if isinstance(request, _Refused):
                 raise request.error
+            key = message_key(request.message.parameters)
+            cached = None if key is None else self.duplicates.raw(key)
+            if cached is not None:  # a resend of an escalation answered before (over either transport)
+                self.metrics.request_done(label, "grpc", time.perf_counter() - started, code=None)
+                return cached
             remaining = context.time_remaining()  # what the caller's deadline leaves (huge without one)
             timeout = remaining if remaining is not None and remaining < NO_DEADLINE_S else None
             response = infer_blocking(self.repository, request, timeout=timeout)
+            if key is not None:
+                self.duplicates.put(key, response)
         except Exception as exc:
             code, message = status_of(exc)
             self.metrics.request_done(label, "grpc", time.perf_counter() - started, code=code)

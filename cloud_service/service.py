@@ -18,6 +18,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2
 
 from cloud_service.config import ServerConfig, split_address
+from cloud_service.duplicates import DuplicateCache
 from cloud_service.metrics import Metrics
 from cloud_service.protocol.memory import keep_freed_memory
 from cloud_service.repository import ModelRepository, ReloadReport
@@ -53,8 +54,12 @@ class CloudService:
         self.repository = ModelRepository(config, observer_for=self.metrics.observer,
                                           on_load=lambda name, outcome: self.metrics.model_loads.labels(
                                               name, outcome).inc())
+        # one duplicate cache for both transports: a resend is answered whichever one carried it
+        mqtt = config.mqtt
+        self.duplicates = (DuplicateCache() if mqtt is None
+                           else DuplicateCache(mqtt.dedupe_ttl_s, mqtt.dedupe_max_entries))
         self.servicer = InferenceServicer(self.repository, self.metrics, version=_version(),
-                                          max_message_bytes=config.max_message_bytes)
+                                          max_message_bytes=config.max_message_bytes, duplicates=self.duplicates)
         self.addresses: dict[str, str] = {}
         self.last_reload: ReloadReport | None = None
         self._grpc: grpc.Server | None = None
@@ -97,7 +102,8 @@ class CloudService:
                                                    mode=config.forward_mode, streams=config.forward_streams)
                     await self._forward.start()
                 self._bridge = MqttBridge(config.mqtt, self.repository, self.metrics,
-                                          max_message_bytes=config.max_message_bytes, backend=self._forward)
+                                          max_message_bytes=config.max_message_bytes, backend=self._forward,
+                                          duplicates=self.duplicates)
                 await self._bridge.start()
                 self.addresses["mqtt"] = config.mqtt.url
             self.servicer.ready = True

@@ -309,3 +309,20 @@ def test_calls_beyond_the_worker_pool_are_refused_at_once(serve: Callable[..., S
     assert codes.count(grpc.StatusCode.OK) == 2, codes  # one thread each
     assert codes.count(grpc.StatusCode.RESOURCE_EXHAUSTED) == 3, codes
     assert elapsed < 1.5  # the refused ones did not wait behind the running ones (2 x 0.3 s)
+
+
+def test_a_resent_escalation_is_answered_from_the_duplicate_cache_over_grpc(
+        server: ServerThread, stub: pbg.GRPCInferenceServiceStub, digits_x: np.ndarray) -> None:
+    params = {topics.PARAM_DEVICE: "cam-1", topics.PARAM_BOOT: "boot-a", topics.PARAM_SEQ: 41}
+    request = encode_request("digits", {"x": digits_x[:1]}, parameters=params)
+    first, again = stub.ModelInfer(request, timeout=10), stub.ModelInfer(request, timeout=10)
+    fresh = stub.ModelInfer(encode_request("digits", {"x": digits_x[:1]},
+                                           parameters={**params, topics.PARAM_BOOT: "boot-b"}), timeout=10)
+    plain = stub.ModelInfer(encode_request("digits", {"x": digits_x[:1]}), timeout=10)  # no seq: never cached
+    assert topics.PARAM_CACHED not in first.parameters
+    assert get_parameters(again.parameters)[topics.PARAM_CACHED] is True
+    assert topics.PARAM_CACHED not in fresh.parameters
+    assert topics.PARAM_CACHED not in plain.parameters
+    np.testing.assert_array_equal(decode_outputs(first)["logits"], decode_outputs(again)["logits"])
+    stats = server.service.repository.get("digits").stats.to_proto("digits", "1")
+    assert stats.inference_stats.success.count == 3  # the resend never reached the model
