@@ -281,11 +281,12 @@ class Controller:
         the link before: the 1-s windows the change spoiled (the one that closed within a window
         before, and the one open now) do not tighten the latency target, and a move that only saves
         energy waits `link_settle_s`, so that a burst shorter than that does not take the escalations
-        away and give them back (each return costs the time to notice the link again)."""
+        away and give them back (each return costs the time to notice the link again). A link marked
+        down is no burst (a run of timeouts that is news, or refusals): that move is made at once."""
         link = self.link.link if self.link is not None else None
         if link is None:
             return
-        self._epoch_at = now
+        self._epoch_at = now if link.up else -math.inf
         if not link.up or link.slow or link.event == "slower":
             self._excused_until = now + self.config.window_s
             if self._cut is not None and now - self._cut[0] <= self.config.window_s:

@@ -35,7 +35,7 @@ margin plus the noise of the fitted cloud accuracy (`accuracy_z` standard errors
 the move adds) and it fits the latency target with `switch_headroom` and the energy target with
 `energy_switch_headroom` to spare; or (3) the choice is as accurate (within `tie_tolerance`) and
 spends `energy_margin` less energy (across variants, on measured figures only; not within
-`link_settle_s` of a change of the link's state, so that a loss burst does not move it); or (4) the current
+`link_settle_s` of a move of the round trip, so that a loss burst does not move it); or (4) the current
 point escalates clearly less than the probe floor (under three quarters of it) and the choice, as
 accurate, does not; or (5) the choice differs only in its encoding, as accurate, more faithful and
 with the spare room of (2). Nothing else moves
@@ -93,8 +93,9 @@ class ControllerConfig:
         probe_escalation_rate, down_probe_escalation_rate: the least share escalated while the link is
             up, and while it is down (live escalations keep measuring it).
         min_observations: requests (or samples) before a measured rate or latency is trusted.
-        link_settle_s: a move that only saves energy waits this long after the link changed state (a
-            loss burst shorter than this neither takes the escalations away nor waits to get them back).
+        link_settle_s: a move that only saves energy waits this long after the link's round trip moved
+            (a loss burst shorter than this neither takes the escalations away nor waits to get them
+            back); not after the link went down.
         redecide_interval_s: re-decide at least this often while requests flow.
         redecide_gap_s: a drift re-decides at most this often (a link event and a budget change at once).
         latency_drift, latency_drift_abs_ms: relative and absolute move of the device speed that re-decides.
