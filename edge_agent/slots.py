@@ -36,6 +36,7 @@ import json
 import os
 import shutil
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -181,12 +182,13 @@ class SlotStore:
         self.state.golden = golden
         self.save()
 
-    def soak_progress(self, requests: int) -> tuple[SoakProgress, dict[str, Any]] | None:
-        """While soaking: how far it came (recorded in the journal, unsaved) and the soak it needs."""
+    def soak_progress(self, served: Callable[[], int]) -> tuple[SoakProgress, dict[str, Any]] | None:
+        """While soaking: how far it came (`served()` requests; recorded in the journal, unsaved) and the soak
+        it needs; None otherwise (without asking `served`)."""
         swap = self.state.swap
         if swap is None or swap.get("state") != SwapState.SOAKING:
             return None
-        done = SoakProgress(requests, round(time.time() - float(swap["since"]), 1))
+        done = SoakProgress(served(), round(time.time() - float(swap["since"]), 1))
         swap["soak"] = done.to_json()
         return done, swap.get("soak_target") or {}
 

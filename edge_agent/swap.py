@@ -397,7 +397,7 @@ class Swapper:
         store.end(SwapState.COMMITTED)
 
     async def _soak_check(self, served: Callable[[], int]) -> Transition | None:
-        progress = self.store.soak_progress(served())
+        progress = self.store.soak_progress(served)
         if progress is None:
             return None
         done, need = progress
