@@ -90,6 +90,9 @@ UNSET: Final = Unset.UNSET  # a key the document does not carry (unlike null, wh
 # -- field readers (the only string-keyed reads of the documents) ------------------------------------
 
 
+_PROSE = frozenset({"error", "reason"})
+
+
 class _Fields:
     """Typed reads of one JSON object; every error names `where.field` and the value."""
 
@@ -157,6 +160,8 @@ class _Fields:
             if min_len:
                 self.reject(name, f"a string of {min_len} to {max_len} characters")
             return default
+        if name in _PROSE and isinstance(v, str):  # an explanation for people: cut, never refused for its length
+            v = v.replace("\x00", "")[:max_len]
         if not (isinstance(v, str) and min_len <= len(v) <= max_len and "\x00" not in v):
             self.reject(name, f"a string of {min_len} to {max_len} characters (no NUL)")
         return v

@@ -71,6 +71,9 @@ def test_reported_round_trips_with_the_swap_journal() -> None:
     assert r.slots is not None
     assert r.slots.active == "A"
     assert parse_reported(r.to_json()) == r
+    long = parse_reported({**doc, "error": "e" * 10_000})  # an explanation is cut, not refused
+    assert long.error is not None
+    assert len(long.error) == 4096
     with pytest.raises(ConfigError, match=r"reported document\.swap\.state"):
         parse_reported({**doc, "swap": {"state": "sleeping", "target": None}})
 
