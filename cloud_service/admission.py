@@ -40,11 +40,18 @@ class _Average:
     rows: float
     recent: deque[float] = field(default_factory=lambda: deque(maxlen=_WINDOW))
     _planned: float | None = None
+    _longest: float = 0.0
 
     def add(self, rows: int, seconds: float) -> None:
         self.recent.append(seconds)
         self.rows += _ALPHA * (rows - self.rows)
         self._planned = None
+
+    @property
+    def overshoot(self) -> float:
+        """How much longer than planned the longest recent run took (0 with a steady run time)."""
+        planned = self.seconds
+        return self._longest - planned
 
     @property
     def seconds(self) -> float:
@@ -55,6 +62,7 @@ class _Average:
         if self._planned is None:
             ordered = sorted(self.recent)
             self._planned = ordered[max(0, math.ceil(PLAN_QUANTILE * len(ordered)) - 1)]
+            self._longest = ordered[-1]
         return self._planned
 
 
@@ -98,6 +106,16 @@ class ServiceTimes:
             near = self._buckets[max(smaller)]
             return near.seconds * rows / near.rows
         return self._buckets[min(self._buckets)].seconds
+
+    def headroom_s(self) -> float:
+        """Slack kept at admission beyond the plan: the largest recent overshoot of a run past its plan.
+
+        A request admitted with exactly its plan's worth of time is refused later, after queueing,
+        whenever a run ahead of it takes longer than planned (one in ten, at the planning quantile);
+        that refusal arrives late, having spent the caller's budget. Admitting only what fits with this
+        slack keeps such late refusals rare; on a steady host the slack is small and costs nothing.
+        """
+        return max((bucket.overshoot for bucket in self._buckets.values()), default=0.0)
 
     def drain_seconds(self, rows: int, instances: int) -> float:
         """Time to work through `rows` queued rows in full batches, spread over `instances`."""

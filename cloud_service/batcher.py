@@ -345,32 +345,57 @@ class DynamicBatcher:
         return request
 
     def _admit(self, request: _Request, now: float) -> None:
-        """Raise `ServerBusy` when `request` cannot be answered by its deadline (its lock held).
+        """Raise `ServerBusy` when `request` cannot be answered by its deadline (its lock held)."""
+        refusal = self._refusal(request.rows, request.deadline, request.order, now)
+        if refusal is not None:
+            self._observer.on_refused("deadline" if request.deadline is not None else "standing")
+            raise refusal
+
+    def _refusal(self, rows: int, deadline: float | None, order: tuple[float, int], now: float) -> ServerBusy | None:
+        """The refusal of a request of `rows` rows due at `deadline`, or None when it can be answered in
+        time (the lock held).
 
         The work ahead of it is every queued request due before it (the queue is served earliest
-        deadline first) plus what the busy instances have left; requests without a deadline are
-        held to the CoDel interval while the queue is standing.
+        deadline first) plus what the busy instances have left, with the measured slack of a run past
+        its plan (`ServiceTimes.headroom_s`); requests without a deadline are held to the CoDel
+        interval while the queue is standing.
         """
         if not self._queue and any(span is None for span in self._running_span):
-            return  # an idle instance takes it now: run it, and measure (see `_run_now`)
-        limit = request.deadline
+            return None  # an idle instance takes it now: run it, and measure (see `_run_now`)
+        limit = deadline
         if limit is None:
             if not self._standing.standing:
-                return
+                return None
             limit = now + self._standing.interval_s
         ahead = 0
         for queued in self._queue:
-            if queued.order > request.order:
+            if queued.order > order:
                 break
             ahead += queued.rows
-        done = self._finish_in(now, ahead, request.rows)
-        if now + done > limit:
-            reason = "deadline" if request.deadline is not None else "standing"
-            self._observer.on_refused(reason)
-            left = max(0.0, limit - now) * 1000
-            why = (f"the queue ahead and the model's run time need about {done * 1000:.1f} ms, "
-                   f"the deadline leaves {left:.1f} ms")
-            raise self._busy(why, now + done - limit)
+        done = self._finish_in(now, ahead, rows) + (self._times.headroom_s() if deadline is not None else 0.0)
+        if now + done <= limit:
+            return None
+        left = max(0.0, limit - now) * 1000
+        why = (f"the queue ahead and the model's run time need about {done * 1000:.1f} ms, "
+               f"the deadline leaves {left:.1f} ms")
+        return self._busy(why, now + done - limit)
+
+    def admissible(self, rows: int, timeout: float | None) -> ServerBusy | None:
+        """Whether a request of `rows` rows with `timeout` seconds left would be admitted now: None, or
+        the refusal it would get (counted). For a front end that refuses before decoding a request
+        (the MQTT bridge on its network thread); the request is admitted again when it is queued.
+        """
+        if not self.config.admission or not self._times.known or self._closed:
+            return None
+        rows = rows if self.batched else 1
+        now = time.monotonic()
+        due = None if timeout is None else now + timeout
+        order = (due if due is not None else now + self._standing.interval_s, -1)
+        with self._ready:
+            refusal = self._refusal(rows, due, order, now)
+        if refusal is not None:
+            self._observer.on_refused("deadline" if due is not None else "standing")
+        return refusal
 
     def _finish_in(self, now: float, ahead_rows: int, rows: int) -> float:
         """Seconds until a request of `rows` rows behind `ahead_rows` queued rows would be answered."""

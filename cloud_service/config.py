@@ -130,6 +130,9 @@ class MqttConfig:
             gets RESOURCE_EXHAUSTED at once, so one device cannot fill `receive_maximum` for all.
         device_rate_per_s: escalations per second one device may send (a token bucket holding
             one second's worth); past it, RESOURCE_EXHAUSTED.
+        max_waiting: escalations received and admitted on arrival but not yet queued at their model
+            (waiting for the event loop to decode them); past it, the next is refused at once on
+            arrival (RESOURCE_EXHAUSTED), so nothing piles up where no deadline is checked.
     """
 
     url: str = "mqtt://127.0.0.1:1883"
@@ -145,9 +148,13 @@ class MqttConfig:
     tls: MqttTls | None = None
     device_max_inflight: int = 32
     device_rate_per_s: float = 500.0
+    max_waiting: int = 64
 
     def __post_init__(self) -> None:
         self.endpoint  # noqa: B018 - validates the URL
+        if self.max_waiting < 1:
+            msg = f"MQTT max_waiting {self.max_waiting} must be >= 1"
+            raise ConfigError(msg)
         if self.device_max_inflight < 1 or not self.device_rate_per_s > 0:
             msg = (f"MQTT device_max_inflight {self.device_max_inflight} must be >= 1 and device_rate_per_s "
                    f"{self.device_rate_per_s} > 0")

@@ -11,7 +11,7 @@ Exposed names (all prefixed `tierkit_`):
 | `batch_run_seconds` | model | run time of one batch |
 | `queue_depth` | model | requests waiting |
 | `requests_expired_total` | model | queued requests dropped before compute: deadline passed or no longer reachable |
-| `requests_refused_total` | model, reason | refused at admission: `deadline`, `queue_full`, `standing` |
+| `requests_refused_total` | model, reason | refused at admission: `deadline`, `queue_full`, `standing`, `waiting` |
 | `queue_seconds` | model | time each request waited in the queue (to run, or to be dropped) |
 | `mqtt_garbage_total` | | MQTT payloads that were not a valid request |
 | `mqtt_duplicates_total` | | MQTT requests answered from the duplicate cache |

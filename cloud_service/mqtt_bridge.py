@@ -15,13 +15,16 @@
   `device_max_inflight` escalations being answered, or `device_rate_per_s`, its escalations are
   answered RESOURCE_EXHAUSTED at once (`tierkit_refusals_total{surface="mqtt"}` counts them).
 - Deadlines: the earlier of the request's `tierkit.deadline_ms` parameter and its MQTT Message Expiry
-  Interval; the batcher's admission refuses at once what it cannot answer by then (RESOURCE_EXHAUSTED,
-  with the retry hint as the user property `tierkit.retry_after_ms`). Escalations the broker holds
-  beyond `receive_maximum` wait in the broker, unseen: their deadline is checked when they arrive.
+  Interval. Admission happens on arrival, in paho's network thread, before the request is decoded
+  (`cloud_service.arrival`): what the model's queue cannot answer by then is refused at once
+  (RESOURCE_EXHAUSTED, with the retry hint as the user property `tierkit.retry_after_ms`), replied to
+  and acknowledged from that thread; at most `MqttConfig.max_waiting` escalations wait for the event
+  loop, the next is refused. The batcher admits again when the request is queued. Escalations the broker
+  holds beyond `receive_maximum` wait in the broker, unseen: their deadline is checked when they arrive.
 - Duplicates (same device, boot id and sequence number) are answered from the service's duplicate
   cache (`cloud_service.duplicates`, shared with the gRPC servicer), or join the computation already
   running, instead of being computed again.
-- paho's network thread hands every message to the event loop with `call_soon_threadsafe`.
+- paho's network thread hands every message it admits to the event loop with `call_soon_threadsafe`.
 - TCP_NODELAY is set on every socket: without it a QoS 1 round trip through Mosquitto takes ~88 ms
   (Nagle's algorithm against delayed ACKs) instead of ~1.4 ms.
 - `clean_start=False` with a configurable Session Expiry Interval (default 0: see
@@ -47,6 +50,7 @@ from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties
 from paho.mqtt.subscribeoptions import SubscribeOptions
 
+from cloud_service.arrival import ArrivalGate
 from cloud_service.config import MqttConfig
 from cloud_service.device_limits import DeviceLimited, DeviceLimits
 from cloud_service.duplicates import DuplicateCache, request_key
@@ -112,6 +116,9 @@ class MqttBridge:
         self._attempt = 0  # reconnect attempts since the last subscription granted (paho's thread)
         self._last_up = -math.inf  # monotonic time the subscription was last granted
         self._rng = random.Random()
+        self._gate = ArrivalGate(repository, max_waiting=config.max_waiting, is_duplicate=self._duplicate,
+                                 forwarding=backend is not None, max_bytes=max_message_bytes,
+                                 on_refused=self._refused_on_arrival)
         self._client = self._make_client()
 
     def _make_client(self) -> paho.Client:
@@ -234,7 +241,35 @@ class MqttBridge:
         return delay
 
     def _on_message(self, client: paho.Client, userdata: Any, message: paho.MQTTMessage) -> None:
-        self._call(self._dispatch, message)
+        started = time.perf_counter()
+        request, refusal = self._gate.arrive(message)
+        if refusal is None:
+            self._call(self._dispatch, message, request)
+            return
+        try:  # refused on arrival: answered and acknowledged here, the event loop never sees it
+            self._send(message, request, refusal, started)
+        except Exception:
+            log.exception("MQTT escalation on %s: the refusal failed", clip(message.topic, 200))
+        finally:
+            self._ack(message)
+
+    def _duplicate(self, request: pb.ModelInferRequest, topic: str) -> bool:
+        """Whether `request` repeats an escalation being answered or cached (any thread: two lookups)."""
+        if topics.PARAM_SEQ not in request.parameters:
+            return False
+        try:
+            device = topics.device_from_topic(topic)
+        except ValueError:
+            device = ""
+        key = request_key(get_parameters(request.parameters), device)
+        return key is not None and (key in self._running or self._cache.get(key) is not None)
+
+    def _refused_on_arrival(self, model: str, reason: str) -> None:
+        label = self.backend.label(model) if self.backend is not None else model_label(self.repository, model)
+        if reason == "expired":
+            self.metrics.expired.labels(label).inc()
+        else:
+            self.metrics.admission_refused.labels(label, reason).inc()
 
     def _call(self, fn: Any, *args: Any) -> None:
         if self._loop is not None and not self._loop.is_closed():
@@ -251,15 +286,16 @@ class MqttBridge:
         if self._subscribed is not None and not self._subscribed.done():
             self._subscribed.set_result(None)
 
-    def _dispatch(self, message: paho.MQTTMessage) -> None:
+    def _dispatch(self, message: paho.MQTTMessage, request: pb.ModelInferRequest | None) -> None:
         assert self._loop is not None
-        task = self._loop.create_task(self._handle(message))
+        self._gate.taken()
+        task = self._loop.create_task(self._handle(message, request))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    async def _handle(self, message: paho.MQTTMessage) -> None:
+    async def _handle(self, message: paho.MQTTMessage, request: pb.ModelInferRequest | None = None) -> None:
         try:
-            await self._reply(message)
+            await self._reply(message, request)
         except Exception:  # a defect here must not cost the acknowledgement
             log.exception("MQTT escalation on %s: the reply failed", clip(message.topic, 200))
         finally:
@@ -273,31 +309,38 @@ class MqttBridge:
         except Exception:  # paho raises while a connection is torn down; the broker redelivers
             log.warning("could not acknowledge MQTT message %s", message.mid)
 
-    async def _reply(self, message: paho.MQTTMessage) -> None:
+    async def _reply(self, message: paho.MQTTMessage, parsed: pb.ModelInferRequest | None = None) -> None:
         started = time.perf_counter()
-        props = message.properties
-        asked = bool(getattr(props, "ResponseTopic", None))
-        reply_to, correlation = self._reply_topic(message), getattr(props, "CorrelationData", None)
+        asked = bool(getattr(message.properties, "ResponseTopic", None))
         request: pb.ModelInferRequest | None = None
-        label, code, text, response = UNKNOWN_MODEL, None, "", None
-        device = ""
         try:
             try:
                 device = topics.device_from_topic(message.topic)
             except ValueError:
                 device = ""
-            if asked and reply_to is None:
+            if asked and self._reply_topic(message, count=False) is None:
                 msg = "the request's response topic is invalid; no reply can be sent"
                 raise CodecError(msg)
             self._limits.admit(device)
             try:
-                request = self._parse(message.payload)
-                label = (self.backend.label(request.model_name) if self.backend is not None
-                         else model_label(self.repository, request.model_name))
+                request = parsed if parsed is not None else self._parse(message.payload)
                 response = await self._answer(device, request, _expiry(message))
             finally:
                 self._limits.release(device)
         except Exception as exc:
+            self._send(message, request, exc, started)
+            return
+        self._send(message, request, response, started)
+
+    def _send(self, message: paho.MQTTMessage, request: pb.ModelInferRequest | None,
+              outcome: pb.ModelInferResponse | Exception, started: float) -> None:
+        """Count the escalation and publish its reply (or error) to its Response Topic; any thread."""
+        label, code = UNKNOWN_MODEL, None
+        if request is not None:
+            label = (self.backend.label(request.model_name) if self.backend is not None
+                     else model_label(self.repository, request.model_name))
+        if isinstance(outcome, Exception):
+            exc = outcome
             code, text = status_of(exc)
             if isinstance(exc, DeviceLimited):
                 self.metrics.refused("mqtt", exc.reason)
@@ -311,10 +354,14 @@ class MqttBridge:
                 error[topics.RETRY_AFTER_PROPERTY] = str(retry_after)
             set_parameters(response.parameters, dict(error))
             log.debug("MQTT escalation on %s failed: %s %s", clip(message.topic, 200), code, text)
+        else:
+            response = outcome
         self.metrics.request_done(label, "mqtt", time.perf_counter() - started, code=code)
+        reply_to = self._reply_topic(message)
         if reply_to is None:
             return
         out = Properties(PacketTypes.PUBLISH)  # type: ignore[no-untyped-call]
+        correlation = getattr(message.properties, "CorrelationData", None)
         if isinstance(correlation, bytes | bytearray) and len(correlation) <= _MAX_CORRELATION:
             out.CorrelationData = correlation
         if code is not None:
@@ -326,8 +373,9 @@ class MqttBridge:
             self.metrics.refused("mqtt", "reply_unsendable")
             log.warning("MQTT reply to %s could not be sent: %s", clip(reply_to, 200), clip(str(exc), 200))
 
-    def _reply_topic(self, message: paho.MQTTMessage) -> str | None:
-        """The request's Response Topic when it is one this service may publish to; else None (counted).
+    def _reply_topic(self, message: paho.MQTTMessage, *, count: bool = True) -> str | None:
+        """The request's Response Topic when it is one this service may publish to; else None (counted
+        unless `count` is False).
 
         It must lie in the sender's own `tierkit/v1/{device}/` subtree (so a device cannot make the
         service publish into another device's topics) and be a valid topic name: Mosquitto 2.0
@@ -339,11 +387,13 @@ class MqttBridge:
         try:
             device = topics.device_from_topic(message.topic)
         except ValueError:
-            self.metrics.refused("mqtt", "bad_request_topic")
+            if count:
+                self.metrics.refused("mqtt", "bad_request_topic")
             return None
         if (not isinstance(reply_to, str) or len(reply_to.encode()) > _MAX_TOPIC_BYTES
                 or not reply_to.startswith(f"{topics.ROOT}/{device}/") or _TOPIC_FORBIDDEN & set(reply_to)):
-            self.metrics.refused("mqtt", "bad_reply_topic")
+            if count:
+                self.metrics.refused("mqtt", "bad_reply_topic")
             log.debug("MQTT escalation on %s: response topic %s refused", clip(message.topic, 200),
                       clip(repr(reply_to), 200))
             return None
