@@ -240,7 +240,7 @@ class TelemetryWindows:
     """
 
     _COUNTERS = ("requests", "escalations_sent", "cloud_answers", "degraded", "cache_hits", "escalations_compared",
-                 "escalations_agreed")
+                 "escalations_agreed", "cloud_refused")
 
     def __init__(self, boot_id: str) -> None:
         self.boot_id = boot_id
@@ -284,7 +284,8 @@ class TelemetryWindows:
         return TelemetryWindow(
             device=str(snap.get("device") or ""), boot_id=self.boot_id, seq=self.seq, ts=now, window_s=window_s,
             requests=n, edge=n - d["cloud_answers"], cloud=d["cloud_answers"], p50_ms=p50, p95_ms=p95,
-            latency_hist=hist, escalation_rate=min(1.0, d["escalations_sent"] / n) if n else 0.0, agreement=agreement,
+            latency_hist=hist, escalation_rate=min(1.0, d["escalations_sent"] / n) if n else 0.0,
+            cloud_refused=d["cloud_refused"], agreement=agreement,
             energy_mj_per_request=max(0.0, energy_total - prev_energy) / n if n else 0.0,
             energy_label=str(snap.get("energy_label") or "unknown"), degraded=d["degraded"],
             degraded_reasons={k: v for k, v in reasons.items() if v > 0}, variant=str(snap.get("variant", "")),

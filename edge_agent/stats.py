@@ -76,6 +76,7 @@ class Stats:
     cache_hits: int = 0
     journaled: int = 0
     late_replies: int = 0
+    cloud_refused: int = 0  # escalations sent and refused by a busy cloud (RESOURCE_EXHAUSTED / UNAVAILABLE)
     # answered escalations whose outputs could be compared (classification), and those where the cloud's
     # top-1 equalled the edge's: the agreement on escalated inputs
     escalations_compared: int = 0
@@ -92,6 +93,7 @@ class Stats:
         self.cloud_answers += rec.tier == "cloud"
         self.degraded += rec.degraded
         self.cache_hits += rec.cached
+        self.cloud_refused += rec.reason == "cloud_busy" and rec.rtt_ms is not None
         self.energy_mj += rec.energy_mj
         if rec.agreed is not None and not rec.cached:
             self.escalations_compared += 1
@@ -111,7 +113,7 @@ class Stats:
         return {"requests": self.requests, "rows": self.rows, "escalations_wanted": self.escalations_wanted,
                 "escalations_sent": self.escalations_sent, "cloud_answers": self.cloud_answers,
                 "degraded": self.degraded, "cache_hits": self.cache_hits, "journaled": self.journaled,
-                "late_replies": self.late_replies, "reasons": dict(self.reasons),
+                "late_replies": self.late_replies, "cloud_refused": self.cloud_refused, "reasons": dict(self.reasons),
                 "escalations_compared": self.escalations_compared, "escalations_agreed": self.escalations_agreed,
                 "agreement": (self.escalations_agreed / self.escalations_compared
                               if self.escalations_compared else None),

@@ -28,6 +28,7 @@ from cloud_service.fleet.store import DEFAULT_DATA_DIR, FleetStore, default_url
 from cloud_service.fleet.telemetry import TelemetryLimits, TelemetryStore
 
 logger = logging.getLogger(__name__)
+CLOUD_LOAD_S = 300.0  # the dashboard's cloud tiles: escalations and the cloud's refusals over the last 5 minutes
 
 
 @dataclass(frozen=True)
@@ -214,5 +215,6 @@ class Fleet:
                 sa.func.count().filter(live, d.last_seen >= time.time() - self.config.online_after_s))).one()
         return {"devices": int(total), "online": int(online), "revoked": int(revoked),
                 "drift": len(self.desired.drift()), "dropped": self.telemetry.drops(),
+                "cloud": self.telemetry.cloud_load(since=time.time() - CLOUD_LOAD_S),
                 "ingest": dict(self.ingest.stats) if self.ingest is not None else {},
                 "mqtt_connected": bool(self.ingest is not None and self.ingest.connected.is_set())}

@@ -22,6 +22,7 @@ capped (over the device's daily byte budget; also counted in `telemetry_usage.cu
 
 from __future__ import annotations
 
+import json
 import math
 import time
 from collections import Counter
@@ -249,6 +250,26 @@ class TelemetryStore:
         with self.store.begin() as conn:
             rows = conn.execute(q.order_by(c.server_ts, c.id).limit(limit)).all()
         return [{k: v for k, v in r._mapping.items() if k != "document"} for r in rows]
+
+    def cloud_load(self, *, since: float, limit: int = 2000) -> dict[str, Any]:
+        """Escalations and the cloud's refusals of them in the newest windows received since `since` (at most
+        `limit` windows, so the cost stays bounded on a large fleet; `windows` says how many were read)."""
+        c = t.telemetry.c
+        with self.store.begin() as conn:
+            rows = conn.execute(sa.select(c.document).where(c.server_ts >= since)
+                                .order_by(c.server_ts.desc()).limit(limit)).all()
+        requests = escalations = refused = 0.0
+        for (document,) in rows:
+            try:
+                win = parse_telemetry(json.loads(document))
+            except (ValueError, TypeError):  # stored before a field's rule tightened: left out
+                continue
+            requests += win.requests
+            escalations += win.requests * win.escalation_rate
+            refused += win.cloud_refused
+        return {"since": since, "windows": len(rows), "requests": int(requests), "escalations": round(escalations),
+                "escalation_rate": escalations / requests if requests else None, "cloud_refused": int(refused),
+                "refused_share": refused / escalations if escalations else None}
 
     def rollups(self, devices: list[str] | None = None, *, since: float = 0.0) -> list[dict[str, Any]]:
         c = t.telemetry_rollup.c

@@ -503,6 +503,7 @@ class TelemetryWindow:
     p95_ms: float = 0.0
     latency_hist: LatencyHistogram | None = None
     escalation_rate: float = 0.0
+    cloud_refused: int = 0  # escalations sent in the window that the cloud refused (busy)
     agreement: float | None = None
     energy_mj_per_request: float = 0.0
     energy_label: str = ""
@@ -531,7 +532,7 @@ class TelemetryWindow:
             "device": self.device, "boot_id": self.boot_id, "seq": self.seq, "ts": self.ts, "window_s": self.window_s,
             "requests": self.requests, "tiers": {"edge": self.edge, "cloud": self.cloud}, "p50_ms": self.p50_ms,
             "p95_ms": self.p95_ms, "latency_hist": None if self.latency_hist is None else self.latency_hist.to_json(),
-            "escalation_rate": self.escalation_rate, "agreement": self.agreement,
+            "escalation_rate": self.escalation_rate, "cloud_refused": self.cloud_refused, "agreement": self.agreement,
             "energy_mj_per_request": self.energy_mj_per_request, "energy_label": self.energy_label,
             "degraded": self.degraded, "degraded_reasons": dict(self.degraded_reasons), "variant": self.variant,
             "threshold": self.threshold, "model_digest": self.model_digest, "release": self.release,
@@ -576,7 +577,8 @@ def parse_telemetry(value: object, *, where: str = "telemetry window") -> Teleme
         edge=tiers.count("edge") if tiers is not None else requests,
         cloud=tiers.count("cloud") if tiers is not None else 0,
         p50_ms=f.real("p50_ms", lo=0), p95_ms=f.real("p95_ms", lo=0), latency_hist=_histogram(f.nested("latency_hist")),
-        escalation_rate=f.real("escalation_rate", lo=0, hi=1), agreement=_share(f, "agreement"),
+        escalation_rate=f.real("escalation_rate", lo=0, hi=1), cloud_refused=f.count("cloud_refused"),
+        agreement=_share(f, "agreement"),
         energy_mj_per_request=f.real("energy_mj_per_request", lo=0), energy_label=f.text("energy_label", max_len=64)
         or "", degraded=f.count("degraded"), degraded_reasons=f.counts("degraded_reasons"),
         variant=f.text("variant") or "", threshold=f.number("threshold", None), model_digest=f.text("model_digest")

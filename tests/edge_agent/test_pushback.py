@@ -11,9 +11,11 @@ import numpy as np
 import pytest
 
 from cloud_service.protocol import decode_inputs, encode_response, get_parameters, topics
+from cloud_service.protocol.fleet_docs import parse_telemetry
 from compilers.package import ModelPackage
 from edge_agent.agent import AgentOptions, EdgeAgent
 from edge_agent.breaker import BreakerConfig
+from edge_agent.fleet_sync import TelemetryWindows
 from edge_agent.policy import Policy
 from edge_agent.pushback import DrainPace, Pushback, retry_hint_s
 from edge_agent.transports.base import escalation_error
@@ -123,6 +125,9 @@ def test_a_busy_refusal_degrades_and_holds_escalations_back_for_the_hint(package
             await asyncio.sleep(0.35)
             after = await agent.infer(digits.x_test[2])
             assert (after.tier, after.degraded) == ("cloud", False)
+            # the telemetry window counts the escalation the cloud refused (not the one held back unsent)
+            window = TelemetryWindows("boot").window({"device": "d", **agent.snapshot()})
+            assert (window["cloud_refused"], parse_telemetry(window).cloud_refused) == (1, 1)
 
     asyncio.run(main())
 
