@@ -313,6 +313,7 @@ class MqttBridge:
         started = time.perf_counter()
         asked = bool(getattr(message.properties, "ResponseTopic", None))
         request: pb.ModelInferRequest | None = None
+        label = UNKNOWN_MODEL
         try:
             try:
                 device = topics.device_from_topic(message.topic)
@@ -324,21 +325,27 @@ class MqttBridge:
             self._limits.admit(device)
             try:
                 request = parsed if parsed is not None else self._parse(message.payload)
+                label = self._label(request)  # before answering: what forwarding learns counts from the next
                 response = await self._answer(device, request, _expiry(message))
             finally:
                 self._limits.release(device)
         except Exception as exc:
-            self._send(message, request, exc, started)
+            self._send(message, request, exc, started, label)
             return
-        self._send(message, request, response, started)
+        self._send(message, request, response, started, label)
+
+    def _label(self, request: pb.ModelInferRequest | None) -> str:
+        if request is None:
+            return UNKNOWN_MODEL
+        if self.backend is not None:
+            return self.backend.label(request.model_name)
+        return model_label(self.repository, request.model_name)
 
     def _send(self, message: paho.MQTTMessage, request: pb.ModelInferRequest | None,
-              outcome: pb.ModelInferResponse | Exception, started: float) -> None:
+              outcome: pb.ModelInferResponse | Exception, started: float, label: str | None = None) -> None:
         """Count the escalation and publish its reply (or error) to its Response Topic; any thread."""
-        label, code = UNKNOWN_MODEL, None
-        if request is not None:
-            label = (self.backend.label(request.model_name) if self.backend is not None
-                     else model_label(self.repository, request.model_name))
+        code = None
+        label = self._label(request) if label is None else label
         if isinstance(outcome, Exception):
             exc = outcome
             code, text = status_of(exc)
