@@ -1,4 +1,4 @@
-"""`tierkit serve` under overload: answers in time per second from 1 to 16 closed-loop callers.
+"""`tierkit serve` under overload: answers in time per second from 1x to 16x the model's capacity.
 
 Each caller sends one request, waits for its answer (or refusal, or its deadline), and sends the next
 at once; after a refusal it waits the server's retry hint (at most 50 ms), as a device does. Every
@@ -9,6 +9,13 @@ process with gRPC and the MQTT bridge (through a Mosquitto started here on loopb
 - slow: PP-OCRv4's text detector on 128x256 pages (about 14 ms a request on two idle cores; a batch
   costs about its rows times one request, as on most CPUs);
 - fast: the same detector on 32x64 pages (about 1 ms).
+
+Load levels (`--load 1,2,4,8,16`) are multiples of the capacity measured at the start of each model and
+protocol: one closed-loop caller's rate against the rate of a few callers tells how many callers keep the
+model busy (the unit); level m runs m units of callers (at most `--max-callers`). `--callers N,M` gives
+counts instead. The load generator runs in a process of its own (`--loadgen process`, the default; it
+still shares the cores with the server on a small host): its CPU use and the server's are reported per
+row, in cores (1.0 = one core busy for the whole row).
 
 Columns: offered (requests sent per second), in-time/s (answers within their deadline: goodput),
 ratio (in-time/s against the best rate measured at any load for that model and protocol in this run),
@@ -22,34 +29,35 @@ PyTriton (bench/pytriton_server.py), dynamic batching on, with its queue policy 
 for overload (`REJECT` after the request's timeout, `allow_timeout_override`, a bounded queue); each
 request carries the deadline as its `timeout` parameter. gRPC only. Without it the table says so.
 
-    PYTHONPATH=$PWD python bench/bench_overload.py                 # the recorded run, about 2 minutes
-    PYTHONPATH=$PWD python bench/bench_overload.py --pytriton-python /tmp/pytriton-venv/bin/python
-    PYTHONPATH=$PWD python bench/bench_overload.py --seconds 1 --callers 1,4 --models slow --protocols grpc
+    PYTHONPATH=$PWD python bench/bench_overload.py --pytriton-python /tmp/pytriton-venv/bin/python  # ~5 min
+    PYTHONPATH=$PWD python bench/bench_overload.py                 # without Triton, about 3 minutes
+    PYTHONPATH=$PWD python bench/bench_overload.py --seconds 1 --load 1,4 --models slow --protocols grpc
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import contextlib
+import dataclasses
+import multiprocessing
 import os
 import platform
+import resource
+import signal
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from concurrent import futures
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
 from cloud_service.protocol import inference_pb2 as pb
-from edge_agent.pushback import retry_hint_s
-from edge_agent.transports.base import TransportOptions, parse_cloud_url
-from edge_agent.transports.mqtt import MqttTransport
-from runtimes.errors import CloudTimeout, EscalationError
 from tests.broker import Broker
-from tests.cloud_service.overload import HINT_CAP_S, Load, Server, closed_loop, ocr_det_package, request_bytes
+from tests.cloud_service.overload import Load, Server, closed_loop, mqtt_closed_loop, ocr_det_package, request_bytes
 
 MODELS = {"slow": (128, 256), "fast": (32, 64)}
 
@@ -62,52 +70,99 @@ def _cpu() -> str:
     return platform.processor() or "unknown CPU"
 
 
-async def _mqtt_loop(url: str, payload: bytes, *, callers: int, seconds: float, deadline_s: float) -> Load:
-    """`callers` MQTT devices (one paho client each), closed loop, through tierkit's bridge."""
-    request = pb.ModelInferRequest.FromString(payload)
-    cloud = parse_cloud_url(url)
-    results = [Load(callers, seconds, deadline_s) for _ in range(callers)]
-    transports = [MqttTransport(cloud, device_id=f"bench-{i}", options=TransportOptions()) for i in range(callers)]
-    async with contextlib.AsyncExitStack() as stack:
-        for t in transports:
-            await stack.enter_async_context(t)
-        end = time.monotonic() + seconds
-
-        async def caller(transport: MqttTransport, mine: Load) -> None:
-            while time.monotonic() < end:
-                sent = time.monotonic()
-                try:
-                    await transport.escalate(request, timeout_s=deadline_s)
-                except CloudTimeout:
-                    mine.expired += 1
-                    continue
-                except EscalationError as exc:
-                    code = getattr(exc, "code", "")
-                    if code in ("RESOURCE_EXHAUSTED", "UNAVAILABLE"):
-                        mine.refused += 1
-                        mine.refused_ms.append((time.monotonic() - sent) * 1000)
-                        hint = retry_hint_s(exc)
-                        await asyncio.sleep(min(HINT_CAP_S, hint if hint is not None else 0.001))
-                    else:
-                        mine.other[str(code)] = mine.other.get(str(code), 0) + 1
-                    continue
-                if time.monotonic() - sent <= deadline_s:
-                    mine.in_time += 1
-                else:
-                    mine.late += 1
-
-        await asyncio.gather(*(caller(t, r) for t, r in zip(transports, results, strict=True)))
-    total = Load(callers, seconds, deadline_s)
-    for r in results:
-        total.add(r)
-    return total
+def _timed(fn: Callable[..., Load], kwargs: dict[str, Any]) -> tuple[Load, float]:
+    """`fn(**kwargs)` and the CPU it used, in cores (CPU seconds of this process per wall second)."""
+    before, started = resource.getrusage(resource.RUSAGE_SELF), time.monotonic()
+    load = fn(**kwargs)
+    after, wall = resource.getrusage(resource.RUSAGE_SELF), time.monotonic() - started
+    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    return load, cpu / max(wall, 1e-9)
 
 
-def _row(model: str, protocol: str, load: Load, best: float) -> str:
+class LoadGen:
+    """Runs the closed loops here or in a process of its own (spawned once, reused for every row)."""
+
+    def __init__(self, mode: str) -> None:
+        self._pool = (futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"))
+                      if mode == "process" else None)
+
+    def run(self, fn: Callable[..., Load], **kwargs: Any) -> tuple[Load, float]:
+        if self._pool is None:
+            return _timed(fn, kwargs)
+        return self._pool.submit(_timed, fn, kwargs).result()
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown()
+
+
+def _cpu_seconds(pid: int) -> float:
+    """User plus system CPU seconds of process `pid` so far (all its threads)."""
+    with contextlib.suppress(OSError, ValueError, IndexError):
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return 0.0
+
+
+@dataclasses.dataclass
+class Row:
+    level: str  # "4x" (of the measured capacity) or "-" (a caller count given)
+    load: Load
+    loadgen_cores: float
+    server_cores: float
+
+
+def _measure(gen: LoadGen, pid: int, fn: Callable[..., Load], level: str, **kwargs: Any) -> Row:
+    cpu, started = _cpu_seconds(pid), time.monotonic()
+    load, gen_cores = gen.run(fn, **kwargs)
+    return Row(level, load, gen_cores, (_cpu_seconds(pid) - cpu) / max(time.monotonic() - started, 1e-9))
+
+
+def _callers(gen: LoadGen, pid: int, fn: Callable[..., Load], args: argparse.Namespace,
+             **kwargs: Any) -> list[tuple[str, int]]:
+    """(level, callers) for each row: multiples of the callers that keep the model busy, measured now."""
+    if args.callers:
+        return [("-", int(c)) for c in args.callers.split(",")]
+    probe = min(2.0, args.seconds)
+    gen.run(fn, callers=1, seconds=0.5, **kwargs)  # warm up
+    alone, _ = gen.run(fn, callers=1, seconds=probe, **kwargs)
+    few, _ = gen.run(fn, callers=4, seconds=probe, **kwargs)
+    unit = max(1, round(few.goodput / max(alone.goodput, 1e-9)))
+    print(f"# capacity probe: 1 caller {alone.goodput:.1f}/s, 4 callers {few.goodput:.1f}/s: {unit} caller(s) "
+          "keep the model busy (1x)", flush=True)
+    return [(f"{m:g}x", min(args.max_callers, max(1, round(m * unit)))) for m in
+            (float(x) for x in args.load.split(","))]
+
+
+def _row(model: str, protocol: str, row: Row, best: float) -> str:
+    load = row.load
     ratio = load.goodput / best if best else 0.0
-    return (f"| {model} | {protocol} | {load.callers} | {load.offered / load.seconds:.1f} | {load.goodput:.1f} | "
-            f"{ratio:.2f} | {load.refused} | {load.refusal_p(50):.1f} | {load.refusal_p(99):.1f} | {load.late} | "
-            f"{load.expired} |")
+    return (f"| {model} | {protocol} | {row.level} | {load.callers} | {load.offered / load.seconds:.1f} | "
+            f"{load.goodput:.1f} | {ratio:.2f} | {load.refused} | {load.refusal_p(50):.1f} | {load.refusal_p(99):.1f} "
+            f"| {load.late} | {load.expired} | {row.loadgen_cores:.2f} | {row.server_cores:.2f} |")
+
+
+def _misses(name: str, protocol: str, rows: list[Row]) -> list[str]:
+    """The rows that miss the targets: ratio at every overload level (2x and up, or every row when caller
+    counts were given), refusal p99, answers after their deadline."""
+    best = max(row.load.goodput for row in rows)
+    failed = []
+    for row in rows:
+        load, where = row.load, f"{name}/{protocol}/{row.level}/{row.load.callers}"
+        overload = row.level == "-" or float(row.level.rstrip("x")) >= 2
+        if overload and best and load.goodput < 0.9 * best:
+            failed.append(f"{where}: ratio {load.goodput / best:.2f}")
+        if load.refusal_p(99) > 10:
+            failed.append(f"{where}: refusal p99 {load.refusal_p(99):.1f} ms")
+        if load.late:
+            failed.append(f"{where}: {load.late} late answers")
+    return failed
+
+
+def _print_rows(name: str, protocol: str, rows: list[Row]) -> None:
+    best = max(row.load.goodput for row in rows)
+    for row in rows:
+        print(_row(name, protocol, row, best), flush=True)
 
 
 @contextlib.contextmanager
@@ -119,9 +174,10 @@ def _broker(workdir: Path) -> Iterator[Broker]:
         broker.stop()
 
 
-def _triton(args: argparse.Namespace, name: str, models: Path, page: np.ndarray, callers: list[int],
+def _triton(args: argparse.Namespace, name: str, gen: LoadGen, page: np.ndarray, levels: list[tuple[str, int]],
             deadline_s: float) -> list[str]:
-    """Triton's rows for one model (gRPC), its queue policy rejecting what waited past the request's timeout."""
+    """Triton's rows for one model (gRPC, the same caller counts as tierkit's rows), its queue policy
+    rejecting what waited past the request's timeout."""
     from tests.compilers.zoo import OCR_DET
 
     env = dict(os.environ)
@@ -132,7 +188,7 @@ def _triton(args: argparse.Namespace, name: str, models: Path, page: np.ndarray,
     script = Path(__file__).with_name("pytriton_server.py")
     proc = subprocess.Popen([args.pytriton_python, str(script), str(OCR_DET.path()), "ocrdet", "0",
                              "--reject-after-us", str(int(deadline_s * 1e6))], stdout=subprocess.PIPE,
-                            stderr=subprocess.DEVNULL, text=True, env=env)
+                            stderr=subprocess.DEVNULL, text=True, env=env, start_new_session=True)
     try:
         address = ""
         assert proc.stdout is not None
@@ -142,83 +198,93 @@ def _triton(args: argparse.Namespace, name: str, models: Path, page: np.ndarray,
             if line.strip() == "ready":
                 break
         if not address:
-            print(f"| {name} | triton | - | absent: PyTriton's server did not start | | | | | | | |")
+            print(f"| {name} | triton | - | - | absent: PyTriton's server did not start | | | | | | | | | |")
             return []
         request = pb.ModelInferRequest.FromString(request_bytes("ocrdet", page))
         request.parameters["timeout"].int64_param = int(deadline_s * 1e6)  # Triton's per-request queue timeout
         payload = request.SerializeToString()
-        closed_loop(address, payload, callers=1, seconds=1.0, deadline_s=deadline_s)  # warm up
-        loads = [closed_loop(address, payload, callers=n, seconds=args.seconds, deadline_s=deadline_s)
-                 for n in callers]
-        best = max(load.goodput for load in loads)
-        for load in loads:
-            print(_row(name, "triton", load, best), flush=True)
-        return []
+        gen.run(closed_loop, address=address, payload=payload, callers=1, seconds=1.0, deadline_s=deadline_s)
+        rows = [_measure(gen, proc.pid, closed_loop, level, address=address, payload=payload, callers=n,
+                         seconds=args.seconds, deadline_s=deadline_s) for level, n in levels]
+        _print_rows(name, "triton", rows)
+        return _misses(name, "triton", rows)
     finally:
-        proc.terminate()
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGTERM)  # Triton's server and its Python backend stubs with it
         try:
             proc.wait(30)
         except subprocess.TimeoutExpired:
-            proc.kill()
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(10)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seconds", type=float, default=4.0, help="load duration of each row")
-    parser.add_argument("--callers", default="1,2,4,8,16", help="closed-loop callers per row")
+    parser.add_argument("--load", default="1,2,4,8,16", help="load levels, in multiples of the measured capacity")
+    parser.add_argument("--callers", default="", help="closed-loop caller counts instead of --load")
+    parser.add_argument("--max-callers", type=int, default=96, help="callers at most in one row")
     parser.add_argument("--deadline-ms", type=float, default=100.0)
     parser.add_argument("--models", default="slow,fast")
     parser.add_argument("--protocols", default="grpc,mqtt")
+    parser.add_argument("--loadgen", choices=("process", "thread"), default="process",
+                        help="run the callers in a process of their own, or in this one")
     parser.add_argument("--serve-args", default="", help="extra `tierkit serve` flags, e.g. --no-admission")
     parser.add_argument("--pytriton-python", default="", help="a Python with nvidia-pytriton: add Triton's rows")
     args = parser.parse_args(argv)
-    callers = [int(c) for c in args.callers.split(",")]
     protocols = [p for p in args.protocols.split(",") if p]
     deadline_s = args.deadline_ms / 1000
-    print(f"# bench_overload on {_cpu()}, Python {sys.version.split()[0]}; deadline {args.deadline_ms:g} ms, "
-          f"{args.seconds:g} s a row; serve args: {args.serve_args or '(defaults)'}")
-    print("| model | protocol | callers | offered/s | in-time/s | ratio | refused | refusal p50 ms | refusal p99 ms "
-          "| late | expired |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    print(f"# bench_overload on {_cpu()} ({os.cpu_count()} CPUs), Python {sys.version.split()[0]}; deadline "
+          f"{args.deadline_ms:g} ms, {args.seconds:g} s a row; load generator: {args.loadgen}; serve args: "
+          f"{args.serve_args or '(defaults)'}")
+    print("| model | protocol | load | callers | offered/s | in-time/s | ratio | refused | refusal p50 ms "
+          "| refusal p99 ms | late | expired | loadgen cores | server cores |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     failed: list[str] = []
-    with tempfile.TemporaryDirectory(prefix="bench-overload-") as tmp:
-        root = Path(tmp)
-        with _broker(root / "broker") if "mqtt" in protocols else contextlib.nullcontext() as broker:
-            for name in args.models.split(","):
-                height, width = MODELS[name]
-                models = root / name
-                page = ocr_det_package(models, height=height, width=width, name="ocrdet")
-                payload = request_bytes("ocrdet", page)
-                extra = ["--mqtt", broker.url] if broker is not None else []
-                with Server(models, *extra, *args.serve_args.split()) as server:
-                    for protocol in protocols:
-                        loads = []
-                        for n in callers:
-                            if protocol == "grpc":
-                                load = closed_loop(server.address, payload, callers=n, seconds=args.seconds,
-                                                   deadline_s=deadline_s)
-                            else:
-                                assert broker is not None
-                                load = asyncio.run(_mqtt_loop(f"{broker.url}/ocrdet", payload, callers=n,
-                                                              seconds=args.seconds, deadline_s=deadline_s))
-                            loads.append(load)
-                        best = max(load.goodput for load in loads)
-                        for load in loads:
-                            print(_row(name, protocol, load, best), flush=True)
-                            if best and load.goodput < 0.9 * best:
-                                failed.append(f"{name}/{protocol}/{load.callers}: ratio {load.goodput / best:.2f}")
-                            if load.refusal_p(99) > 10:
-                                failed.append(f"{name}/{protocol}/{load.callers}: refusal p99 "
-                                              f"{load.refusal_p(99):.1f} ms")
-                            if load.late:
-                                failed.append(f"{name}/{protocol}/{load.callers}: {load.late} late answers")
-                if args.pytriton_python:
-                    failed += _triton(args, name, models, page, callers, deadline_s)
+    gen = LoadGen(args.loadgen)
+    try:
+        with tempfile.TemporaryDirectory(prefix="bench-overload-") as tmp:
+            root = Path(tmp)
+            with _broker(root / "broker") if "mqtt" in protocols else contextlib.nullcontext() as broker:
+                for name in args.models.split(","):
+                    failed += _model_rows(args, name, root, broker, gen, protocols, deadline_s)
+    finally:
+        gen.close()
     if not args.pytriton_python:
-        print("| triton (PyTriton) | - | - | absent: PyTriton needs a virtual environment of its own (FACTS.md); "
-              "give --pytriton-python PY to add it | | | | | | | |")
+        print("| triton (PyTriton) | - | - | - | absent: PyTriton needs a virtual environment of its own "
+              "(FACTS.md); give --pytriton-python PY to add it | | | | | | | | | |")
     print(f"\n{len(failed)} target misses" + (": " + "; ".join(failed) if failed else ""))
     return 0
+
+
+def _model_rows(args: argparse.Namespace, name: str, root: Path, broker: Broker | None, gen: LoadGen,
+                protocols: list[str], deadline_s: float) -> list[str]:
+    """Every row of one model: tierkit over each protocol, then Triton at gRPC's caller counts."""
+    height, width = MODELS[name]
+    models = root / name
+    page = ocr_det_package(models, height=height, width=width, name="ocrdet")
+    payload = request_bytes("ocrdet", page)
+    extra = ["--mqtt", broker.url] if broker is not None else []
+    failed: list[str] = []
+    grpc_levels: list[tuple[str, int]] = []
+    with Server(models, *extra, *args.serve_args.split()) as server:
+        pid = server.proc.pid
+        for protocol in protocols:
+            if protocol == "grpc":
+                fn, kwargs = closed_loop, {"address": server.address}
+            else:
+                assert broker is not None
+                fn, kwargs = mqtt_closed_loop, {"url": f"{broker.url}/ocrdet"}
+            levels = _callers(gen, pid, fn, args, payload=payload, deadline_s=deadline_s, **kwargs)
+            if protocol == "grpc":
+                grpc_levels = levels
+            rows = [_measure(gen, pid, fn, level, payload=payload, callers=n, seconds=args.seconds,
+                             deadline_s=deadline_s, **kwargs) for level, n in levels]
+            _print_rows(name, protocol, rows)
+            failed += _misses(name, protocol, rows)
+    if args.pytriton_python:
+        failed += _triton(args, name, gen, page, grpc_levels or [("-", 1), ("-", 4), ("-", 16)], deadline_s)
+    return failed
 
 
 if __name__ == "__main__":

@@ -49,9 +49,10 @@ class _Average:
 
     @property
     def overshoot(self) -> float:
-        """How much longer than planned the longest recent run took (0 with a steady run time)."""
+        """How much longer than planned the longest recent run took (0 with a steady run time), at most half
+        the plan: one stall of a loaded host (a run descheduled for a while) must not stop all admission."""
         planned = self.seconds
-        return self._longest - planned
+        return min(self._longest - planned, 0.5 * planned)
 
     @property
     def seconds(self) -> float:

@@ -7,6 +7,7 @@ Exposed names (all prefixed `tierkit_`):
 | `requests_total` | model, protocol | inference requests received |
 | `request_failures_total` | model, protocol, code | requests answered with an error, by gRPC status name |
 | `request_latency_seconds` | model, protocol | receipt to answer |
+| `refusal_seconds` | model, protocol | receipt to refusal (RESOURCE_EXHAUSTED, UNAVAILABLE): a no must come at once |
 | `batch_size` | model | rows per executed batch |
 | `batch_run_seconds` | model | run time of one batch |
 | `queue_depth` | model | requests waiting |
@@ -33,6 +34,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 log = logging.getLogger(__name__)
 
 UNKNOWN_MODEL = "_unknown"
+_REFUSALS = ("RESOURCE_EXHAUSTED", "UNAVAILABLE")
 _LATENCY_BUCKETS = (0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0)
 _BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 
@@ -54,6 +56,9 @@ class Metrics:
                                 ["model", "protocol", "code"], registry=r)
         self.latency = Histogram("tierkit_request_latency_seconds", "Receipt to answer.", ["model", "protocol"],
                                  buckets=_LATENCY_BUCKETS, registry=r)
+        self.refusal_seconds = Histogram("tierkit_refusal_seconds",
+                                         "Receipt to refusal (RESOURCE_EXHAUSTED, UNAVAILABLE) of refused requests.",
+                                         ["model", "protocol"], buckets=_LATENCY_BUCKETS, registry=r)
         self.batch_size = Histogram("tierkit_batch_size", "Rows per executed batch.", ["model"],
                                     buckets=_BATCH_BUCKETS, registry=r)
         self.batch_seconds = Histogram("tierkit_batch_run_seconds", "Run time of one batch.", ["model"],
@@ -89,6 +94,8 @@ class Metrics:
         children[1].observe(seconds)
         if code is not None:
             self.failures.labels(model, protocol, code).inc()
+            if code in _REFUSALS:
+                self.refusal_seconds.labels(model, protocol).observe(seconds)
 
     def refused(self, surface: str, reason: str) -> None:
         """Count one refusal; `reason` is one of a fixed set per surface, never request content."""

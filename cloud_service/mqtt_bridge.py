@@ -244,7 +244,7 @@ class MqttBridge:
         started = time.perf_counter()
         request, refusal = self._gate.arrive(message)
         if refusal is None:
-            self._call(self._dispatch, message, request)
+            self._call(self._dispatch, message, request, started)
             return
         try:  # refused on arrival: answered and acknowledged here, the event loop never sees it
             self._send(message, request, refusal, started)
@@ -286,16 +286,17 @@ class MqttBridge:
         if self._subscribed is not None and not self._subscribed.done():
             self._subscribed.set_result(None)
 
-    def _dispatch(self, message: paho.MQTTMessage, request: pb.ModelInferRequest | None) -> None:
+    def _dispatch(self, message: paho.MQTTMessage, request: pb.ModelInferRequest | None, arrived: float) -> None:
         assert self._loop is not None
         self._gate.taken()
-        task = self._loop.create_task(self._handle(message, request))
+        task = self._loop.create_task(self._handle(message, request, arrived))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    async def _handle(self, message: paho.MQTTMessage, request: pb.ModelInferRequest | None = None) -> None:
+    async def _handle(self, message: paho.MQTTMessage, request: pb.ModelInferRequest | None = None,
+                      arrived: float | None = None) -> None:
         try:
-            await self._reply(message, request)
+            await self._reply(message, request, arrived)
         except Exception:  # a defect here must not cost the acknowledgement
             log.exception("MQTT escalation on %s: the reply failed", clip(message.topic, 200))
         finally:
@@ -309,8 +310,9 @@ class MqttBridge:
         except Exception:  # paho raises while a connection is torn down; the broker redelivers
             log.warning("could not acknowledge MQTT message %s", message.mid)
 
-    async def _reply(self, message: paho.MQTTMessage, parsed: pb.ModelInferRequest | None = None) -> None:
-        started = time.perf_counter()
+    async def _reply(self, message: paho.MQTTMessage, parsed: pb.ModelInferRequest | None = None,
+                     arrived: float | None = None) -> None:
+        started = time.perf_counter() if arrived is None else arrived  # latency counts from paho's thread
         asked = bool(getattr(message.properties, "ResponseTopic", None))
         request: pb.ModelInferRequest | None = None
         label = UNKNOWN_MODEL

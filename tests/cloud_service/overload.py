@@ -5,6 +5,8 @@ bench/bench_overload.py.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import dataclasses
 import os
 import subprocess
@@ -190,3 +192,56 @@ def closed_loop(address: str, payload: bytes, *, callers: int, seconds: float, d
 
 def best_of(loads: Sequence[Load]) -> float:
     return max((load.goodput for load in loads), default=0.0)
+
+
+async def _mqtt_callers(url: str, payload: bytes, *, callers: int, seconds: float, deadline_s: float) -> Load:
+    from edge_agent.pushback import retry_hint_s
+    from edge_agent.transports.base import TransportOptions, parse_cloud_url
+    from edge_agent.transports.mqtt import MqttTransport
+    from runtimes.errors import CloudTimeout, EscalationError
+
+    request = pb.ModelInferRequest.FromString(payload)
+    cloud = parse_cloud_url(url)
+    results = [Load(callers, seconds, deadline_s) for _ in range(callers)]
+    transports = [MqttTransport(cloud, device_id=f"load-{i}", options=TransportOptions()) for i in range(callers)]
+    async with contextlib.AsyncExitStack() as stack:
+        for t in transports:
+            await stack.enter_async_context(t)
+        end = time.monotonic() + seconds
+
+        async def caller(transport: MqttTransport, mine: Load) -> None:
+            while time.monotonic() < end:
+                sent = time.monotonic()
+                try:
+                    await transport.escalate(request, timeout_s=deadline_s)
+                except CloudTimeout:
+                    mine.expired += 1
+                    continue
+                except EscalationError as exc:
+                    code = str(getattr(exc, "code", ""))
+                    if code in ("RESOURCE_EXHAUSTED", "UNAVAILABLE"):
+                        mine.refused += 1
+                        mine.refused_ms.append((time.monotonic() - sent) * 1000)
+                        hint = retry_hint_s(exc)
+                        if hint is not None:
+                            mine.hints_ms.append(hint * 1000)
+                        await asyncio.sleep(min(HINT_CAP_S, hint if hint is not None else 0.001))
+                    else:
+                        mine.other[code] = mine.other.get(code, 0) + 1
+                    continue
+                if time.monotonic() - sent <= deadline_s:
+                    mine.in_time += 1
+                else:
+                    mine.late += 1
+
+        await asyncio.gather(*(caller(t, r) for t, r in zip(transports, results, strict=True)))
+    total = Load(callers, seconds, deadline_s)
+    for r in results:
+        total.add(r)
+    return total
+
+
+def mqtt_closed_loop(url: str, payload: bytes, *, callers: int, seconds: float, deadline_s: float) -> Load:
+    """`callers` MQTT devices (one paho client each, the agent's transport), each escalating with `deadline_s`
+    as soon as its last escalation ended (after a refusal: after the retry hint, capped), for `seconds`."""
+    return asyncio.run(_mqtt_callers(url, payload, callers=callers, seconds=seconds, deadline_s=deadline_s))
