@@ -50,6 +50,17 @@ def test_service_times_extrapolate_per_row_and_plan_above_the_mean() -> None:
                                                                   + times.batch_seconds(2)) / 2)
 
 
+def test_admission_slack_is_the_recent_overshoot_past_the_plan_at_most_half_a_run() -> None:
+    times = ServiceTimes(max_batch_size=1)
+    for _ in range(20):
+        times.observe(1, 0.010)
+    assert times.headroom_s() == 0.0  # a steady run time: no slack
+    times.observe(1, 0.013)
+    assert times.headroom_s() == pytest.approx(0.003)  # one run 3 ms past the plan
+    times.observe(1, 0.500)  # a stall of a loaded host
+    assert times.headroom_s() == pytest.approx(0.5 * times.batch_seconds(1))
+
+
 def test_standing_queue_needs_a_whole_interval_above_target() -> None:
     q = StandingQueue(target_s=0.005, interval_s=0.1)
     q.observe(0.00, 0.02)
@@ -86,6 +97,31 @@ def test_a_request_whose_deadline_cannot_be_met_is_refused_at_once_with_a_hint()
 
     asyncio.run(main())
     assert [99.0] not in model.batches
+
+
+def test_admissible_answers_without_queueing_what_admission_would_do() -> None:
+    gate = threading.Event()
+    model = Slow(0.02, gate)
+
+    async def main() -> None:
+        async with DynamicBatcher("m", [model], BatchingConfig(max_batch_size=1), batched=False) as b:
+            assert b.admissible(1, 0.001) is None  # nothing measured yet: everything is admitted
+            gate.set()
+            await b.infer(one(0))
+            assert b.admissible(1, 0.001) is None  # an idle instance runs it (and measures)
+            gate.clear()
+            queued = [b.submit(one(i)) for i in range(1, 11)]  # ~200 ms of work
+            await asyncio.sleep(0.05)  # the instance took the first and waits at the gate
+            depth = b.queue_depth
+            refusal = b.admissible(1, 0.1)
+            assert isinstance(refusal, ServerBusy)
+            assert refusal.retry_after_ms >= 20
+            assert b.admissible(1, 1.0) is None
+            assert b.queue_depth == depth  # asking queued nothing
+            gate.set()
+            await asyncio.gather(*queued, return_exceptions=True)
+
+    asyncio.run(main())
 
 
 def test_queue_is_served_earliest_deadline_first_and_hopeless_requests_are_dropped() -> None:
