@@ -96,12 +96,16 @@ class LoadGen:
             self._pool.shutdown()
 
 
-def _cpu_seconds(pid: int) -> float:
-    """User plus system CPU seconds of process `pid` so far (all its threads)."""
-    with contextlib.suppress(OSError, ValueError, IndexError):
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-    return 0.0
+def _cpu_seconds(pid: int, *, group: bool = False) -> float:
+    """User plus system CPU seconds so far of process `pid` (all its threads), or with `group` of every live
+    process in its process group (Triton: PyTriton's process, `tritonserver` and its Python backend stubs)."""
+    total = 0.0
+    for stat in Path("/proc").glob("[0-9]*/stat") if group else [Path(f"/proc/{pid}/stat")]:
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            fields = stat.read_text().rsplit(")", 1)[1].split()  # state, ppid, pgrp, ..., utime (11), stime (12)
+            if stat.parent.name == str(pid) or (group and int(fields[2]) == pid):
+                total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return total
 
 
 @dataclasses.dataclass
@@ -112,10 +116,11 @@ class Row:
     server_cores: float
 
 
-def _measure(gen: LoadGen, pid: int, fn: Callable[..., Load], level: str, **kwargs: Any) -> Row:
-    cpu, started = _cpu_seconds(pid), time.monotonic()
+def _measure(gen: LoadGen, pid: int, fn: Callable[..., Load], level: str, *, group: bool = False,
+             **kwargs: Any) -> Row:
+    cpu, started = _cpu_seconds(pid, group=group), time.monotonic()
     load, gen_cores = gen.run(fn, **kwargs)
-    return Row(level, load, gen_cores, (_cpu_seconds(pid) - cpu) / max(time.monotonic() - started, 1e-9))
+    return Row(level, load, gen_cores, (_cpu_seconds(pid, group=group) - cpu) / max(time.monotonic() - started, 1e-9))
 
 
 def _callers(gen: LoadGen, pid: int, fn: Callable[..., Load], args: argparse.Namespace,
@@ -204,7 +209,7 @@ def _triton(args: argparse.Namespace, name: str, gen: LoadGen, page: np.ndarray,
         request.parameters["timeout"].int64_param = int(deadline_s * 1e6)  # Triton's per-request queue timeout
         payload = request.SerializeToString()
         gen.run(closed_loop, address=address, payload=payload, callers=1, seconds=1.0, deadline_s=deadline_s)
-        rows = [_measure(gen, proc.pid, closed_loop, level, address=address, payload=payload, callers=n,
+        rows = [_measure(gen, proc.pid, closed_loop, level, group=True, address=address, payload=payload, callers=n,
                          seconds=args.seconds, deadline_s=deadline_s) for level, n in levels]
         _print_rows(name, "triton", rows)
         return _misses(name, "triton", rows)
