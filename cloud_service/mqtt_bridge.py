@@ -25,8 +25,8 @@
   cache (`cloud_service.duplicates`, shared with the gRPC servicer), or join the computation already
   running, instead of being computed again.
 - paho's network thread hands every message it admits to the event loop with `call_soon_threadsafe`.
-- TCP_NODELAY is set on every socket: without it a QoS 1 round trip through Mosquitto takes ~88 ms
-  (Nagle's algorithm against delayed ACKs) instead of ~1.4 ms.
+- The connection (TCP_NODELAY on every socket, the persistent session, the jittered reconnect, the
+  shutdown that closes paho's sockets) is the one MQTT client layer's, `cloud_service.protocol.mqtt_client`.
 - `clean_start=False` with a configurable Session Expiry Interval (default 0: see
   `MqttConfig.session_expiry_s` for why). `stop()` unsubscribes, answers what it holds, and
   disconnects with a Session Expiry of 0, so the broker queues nothing for a replica that left on
@@ -37,18 +37,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
-import random
-import socket
 import time
 from typing import TYPE_CHECKING, Any
 
 import paho.mqtt.client as paho
 from google.protobuf.message import DecodeError
-from paho.mqtt.enums import CallbackAPIVersion
 from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties
-from paho.mqtt.subscribeoptions import SubscribeOptions
 
 from cloud_service.arrival import ArrivalGate
 from cloud_service.config import MqttConfig
@@ -57,8 +52,9 @@ from cloud_service.duplicates import DuplicateCache, request_key
 from cloud_service.errors import MessageTooLarge, ServerBusy
 from cloud_service.infer import clip, infer, model_label, status_of
 from cloud_service.metrics import UNKNOWN_MODEL, Metrics
-from cloud_service.protocol import CodecError, get_parameters, set_parameters, topics
+from cloud_service.protocol import CodecError, get_parameters, mqtt_client, set_parameters, topics
 from cloud_service.protocol import inference_pb2 as pb
+from cloud_service.protocol.mqtt_client import Reconnect
 from cloud_service.repository import ModelRepository
 from runtimes.errors import BackendUnavailable
 
@@ -66,13 +62,7 @@ if TYPE_CHECKING:
     from cloud_service.forward import ForwardBackend
 
 log = logging.getLogger(__name__)
-_CONNECT_TIMEOUT_S = 10.0
-# Reconnect waits: full jitter, uniform in [0, min(cap, base * 2**attempt)]; the cap is low while the
-# broker was up recently (a restart or a dropped connection: be back within about a second), high after.
-_RECONNECT_BASE_S = 0.1
-_RECONNECT_CAP_RECENT_S = 1.0
-_RECONNECT_CAP_S = 30.0
-_RECENT_S = 60.0
+_CONNECT_TIMEOUT_S = mqtt_client.CONNECT_TIMEOUT_S
 _QUIET_S = 0.1
 _MAX_TOPIC_BYTES = 1024
 _MAX_CORRELATION = 1024
@@ -113,9 +103,7 @@ class MqttBridge:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._subscribed: asyncio.Future[None] | None = None
         self._unsubscribed: asyncio.Event | None = None
-        self._attempt = 0  # reconnect attempts since the last subscription granted (paho's thread)
-        self._last_up = -math.inf  # monotonic time the subscription was last granted
-        self._rng = random.Random()
+        self._reconnect = Reconnect()  # up once the subscription is granted (paho's thread)
         self._gate = ArrivalGate(repository, max_waiting=config.max_waiting, is_duplicate=self._duplicate,
                                  forwarding=backend is not None, max_bytes=max_message_bytes,
                                  on_refused=self._refused_on_arrival)
@@ -123,9 +111,9 @@ class MqttBridge:
 
     def _make_client(self) -> paho.Client:
         cfg = self.config
-        client = paho.Client(CallbackAPIVersion.VERSION2, client_id=cfg.client_id, protocol=paho.MQTTv5,
-                             manual_ack=True)
-        client.on_socket_open = self._on_socket_open
+        client = mqtt_client.new_client(cfg.client_id, username=cfg.username, password=cfg.password,
+                                        tls=(cfg.tls.context() if cfg.tls else None) if cfg.endpoint[2] else None,
+                                        manual_ack=True)
         client.on_connect = self._on_connect
         client.on_subscribe = self._on_subscribe
         client.on_unsubscribe = self._on_unsubscribe
@@ -133,10 +121,6 @@ class MqttBridge:
         client.on_connect_fail = self._on_connect_fail
         client.on_message = self._on_message
         self._next_wait(client)
-        if cfg.username is not None:
-            client.username_pw_set(cfg.username, cfg.password)
-        if cfg.endpoint[2]:
-            client.tls_set_context(cfg.tls.context() if cfg.tls else None)
         return client
 
     async def start(self) -> None:
@@ -144,21 +128,16 @@ class MqttBridge:
         self._loop = asyncio.get_running_loop()
         self._subscribed = self._loop.create_future()
         host, port, _ = self.config.endpoint
-        props = Properties(PacketTypes.CONNECT)  # type: ignore[no-untyped-call]
-        props.SessionExpiryInterval = self.config.session_expiry_s
-        props.ReceiveMaximum = self.config.receive_maximum
-        self._client.connect_async(host, port, self.config.keepalive_s, clean_start=False, properties=props)
-        self._client.loop_start()
+        mqtt_client.start(self._client, host, port, keepalive_s=self.config.keepalive_s,
+                          session_expiry_s=self.config.session_expiry_s, receive_maximum=self.config.receive_maximum)
         try:
             await asyncio.wait_for(asyncio.shield(self._subscribed), _CONNECT_TIMEOUT_S)
         except TimeoutError:
-            self._client.loop_stop()
-            self._client._reset_sockets()
+            await asyncio.to_thread(mqtt_client.shutdown, self._client)
             msg = f"MQTT broker {self.config.url} did not accept a connection within {_CONNECT_TIMEOUT_S:.0f} s"
             raise BackendUnavailable(msg) from None
         except BaseException:
-            self._client.loop_stop()
-            self._client._reset_sockets()
+            await asyncio.to_thread(mqtt_client.shutdown, self._client)
             raise
 
     async def stop(self, drain_timeout_s: float = 30.0) -> None:
@@ -181,21 +160,10 @@ class MqttBridge:
             await asyncio.sleep(_QUIET_S)
             if not self._tasks:
                 break
-        props = Properties(PacketTypes.DISCONNECT)  # type: ignore[no-untyped-call]
-        props.SessionExpiryInterval = 0
-        self._client.disconnect(properties=props)
-        await asyncio.to_thread(self._client.loop_stop)
-        # a connection paho's thread completed while it was stopped stays open, and the client's reference
-        # cycles leave its sockets to a gc pass: close them now
-        self._client._reset_sockets()
+        # leave with a Session Expiry of 0 (nothing queued for a replica that left on purpose); close paho's sockets
+        await asyncio.to_thread(mqtt_client.shutdown, self._client, end_session=True)
 
     # -- paho's thread ------------------------------------------------------------------------
-
-    def _on_socket_open(self, client: paho.Client, userdata: Any, sock: Any) -> None:
-        try:
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        except OSError as exc:  # e.g. a socket type without TCP options
-            log.warning("cannot set TCP_NODELAY on the MQTT socket: %s", exc)
 
     def _on_connect(self, client: paho.Client, userdata: Any, flags: Any, reason: Any, properties: Any) -> None:
         if reason.is_failure:
@@ -203,7 +171,7 @@ class MqttBridge:
             return
         log.info("connected to %s as %s (session present: %s)", self.config.url, self.config.client_id,
                  flags.session_present)
-        client.subscribe(self.subscription, options=SubscribeOptions(qos=1))
+        mqtt_client.subscribe_all(client, [self.subscription])  # on every (re)connection
 
     def _on_subscribe(self, client: paho.Client, userdata: Any, mid: int, reasons: list[Any], properties: Any) -> None:
         if reasons and reasons[0].is_failure:
@@ -211,7 +179,7 @@ class MqttBridge:
                                          f"{self.subscription!r}: {reasons[0]} (check its ACL; the roles of "
                                          "tierkit broker init allow one group: --cloud-group for --mqtt-group)")
         else:
-            self._attempt, self._last_up = 0, time.monotonic()
+            self._reconnect.up()
             self._call(self._subscribed_ok)
 
     def _on_unsubscribe(self, client: paho.Client, userdata: Any, mid: int, reasons: list[Any],
@@ -228,17 +196,8 @@ class MqttBridge:
         self._next_wait(client)
 
     def _next_wait(self, client: paho.Client) -> float:
-        """Set paho's next reconnect wait: jittered, capped at about a second while the broker was up recently.
-
-        paho's own backoff doubles from its minimum without jitter; `reconnect_delay_set(d, d)` makes its
-        next wait exactly `d` (it is called right before paho waits).
-        """
-        recent = time.monotonic() - self._last_up < _RECENT_S
-        cap = _RECONNECT_CAP_RECENT_S if recent else _RECONNECT_CAP_S
-        delay = self._rng.uniform(0.0, min(cap, _RECONNECT_BASE_S * 2.0 ** min(self._attempt, 30)))
-        self._attempt += 1
-        client.reconnect_delay_set(min_delay=delay, max_delay=max(delay, 1e-3))  # type: ignore[arg-type]
-        return delay
+        """Set paho's next reconnect wait (`mqtt_client.Reconnect`)."""
+        return self._reconnect.next_wait(client)
 
     def _on_message(self, client: paho.Client, userdata: Any, message: paho.MQTTMessage) -> None:
         started = time.perf_counter()

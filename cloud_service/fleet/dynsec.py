@@ -80,15 +80,12 @@ class DynsecAdmin:
         self._on_message(None, None, msg)
 
     def _connect(self) -> Any:
-        import paho.mqtt.client as paho
-        from paho.mqtt.enums import CallbackAPIVersion
+        from cloud_service.protocol import mqtt_client  # paho, only where the admin connects on its own
 
         o = self.options
-        c = paho.Client(CallbackAPIVersion.VERSION2, protocol=paho.MQTTv5,
-                        client_id=o.client_id or f"tierkit-fleet-admin-{socket.gethostname()}-{os.getpid()}")
-        c.username_pw_set(o.username, o.password)
-        if o.tls is not None:
-            c.tls_set_context(o.tls.context())
+        c = mqtt_client.new_client(o.client_id or f"tierkit-fleet-admin-{socket.gethostname()}-{os.getpid()}",
+                                   username=o.username, password=o.password,
+                                   tls=o.tls.context() if o.tls is not None else None)
         c.on_connect = lambda cl, _u, _f, rc, _p=None: None if rc.is_failure else cl.subscribe(RESPONSE_TOPIC, qos=1)
         c.on_subscribe = lambda *_a: self._subscribed.set()
         c.on_message = self._on_message
@@ -99,9 +96,7 @@ class DynsecAdmin:
             raise BrokerUnavailable(msg) from None
         c.loop_start()
         if not self._subscribed.wait(o.timeout_s):
-            c.disconnect()
-            c.loop_stop()
-            c._reset_sockets()  # paho leaves its socket pair (and a late connection) to gc
+            mqtt_client.shutdown(c)
             msg = (f"the broker at {o.host}:{o.port} did not accept the fleet's admin login ({o.username!r}) or its "
                    f"subscription to {RESPONSE_TOPIC}; check the fleet's broker password and role")
             raise BrokerUnavailable(msg)
@@ -181,6 +176,6 @@ class DynsecAdmin:
     def close(self) -> None:
         c, self._client = self._client, None
         if c is not None and self._shared is None:
-            c.disconnect()
-            c.loop_stop()
-            c._reset_sockets()  # paho leaves its socket pair (and a late connection) to gc
+            from cloud_service.protocol import mqtt_client
+
+            mqtt_client.shutdown(c)

@@ -2,7 +2,9 @@
 
 Every `tierkit fleet serve` process subscribes to `$share/{group}/tierkit/v1/+/telemetry` and
 `.../reported`, so several processes on one database split the devices' messages between them
-(the broker balances; there is no cluster code here). paho's network thread only queues messages;
+(the broker balances; there is no cluster code here). The connection is the one MQTT client layer's
+(`cloud_service.protocol.mqtt_client`: jittered reconnect, subscriptions restored on every reconnection).
+paho's network thread only queues messages;
 a writer thread stores them in batches (one transaction each), so the database's speed, not one
 round trip per window, bounds the ingest rate. While the database is locked or gone the batch is
 kept and retried; nothing is acknowledged twice into the store (dedup on device, boot id, seq).
@@ -26,16 +28,14 @@ from dataclasses import dataclass
 from typing import Any
 
 import paho.mqtt.client as paho
-from paho.mqtt.enums import CallbackAPIVersion
-from paho.mqtt.packettypes import PacketTypes
-from paho.mqtt.properties import Properties
 
 from cloud_service.fleet.desired import DesiredState
 from cloud_service.fleet.errors import FleetError, StoreUnavailable
 from cloud_service.fleet.registry import Registry
 from cloud_service.fleet.telemetry import TelemetryStore
-from cloud_service.protocol import topics
+from cloud_service.protocol import mqtt_client, topics
 from cloud_service.protocol.fleet_docs import parse_reported
+from cloud_service.protocol.mqtt_client import Reconnect
 from cloud_service.security import MqttTls
 from runtimes.errors import ConfigError
 
@@ -76,14 +76,12 @@ class MqttIngest:
         self._stop = threading.Event()
         self.admin: Any = None  # a DynsecAdmin attached to this connection (`attach_admin`)
         client_id = options.client_id or f"tierkit-fleet-{socket.gethostname()}-{os.getpid()}"
-        c = paho.Client(CallbackAPIVersion.VERSION2, client_id=client_id, protocol=paho.MQTTv5)
-        if options.username is not None:
-            c.username_pw_set(options.username, options.password)
-        if options.tls is not None:
-            c.tls_set_context(options.tls.context())
-        c.max_inflight_messages_set(1000)
+        c = mqtt_client.new_client(client_id, username=options.username, password=options.password,
+                                   tls=options.tls.context() if options.tls is not None else None, max_inflight=1000)
         c.on_connect, c.on_message, c.on_disconnect = self._on_connect, self._on_message, self._on_disconnect
-        c.on_subscribe = self._on_subscribe
+        c.on_subscribe, c.on_connect_fail = self._on_subscribe, self._on_connect_fail
+        self._reconnect = Reconnect()
+        self._reconnect.next_wait(c)
         self.client = c
         self._writer = threading.Thread(target=self._write_loop, name="fleet-ingest", daemon=True)
 
@@ -94,19 +92,14 @@ class MqttIngest:
 
     def start(self) -> MqttIngest:
         # a persistent session: QoS 1 windows queue at the broker while this process restarts (same client id)
-        props = Properties(PacketTypes.CONNECT)  # type: ignore[no-untyped-call]
-        props.SessionExpiryInterval = self.options.session_expiry_s
-        self.client.connect_async(self.options.host, self.options.port, keepalive=30, clean_start=False,
-                                  properties=props)
-        self.client.loop_start()
+        mqtt_client.start(self.client, self.options.host, self.options.port, keepalive_s=30,
+                          session_expiry_s=self.options.session_expiry_s)
         self._writer.start()
         return self
 
     def stop(self) -> None:
         self._stop.set()
-        self.client.disconnect()
-        self.client.loop_stop()
-        self.client._reset_sockets()  # paho leaves a connection made while stopping, and its socket pair, to gc
+        mqtt_client.shutdown(self.client)
         self._writer.join(10)
 
     def _on_connect(self, client: paho.Client, _u: Any, _f: Any, rc: Any, _p: Any = None) -> None:
@@ -114,10 +107,11 @@ class MqttIngest:
             logger.warning("the broker refused the fleet's connection: %s", rc)
             return
         g = self.options.group
-        subs = [(f"$share/{g}/{topics.ROOT}/+/telemetry", 1), (f"$share/{g}/{topics.ROOT}/+/reported", 1)]
+        subs = [f"$share/{g}/{topics.ROOT}/+/telemetry", f"$share/{g}/{topics.ROOT}/+/reported"]
         if self.admin is not None:
-            subs.append((CONTROL_RESPONSE_TOPIC, 1))
-        client.subscribe(subs)
+            subs.append(CONTROL_RESPONSE_TOPIC)
+        mqtt_client.subscribe_all(client, subs)  # on every (re)connection
+        self._reconnect.up()
         self.connected.set()
 
     def _on_subscribe(self, _c: Any, _u: Any, _mid: int, reasons: list[Any], _p: Any = None) -> None:
@@ -128,8 +122,12 @@ class MqttIngest:
                          "check the fleet account's role (tierkit broker init --fleet-group for --group %s)",
                          len(refused), ", ".join(refused), self.options.group)
 
-    def _on_disconnect(self, *_a: Any) -> None:
+    def _on_disconnect(self, client: paho.Client, *_a: Any) -> None:
         self.connected.clear()
+        self._reconnect.next_wait(client)
+
+    def _on_connect_fail(self, client: paho.Client, _u: Any) -> None:
+        self._reconnect.next_wait(client)
 
     def _on_message(self, _c: Any, _u: Any, msg: paho.MQTTMessage) -> None:
         if msg.topic == CONTROL_RESPONSE_TOPIC:

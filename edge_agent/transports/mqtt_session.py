@@ -2,21 +2,16 @@
 
 - paho's network thread (`loop_start`) does the I/O; callbacks reach the event loop through
   `loop.call_soon_threadsafe`, so everything the caller sees runs on the loop.
-- TCP_NODELAY on every new socket (`on_socket_open`): without it a QoS 1 round trip through Mosquitto
-  takes ~88 ms instead of ~1.4 ms (Nagle's algorithm against delayed ACKs).
+- The connection itself (TCP_NODELAY, the persistent session, the jittered reconnect, the shutdown that
+  closes paho's sockets) is the one MQTT client layer's, `cloud_service.protocol.mqtt_client`.
 - A connection that is not up (CONNACK and SUBACK in) within `connect_timeout_s` of its socket opening is
   shut down, so that paho tries again: paho bounds only the TCP connect, and an attempt that met a
   network cut (TCP accepted, packets dropped) would otherwise wait out the keepalive after the link is back.
 - Persistent session: `clean_start=False` and a Session Expiry Interval, so subscriptions survive
   reconnects. The session counts as up only once its subscription is acknowledged, so that no reply
   can arrive before it is listened for.
-- Full-jitter exponential backoff between connection attempts. paho's own reconnect delay doubles
-  without jitter; paho calls `on_disconnect` / `on_connect_fail` right before it waits, and there we
-  set the next wait with `reconnect_delay_set(d, d)` (which also resets paho's doubling), where
-  `d = uniform(0, min(cap, reconnect_min_s * 2**attempt))`. A fleet that loses its broker therefore
-  does not reconnect in one synchronized storm. The cap is `reconnect_max_s`, except within
-  `RECENT_S` of the session last being up, when it is `RECENT_CAP_S` (a broker restart or a dropped
-  connection: be back within about a second, not after a doubling wait).
+- Full-jitter exponential backoff between connection attempts (`mqtt_client.Reconnect`), from
+  `reconnect_min_s` up to `reconnect_max_s`, capped at about a second while the session was up recently.
 """
 
 from __future__ import annotations
@@ -24,33 +19,24 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import math
 import random
 import socket
-import time
 from collections.abc import Callable
 from typing import Any
 
 import paho.mqtt.client as paho
-from paho.mqtt.enums import CallbackAPIVersion
-from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties
 from paho.mqtt.reasoncodes import ReasonCode
-from paho.mqtt.subscribeoptions import SubscribeOptions
 
+from cloud_service.protocol import mqtt_client
+from cloud_service.protocol.mqtt_client import RECENT_CAP_S, RECENT_S, Reconnect, backoff_delay
 from edge_agent.transports.base import TransportOptions
 from edge_agent.transports.tls import ssl_context
 
 logger = logging.getLogger(__name__)
 
 MessageHandler = Callable[[str, bytes, Properties | None], None]
-RECENT_S = 60.0
-RECENT_CAP_S = 1.0
-
-
-def backoff_delay(attempt: int, *, base_s: float, cap_s: float, rng: random.Random) -> float:
-    """Full-jitter exponential backoff: uniform in [0, min(cap_s, base_s * 2**attempt)]."""
-    return rng.uniform(0.0, min(cap_s, base_s * 2.0 ** min(attempt, 62)))
+__all__ = ["RECENT_CAP_S", "RECENT_S", "MessageHandler", "MqttSession", "backoff_delay"]
 
 
 class MqttSession:
@@ -76,9 +62,7 @@ class MqttSession:
         self.where = f"{'mqtts' if tls else 'mqtt'}://{host}:{port}"
         self.problem = "not connected yet"
         self._on_message_cb, self._on_down_cb = on_message, on_down
-        self._rng = rng or random.Random()
-        self._attempt = 0
-        self._last_up = -math.inf  # monotonic time the session was last up (paho's thread)
+        self._reconnect = Reconnect(base_s=options.reconnect_min_s, cap_s=options.reconnect_max_s, rng=rng)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._up = False  # written by the network thread, read by the loop (a bool: atomic under the GIL)
         # asyncio.Event binds to a loop only when first awaited, so creating them here is safe
@@ -87,15 +71,9 @@ class MqttSession:
         self._subscribe_mid: int | None = None
         self._acks: dict[int, asyncio.Future[None]] = {}
         self._closed = False
-        client = paho.Client(CallbackAPIVersion.VERSION2, client_id=client_id, protocol=paho.MQTTv5)
-        client.connect_timeout = options.connect_timeout_s
-        # paho holds unacknowledged messages in memory only: bound them
-        client.max_inflight_messages_set(options.max_pending)
-        client.max_queued_messages_set(options.max_pending)
-        if options.username is not None:
-            client.username_pw_set(options.username, options.password)
-        if tls:
-            client.tls_set_context(ssl_context(options))
+        client = mqtt_client.new_client(client_id, username=options.username, password=options.password,
+                                        tls=ssl_context(options) if tls else None, max_inflight=options.max_pending,
+                                        max_queued=options.max_pending, connect_timeout_s=options.connect_timeout_s)
         client.on_socket_open = self._on_socket_open
         client.on_connect = self._on_connect
         client.on_connect_fail = self._on_connect_fail
@@ -118,11 +96,8 @@ class MqttSession:
         if self._loop is not None:
             return
         self._loop = asyncio.get_running_loop()
-        props = Properties(PacketTypes.CONNECT)  # type: ignore[no-untyped-call]
-        props.SessionExpiryInterval = self.options.session_expiry_s
-        self.client.connect_async(self.host, self.port, keepalive=round(self.options.keepalive_s),
-                                  clean_start=False, properties=props)
-        self.client.loop_start()
+        mqtt_client.start(self.client, self.host, self.port, keepalive_s=self.options.keepalive_s,
+                          session_expiry_s=self.options.session_expiry_s)
 
     async def wait_up(self, timeout_s: float, *, first_attempt_only: bool = False) -> bool:
         """Start if needed; True once up within `timeout_s`. `first_attempt_only`: stop after a failed attempt."""
@@ -156,13 +131,8 @@ class MqttSession:
             return
         self._closed = True
         if self._loop is not None:
-            self.client.disconnect()
             # joins the network thread, which may sleep up to 1 s in paho's reconnect wait
-            await asyncio.to_thread(self.client.loop_stop)
-            # paho closes its wake-up socket pair only in __del__, which the reference cycle through our
-            # callbacks delays to a gc pass (a ResourceWarning then); and a connection that completed while
-            # the thread was being stopped is never closed by paho at all: close both now
-            self.client._reset_sockets()
+            await asyncio.to_thread(mqtt_client.shutdown, self.client)
         self._went_down("the transport was closed")
 
     # --- on the event loop --------------------------------------------------------------------------
@@ -209,10 +179,7 @@ class MqttSession:
 
     def _on_socket_open(self, client: paho.Client, userdata: Any, sock: Any) -> None:
         self._call_soon(self._watch_handshake, sock)
-        try:
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        except (OSError, AttributeError) as exc:  # a proxy or websocket wrapper may not expose it
-            logger.warning("cannot set TCP_NODELAY on the MQTT socket (%s): replies may take ~40 ms more", exc)
+        mqtt_client.set_nodelay(sock)
 
     def _on_connect(self, client: paho.Client, userdata: Any, flags: paho.ConnectFlags, reason: ReasonCode,
                     properties: Properties | None) -> None:
@@ -221,9 +188,9 @@ class MqttSession:
             logger.warning("MQTT broker %s refused the connection: %s", self.where, reason)
             self._call_soon(self._set_up, False)
             return
-        _, self._subscribe_mid = client.subscribe(self.subscribe, options=SubscribeOptions(qos=1, noLocal=True))
-        for topic in self.extra_subscriptions:
-            client.subscribe(topic, options=SubscribeOptions(qos=1, noLocal=True))
+        # every (re)connection restores the subscriptions; the session is up once the first is granted
+        self._subscribe_mid = mqtt_client.subscribe_all(client, [self.subscribe, *self.extra_subscriptions],
+                                                        no_local=True)[0]
 
     def add_subscription(self, topic: str) -> None:
         """Also subscribe to `topic` (QoS 1), now if connected and again on every reconnection."""
@@ -231,7 +198,7 @@ class MqttSession:
             return
         self.extra_subscriptions.append(topic)
         if self.client.is_connected():  # else _on_connect subscribes it
-            self.client.subscribe(topic, options=SubscribeOptions(qos=1, noLocal=True))
+            mqtt_client.subscribe_all(self.client, [topic], no_local=True)
 
     def _on_subscribe(self, client: paho.Client, userdata: Any, mid: int, reasons: list[ReasonCode],
                       properties: Properties | None) -> None:
@@ -243,20 +210,13 @@ class MqttSession:
                          "tierkit/v1/DEVICE/reply and desired)", self.problem)
             self._call_soon(self._set_up, False)
             return
-        self._attempt, self._last_up = 0, time.monotonic()
+        self._reconnect.up()
         self._up = True
         logger.info("MQTT connected to %s", self.where)
         self._call_soon(self._set_up, True)
 
     def _next_wait(self) -> float:
-        cap = self.options.reconnect_max_s
-        if time.monotonic() - self._last_up < RECENT_S:
-            cap = min(cap, RECENT_CAP_S)
-        delay = backoff_delay(self._attempt, base_s=self.options.reconnect_min_s, cap_s=cap, rng=self._rng)
-        self._attempt += 1
-        # paho's next wait is `min_delay` (reconnect_delay_set resets its doubling); max_delay must be > 0
-        self.client.reconnect_delay_set(min_delay=delay, max_delay=max(delay, 1e-3))  # type: ignore[arg-type]
-        return delay
+        return self._reconnect.next_wait(self.client)
 
     def _on_connect_fail(self, client: paho.Client, userdata: Any) -> None:
         self.problem = f"cannot connect to {self.host}:{self.port}"
