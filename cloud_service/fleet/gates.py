@@ -48,6 +48,10 @@ STAT_GATES = ("escalation_rate", "degraded_share", "agreement", "audit_agreement
 HARD_GATES = ("device_verifies", "crashes")
 MIN_WINDOW_REQUESTS = 5  # a window's p95 and energy from fewer inferences are too coarse to count
 MIN_BASELINE_WINDOWS = 5  # a device with fewer windows before the wave has no baseline (just started or swapped)
+# p95 and energy fail only on this many of the wave's windows: a few windows' p95 is one transient's (a slow
+# first minute on a one-device canary), and their spread is not yet known. Looks skipped cost no validity: the
+# confidence sequence holds at every look, so it holds at the ones taken.
+MIN_FAIL_WINDOWS = 20
 
 
 @dataclass(frozen=True)
@@ -88,6 +92,9 @@ class Evidence:
         baseline_s: each device's baseline: its windows on the previous release this long before the wave.
         warmup_windows: each wave device's first windows on the release are left out (the swap's own window,
             a cold start: not what the release costs once it runs).
+        warmup_s: and so are its windows within this many seconds of its first one on the release (the swap's
+            transient: a new session's first runs, the golden check, the old slot's teardown, on a shared host
+            every neighbour's too; measured on two shared cores with real agents: tests/e2e).
         plan: scales each gate's planned evidence (2,500 inferences for rates, 150 audits, 30 windows for p95
             and energy): a gate passes once its upper bound is
             under the margin, or once it has the planned evidence with an estimate under half the margin; a
@@ -99,15 +106,17 @@ class Evidence:
     bucket_s: float = 10.0
     baseline_s: float = 3600.0
     warmup_windows: int = 2
+    warmup_s: float = 30.0
     plan: float = 1.0
 
     def __post_init__(self) -> None:
         if not (0 < self.alpha < 0.5 and 0 < self.beta < 0.5):
             msg = f"alpha={self.alpha!r} and beta={self.beta!r} must be error rates in (0, 0.5), e.g. 0.01"
             raise ConfigError(msg)
-        if not (self.bucket_s > 0 and self.baseline_s > 0 and self.plan > 0):
+        if not (self.bucket_s > 0 and self.baseline_s > 0 and self.plan > 0 and self.warmup_s >= 0
+                and self.warmup_windows >= 0):
             msg = (f"bucket_s={self.bucket_s!r}, baseline_s={self.baseline_s!r} and plan={self.plan!r} must be "
-                   "positive")
+                   f"positive, warmup_s={self.warmup_s!r} and warmup_windows={self.warmup_windows!r} >= 0")
             raise ConfigError(msg)
 
     def alpha_gate(self, waves: int) -> float:
@@ -270,8 +279,11 @@ def judge(spec: _Spec, arms: Arms, *, margins: Margins, evidence: Evidence, alph
     lower, upper, pass_upper = est.delta - r_fail, est.delta + r_fail, est.delta + r_pass
     plan = spec.t_star * evidence.plan
     info = est.weight
-    if lower > 0 and est.delta >= margin / 2:
+    early = spec.per_window and est.wave_n < MIN_FAIL_WINDOWS
+    if lower > 0 and est.delta >= margin / 2 and not early:
         decision, note = "fail", "a regression: the confidence sequence excludes none"
+    elif lower > 0 and est.delta >= margin / 2:
+        decision, note = "open", f"a regression, if it holds past {MIN_FAIL_WINDOWS} of the wave's windows"
     elif pass_upper < margin:
         decision, note = "pass", "no regression as large as the margin"
     elif info >= plan and est.delta < margin / 2:

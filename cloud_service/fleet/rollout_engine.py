@@ -393,10 +393,10 @@ class RolloutEngine:
                 out += on_previous or before
             return out
 
-        post_wave = [x for d in current for x in sorted(
+        post_wave = [x for d in current for x in _warm(sorted(
             (x for x in by.get(d, []) if x["release"] == release
              and x["server_ts"] >= max(start, ctx.devs[d]["assigned_at"] or ctx.now)),
-            key=lambda x: x["server_ts"])[ev.warmup_windows:]]
+            key=lambda x: x["server_ts"]), ev.warmup_windows, ev.warmup_s)]
         post_control = [x for d in control for x in by.get(d, []) if x["release"] != release
                         and x["server_ts"] >= start]
         arms = Arms(pre(current), post_wave, pre(control), post_control) if control and current else None
@@ -495,3 +495,12 @@ class RolloutEngine:
         conn.execute(t.rollouts.update().where(t.rollouts.c.id == ctx.row.id).values(
             state="rolled_back", reason=note, updated_at=ctx.now))
         record(conn, ctx.row.id, wave, kind, {**figures, "sent_back": len(back)}, note, self.holder, now=ctx.now)
+
+
+def _warm(windows: list[dict[str, Any]], skip: int, seconds: float) -> list[dict[str, Any]]:
+    """A device's windows on the release (in time order) once its swap's transient is over: the first `skip`
+    windows and those within `seconds` of its first one are left out."""
+    if not windows:
+        return windows
+    since = float(windows[0]["server_ts"]) + seconds
+    return [x for x in windows[skip:] if x["server_ts"] >= since]

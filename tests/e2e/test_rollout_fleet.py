@@ -179,6 +179,28 @@ def _fleet_run(tmp: Path, n: int, models: DigitsModels, cloud_models: Path, digi
     return run.timings
 
 
+def _transient(fleet: RolloutFleet, shown: dict[str, Any], span_s: float = 60.0, step_s: float = 5.0) -> list[Any]:
+    """The canary's p95 over the median of the other devices' in the same second, by 5-s step after it was
+    given the release: how long a swap's transient lasts here (what `Evidence.warmup_s` leaves out)."""
+    canary = next(d for d in shown["device_list"] if d["wave"] == 0)
+    t0 = float(canary["assigned_at"])
+    by_s: dict[int, list[float]] = {}
+    mine: list[tuple[float, float]] = []
+    for w in fleet.facade.telemetry.windows(since=t0 - 1, until=t0 + span_s):
+        if not w.get("p95_ms"):
+            continue
+        if w["device_id"] == canary["device_id"]:
+            mine.append((w["server_ts"] - t0, float(w["p95_ms"])))
+        else:
+            by_s.setdefault(round(w["server_ts"]), []).append(float(w["p95_ms"]))
+    steps: dict[int, list[float]] = {}
+    for dt, p95 in mine:
+        others = by_s.get(round(t0 + dt))
+        if others:
+            steps.setdefault(int(dt // step_s), []).append(p95 / float(np.median(others)))
+    return [[k * step_s, round(float(np.median(v)), 2)] for k, v in sorted(steps.items())]
+
+
 def _scenario(run: _Run, *, bad: tuple[str, ...], offline: bool) -> None:
     fleet, agents, n = run.fleet, run.agents, run.agents.n
     fleet.wait("the fleet to hear every agent", lambda: sum(
@@ -203,6 +225,7 @@ def _scenario(run: _Run, *, bad: tuple[str, ...], offline: bool) -> None:
     assert shown["waves"][0]["figures"]["control_kind"] == "cohort"
     assert canary["escalation_rate"]["control"] == pytest.approx(run.models.base_rate, abs=0.04)
     assert run.on(r2)
+    run.timings["canary_transient"] = _transient(fleet, shown)
     # each device's baseline for the next rollout: some windows on r2 (the last to take it just did)
     done = time.time()
     fleet.wait("windows on r2", lambda: len([w for w in fleet.api("GET", f"/v1/telemetry?since={done}")["windows"]
