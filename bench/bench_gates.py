@@ -47,20 +47,23 @@ WAVES = ("1", "5%", "25%", "100%")
 OLD_SOAK = 200  # requests per device: the fixed soak before the gates were sequential
 
 
-def _one(job: tuple[str, int, int]) -> dict[str, Any]:
-    regression, seed, n = job
-    return asdict(run_rollout(Fleet(n, seed, regression=regression), waves=WAVES, max_soak_windows=90))
+def _one(job: tuple[str, int, int, int]) -> dict[str, Any]:
+    regression, seed, n, baseline = job
+    return asdict(run_rollout(Fleet(n, seed, regression=regression), waves=WAVES, max_soak_windows=90,
+                              baseline_windows=baseline))
 
 
-def statistics_part(n: int, runs: int, ab_runs: int, procs: int) -> dict[str, Any]:
-    jobs = [("none", s, n) for s in range(runs)]
-    jobs += [(r, 10_000 + k * 1000 + s, n) for k, r in enumerate(REGRESSIONS) if r != "none" for s in range(ab_runs)]
+def statistics_part(n: int, runs: int, ab_runs: int, procs: int, baseline: int = 360) -> dict[str, Any]:
+    jobs = [("none", s, n, baseline) for s in range(runs)]
+    jobs += [(r, 10_000 + k * 1000 + s, n, baseline) for k, r in enumerate(REGRESSIONS) if r != "none"
+             for s in range(ab_runs)]
     t0 = time.monotonic()
     with multiprocessing.get_context("fork").Pool(procs) as pool:
         got = pool.map(_one, jobs, chunksize=2)
-    out: dict[str, Any] = {"devices": n, "waves": ",".join(WAVES), "wall_s": round(time.monotonic() - t0, 1)}
+    out: dict[str, Any] = {"devices": n, "waves": ",".join(WAVES), "baseline_windows": baseline,
+                           "wall_s": round(time.monotonic() - t0, 1)}
     for regression in REGRESSIONS:
-        outs = [Outcome(**g) for (r, _s, _n), g in zip(jobs, got, strict=True) if r == regression]
+        outs = [Outcome(**g) for (r, *_), g in zip(jobs, got, strict=True) if r == regression]
         if not outs:
             continue
         out[regression] = summary(outs)
@@ -127,6 +130,8 @@ def main() -> int:
     ap.add_argument("--e2e-regressions", default="accuracy-2,p95+30%",
                     help="A/B rollouts end to end after one A/A: " + ", ".join(r for r in REGRESSIONS if r != "none"))
     ap.add_argument("--procs", type=int, default=2, help="processes for the statistics part")
+    ap.add_argument("--baseline-windows", type=int, default=360,
+                    help="windows (10 s) each device sends before a rollout: 360 is the default baseline, an hour")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     wanted = [r for r in args.e2e_regressions.split(",") if r]
@@ -134,7 +139,8 @@ def main() -> int:
     if unknown:
         print(f"unknown regression(s) {sorted(unknown)}; known: {', '.join(REGRESSIONS)}", file=sys.stderr)
         return 2
-    out: dict[str, Any] = {"statistics": statistics_part(args.devices, args.runs, args.ab_runs, args.procs)}
+    out: dict[str, Any] = {"statistics": statistics_part(args.devices, args.runs, args.ab_runs, args.procs,
+                                                    args.baseline_windows)}
     stats = out["statistics"]
     aa = stats["none"]
     out["checks"] = {

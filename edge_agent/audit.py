@@ -185,6 +185,7 @@ class Auditor:
     def __init__(self, options: AuditOptions, agent: EdgeAgent) -> None:
         self.options = options
         self.agent = agent
+        self._fleet_rate: float | None = None
         self.active = agent.transport is not None and (options.rate > 0 or options.drift_rate > 0)
         self._rng = random.Random(options.seed)
         self.counts = dict.fromkeys(COUNTERS, 0.0)
@@ -207,8 +208,17 @@ class Auditor:
 
     @property
     def rate(self) -> float:
-        """The audit share in force (raised while a drift event is flagged)."""
-        return max(self.options.rate, self.options.drift_rate) if self.drift.flagged else self.options.rate
+        """The audit share in force (raised while a drift event is flagged, or by the fleet during a rollout)."""
+        own = self.options.rate if self._fleet_rate is None else max(self.options.rate, self._fleet_rate)
+        return max(own, self.options.drift_rate) if self.drift.flagged else own
+
+    def set_rate(self, rate: Any) -> None:
+        """The fleet's audit share (a rollout's small wave audits more while it soaks); None: the configured one."""
+        if rate is not None and not (isinstance(rate, int | float) and not isinstance(rate, bool) and 0 <= rate <= 1):
+            msg = f"audit_rate must be a share in [0, 1] or null, got {rate!r}"
+            raise ConfigError(msg)
+        self._fleet_rate = None if rate is None else float(rate)
+        self.active = self.agent.transport is not None and (self.rate > 0 or self.options.drift_rate > 0)
 
     def bind(self, loop: asyncio.AbstractEventLoop) -> None:
         """Start on the agent's loop: audits run there; the charts and the router learn in a worker thread."""

@@ -312,15 +312,17 @@ class FleetSync:
         self.version: int | None = None  # the version of the last one that took effect
         self._budget: BudgetOverride | None = None  # what desired documents set: it overrides a release's
         self._threshold: float | Unset | None = UNSET
+        self._audit_rate: float | None = None  # a rollout's raised audit share (None: the configured one)
         self._lock = asyncio.Lock()
         self._pending: set[asyncio.Task[None]] = set()
 
     def overrides(self, agent: EdgeAgent) -> None:
-        """Lay what desired documents set (budget, threshold) over a newly built agent."""
+        """Lay what desired documents set (budget, threshold, audit share) over a newly built agent."""
         if self._budget is not None:
             agent.set_budget(self._budget.apply(agent.budget))
         if self._threshold is not UNSET:
             agent.set_threshold(self._threshold)
+        agent.audits.set_rate(self._audit_rate)
 
     def on_desired(self, topic: str, payload: bytes, props: Any) -> None:
         """A desired document arrived (on the event loop): parse, apply, report what took effect."""
@@ -347,6 +349,8 @@ class FleetSync:
             agent.set_threshold(desired.threshold)
         if desired.telemetry_interval_s is not None:
             agent.options = dataclasses.replace(agent.options, telemetry_interval_s=desired.telemetry_interval_s)
+        self._audit_rate = desired.audit_rate  # absent from the document: the configured share again
+        agent.audits.set_rate(desired.audit_rate)
         if self.swapper is not None:
             self.swapper.want(desired)  # the swap runs in the background
         if desired.version is not None:

@@ -36,10 +36,10 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from cloud_service.fleet.sequential import Estimate, Obs, binomial_floor, did
+from cloud_service.fleet.sequential import Baselines, Estimate, Obs, baselines, binomial_floor, did
 from cloud_service.protocol.fleet_docs import TelemetryWindow
 from runtimes.errors import ConfigError
 
@@ -92,9 +92,10 @@ class Evidence:
         baseline_s: each device's baseline: its windows on the previous release this long before the wave.
         warmup_windows: each wave device's first windows on the release are left out (the swap's own window,
             a cold start: not what the release costs once it runs).
-        warmup_s: and so are its windows within this many seconds of its first one on the release (the swap's
-            transient: a new session's first runs, the golden check, the old slot's teardown, on a shared host
-            every neighbour's too; measured on two shared cores with real agents: tests/e2e).
+        warmup_s: for p95 and energy, so are its windows within this many seconds of its first one on the
+            release (the swap's transient: a new session's first runs, the golden check, the old slot's
+            teardown, on a shared host every neighbour's too; measured on two shared cores with real agents:
+            tests/e2e/test_rollout_fleet.py records it).
         plan: scales each gate's planned evidence (2,500 inferences for rates, 150 audits, 30 windows for p95
             and energy): a gate passes once its upper bound is
             under the margin, or once it has the planned evidence with an estimate under half the margin; a
@@ -131,6 +132,9 @@ class Arms:
     post_wave: Sequence[Mapping[str, Any]]
     pre_control: Sequence[Mapping[str, Any]]
     post_control: Sequence[Mapping[str, Any]]
+    # device -> server time from which its windows count for p95 and energy (its swap's transient is over;
+    # rates are not skewed by a transient and count from the start)
+    warm: Mapping[str, float] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -219,23 +223,29 @@ class _Spec:
     per_window: bool  # weight 1 per window (log figures) or its inferences (rates)
     weight: Callable[[Mapping[str, Any]], float]
     margin: Callable[[Margins], float]  # on the tested scale
-    t_star: float  # the planned evidence; the confidence sequence is tightest near it
+    t_star: float  # the planned evidence
     note: str
+    fail_at: float  # the evidence at which a margin-sized regression is typically clear: the failing bound is
+    pass_at: float  # tightest there; and the passing bound where a good release typically shows it is no worse
 
 
+# fail_at / pass_at tune each bound's mixture (rho) to the evidence where it decides (measured in simulation,
+# bench/bench_gates.py): a 2-point rate regression is clear after ~1,000-2,000 inferences of the canary, a good
+# release shows it is within the margin after a few hundred; p95 and energy after ~20-30 windows.
 SPECS = (
     _Spec("escalation_rate", lambda w: float(w.get("escalation_rate") or 0) if _n(w) else None, False, _n,
-          lambda m: m.escalation_points, 2500, "escalation rate, points"),
+          lambda m: m.escalation_points, 2500, "escalation rate, points", 1000, 500),
     _Spec("degraded_share", lambda w: float(w.get("degraded") or 0) / _n(w) if _n(w) else None, False, _n,
-          lambda m: m.degraded_points, 2500, "degraded answers per inference, points"),
+          lambda m: m.degraded_points, 2500, "degraded answers per inference, points", 1000, 500),
     _Spec("agreement", _disagreements, False, _n, lambda m: m.agreement_points, 2500,
-          "escalations answered otherwise by the cloud, per inference, points"),
+          "escalations answered otherwise by the cloud, per inference, points", 1000, 500),
     _Spec("audit_agreement", _audit_disagreements, False, lambda w: float(w.get("audits") or 0),
-          lambda m: m.agreement_points, 150, "audited confident inputs answered otherwise by the cloud, points"),
+          lambda m: m.agreement_points, 150, "audited confident inputs answered otherwise by the cloud, points",
+          300, 150),
     _Spec("p95_vs_control", _log("p95_ms"), True, lambda w: 1.0, lambda m: math.log1p(m.p95_ratio), 30,
-          "p95 latency ratio (difference of log p95, wave change / control change)"),
+          "p95 latency ratio (difference of log p95, wave change / control change)", 30, 15),
     _Spec("energy_per_request", _log("energy_mj_per_request"), True, lambda w: 1.0,
-          lambda m: math.log1p(m.energy_ratio), 30, "energy per inference ratio (difference of logs)"),
+          lambda m: math.log1p(m.energy_ratio), 30, "energy per inference ratio (difference of logs)", 30, 15),
 )
 
 
@@ -259,8 +269,16 @@ def judge(spec: _Spec, arms: Arms, *, margins: Margins, evidence: Evidence, alph
 
     pw, pc = obs(arms.pre_wave), obs(arms.pre_control)
     qw, qc = _obs(spec, arms.post_wave), _obs(spec, arms.post_control)
-    est = did(pw, qw, pc, qc, bucket_s=evidence.bucket_s, floor=None if spec.per_window else binomial_floor(),
-              min_baseline=MIN_BASELINE_WINDOWS)
+    if spec.per_window and arms.warm:
+        qw = [o for o in qw if o.ts >= arms.warm.get(o.device, -math.inf)]
+    floor = None if spec.per_window else binomial_floor()
+    key = (spec.name, "baselines", id(arms.pre_wave), len(arms.pre_wave), id(arms.pre_control), len(arms.pre_control))
+    base: Baselines | None = cache.get(key) if cache is not None else None  # type: ignore[assignment]
+    if base is None:
+        base = baselines(pw, pc, MIN_BASELINE_WINDOWS, floor, evidence.bucket_s)
+        if cache is not None:
+            cache[key] = base  # type: ignore[assignment]
+    est = did(pw, qw, pc, qc, bucket_s=evidence.bucket_s, floor=floor, min_baseline=MIN_BASELINE_WINDOWS, base=base)
     margin = spec.margin(margins)
     if est is None:
         # it holds the wave only where both arms have windows from devices with a baseline
@@ -275,7 +293,8 @@ def judge(spec: _Spec, arms: Arms, *, margins: Margins, evidence: Evidence, alph
                       "not judged yet: too few time buckets with both arms" if due else
                       "not judged: no figure with a baseline in one arm (a device new to the fleet, or none sent)")
         return {**out, "decision": "open" if due else None}
-    r_fail, r_pass = est.radius(alpha_gate, spec.t_star), est.radius(evidence.beta, spec.t_star)
+    r_fail = est.radius(alpha_gate, spec.fail_at, one_sided=True)
+    r_pass = est.radius(evidence.beta, spec.pass_at, one_sided=True)
     lower, upper, pass_upper = est.delta - r_fail, est.delta + r_fail, est.delta + r_pass
     plan = spec.t_star * evidence.plan
     info = est.weight

@@ -191,7 +191,7 @@ class RolloutEngine:
             w.update(wave_updates)
         self._stall(ctx, changes, opts)
         self._catch_up(ctx, changes, assign=True)
-        assign = self._fill(ctx, changes, w)
+        assign = self._fill(ctx, changes, w, audit=self._audited(ctx, waves, w))
         members = [d for d, v in ctx.devs.items() if v["wave"] is not None and v["wave"] <= w["idx"]
                    and v["assigned_at"] is not None and v["state"] != "catch_up"]
         current = [d for d in members if ctx.devs[d]["wave"] == w["idx"]]
@@ -234,7 +234,7 @@ class RolloutEngine:
                                    f"wave {w['idx']} failed after its soak: {', '.join(bad)}", w["idx"])
                 return
             elif soaked and enough and not still:
-                self._pass(conn, ctx, w, len(waves), current, record_figures)
+                self._pass(conn, ctx, w, len(waves), current, record_figures, audit=self._audited(ctx, waves, w))
                 wave_updates = {**wave_updates, "state": "passed", "ended_at": now}
             elif still and self._past_max_soak(ctx, w, figures["wave"].requests / max(1, len(current)), extended):
                 if self._inconclusive(conn, ctx, w, record_figures, still):
@@ -251,13 +251,15 @@ class RolloutEngine:
             self._write(conn, ctx, changes, assign, w["idx"], wave_updates)
 
     def _pass(self, conn: Any, ctx: _Ctx, w: dict[str, Any], n_waves: int, current: list[str],
-              figures: dict[str, Any]) -> None:
+              figures: dict[str, Any], *, audit: bool = False) -> None:
         row, now = ctx.row, ctx.now
         last = w["idx"] == n_waves - 1
         conn.execute(t.rollouts.update().where(t.rollouts.c.id == row.id).values(
             wave=w["idx"] if last else w["idx"] + 1, state="succeeded" if last else "running", updated_at=now))
         note = (f"wave {w['idx']} ({w['spec']}) passed: {len(current)} device(s) soaked" if current else
                 f"wave {w['idx']} ({w['spec']}) passed: no device of its own online to judge")
+        if audit and current:  # decided: its devices audit at their own rate again (a layer without "audit_rate")
+            self.desired.assign({d: self._layer(ctx, audit=False) for d in current}, conn=conn)
         record(conn, row.id, w["idx"], "pass", figures, note, self.holder, now=now)
         if last:
             record(conn, row.id, w["idx"], "done", {}, "every wave passed", self.holder, now=now)
@@ -292,7 +294,19 @@ class RolloutEngine:
         done = swap.soak if swap is not None and swap.soak is not None else SoakProgress()
         return Soak.parse(opts.soak, where="the rollout's soak").reached(done)
 
-    def _fill(self, ctx: _Ctx, changes: dict[str, dict[str, Any]], w: dict[str, Any]) -> dict[str, Desired]:
+    @staticmethod
+    def _audited(ctx: _Ctx, waves: list[dict[str, Any]], w: dict[str, Any]) -> bool:
+        """A small wave's devices audit at the rollout's raised rate while it soaks."""
+        own = w["size"] - (waves[w["idx"] - 1]["size"] if w["idx"] else 0)
+        return ctx.opts.audit_rate > 0 and own <= ctx.opts.audit_devices
+
+    def _layer(self, ctx: _Ctx, *, audit: bool) -> Desired:
+        """A wave device's rollout layer: the release, its soak and, in a small wave, the raised audit rate."""
+        return Desired(release=ctx.row.release, soak=Soak.parse(ctx.opts.soak),
+                       audit_rate=ctx.opts.audit_rate if audit else None)
+
+    def _fill(self, ctx: _Ctx, changes: dict[str, dict[str, Any]], w: dict[str, Any], *,
+              audit: bool = False) -> dict[str, Desired]:
         """Give the release to pending devices, in the rollout's order, until the waves so far hold `size`
         online devices; offline ones met on the way go to the catch-up set and take no place. The last
         wave takes every pending device. Returns the assignments."""
@@ -316,7 +330,7 @@ class RolloutEngine:
             values = {"wave": w["idx"], "updated_at": ctx.now}
             if self._online(ctx, dev):
                 values.update(state="assigned", assigned_at=ctx.now, detail="")
-                assign[dev] = Desired(release=ctx.row.release, soak=Soak.parse(ctx.opts.soak))
+                assign[dev] = self._layer(ctx, audit=audit)
                 need -= 1
             else:
                 values.update(state="catch_up", detail="offline when its wave started")
@@ -393,13 +407,14 @@ class RolloutEngine:
                 out += on_previous or before
             return out
 
-        post_wave = [x for d in current for x in _warm(sorted(
-            (x for x in by.get(d, []) if x["release"] == release
-             and x["server_ts"] >= max(start, ctx.devs[d]["assigned_at"] or ctx.now)),
-            key=lambda x: x["server_ts"]), ev.warmup_windows, ev.warmup_s)]
+        mine = {d: sorted((x for x in by.get(d, []) if x["release"] == release
+                           and x["server_ts"] >= max(start, ctx.devs[d]["assigned_at"] or ctx.now)),
+                          key=lambda x: x["server_ts"]) for d in current}
+        post_wave = [x for d in current for x in mine[d][ev.warmup_windows:]]
+        warm = {d: float(ws[0]["server_ts"]) + ev.warmup_s for d, ws in mine.items() if ws}
         post_control = [x for d in control for x in by.get(d, []) if x["release"] != release
                         and x["server_ts"] >= start]
-        arms = Arms(pre(current), post_wave, pre(control), post_control) if control and current else None
+        arms = Arms(pre(current), post_wave, pre(control), post_control, warm) if control and current else None
         rates: dict[str, list[float]] = {}
         for x in wins:
             if x["server_ts"] >= ctx.now - RATE_LOOKBACK_S and x["window_s"] > 0:
@@ -495,12 +510,3 @@ class RolloutEngine:
         conn.execute(t.rollouts.update().where(t.rollouts.c.id == ctx.row.id).values(
             state="rolled_back", reason=note, updated_at=ctx.now))
         record(conn, ctx.row.id, wave, kind, {**figures, "sent_back": len(back)}, note, self.holder, now=ctx.now)
-
-
-def _warm(windows: list[dict[str, Any]], skip: int, seconds: float) -> list[dict[str, Any]]:
-    """A device's windows on the release (in time order) once its swap's transient is over: the first `skip`
-    windows and those within `seconds` of its first one are left out."""
-    if not windows:
-        return windows
-    since = float(windows[0]["server_ts"]) + seconds
-    return [x for x in windows[skip:] if x["server_ts"] >= since]

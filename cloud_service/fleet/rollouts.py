@@ -115,6 +115,10 @@ class RolloutOptions:
         its control until its statistical gates pass.
     control_max: the control cohort is at most this many devices (in the rollout's order).
     cloud_capacity_rps: escalations/s the cloud tier sustains (measured, e.g. bench/bench_cloud.py); None: not gated.
+    audit_rate: while a small wave (at most `audit_devices` devices) soaks, its devices audit this share of their
+        confident answers (`"audit_rate"` in their desired document; back to their own once the wave is decided):
+        the evidence of confident errors, which escalations never see, within the canary. Audits are sent
+        after the answer and their energy is counted apart, so the latency and energy gates do not see them.
     stall_after_s: an assigned device that shows no progress for this long joins the catch-up set.
     observe_every_s: how often the figures of a soaking wave are recorded (the dashboard's plots).
     """
@@ -128,6 +132,8 @@ class RolloutOptions:
     holdback: float = 0.05
     control_max: int = 200
     cloud_capacity_rps: float | None = None
+    audit_rate: float = 0.5
+    audit_devices: int = 10
     stall_after_s: float = 300.0
     observe_every_s: float = 10.0
 
@@ -143,6 +149,10 @@ class RolloutOptions:
         if not (0 <= self.holdback < 1 and self.control_max >= 1):
             msg = (f"holdback {self.holdback!r} must be a share in [0, 1) and control_max {self.control_max!r} "
                    "a device count >= 1")
+            raise InvalidDocument(msg)
+        if not (0 <= self.audit_rate <= 1 and self.audit_devices >= 0):
+            msg = (f"audit_rate {self.audit_rate!r} must be a share in [0, 1] and audit_devices "
+                   f"{self.audit_devices!r} a device count >= 0")
             raise InvalidDocument(msg)
         if self.cloud_capacity_rps is not None and not self.cloud_capacity_rps > 0:
             msg = f"cloud capacity {self.cloud_capacity_rps!r} must be a positive number of escalations/s"
@@ -162,6 +172,8 @@ class RolloutOptions:
                    on_inconclusive=doc.get("on_inconclusive", base.on_inconclusive),
                    holdback=doc.get("holdback", base.holdback), control_max=doc.get("control_max", base.control_max),
                    cloud_capacity_rps=doc.get("cloud_capacity_rps"), stall_after_s=doc["stall_after_s"],
+                   audit_rate=doc.get("audit_rate", base.audit_rate),
+                   audit_devices=doc.get("audit_devices", base.audit_devices),
                    observe_every_s=doc["observe_every_s"])
 
 
@@ -326,7 +338,7 @@ def make_options(*, waves: str = WAVES_TEXT, soak: str = ROLLOUT_SOAK, cloud_cap
                  stall_after_s: float = 300.0, observe_every_s: float = 10.0,
                  margins: dict[str, Any] | None = None, evidence: dict[str, Any] | None = None,
                  max_soak: str = ROLLOUT_MAX_SOAK, on_inconclusive: str = "hold", holdback: float = 0.05,
-                 control_max: int = 200) -> RolloutOptions:
+                 control_max: int = 200, audit_rate: float = 0.5, audit_devices: int = 10) -> RolloutOptions:
     """`RolloutOptions` from the CLI's and the API's strings (`--waves 1,5%,100% --soak 10m`)."""
     try:
         m = Margins(**{k: v for k, v in (margins or {}).items() if v is not None})
@@ -340,5 +352,6 @@ def make_options(*, waves: str = WAVES_TEXT, soak: str = ROLLOUT_SOAK, cloud_cap
         raise InvalidDocument(msg) from None
     return RolloutOptions(waves=parse_waves(waves), soak=parse_soak(soak), margins=m, evidence=e,
                           max_soak=parse_soak(max_soak), on_inconclusive=on_inconclusive, holdback=holdback,
-                          control_max=control_max, cloud_capacity_rps=cloud_capacity_rps,
+                          control_max=control_max, cloud_capacity_rps=cloud_capacity_rps, audit_rate=audit_rate,
+                          audit_devices=audit_devices,
                           stall_after_s=stall_after_s, observe_every_s=observe_every_s)

@@ -35,7 +35,9 @@ from typing import NamedTuple
 
 import numpy as np
 
-MIN_BUCKETS = 10  # a delayed start (Bibaut et al.): no decision on fewer buckets with both arms
+MIN_BUCKETS = 10  # a delayed start (Bibaut et al.): no decision on fewer buckets with both arms...
+WIDE_BUCKETS, WIDE_WINDOWS = 3, 30  # ...unless a wide wave has this many buckets and windows in each arm
+SHRINK_DEVICES = 10  # baselines are shrunk toward the cohort's only where this many devices show their spread
 PRIOR_WINDOWS = 10.0  # the wave's variance starts from the control's, worth this many windows
 
 
@@ -70,8 +72,9 @@ class Estimate:
         total = self.var_post + self.weight ** 2 * self.var_base
         return self.weight * self.var_post / total if total > 0 else self.weight
 
-    def radius(self, alpha: float, t_star: float) -> float:
-        """Half-width of the (1 - alpha) confidence sequence at this look.
+    def radius(self, alpha: float, t_star: float, *, one_sided: bool = False) -> float:
+        """Half-width of the (1 - alpha) confidence sequence at this look; `one_sided`: the bound on one side
+        only (a lower bound for "worse", an upper one for "not worse"), each crossed with probability <= alpha.
 
         The baselines' error is a constant offset B (not a martingale increment); it enters as the variance
         W² var(B) added to V_t, so the boundary covers it with at least sqrt(2 log(1/alpha)) of its
@@ -80,25 +83,70 @@ class Estimate:
             return math.inf
         rho = max(self.unit_var, 1e-12) * t_star / (2 * math.log(1 / alpha) + math.log(1 + 2 * math.log(1 / alpha)))
         v = self.var_post + self.weight ** 2 * self.var_base + rho
+        if one_sided:  # the one-sided normal mixture (Howard et al. 2021, eq. 14): alpha doubled, nearly
+            return math.sqrt(2 * v * math.log(math.sqrt(v / rho) / (2 * alpha) + 1)) / self.weight
         return math.sqrt(v * math.log(v / (rho * alpha * alpha))) / self.weight
 
 
-def _baselines(pre: Iterable[Obs], min_windows: int) -> dict[str, tuple[float, float]]:
-    """device -> (mean, weight) of its baseline windows; devices with fewer than `min_windows` are left out
-    (a device just started or just swapped: its few windows are a cold start, not its level)."""
-    acc: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0, 0.0])
-    for o in pre:
-        if o.weight > 0:
-            acc[o.device][0] += o.weight * o.value
-            acc[o.device][1] += o.weight
-            acc[o.device][2] += 1
-    return {d: (s / n, n) for d, (s, n, k) in acc.items() if n > 0 and k >= min_windows}
+# per arm: device -> (baseline, weight, extra): the baseline's error variance is (unit variance / weight + extra)
+Baselines = tuple[dict[str, tuple[float, float, float]], dict[str, tuple[float, float, float]]]
+
+
+def baselines(pre_wave: Iterable[Obs], pre_control: Iterable[Obs], min_windows: int,
+              floor: Callable[[float], float] | None, bucket_s: float) -> Baselines:
+    """Each arm's device -> (baseline, weight, extra): the mean of its windows before the wave, shrunk toward
+    the cohort's (empirical Bayes) where ten devices or more show how far devices differ.
+
+    Devices with fewer than `min_windows` are left out (a device just started or just swapped: its few
+    windows are a cold start, not its level). Shrinkage: with s² the within-device variance per unit weight
+    (net of shared load: each time bucket's common move is taken out, as in the comparison itself) and tau² the
+    between-device variance (DerSimonian-Laird, method of moments), a device's own mean m (weight n) and the
+    cohort's M give the baseline (n m + a M) / (n + a), a = s²/tau², whose error variance is s²/(n + a) (the
+    `weight` n + a) plus (a / (n + a))² tau² / D for M's own (`extra`). Sparse figures (audits) gain most: an
+    hour of one device's audits hardly tells its level, the cohort's does unless devices differ."""
+    rows = [(o, side) for side, pre in enumerate((pre_wave, pre_control)) for o in pre if o.weight > 0]
+    devs = sorted({o.device for o, _ in rows})
+    index = {d: k for k, d in enumerate(devs)}
+    di = np.array([index[o.device] for o, _ in rows], dtype=np.int64)
+    w = np.array([o.weight for o, _ in rows], dtype=float)
+    x = np.array([o.value for o, _ in rows], dtype=float)
+    n = np.bincount(di, weights=w, minlength=len(devs))
+    k = np.bincount(di, minlength=len(devs))
+    m = np.bincount(di, weights=w * x, minlength=len(devs)) / np.where(n > 0, n, 1.0)
+    keep = (k >= min_windows) & (n > 0)
+    side = {o.device: s for o, s in rows}
+    out: list[dict[str, tuple[float, float, float]]] = [{}, {}]
+    for d in (d for d in devs if keep[index[d]]):
+        out[side[d]][d] = (float(m[index[d]]), float(n[index[d]]), 0.0)
+    if int(keep.sum()) < SHRINK_DEVICES:
+        return out[0], out[1]
+    use = keep[di]
+    di, w, x = di[use], w[use], x[use]
+    _, bi = np.unique(np.array([int(o.ts // bucket_s) for o, _ in rows], dtype=np.int64)[use], return_inverse=True)
+    r = x - m[di]
+    common = np.bincount(bi, weights=w * r) / np.bincount(bi, weights=w)
+    dof = len(x) - int(keep.sum()) - (int(bi.max()) + 1 if len(bi) else 0)
+    big_n, devices = float(n[keep].sum()), int(keep.sum())
+    centre = float((n[keep] * m[keep]).sum()) / big_n
+    within = float((w * (r - common[bi]) ** 2).sum()) / max(dof, 1)
+    within = max(within, floor(centre) if floor else 0.0, 1e-12)
+    q_stat = float((n[keep] * (m[keep] - centre) ** 2).sum())
+    den = big_n - float((n[keep] ** 2).sum()) / big_n
+    tau2 = max(0.0, (q_stat - (devices - 1) * within) / den) if den > 0 else math.inf
+    for arm in out:
+        for d, (mean, weight, _e) in arm.items():
+            a = within / tau2 if tau2 > 0 else big_n
+            pull = a / (weight + a)
+            arm[d] = ((weight * mean + a * centre) / (weight + a), weight + a,
+                      pull * pull * (tau2 if math.isfinite(tau2) else 0.0) / devices)
+    return out[0], out[1]
 
 
 class _Arm:
     """One arm's post windows, adjusted by their device's baseline and grouped by time bucket."""
 
-    def __init__(self, post: Iterable[Obs], base: dict[str, tuple[float, float]], bucket_s: float) -> None:
+    def __init__(self, post: Iterable[Obs], base: dict[str, tuple[float, float, float]],
+                 bucket_s: float) -> None:
         rows = [o for o in post if o.weight > 0 and o.device in base]
         self.dev = [o.device for o in rows]
         self.k = np.array([int(o.ts // bucket_s) for o in rows], dtype=np.int64)
@@ -115,6 +163,10 @@ class _Arm:
             m = np.bincount(inv, weights=self.w * self.y) / n
             self.n, self.mean = dict(zip(keys.tolist(), n.tolist(), strict=True)), dict(
                 zip(keys.tolist(), m.tolist(), strict=True))
+
+    def rows(self, keep: set[int]) -> int:
+        """Windows in the buckets `keep`."""
+        return int(np.isin(self.k, list(keep)).sum())
 
     def at(self, table: dict[int, float], default: float = 0.0) -> np.ndarray:
         return np.array([table.get(k, default) for k in self.k.tolist()], dtype=float)
@@ -139,16 +191,18 @@ class _Arm:
 
 def did(pre_wave: Iterable[Obs], post_wave: Iterable[Obs], pre_control: Iterable[Obs],
         post_control: Iterable[Obs], *, bucket_s: float,
-        floor: Callable[[float], float] | None = None, min_baseline: int = 5) -> Estimate | None:
+        floor: Callable[[float], float] | None = None, min_baseline: int = 5,
+        base: Baselines | None = None) -> Estimate | None:
     """The wave's effect (difference in differences over shared time buckets); None with too little data.
 
     `floor(mean)` gives the least variance of one unit of weight (the binomial p(1-p) for rates).
     Devices with fewer than `min_baseline` baseline windows are left out (their change cannot be told from
-    their level)."""
-    bw, bc = _baselines(pre_wave, min_baseline), _baselines(pre_control, min_baseline)
+    their level). `base`: `baselines(pre_wave, pre_control, ...)` computed already (they do not change
+    between looks)."""
+    bw, bc = base if base is not None else baselines(pre_wave, pre_control, min_baseline, floor, bucket_s)
     wave, ctl = _Arm(post_wave, bw, bucket_s), _Arm(post_control, bc, bucket_s)
     keep = set(wave.n) & set(ctl.n)
-    if len(keep) < MIN_BUCKETS:
+    if len(keep) < MIN_BUCKETS and (len(keep) < WIDE_BUCKETS or min(wave.rows(keep), ctl.rows(keep)) < WIDE_WINDOWS):
         return None
     wk = {k: 1 / (1 / wave.n[k] + 1 / ctl.n[k]) for k in keep}
     total = sum(wk.values())
@@ -165,9 +219,9 @@ def did(pre_wave: Iterable[Obs], post_wave: Iterable[Obs], pre_control: Iterable
     var_w = max((ss_w + PRIOR_WINDOWS * var_c) / (df_w + PRIOR_WINDOWS), lo)
     var_post = sum(wk[k] ** 2 * (var_w / wave.n[k] + var_c / ctl.n[k]) for k in keep)
     var_base = 0.0
-    for arm, base, var in ((wave, bw, var_w), (ctl, bc, var_c)):
+    for arm, levels, var in ((wave, bw, var_w), (ctl, bc, var_c)):
         for dev, share in arm.shares(keep, wk).items():
-            var_base += (share / total) ** 2 * var / base[dev][1]
+            var_base += (share / total) ** 2 * (var / levels[dev][1] + levels[dev][2])
     return Estimate(delta=delta, weight=total, var_post=var_post, var_base=var_base, unit_var=var_post / total,
                     buckets=len(keep), wave_n=sum(wave.n[k] for k in keep), control_n=sum(ctl.n[k] for k in keep),
                     wave_mean=wave.raw, control_mean=ctl.raw)

@@ -45,16 +45,65 @@ def _groups(conn: Any, by: str) -> dict[str, str]:
     raise InvalidDocument(msg)
 
 
+_FIGURE_SQL = {  # each device-hour's figure, as the numpy path computes it (NULL where undefined)
+    "p95_ms": "h.p95_sum / NULLIF(h.windows, 0)",
+    "escalation_rate": "h.escalations / NULLIF(h.requests, 0)",
+    "agreement": "CASE WHEN h.agreement_weight > 0 THEN h.agreement_sum / h.agreement_weight END",
+    "energy_mj_per_request": "h.energy_mj / NULLIF(h.requests, 0)",
+    "degraded_share": "CAST(h.degraded AS double precision) / NULLIF(h.requests, 0)"}
+
+
+def _bands_sql(conn: Any, by: str, since: int) -> dict[str, Any]:
+    """PostgreSQL: the percentiles in the database (one grouped scan of the hour index; a few hundred rows come
+    back instead of every device-hour: a 10,000-device day is 240,000 of them)."""
+    if by == "release":
+        grp = ("SELECT device_id, left(coalesce(CAST(document AS json)->>'release', 'none'), 23) AS grp "
+               "FROM reported")
+    elif by.startswith("label:") and len(by) > 6:
+        grp = "SELECT device_id, :key || '=' || coalesce(CAST(labels AS json)->>:label, '?') AS grp FROM devices"
+    elif by == "fleet":
+        grp = "SELECT device_id, 'fleet' AS grp FROM devices"
+    else:
+        msg = f"bands by {by!r}: use fleet, release, or label:KEY (e.g. label:site)"
+        raise InvalidDocument(msg)
+    figures = ", ".join(f"percentile_cont(ARRAY[0.5, 0.95]) WITHIN GROUP (ORDER BY {expr}) AS {name}"
+                        for name, expr in _FIGURE_SQL.items())
+    query = sa.text(f"WITH g AS ({grp}) SELECT coalesce(g.grp, '?') AS grp, h.hour AS hour, count(*) AS devices, "
+                    f"{figures} FROM telemetry_hourly h LEFT JOIN g ON g.device_id = h.device_id "
+                    "WHERE h.hour >= :since GROUP BY 1, 2 ORDER BY 1, 2")
+    params: dict[str, Any] = {"since": since}
+    if by.startswith("label:"):
+        params.update(key=by[6:], label=by[6:])
+    out: dict[str, Any] = {}
+    for r in conn.execute(query, params):
+        point: dict[str, Any] = {"t": int(r.hour), "devices": int(r.devices)}
+        for name in FIGURES:
+            v = getattr(r, name)
+            point[name] = [round(float(x), 6) for x in v] if v is not None and None not in v else None
+        out.setdefault(r.grp, {"series": []})["series"].append(point)
+    for g, body in out.items():
+        body["devices"] = max(p["devices"] for p in body["series"])
+        body["name"] = g
+    return {"by": by, "since": since, "groups": out}
+
+
 def bands(store: FleetStore, *, by: str = "fleet", hours: int = 24, now: float | None = None) -> dict[str, Any]:
     """Per group and hour, p50 and p95 across devices of each figure (see the module docstring)."""
     now = time.time() if now is None else now
     since = int((now - hours * 3600) // 3600 * 3600)
-    h = t.telemetry_hourly.c
     with store.begin() as conn:
-        groups = _groups(conn, by)
-        rows = conn.execute(sa.select(h.device_id, h.hour, h.windows, h.requests, h.p95_sum, h.escalations,
-                                      h.energy_mj, h.degraded, h.agreement_sum, h.agreement_weight)
-                            .where(h.hour >= since)).all()
+        if store.dialect == "postgresql":
+            return _bands_sql(conn, by, since)
+        return _bands_numpy(conn, by, since)
+
+
+def _bands_numpy(conn: Any, by: str, since: int) -> dict[str, Any]:
+    """Any database: the device-hours fetched, the percentiles in numpy."""
+    h = t.telemetry_hourly.c
+    groups = _groups(conn, by)
+    rows = conn.execute(sa.select(h.device_id, h.hour, h.windows, h.requests, h.p95_sum, h.escalations,
+                                  h.energy_mj, h.degraded, h.agreement_sum, h.agreement_weight)
+                        .where(h.hour >= since)).all()
     if not rows:
         return {"by": by, "since": since, "groups": {}}
     names = sorted(set(groups.values()) | {"?"})

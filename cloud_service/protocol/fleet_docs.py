@@ -252,6 +252,8 @@ class Desired:
         release: the digest of the release to run.
         soak: how long to run it before committing (None: `DEFAULT_SOAK`).
         rollback: the release is a rollback target (informational for the device).
+        audit_rate: the share of confident answers the device audits (a rollout raises it on a small wave's
+            devices while the wave soaks); None: the device's own.
     """
 
     version: int | None = None
@@ -261,6 +263,7 @@ class Desired:
     release: str | Unset | None = UNSET
     soak: Soak | None = None
     rollback: bool | None = None
+    audit_rate: float | None = None
 
     def soak_or_default(self) -> Soak:
         return self.soak if self.soak is not None else DEFAULT_SOAK
@@ -284,10 +287,13 @@ class Desired:
             out["soak"] = self.soak.to_json()
         if self.rollback is not None:
             out["rollback"] = self.rollback
+        if self.audit_rate is not None:
+            out["audit_rate"] = self.audit_rate
         return out
 
 
-DESIRED_FIELDS: Final = ("version", "budget", "threshold", "telemetry_interval_s", "release", "soak", "rollback")
+DESIRED_FIELDS: Final = ("version", "budget", "threshold", "telemetry_interval_s", "release", "soak", "rollback",
+                         "audit_rate")
 
 
 def parse_desired(value: object, *, where: str = "desired document") -> Desired:
@@ -306,7 +312,7 @@ def parse_desired(value: object, *, where: str = "desired document") -> Desired:
                                       hi=MAX_TELEMETRY_INTERVAL_S),
         release=f.digest("release") if f.has("release") else UNSET,
         soak=None if soak is None else Soak.parse(soak, where=f"{where}.soak"),
-        rollback=rollback)
+        rollback=rollback, audit_rate=f.number("audit_rate", None, lo=0, hi=1))
 
 
 # -- reported -----------------------------------------------------------------------------------------

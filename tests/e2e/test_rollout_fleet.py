@@ -226,6 +226,9 @@ def _scenario(run: _Run, *, bad: tuple[str, ...], offline: bool) -> None:
     assert canary["escalation_rate"]["control"] == pytest.approx(run.models.base_rate, abs=0.04)
     assert run.on(r2)
     run.timings["canary_transient"] = _transient(fleet, shown)
+    layers = [la["document"] for la in fleet.facade.desired.layers() if la["selector"].startswith("rollout/")]
+    assert len(layers) == n
+    assert not any("audit_rate" in doc for doc in layers)  # the canary's raised audits ended with its wave
     # each device's baseline for the next rollout: some windows on r2 (the last to take it just did)
     done = time.time()
     fleet.wait("windows on r2", lambda: len([w for w in fleet.api("GET", f"/v1/telemetry?since={done}")["windows"]
@@ -280,7 +283,7 @@ def _scenario(run: _Run, *, bad: tuple[str, ...], offline: bool) -> None:
 
 
 @pytest.mark.slow  # five agents sharing two cores: the sequential gates need minutes of windows here
-@pytest.mark.timeout(900)
+@pytest.mark.timeout(1300)
 def test_a_small_fleet_of_agents_takes_a_good_release_and_stops_a_bad_one(
         tmp_path: Path, models: DigitsModels, cloud_models: Path, digits: zoo.Split) -> None:
     _fleet_run(tmp_path, 5, models, cloud_models, digits, bad=("escalation",), offline=False, rate_rps=20, soak=30,
@@ -297,7 +300,7 @@ def test_twenty_agents_every_wave_three_bad_releases_and_an_offline_quarter(
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(700)
+@pytest.mark.timeout(1300)  # above the sum of its waits, so that a slow run says where its evidence stood
 @pytest.mark.parametrize("run", range(10))
 def test_the_small_fleet_again_no_false_rollback(run: int, tmp_path: Path, models: DigitsModels,
                                                  cloud_models: Path, digits: zoo.Split) -> None:

@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from cloud_service.fleet.gates import STAT_GATES, Arms, Evidence, Margins, evaluate, failed, open_gates
-from cloud_service.fleet.rollouts import wave_sizes
+from cloud_service.fleet.rollouts import RolloutOptions, wave_sizes
 from tests.fleet.rollout_device import SimDevice
 
 # name -> what the release does on a device that runs it
@@ -37,8 +37,9 @@ REGRESSIONS: dict[str, dict[str, float]] = {
 class Model:
     """Args: window_s: telemetry interval; rate_rps: median inferences/s of a device (log-normal, traffic_sd);
     escalation: median escalation rate; disagree: disagreement among escalations; conf_disagree: among
-    confident inputs; audit_rate: share of confident inputs audited; spike_p / spike: a shared-load spike's
-    chance per window and its p95 factor range."""
+    confident inputs (per device, log-normal with conf_disagree_sd); audit_rate: share of confident inputs
+    audited (the agent's default); spike_p / spike: a shared-load spike's chance per window and its p95 factor
+    range."""
 
     window_s: float = 10.0
     rate_rps: float = 10.0
@@ -47,7 +48,8 @@ class Model:
     escalation_sd: float = 0.3
     disagree: float = 0.10
     conf_disagree: float = 0.01
-    audit_rate: float = 0.05
+    conf_disagree_sd: float = 0.3
+    audit_rate: float = 0.01
     degraded: float = 0.003
     p95_ms: float = 5.0
     device_sd: float = 0.3
@@ -76,6 +78,7 @@ class Fleet:
         self.p95 = m.p95_ms * np.exp(rng.normal(0, m.device_sd, self.n))
         self.noise = m.window_sd * np.exp(rng.normal(0, 0.3, self.n))  # some devices are noisier than others
         self.energy = m.energy_mj * np.exp(rng.normal(0, 0.2, self.n))
+        self.conf_disagree = np.clip(m.conf_disagree * np.exp(rng.normal(0, m.conf_disagree_sd, self.n)), 0, 1)
         self._load: dict[int, float] = {}
 
     def load(self, t: float) -> float:
@@ -87,9 +90,11 @@ class Fleet:
         return self._load[k]
 
     def window(self, i: int, t: float, treated: bool, *, regression: str | None = None,
-               rng: np.random.Generator | None = None) -> dict[str, Any]:
-        """Device i's window ending at t; `treated`: it runs the release (with `regression`, else the fleet's)."""
+               rng: np.random.Generator | None = None, audit_rate: float | None = None) -> dict[str, Any]:
+        """Device i's window ending at t; `treated`: it runs the release (with `regression`, else the fleet's);
+        `audit_rate`: a rollout's raised audit share (else the model's)."""
         m, rng = self.model, rng or self.rng
+        audit_rate = m.audit_rate if audit_rate is None else audit_rate
         reg = REGRESSIONS[regression or self.regression] if treated else {}
         s = self.load(t)
         n = int(rng.poisson(self.rate[i] * m.window_s))
@@ -97,8 +102,8 @@ class Fleet:
         q = min(1.0, self.disagree[i] + reg.get("esc_disagree", 0.0) / self.esc[i])
         dis = int(rng.binomial(esc, q))
         conf = n - esc
-        audits = int(rng.binomial(conf, m.audit_rate))
-        cq = min(1.0, m.conf_disagree + reg.get("conf_disagree", 0.0) * n / max(conf, 1))
+        audits = int(rng.binomial(conf, audit_rate))
+        cq = min(1.0, self.conf_disagree[i] + reg.get("conf_disagree", 0.0) * n / max(conf, 1))
         degraded = int(rng.binomial(n, min(1.0, m.degraded * (1 + 4 * (s - 1)))))
         sd = self.noise[i] * (1 + 3 / math.sqrt(max(n, 1)))
         p95 = self.p95[i] * s * reg.get("p95", 1.0) * math.exp(rng.normal(0, sd))
@@ -107,8 +112,36 @@ class Fleet:
                 "requests": n, "escalation_rate": esc / n if n else 0.0, "compared": esc,
                 "tiers": {"edge": n - esc, "cloud": esc},
                 "agreement": 1 - dis / esc if esc else None, "degraded": degraded, "p95_ms": p95, "p50_ms": p95 / 2,
-                "energy_mj_per_request": energy, "audits": audits, "audit_rate": m.audit_rate,
+                "energy_mj_per_request": energy, "audits": audits, "audit_rate": audit_rate,
                 "audit_disagreed": int(rng.binomial(audits, cq)), "crashes": 0}
+
+
+    def windows(self, t: float, treated: np.ndarray, audit_rate: np.ndarray) -> list[dict[str, Any]]:
+        """Every device's window ending at t at once (the draws of `window`, vectorised): `treated` and
+        `audit_rate` per device."""
+        m, rng, n_dev = self.model, self.rng, self.n
+        reg = REGRESSIONS[self.regression]
+        on = treated.astype(float)
+        s = self.load(t)
+        n = rng.poisson(self.rate * m.window_s)
+        esc = rng.binomial(n, self.esc)
+        dis = rng.binomial(esc, np.minimum(1.0, self.disagree + on * reg.get("esc_disagree", 0.0) / self.esc))
+        conf = n - esc
+        audits = rng.binomial(conf, audit_rate)
+        cq = np.minimum(1.0, self.conf_disagree + on * reg.get("conf_disagree", 0.0) * n / np.maximum(conf, 1))
+        degraded = rng.binomial(n, min(1.0, m.degraded * (1 + 4 * (s - 1))))
+        sd = self.noise * (1 + 3 / np.sqrt(np.maximum(n, 1)))
+        p95 = self.p95 * s * np.where(treated, reg.get("p95", 1.0), 1.0) * np.exp(rng.normal(0, 1, n_dev) * sd)
+        energy = (self.energy * (1 + 0.3 * (s - 1)) * np.where(treated, reg.get("energy", 1.0), 1.0)
+                  * np.exp(rng.normal(0, 1, n_dev) * sd / 3))
+        audit_dis = rng.binomial(audits, cq)
+        cols = zip(self.ids, n.tolist(), esc.tolist(), dis.tolist(), degraded.tolist(), p95.tolist(),
+                   energy.tolist(), audits.tolist(), audit_rate.tolist(), audit_dis.tolist(), strict=True)
+        return [{"device_id": d, "device": d, "server_ts": t, "ts": t, "window_s": m.window_s, "requests": k,
+                 "escalation_rate": e / k if k else 0.0, "compared": e, "tiers": {"edge": k - e, "cloud": e},
+                 "agreement": 1 - x / e if e else None, "degraded": g, "p95_ms": p, "p50_ms": p / 2,
+                 "energy_mj_per_request": j, "audits": a, "audit_rate": r, "audit_disagreed": ad, "crashes": 0}
+                for d, k, e, x, g, p, j, a, r, ad in cols]
 
 
 @dataclass
@@ -123,18 +156,25 @@ class Outcome:
 
 def run_rollout(fleet: Fleet, *, waves: tuple[str, ...] = ("1", "5%", "25%", "100%"),
                 margins: Margins | None = None, evidence: Evidence | None = None, baseline_windows: int = 60,
-                max_soak_windows: int = 60, control_max: int = 50, holdback: int = 5, look_every: int = 2) -> Outcome:
-    """One rollout over the simulated fleet: waves judged by `gates.evaluate` every window, as the engine does."""
+                max_soak_windows: int = 60, control_max: int | None = None, holdback: int = 5, look_every: int = 2,
+                audit_rate: float | None = None, audit_devices: int | None = None) -> Outcome:
+    """One rollout over the simulated fleet: waves judged by `gates.evaluate` every window, as the engine does;
+    a wave of at most `audit_devices` devices audits at `audit_rate` while it soaks (the rollout's defaults)."""
     margins, evidence = margins or Margins(), evidence or Evidence()
+    defaults = RolloutOptions()
+    audit_rate = defaults.audit_rate if audit_rate is None else audit_rate
+    audit_devices = defaults.audit_devices if audit_devices is None else audit_devices
+    control_max = defaults.control_max if control_max is None else control_max
     ws = fleet.model.window_s
     sizes = wave_sizes(waves, fleet.n)
     order = list(fleet.rng.permutation(fleet.n))
     history: dict[int, list[dict[str, Any]]] = {i: [] for i in range(fleet.n)}
     t = 0.0
+    base_rate = np.full(fleet.n, fleet.model.audit_rate)
     for _ in range(baseline_windows):
         t += ws
-        for i in range(fleet.n):
-            history[i].append(fleet.window(i, t, False))
+        for i, x in enumerate(fleet.windows(t, np.zeros(fleet.n, dtype=bool), base_rate)):
+            history[i].append(x)
     treated: set[int] = set()
     per_wave: list[int] = []
     looks = 0
@@ -145,14 +185,17 @@ def run_rollout(fleet: Fleet, *, waves: tuple[str, ...] = ("1", "5%", "25%", "10
             new = new[:max(1, len(new) - holdback)]
         start = t
         treated |= set(new)
+        raised = set(new) if len(new) <= audit_devices else set()
         control = [i for i in order if i not in treated][:control_max]
         pre_wave = [x for i in new for x in history[i] if start - evidence.baseline_s <= x["ts"] <= start]
         pre_control = [x for i in control for x in history[i] if start - evidence.baseline_s <= x["ts"] <= start]
         cache: dict[Any, Any] = {}
         for _step in range(max_soak_windows):
             t += ws
-            for i in range(fleet.n):
-                history[i].append(fleet.window(i, t, i in treated))
+            on = np.isin(np.arange(fleet.n), list(treated))
+            rates = np.where(np.isin(np.arange(fleet.n), list(raised)), audit_rate, fleet.model.audit_rate)
+            for i, x in enumerate(fleet.windows(t, on, rates)):
+                history[i].append(x)
             if (_step + 1) % look_every and _step + 1 < max_soak_windows:
                 continue
             arms = Arms(pre_wave, [x for i in new for x in history[i] if x["ts"] > start],

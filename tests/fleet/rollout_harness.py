@@ -136,7 +136,9 @@ class RolloutFleet:
 
     def deploy(self, release: str, **options: Any) -> int:
         body = {"release": release, "label": self.labels, "waves": "1,25%,100%", "soak": "30",
-                "margins": {"min_requests": 20}, "evidence": {"bucket_s": max(1.0, 3 * self.window_s)}, **options}
+                "margins": {"min_requests": 20},
+                # the devices are doubles: a swap has no transient to wait out (real agents: tests/e2e)
+                "evidence": {"bucket_s": max(1.0, 3 * self.window_s), "warmup_s": 10 * self.window_s}, **options}
         return int(self.api("POST", "/v1/rollouts", body)["id"])
 
     def show(self, rollout_id: int) -> dict[str, Any]:

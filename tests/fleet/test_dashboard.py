@@ -177,6 +177,7 @@ def test_dashboard_shows_devices_plots_and_drift(dashboard: tuple[FleetProcess, 
             page.fill("#filter", "")
             page.dispatch_event("#filter", "change")
             page.wait_for_function("document.getElementById('page-info').textContent.endsWith('of 6')")
+            page.wait_for_selector("body[data-rollouts='1']")  # drawn after the first paint
             rollout = page.locator("#rollouts tbody tr")
             assert rollout.count() == 1
             assert "rolled_back" in rollout.inner_text()

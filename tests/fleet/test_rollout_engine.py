@@ -78,7 +78,8 @@ def test_two_engines_on_one_database_only_one_acts(store: FleetStore, tmp_path: 
     assert shown["waves"][0]["state"] == "soaking"
     layers = [la for la in desired.layers() if la["selector"].startswith("rollout/")]
     assert len(layers) == 1
-    assert layers[0]["document"] == {"release": second, "soak": {"requests": 50}}
+    # the canary audits at the rollout's raised share while it soaks (its confident errors, within the canary)
+    assert layers[0]["document"] == {"release": second, "soak": {"requests": 50}, "audit_rate": 0.5}
     assert a.step(now=now + 2)  # renewing its own lease
     assert len([la for la in desired.layers() if la["selector"].startswith("rollout/")]) == 1
 
