@@ -10,7 +10,11 @@ budget is spent. So on arrival, in paho's thread:
 - a request already past its deadline is answered DEADLINE_EXCEEDED; one whose deadline the model's
   queue cannot meet (`DynamicBatcher.admissible`) is answered RESOURCE_EXHAUSTED with the retry hint;
 - at most `max_waiting` escalations wait between paho's thread and the model's queue: past that, the
-  next is refused at once rather than queued where nothing watches its deadline.
+  next is refused at once rather than queued where nothing watches its deadline;
+- the answer still has to travel back through the broker: the median of how long recent escalations
+  took to arrive (their `tierkit.sent_ms` against this host's clock; each at most half its budget, so a
+  skewed device clock cannot stop admission) is kept back from every deadline (`reply_margin_s`), here
+  and when the request is queued.
 
 Whatever this gate lets through is admitted again by the batcher when it is queued (the gate's view is
 a moment old). Requests it cannot read go through unchanged: the event loop answers them with the
@@ -19,8 +23,10 @@ precise error.
 
 from __future__ import annotations
 
+import statistics
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -37,6 +43,7 @@ if TYPE_CHECKING:
 
 DEFAULT_MAX_WAITING = 64  # MqttConfig.max_waiting
 _WAITING_HINT_MS = 5  # a refusal for a full hand-off: the loop clears it within a few milliseconds
+_TRANSITS = 64  # recent arrivals the reply margin is the median of
 
 
 def time_left(message: paho.MQTTMessage, request: pb.ModelInferRequest) -> float | None:
@@ -80,6 +87,13 @@ class ArrivalGate:
         self._on_refused = on_refused
         self._waiting = 0
         self._lock = threading.Lock()
+        self._transits: deque[float] = deque(maxlen=_TRANSITS)
+        self._margin = 0.0
+
+    @property
+    def reply_margin_s(self) -> float:
+        """Seconds kept back from a deadline for the answer's way back (see the module doc)."""
+        return self._margin
 
     @property
     def waiting(self) -> int:
@@ -107,14 +121,30 @@ class ArrivalGate:
         with self._lock:
             self._waiting = max(0, self._waiting - 1)
 
+    def _observe_transit(self, request: pb.ModelInferRequest) -> float:
+        """Learn how long `request` took to arrive (if it says when it was sent); the margin now."""
+        if topics.PARAM_SENT_MS in request.parameters and topics.PARAM_DEADLINE_MS in request.parameters:
+            params = get_parameters(request.parameters)
+            sent, due = params.get(topics.PARAM_SENT_MS), params.get(topics.PARAM_DEADLINE_MS)
+            if isinstance(sent, int) and isinstance(due, int) and due > sent:
+                transit = min(max(0.0, time.time() - sent / 1000), 0.5 * (due - sent) / 1000)
+                with self._lock:
+                    self._transits.append(transit)
+                    self._margin = statistics.median(self._transits)
+        return self._margin
+
     def _refusal(self, message: paho.MQTTMessage, request: pb.ModelInferRequest | None) -> Exception | None:
         if request is None or self._is_duplicate(request, message.topic):
             return None
         left = time_left(message, request)
-        if left is not None and left <= 0:
+        margin = self._observe_transit(request)
+        if left is not None and left - margin <= 0:
             self._on_refused(request.model_name, "expired")
-            msg = f"escalation arrived {-left * 1000:.1f} ms after its deadline; not computed"
+            msg = (f"escalation arrived {-left * 1000:.1f} ms after its deadline; not computed" if left <= 0 else
+                   f"escalation arrived with {left * 1000:.1f} ms left, less than an answer takes to travel back "
+                   f"({margin * 1000:.1f} ms); not computed")
             return CloudTimeout(msg)
+        left = None if left is None else left - margin
         if self._forwarding:
             return None
         try:

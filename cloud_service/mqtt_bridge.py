@@ -392,6 +392,8 @@ class MqttBridge:
         if isinstance(params.get(topics.PARAM_DEADLINE_MS), int):
             due = loop.time() + int(params[topics.PARAM_DEADLINE_MS]) / 1000 - time.time()
             deadline = due if deadline is None else min(deadline, due)
+        if deadline is not None:  # the answer's way back through the broker (`arrival`)
+            deadline -= self._gate.reply_margin_s
         key = request_key(params, device)
         if key is None:
             return await self._infer(request, deadline)

@@ -24,6 +24,9 @@ PARAM_TRACE = "tierkit.trace_id"
 # Absolute deadline (Unix epoch, milliseconds): MQTT has no deadlines of its own, so a server drops
 # a request that is past it before computing anything.
 PARAM_DEADLINE_MS = "tierkit.deadline_ms"
+# When the device sent it (Unix epoch, milliseconds): the server learns how long the broker's trip takes,
+# and keeps that back from deadlines for the answer's way back.
+PARAM_SENT_MS = "tierkit.sent_ms"
 # Set on a response that was served from the duplicate-request cache.
 PARAM_CACHED = "tierkit.cached"
 # Set (true) on an audit: a confident edge answer sent to the cloud only to compare, after it was answered.

@@ -132,7 +132,9 @@ class MqttTransport(Transport):
             raise escalation_error(EscalationError, msg, code="RESOURCE_EXHAUSTED")
         if self.encoder is not None:
             request = self.encoder.prepare(as_message(request), timeout_s)
-        payload = self.serialize(request, **{topics.PARAM_DEADLINE_MS: int((time.time() + timeout_s) * 1000)})
+        now = time.time()
+        payload = self.serialize(request, **{topics.PARAM_DEADLINE_MS: int((now + timeout_s) * 1000),
+                                             topics.PARAM_SENT_MS: int(now * 1000)})
         if len(payload) > self.options.max_message_bytes:
             msg = (f"request of {len(payload)} bytes exceeds max_message_bytes={self.options.max_message_bytes} "
                    f"for {self.where}; raise the bound or send a smaller input")

@@ -1,0 +1,65 @@
+"""Admission of MQTT escalations on arrival (paho's thread): the deadline less the answer's way back, and the
+bound on escalations waiting for the event loop. Real messages as paho builds them; no broker needed."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import numpy as np
+import paho.mqtt.client as paho
+
+from cloud_service.arrival import ArrivalGate
+from cloud_service.config import ServerConfig
+from cloud_service.errors import ServerBusy
+from cloud_service.protocol import encode_request, topics
+from cloud_service.repository import ModelRepository
+from runtimes.errors import CloudTimeout
+
+
+def _message(*, sent_ago_s: float, left_s: float, model: str = "digits") -> paho.MQTTMessage:
+    now = time.time()
+    request = encode_request(model, {"x": np.zeros((1, 4), np.float32)},
+                             parameters={topics.PARAM_SENT_MS: int((now - sent_ago_s) * 1000),
+                                         topics.PARAM_DEADLINE_MS: int((now + left_s) * 1000)})
+    message = paho.MQTTMessage(topic=b"tierkit/v1/cam-1/escalate")
+    message.payload = request.SerializeToString()
+    return message
+
+
+def test_the_answers_way_back_is_kept_from_the_deadline(tmp_path: Path) -> None:
+    refused: list[tuple[str, str]] = []
+    gate = ArrivalGate(ModelRepository(ServerConfig(models_dir=tmp_path)),
+                       on_refused=lambda m, r: refused.append((m, r)))
+    for _ in range(5):  # escalations that took ~30 ms to arrive
+        request, refusal = gate.arrive(_message(sent_ago_s=0.03, left_s=0.07))
+        assert request is not None
+        assert request.model_name == "digits"
+        assert refusal is None  # an unknown model: the event loop answers it with the precise error
+        gate.taken()
+    assert 0.025 < gate.reply_margin_s < 0.045
+    # 20 ms left is not enough for an answer to travel back: refused on arrival, not computed
+    _, refusal = gate.arrive(_message(sent_ago_s=0.03, left_s=0.02))
+    assert isinstance(refusal, CloudTimeout)
+    assert "travel back" in str(refusal)
+    _, late = gate.arrive(_message(sent_ago_s=0.03, left_s=-0.01))
+    assert isinstance(late, CloudTimeout)
+    assert "after its deadline" in str(late)
+    assert refused == [("digits", "expired"), ("digits", "expired")]
+    # a skewed device clock (sent "an hour ago") counts at most half the budget
+    for _ in range(200):
+        gate.arrive(_message(sent_ago_s=3600, left_s=0.1))
+        gate.taken()
+    assert gate.reply_margin_s <= 0.5 * 3600.1
+
+
+def test_escalations_waiting_for_the_event_loop_are_bounded(tmp_path: Path) -> None:
+    gate = ArrivalGate(ModelRepository(ServerConfig(models_dir=tmp_path)), max_waiting=3)
+    for _ in range(3):
+        assert gate.arrive(_message(sent_ago_s=0.001, left_s=1.0))[1] is None
+    _, refusal = gate.arrive(_message(sent_ago_s=0.001, left_s=1.0))
+    assert isinstance(refusal, ServerBusy)
+    assert refusal.retry_after_ms > 0
+    gate.taken()
+    assert gate.arrive(_message(sent_ago_s=0.001, left_s=1.0))[1] is None
+    assert gate.waiting == 3
