@@ -20,6 +20,8 @@ row, in cores (1.0 = one core busy for the whole row).
 Columns: offered (requests sent per second), in-time/s (answers within their deadline: goodput),
 ratio (in-time/s against the best rate measured at any load for that model and protocol in this run),
 refused (RESOURCE_EXHAUSTED / UNAVAILABLE answers), refusal p50/p99 (ms from sending to the refusal),
+server refusal p99 (the bucket bound of `tierkit_refusal_seconds` under which 99 % fell: receipt to refusal
+inside the server, over MQTT from paho's thread; what the callers' figure adds is transport and the host),
 late (answers that arrived after their deadline), expired (DEADLINE_EXCEEDED: no answer in time).
 Targets (issue): ratio >= 0.9 at every load, refusal p99 <= 10 ms, no answer after its deadline.
 
@@ -48,6 +50,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from collections.abc import Callable, Iterator
 from concurrent import futures
 from pathlib import Path
@@ -114,13 +117,38 @@ class Row:
     load: Load
     loadgen_cores: float
     server_cores: float
+    server_refusal_p99_ms: float | None = None  # receipt to refusal inside tierkit's server (its histogram)
+
+
+def _refusal_buckets(metrics: str, protocol: str) -> dict[float, float]:
+    """Cumulative counts of `tierkit_refusal_seconds` by bucket bound, for one protocol (all models)."""
+    if not metrics:
+        return {}
+    with urllib.request.urlopen(f"http://{metrics}/metrics", timeout=10) as reply:
+        text = reply.read().decode()
+    out: dict[float, float] = {}
+    for line in text.splitlines():
+        if line.startswith("tierkit_refusal_seconds_bucket{") and f'protocol="{protocol}"' in line:
+            bound = line.split('le="', 1)[1].split('"', 1)[0]
+            out[float(bound)] = out.get(float(bound), 0.0) + float(line.rsplit(" ", 1)[1])
+    return out
+
+
+def _p99_ms(before: dict[float, float], after: dict[float, float]) -> float | None:
+    """The bucket bound (ms) under which 99 % of the refusals between two reads fell; None without refusals."""
+    counts = sorted((bound, after[bound] - before.get(bound, 0.0)) for bound in after)
+    total = counts[-1][1] if counts else 0.0
+    if total <= 0:
+        return None
+    return next(bound * 1000 for bound, n in counts if n >= 0.99 * total)
 
 
 def _measure(gen: LoadGen, pid: int, fn: Callable[..., Load], level: str, *, group: bool = False,
-             **kwargs: Any) -> Row:
-    cpu, started = _cpu_seconds(pid, group=group), time.monotonic()
+             metrics: str = "", protocol: str = "", **kwargs: Any) -> Row:
+    cpu, started, refusals = _cpu_seconds(pid, group=group), time.monotonic(), _refusal_buckets(metrics, protocol)
     load, gen_cores = gen.run(fn, **kwargs)
-    return Row(level, load, gen_cores, (_cpu_seconds(pid, group=group) - cpu) / max(time.monotonic() - started, 1e-9))
+    cores = (_cpu_seconds(pid, group=group) - cpu) / max(time.monotonic() - started, 1e-9)
+    return Row(level, load, gen_cores, cores, _p99_ms(refusals, _refusal_buckets(metrics, protocol)))
 
 
 def _callers(gen: LoadGen, pid: int, fn: Callable[..., Load], args: argparse.Namespace,
@@ -142,9 +170,10 @@ def _callers(gen: LoadGen, pid: int, fn: Callable[..., Load], args: argparse.Nam
 def _row(model: str, protocol: str, row: Row, best: float) -> str:
     load = row.load
     ratio = load.goodput / best if best else 0.0
+    server = "-" if row.server_refusal_p99_ms is None else f"≤ {row.server_refusal_p99_ms:g}"
     return (f"| {model} | {protocol} | {row.level} | {load.callers} | {load.offered / load.seconds:.1f} | "
             f"{load.goodput:.1f} | {ratio:.2f} | {load.refused} | {load.refusal_p(50):.1f} | {load.refusal_p(99):.1f} "
-            f"| {load.late} | {load.expired} | {row.loadgen_cores:.2f} | {row.server_cores:.2f} |")
+            f"| {server} | {load.late} | {load.expired} | {row.loadgen_cores:.2f} | {row.server_cores:.2f} |")
 
 
 def _misses(name: str, protocol: str, rows: list[Row]) -> list[str]:
@@ -203,7 +232,7 @@ def _triton(args: argparse.Namespace, name: str, gen: LoadGen, page: np.ndarray,
             if line.strip() == "ready":
                 break
         if not address:
-            print(f"| {name} | triton | - | - | absent: PyTriton's server did not start | | | | | | | | | |")
+            print(f"| {name} | triton | - | - | absent: PyTriton's server did not start | | | | | | | | | | |")
             return []
         request = pb.ModelInferRequest.FromString(request_bytes("ocrdet", page))
         request.parameters["timeout"].int64_param = int(deadline_s * 1e6)  # Triton's per-request queue timeout
@@ -243,8 +272,8 @@ def main(argv: list[str] | None = None) -> int:
           f"{args.deadline_ms:g} ms, {args.seconds:g} s a row; load generator: {args.loadgen}; serve args: "
           f"{args.serve_args or '(defaults)'}")
     print("| model | protocol | load | callers | offered/s | in-time/s | ratio | refused | refusal p50 ms "
-          "| refusal p99 ms | late | expired | loadgen cores | server cores |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+          "| refusal p99 ms | server refusal p99 ms | late | expired | loadgen cores | server cores |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     failed: list[str] = []
     gen = LoadGen(args.loadgen)
     try:
@@ -257,7 +286,7 @@ def main(argv: list[str] | None = None) -> int:
         gen.close()
     if not args.pytriton_python:
         print("| triton (PyTriton) | - | - | - | absent: PyTriton needs a virtual environment of its own "
-              "(FACTS.md); give --pytriton-python PY to add it | | | | | | | | | |")
+              "(FACTS.md); give --pytriton-python PY to add it | | | | | | | | | | |")
     print(f"\n{len(failed)} target misses" + (": " + "; ".join(failed) if failed else ""))
     return 0
 
@@ -272,7 +301,7 @@ def _model_rows(args: argparse.Namespace, name: str, root: Path, broker: Broker 
     extra = ["--mqtt", broker.url] if broker is not None else []
     failed: list[str] = []
     grpc_levels: list[tuple[str, int]] = []
-    with Server(models, *extra, *args.serve_args.split()) as server:
+    with Server(models, "--metrics", "127.0.0.1:0", *extra, *args.serve_args.split()) as server:
         pid = server.proc.pid
         for protocol in protocols:
             if protocol == "grpc":
@@ -283,7 +312,8 @@ def _model_rows(args: argparse.Namespace, name: str, root: Path, broker: Broker 
             levels = _callers(gen, pid, fn, args, payload=payload, deadline_s=deadline_s, **kwargs)
             if protocol == "grpc":
                 grpc_levels = levels
-            rows = [_measure(gen, pid, fn, level, payload=payload, callers=n, seconds=args.seconds,
+            rows = [_measure(gen, pid, fn, level, metrics=server.metrics, protocol=protocol, payload=payload,
+                             callers=n, seconds=args.seconds,
                              deadline_s=deadline_s, **kwargs) for level, n in levels]
             _print_rows(name, protocol, rows)
             failed += _misses(name, protocol, rows)
