@@ -355,7 +355,7 @@ class EdgeAgent(EscalationPath, Background):
                    scores: np.ndarray, single: bool, t0: float, edge_ms: float, seq: int,
                    key: bytes | None) -> Prediction:
         """The edge answer; a share of them is also audited by the cloud in the background (`edge_agent.audit`)."""
-        audit = self.audits.draw()
+        audit = self.audits.draw(seq)
         if audit:  # copied before the app gets (and may edit) the arrays; sent after the answer is back
             self.audits.submit(v.id, inputs, outputs, seq)
         return self._finish(v, outputs, scores, single, t0, edge_ms, seq, key=key)

@@ -15,8 +15,9 @@ escalation (`n_E` compared, `k_E` agreed) and `N_C` were confident (audited with
 stratum E   p_E = k_E / n_E                       every escalation is compared when answered (π = 1)
 stratum C   p_C = Σ a_i/π_i / Σ 1/π_i             Hájek (ratio) form of Horvitz-Thompson over the audits
 agreement   A = (N_E p_E + N_C p_C) / N           the edge's top-1 agreement with the cloud, whole stream
-variance    (N_E/N)² p̃_E(1-p̃_E)/(n_E+4) + (N_C/N)² (1-π̄) p̃_C(1-p̃_C)/(n_eff+4)
+variance    (N_E/N)² (1-n_E/N_E) p̃_E(1-p̃_E)/(n_E+4) + (N_C/N)² (1-π̄·kept) p̃_C(1-p̃_C)/(n_eff+4)
 ```
+(kept: the share of drawn audits that were compared; a skipped audit lowers the true inclusion probability.)
 
 The ratio form stays unbiased (to first order) when an audit or an escalation is lost (link down,
 rate cap) for reasons that do not depend on whether the edge was right; the variance uses
@@ -68,6 +69,24 @@ logger = logging.getLogger(__name__)
 Z95 = 1.959964
 _RECENT = 4096  # recent requests kept for rate matching (score, limit, logits)
 LEARN_INTERVAL_S = 0.25
+_DRAW_BLOCK = 4096
+
+
+class Draws:
+    """Uniform numbers in [0, 1) fixed by (seed, request seq): block `seq // 4096` of a numpy generator seeded
+    with (seed, block), so the draw of a request depends on nothing else (~0.1 µs a request)."""
+
+    def __init__(self, seed: int) -> None:
+        self.seed = seed
+        self._block: tuple[int, list[float]] = (-1, [])
+
+    def __call__(self, seq: int) -> float:
+        index, values = self._block  # replaced whole: a concurrent caller sees one block or the other
+        block, offset = divmod(seq, _DRAW_BLOCK)
+        if block != index:
+            values = np.random.default_rng([self.seed, block]).random(_DRAW_BLOCK).tolist()
+            self._block = (block, values)
+        return values[offset]
 
 
 @dataclass(frozen=True)
@@ -80,7 +99,8 @@ class AuditOptions:
         drift_extra_rate: escalate this share of requests more while a drift event is flagged.
         timeout_s: an audit's deadline (it is background work: no request waits for it).
         max_inflight: audits in flight at once; more are skipped.
-        seed: the audit draw's seed (None: random).
+        seed: the audit draw's seed (None: random). The draw of request `seq` is a hash of (seed, seq): which
+            requests are audited does not depend on which others were confident, nor on timing.
         drift: the drift charts' options.
         router: the learned rule's options; None: no learned rule.
     """
@@ -148,6 +168,9 @@ def estimate_agreement(c: Mapping[str, float]) -> dict[str, float | None]:
         n_eff = sw * sw / sw2 if sw2 > 0 else 0.0
         pt = (p * n_eff + 2) / (n_eff + 4)
         pi_mean = float(c.get("audit_pi_w", 0.0)) / sw  # the audits' mean inclusion probability, weighted
+        drawn = float(c.get("audits_drawn", 0))
+        if drawn > 0:  # skipped or lost audits lower the true inclusion probability below the drawn rate
+            pi_mean *= min(1.0, float(c.get("audits_compared", 0)) / drawn)
         est += n_c / n * p
         var += (n_c / n) ** 2 * max(0.0, 1.0 - pi_mean) * pt * (1 - pt) / (n_eff + 4)
     half = Z95 * math.sqrt(var)
@@ -187,7 +210,7 @@ class Auditor:
         self.agent = agent
         self._fleet_rate: float | None = None
         self.active = agent.transport is not None and (options.rate > 0 or options.drift_rate > 0)
-        self._rng = random.Random(options.seed)
+        self._draws = Draws(options.seed if options.seed is not None else random.getrandbits(63))
         self.counts = dict.fromkeys(COUNTERS, 0.0)
         self.skipped: dict[str, int] = {}
         self.drift = DriftMonitor(options.drift)
@@ -255,9 +278,9 @@ class Auditor:
             return 1.0 - router.risk(z.reshape(len(scores), -1)), self.router_limit
         return scores, (limit if self.boost_limit <= limit else self.boost_limit)
 
-    def draw(self) -> bool:
-        """Whether this confident answer is audited."""
-        return self.active and self._rng.random() < self.rate
+    def draw(self, seq: int) -> bool:
+        """Whether the confident answer to request `seq` is audited (a Bernoulli draw fixed by seed and seq)."""
+        return self.active and self._draws(seq) < self.rate
 
     def submit(self, variant: str, inputs: Mapping[str, np.ndarray], outputs: Mapping[str, np.ndarray],
                seq: int) -> None:
