@@ -19,8 +19,8 @@ CUSUM of log-likelihood ratios has ARL0 >= exp(h) (Lorden), whatever p0 is, prov
 in-control rate. Both are measured in simulation by `tests/edge_agent/test_drift.py` (A/A on real
 scores, with the reference estimated from the stream itself, which costs some of the stated ARL0).
 
-After an alarm, a chart learns a new reference from what follows: the new regime becomes the
-baseline, so one shift raises one event, not one per batch.
+After an alarm, both charts learn a new reference from what follows: the new regime becomes the
+baseline, so one shift raises one event, not one per batch nor one per chart.
 
 Example:
     >>> monitor = DriftMonitor(DriftOptions())
@@ -227,24 +227,23 @@ class DriftMonitor:
         stat = self.scores.add(value)
         if stat is None:
             return None
-        event = self._raise("score", stat, self.scores.h, self.scores.mean)
-        self.scores.reset()
-        return event
+        return self._raise("score", stat, self.scores.h, self.scores.mean)
 
     def audit(self, *, agreed: bool) -> DriftEvent | None:
         """One audit's outcome (the cloud's top-1 against the edge's on a confident answer)."""
         stat = self.agreement.add(not agreed)
         if stat is None:
             return None
-        event = self._raise("agreement", stat, self.agreement.h, self.agreement.p0)
-        self.agreement.reset()
-        return event
+        return self._raise("agreement", stat, self.agreement.h, self.agreement.p0)
 
     def _raise(self, kind: str, stat: float, h: float, ref: float) -> DriftEvent:
         event = DriftEvent(kind, self.requests, float(stat), float(h), float(ref), time.time())
         self.events = [*self.events[-31:], event]  # bounded
         self.count += 1
         self._until = self.requests + self.options.hold
+        # both charts learn the new regime: one shift is one event, whichever chart saw it first
+        self.scores.reset()
+        self.agreement.reset()
         return event
 
     def to_json(self) -> dict[str, Any]:

@@ -137,7 +137,10 @@ def test_the_agent_raises_a_drift_event_and_audits_more(digits_linear_onnx: Path
         stats = model.stats()
         window = windows.window(stats)
     event = stats["drift"]["last"]
-    assert event["kind"] == "score"
+    # either chart may flag first: the audits of the rotated digits disagree at once, the score chart needs
+    # a few batches (which one depends on where the background fold falls); each chart's own delay and false
+    # alarms are tested above
+    assert event["kind"] in ("score", "agreement")
     assert 1300 < event["request"] <= 1300 + 500
     assert stats["audit"]["rate"] == 0.2
     assert window["data_drift"] is True
