@@ -26,10 +26,10 @@ with no disagreement seen yet still gets an interval. Agreement on the escalated
 (`agreement` in telemetry) says nothing of the confident region: a shift that makes the edge
 confidently wrong lowers `agreement_est` and leaves `agreement` where it was.
 
-Drift (`edge_agent.drift`): the configured score of every request feeds a label-free CUSUM, every
-audit an agreement CUSUM. While a drift event is flagged, audits run at `drift_rate`, escalations at
-`drift_extra_rate` more (the threshold matching the raised rate on recent scores), and the router
-judges on fresh held-out rows.
+Drift (`edge_agent.drift`): the configured score and the predicted class of every request feed two
+label-free CUSUMs, every audit an agreement CUSUM. While a drift event is flagged, audits run at
+`drift_rate`, escalations at `drift_extra_rate` more (the threshold matching the raised rate on recent
+scores), and the router judges on rows labelled since the event.
 
 Router (`edge_agent.router`): labelled rows (escalations weighted 1, audits 1/π) train it; when it
 wins on held-out rows it decides escalations, its threshold matching the configured rule's rate.
@@ -218,6 +218,7 @@ class Auditor:
         self._output = agent.outputs[0].name
         self._recent: deque[tuple[float, float, np.ndarray]] = deque(maxlen=_RECENT)
         self._scores: deque[float] = deque(maxlen=16 * _RECENT)  # drained by `fold` (the drift chart)
+        self._tops: deque[int] = deque(maxlen=16 * _RECENT)  # predicted classes, drained by `fold`
         self._labels: deque[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]] = deque(maxlen=_RECENT)
         self._audit_outcomes: deque[bool] = deque(maxlen=_RECENT)
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -254,7 +255,7 @@ class Auditor:
     async def _learn_loop(self) -> None:
         while True:
             await asyncio.sleep(LEARN_INTERVAL_S)
-            if self._scores or self._audit_outcomes or self._labels:
+            if self._scores or self._tops or self._audit_outcomes or self._labels:
                 try:  # refits take milliseconds: never on the loop, where requests wait on timers
                     await asyncio.to_thread(self.fold)
                 except Exception:
@@ -271,6 +272,7 @@ class Auditor:
         s = float(scores[0]) if len(scores) == 1 else float(scores.min())
         self._recent.append((s, limit, z.reshape(len(scores), -1).copy()))
         self._scores.append(s)
+        self._tops.extend(z.reshape(len(scores), -1).argmax(axis=1).tolist())
         router = self.router
         if router is not None and router.champion and not math.isnan(self.router_limit):
             if len(scores) == 1:
@@ -399,6 +401,10 @@ class Auditor:
         scores = self._scores
         while scores:
             if self.drift.score(scores.popleft()) is not None:
+                self._drifted()
+        tops = self._tops
+        while tops:
+            if self.drift.top_class(tops.popleft()) is not None:
                 self._drifted()
         while self._audit_outcomes:
             if self.drift.audit(agreed=self._audit_outcomes.popleft()) is not None:

@@ -1,11 +1,13 @@
 """Sequential change detection: is the edge's world still the one it was tuned on?
 
-Two CUSUM charts (Page's cumulative sum), one without labels and one with the cloud's:
+Three CUSUM charts (Page's cumulative sum), two without labels and one with the cloud's:
 
 ```
 ScoreCusum      the edge's own score, in batches of `batch` requests: the mean of a batch against the
                 mean and spread of the first `reference` batches (two-sided, reference value k in batch
                 standard deviations); no labels needed, so it sees every request
+ClassCusum      the edge's predicted classes, in batches: a chi-square distance of the batch's class
+                counts from the reference frequencies (a changed class prior moves no score)
 AgreementCusum  the audits' disagreement (edge top-1 != cloud top-1 on a confident answer): Bernoulli
                 log-likelihood-ratio CUSUM of p1 against the reference rate p0
 ```
@@ -76,6 +78,8 @@ class DriftOptions:
         audit_p0_floor: the least p0 (few reference disagreements must not make every later one an alarm).
         audit_p1_factor, audit_p1_min_gap: the alternative p1 = max(factor x p0, p0 + gap), at most 0.5.
         hold: requests a drift event stays flagged (the agent audits and escalates more meanwhile).
+        classes_arl0, classes_batch, classes_reference, classes_k: the predicted-class chart's average
+            requests between false alarms, requests per batch, reference batches, and reference value.
     """
 
     score_arl0: float = 200_000.0
@@ -88,11 +92,17 @@ class DriftOptions:
     audit_p1_factor: float = 3.0
     audit_p1_min_gap: float = 0.1
     hold: int = 2_000
+    classes_arl0: float = 1_000_000.0
+    classes_batch: int = 50
+    classes_reference: int = 20
+    classes_k: float = 0.5
 
     def __post_init__(self) -> None:
         if not (self.score_arl0 > self.score_batch >= 1 and self.score_reference >= 5 and self.score_k > 0
                 and self.audit_arl0 > 1 and self.audit_reference >= 5 and 0 < self.audit_p0_floor < 0.5
-                and self.audit_p1_factor > 1 and self.audit_p1_min_gap > 0 and self.hold >= 0):
+                and self.audit_p1_factor > 1 and self.audit_p1_min_gap > 0 and self.hold >= 0
+                and self.classes_arl0 > self.classes_batch >= 10 and self.classes_reference >= 5
+                and self.classes_k > 0):
             msg = (f"DriftOptions out of range: {self!r}; arl0s must exceed 1 (score_arl0 > score_batch), "
                    "references >= 5, k > 0, 0 < audit_p0_floor < 0.5, audit_p1_factor > 1, hold >= 0")
             raise ConfigError(msg)
@@ -102,7 +112,7 @@ class DriftOptions:
 class DriftEvent:
     """A change flagged by a chart: which one, at which request, and the evidence."""
 
-    kind: str  # "score" (no labels) or "agreement" (audits)
+    kind: str  # "score" or "classes" (no labels), or "agreement" (audits)
     request: int
     statistic: float
     threshold: float
@@ -194,6 +204,63 @@ class AgreementCusum:
         return self.stat if self.stat > self.h else None
 
 
+class ClassCusum:
+    """Upper CUSUM of a batch's chi-square distance between its predicted-class counts and the reference.
+
+    Per batch of B requests with counts n_c, G = 2 Σ n_c ln(n_c / (B p_c)) (the multinomial likelihood
+    ratio of the batch's own frequencies against the reference p, learned from the first batches with
+    add-one smoothing, divided by 1 + B/N_ref for the reference's own error) is about χ²(K-1) while nothing
+    changes; its Wilson-Hilferty transform z is close to a standard normal and feeds a normal CUSUM whose h
+    comes from Siegmund's approximation for the target ARL0. `tests/edge_agent/test_drift.py` measures the
+    false alarms (A/A) and the delay on a class-prior shift.
+    """
+
+    def __init__(self, arl0_requests: float, batch: int, reference: int, k: float) -> None:
+        self.batch, self.reference, self.k = batch, reference, k
+        self.h = decision_interval(arl0_requests / batch, k)
+        self.reset()
+
+    def reset(self) -> None:
+        self._counts: dict[int, int] = {}
+        self._n = 0
+        self._ref: dict[int, int] = {}
+        self._ref_batches = 0
+        self.p: dict[int, float] = {}
+        self._unseen, self._dof, self._ref_n = 0.0, 1, 1.0
+        self.stat = 0.0
+
+    @property
+    def ready(self) -> bool:
+        return bool(self.p)
+
+    def add(self, top: int) -> float | None:
+        """One request's predicted class; the statistic when a batch closes and crosses h, else None."""
+        self._counts[top] = self._counts.get(top, 0) + 1
+        self._n += 1
+        if self._n < self.batch:
+            return None
+        counts, n = self._counts, self._n
+        self._counts, self._n = {}, 0
+        if not self.ready:
+            for c, m in counts.items():
+                self._ref[c] = self._ref.get(c, 0) + m
+            self._ref_batches += 1
+            if self._ref_batches >= self.reference:
+                k = max(len(self._ref), 2)
+                total = sum(self._ref.values()) + k + 1  # add-one, and room for a class never seen
+                self.p = {c: (m + 1) / total for c, m in self._ref.items()}
+                self._unseen = 1 / total
+                self._ref_n = float(total)
+                self._dof = k - 1
+            return None
+        g = 2.0 * sum(m * math.log(m / (n * self.p.get(c, self._unseen))) for c, m in counts.items())
+        g /= 1.0 + n / self._ref_n  # the reference's own sampling error inflates G by about this much
+        d = self._dof  # Wilson-Hilferty: (G/d)^(1/3) is close to normal, so Siegmund's h holds for z
+        z = ((max(g, 0.0) / d) ** (1.0 / 3.0) - (1.0 - 2.0 / (9.0 * d))) / math.sqrt(2.0 / (9.0 * d))
+        self.stat = max(0.0, self.stat + z - self.k)
+        return self.stat if self.stat > self.h else None
+
+
 class DriftMonitor:
     """Both charts, the request clock, and the drift flag with its hold.
 
@@ -205,6 +272,7 @@ class DriftMonitor:
         self.scores = ScoreCusum(o.score_arl0, o.score_batch, o.score_reference, o.score_k)
         self.agreement = AgreementCusum(o.audit_arl0, o.audit_reference, o.audit_p0_floor, o.audit_p1_factor,
                                         o.audit_p1_min_gap)
+        self.classes = ClassCusum(o.classes_arl0, o.classes_batch, o.classes_reference, o.classes_k)
         self.requests = 0
         self.count = 0  # events since start (`events` keeps the last 32)
         self.events: list[DriftEvent] = []
@@ -229,6 +297,13 @@ class DriftMonitor:
             return None
         return self._raise("score", stat, self.scores.h, self.scores.mean)
 
+    def top_class(self, top: int) -> DriftEvent | None:
+        """One request's predicted class (no labels: a changed class prior shows here first)."""
+        stat = self.classes.add(top)
+        if stat is None:
+            return None
+        return self._raise("classes", stat, self.classes.h, float(len(self.classes.p)))
+
     def audit(self, *, agreed: bool) -> DriftEvent | None:
         """One audit's outcome (the cloud's top-1 against the edge's on a confident answer)."""
         stat = self.agreement.add(not agreed)
@@ -244,6 +319,7 @@ class DriftMonitor:
         # both charts learn the new regime: one shift is one event, whichever chart saw it first
         self.scores.reset()
         self.agreement.reset()
+        self.classes.reset()
         return event
 
     def to_json(self) -> dict[str, Any]:
@@ -251,4 +327,6 @@ class DriftMonitor:
         return {"flagged": self.flagged, "events": self.count, "last": last.to_json() if last else None,
                 "score_ready": self.scores.ready, "score_statistic": max(self.scores.up, self.scores.down),
                 "score_threshold": self.scores.h, "agreement_ready": self.agreement.ready,
-                "agreement_statistic": self.agreement.stat, "agreement_threshold": self.agreement.h}
+                "agreement_statistic": self.agreement.stat, "agreement_threshold": self.agreement.h,
+                "classes_ready": self.classes.ready, "classes_statistic": self.classes.stat,
+                "classes_threshold": self.classes.h}
