@@ -16,6 +16,7 @@ EdgeAgent (agent.py)               lifecycle, the synchronous edge path, control
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import threading
 import time
@@ -119,6 +120,9 @@ class AgentState:
 
     @property
     def decision(self) -> Decision | None:
-        """The controller's decision in force (inputs, predictions, why), or None without a controller."""
-        return None if self.controller is None else self.controller.current
+        """The controller's decision in force (inputs, predictions, why), or None without a controller;
+        its `drift` says whether a drift event is flagged and which chart raised the last one."""
+        if self.controller is None:
+            return None
+        return dataclasses.replace(self.controller.current, drift=self.audits.drift_summary())
 

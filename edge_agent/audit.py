@@ -475,6 +475,13 @@ class Auditor:
 
     # -- reporting -----------------------------------------------------------------------------
 
+    def drift_summary(self) -> dict[str, Any]:
+        """The drift flag, the chart that raised the last event ("score", "classes" or "agreement") and when."""
+        drift = self.drift
+        last = drift.last
+        return {"flagged": drift.flagged, "kind": last.kind if last else None,
+                "request": last.request if last else None, "events": drift.count}
+
     def snapshot(self, stats: Mapping[str, Any]) -> dict[str, Any]:
         """Cumulative counters (for telemetry windows) and the figures since start."""
         counts = dict(self.counts)

@@ -186,6 +186,7 @@ class Decision:
     at: float = 0.0
     binding: str = "none"
     encoding: str = ""
+    drift: Mapping[str, Any] = field(default_factory=dict)  # the agent's drift flag and the chart that raised it
 
     @property
     def key(self) -> tuple[str, float]:
@@ -200,6 +201,7 @@ class Decision:
         doc = asdict(self)
         doc["violated"] = list(self.violated)
         doc["inputs"] = dict(self.inputs)
+        doc["drift"] = dict(self.drift)
         for k, v in doc.items():
             if isinstance(v, float):
                 doc[k] = round(v, 6) if math.isfinite(v) else None

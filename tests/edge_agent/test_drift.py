@@ -176,3 +176,31 @@ def test_the_class_chart_flags_a_changed_class_prior_and_rarely_an_unchanged_one
         assert at >= 1_200, at
         delays.append(at - 1_200)
     assert max(delays) <= 300, delays
+
+
+def test_the_decision_carries_the_drift_flag_and_the_chart_that_raised_it(digits_linear_onnx: Path,
+                                                                         digits: zoo.Split, tmp_path: Path) -> None:
+    package: ModelPackage = make_package(digits_linear_onnx, tmp_path / "digits", name="digits",
+                                         x_val=digits.x_val, y_val=digits.y_val)
+    x, y = digits.x_test, digits.y_test
+    drift = DriftOptions(classes_batch=10, classes_reference=5)
+    options = AgentOptions(device_id="decided", audit=AuditOptions(rate=0.0, drift_rate=0.1, router=None, drift=drift))
+    with sdk.load(package, cloud=FakeTransport(oracle(x, y)), policy=Policy("margin", threshold=0.3),
+                  controller=True, options=options) as model:
+        for v in x[:50]:  # the predicted classes' reference
+            model.predict(v)
+        model.agent.audits.fold()
+        before = model.decision
+        assert before is not None
+        assert before.drift["flagged"] is False
+        for v in x[y == 0][:40]:  # then only zeros: a changed class prior, no label needed
+            model.predict(v)
+        model.agent.audits.fold()
+        after = model.decision
+        assert after is not None
+        doc = model.stats()["decision"]
+    assert after.drift["flagged"] is True
+    assert after.drift["kind"] == "classes"
+    assert 50 < after.drift["request"] <= 90
+    assert after.to_json()["drift"] == after.drift
+    assert doc is not None
