@@ -143,40 +143,47 @@ def test_journal_count_never_waits_for_an_append(tmp_path: Path) -> None:
     assert size > 100
 
 
-def _big_batch(pkg: ModelPackage, digits: zoo.Split, at_least_ms: float) -> tuple[np.ndarray, float]:
-    """A batch whose edge run takes at least `at_least_ms` here (measured now), and that time."""
+def _big_batch(pkg: ModelPackage, digits: zoo.Split, at_least_ms: float) -> tuple[np.ndarray, float, float]:
+    """A batch whose edge run takes at least `at_least_ms` here (measured now), that time, and the CPU time
+    the calling thread spends in it (onnxruntime's own threads do the rest)."""
     with open_session(pkg.directory / "model.onnx") as session:
         n = 1024
         while True:
             x = np.resize(digits.x_test, (n, *digits.x_test.shape[1:])).astype(np.float32)
-            t = time.perf_counter()
+            t, cpu = time.perf_counter(), time.thread_time()
             session.run({"x": x})
-            ms = (time.perf_counter() - t) * 1e3
+            ms, cpu_ms = (time.perf_counter() - t) * 1e3, (time.thread_time() - cpu) * 1e3
             if ms >= at_least_ms or n >= 1 << 17:
-                return x, ms
+                return x, ms, cpu_ms
             n *= 2
 
 
 def test_the_loop_never_stalls_under_load(cnn: ModelPackage, digits: zoo.Split, cloud: GrpcCloud,
                                           tmp_path: Path) -> None:
     """Big batches (inline at batch 1, far too slow at their size), kept escalations with their fsyncs,
-    and single requests, all at once: the loop's longest stall stays well under one big batch's run."""
-    big, big_ms = _big_batch(cnn, digits, 500.0)
+    and single requests, all at once: the loop thread never spends one big batch's run between two turns.
+
+    Counted in the loop thread's CPU time, not wall time: on a loaded host the whole process waits for a
+    core (a 883 ms wall gap beside a 654 ms batch at load average ~20), which says nothing of the loop.
+    A big batch run on the loop costs its thread the batch's CPU share in one gap; run off it, a gap costs
+    the loop thread a few ms of inline single requests."""
+    big, big_ms, big_cpu_ms = _big_batch(cnn, digits, 500.0)
     opts = AgentOptions(journal_path=tmp_path / "journal.db", inline_max_ms=5.0)
 
-    async def main() -> tuple[float, int, bool]:
+    async def main() -> tuple[float, float, int, bool]:
         async with EdgeAgent(cnn, cloud=cloud.url(), budget=sdk.Budget(latency_ms=3000), options=opts,
                              policy=Policy("max_prob", threshold=0.999)) as agent:
             assert agent.inline  # batch 1 is fast enough for the loop
-            stall, stop = 0.0, asyncio.Event()
+            stall, stall_cpu, stop = 0.0, 0.0, asyncio.Event()
 
             async def ticker() -> None:
-                nonlocal stall
-                last = time.perf_counter()
+                nonlocal stall, stall_cpu
+                last, last_cpu = time.perf_counter(), time.thread_time()
                 while not stop.is_set():
                     await asyncio.sleep(0.001)
-                    now = time.perf_counter()
+                    now, cpu = time.perf_counter(), time.thread_time()
                     stall, last = max(stall, now - last), now
+                    stall_cpu, last_cpu = max(stall_cpu, cpu - last_cpu), cpu
 
             tick = asyncio.create_task(ticker())
             work = [agent.infer(big) for _ in range(3)]
@@ -184,13 +191,13 @@ def test_the_loop_never_stalls_under_load(cnn: ModelPackage, digits: zoo.Split, 
             preds = await asyncio.wait_for(asyncio.gather(*work), 120)
             stop.set()
             await tick
-            return stall * 1e3, sum(p.tier == "cloud" for p in preds), agent.inline_for(big)
+            return stall * 1e3, stall_cpu * 1e3, sum(p.tier == "cloud" for p in preds), agent.inline_for(big)
 
-    stall_ms, cloud_answers, big_inline = asyncio.run(main())
+    stall_ms, stall_cpu_ms, cloud_answers, big_inline = asyncio.run(main())
     assert not big_inline
     assert cloud_answers > 0
-    # run on the loop, one big batch alone stalls it for about big_ms; the margin absorbs a busy host's scheduling
-    assert stall_ms < 0.6 * big_ms, (stall_ms, big_ms)
+    # run on the loop, one big batch costs the loop thread about big_cpu_ms in a single gap
+    assert stall_cpu_ms < 0.5 * big_cpu_ms, (stall_cpu_ms, big_cpu_ms, stall_ms, big_ms)
 
 
 def test_an_idle_agent_sleeps(package: ModelPackage) -> None:
