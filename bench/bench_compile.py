@@ -250,6 +250,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--keep", type=Path, help="build in this folder and keep it (default: a temporary one)")
     parser.add_argument("--zoo", action="store_true", help="benchmark the third-party zoo graphs instead")
     parser.add_argument("--zoo-graphs", help="comma-separated zoo graphs (default: all; with --quick: ocr-cls)")
+    parser.add_argument("--max-time", type=float, metavar="SECONDS",
+                        help="--zoo: each compile's rung search ends after SECONDS (compile_model max_time)")
+    parser.add_argument("--repair-budget", type=float, metavar="SECONDS",
+                        help="--zoo: seconds one rung's repair may take (compile_model repair_budget; default 60)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     if args.zoo:
@@ -287,7 +291,8 @@ def _zoo(args: argparse.Namespace) -> int:
     from compilers.measure import host_cpu
 
     summaries: list[compile_zoo.GraphSummary] = []
-    rows = compile_zoo.run_zoo(names, args.threads, 0.6 if args.quick else args.budget, summaries)
+    kwargs = {k: v for k, v in (("max_time", args.max_time), ("repair_budget", args.repair_budget)) if v is not None}
+    rows = compile_zoo.run_zoo(names, args.threads, 0.6 if args.quick else args.budget, summaries, **kwargs)
     if args.json:
         print(json.dumps({"zoo": compile_zoo.as_json(rows), "graphs": compile_zoo.summaries_json(summaries),
                           "cpu": host_cpu(), "threads": args.threads}, indent=2))

@@ -27,6 +27,7 @@ from typing import Any
 import numpy as np
 
 from compilers import compile_model
+from compilers.cli import seconds_line
 from compilers.measure import TimingPlan, time_runners
 from compilers.passes.execute import Runner, open_runner
 from runtimes.errors import TierkitError
@@ -105,20 +106,23 @@ def _brief(fid: dict[str, float]) -> str:
 
 
 def run_graph(graph: zoo.ZooGraph, work: Path, threads: int, budget_s: float,
-              summaries: list[GraphSummary] | None = None) -> list[ZooRow]:
-    """Compile `graph`, time its kept rungs against onnxruntime fp32 on the original; one row per rung."""
+              summaries: list[GraphSummary] | None = None, **compile_kwargs: Any) -> list[ZooRow]:
+    """Compile `graph`, time its kept rungs against onnxruntime fp32 on the original; one row per rung.
+
+    `compile_kwargs` go to `compile_model` (`max_time`, `repair_budget`)."""
     sizes = tuple(dict.fromkeys((1, graph.batch)))
     calibration, validation = graph.data()
     started = time.monotonic()
     try:
         vs = compile_model(graph.path(), output=work / "variants", target="x86-avx512", precisions=("fp32", "int8"),
                            calibration=calibration, validation=validation, batch_sizes=sizes, threads=threads,
-                           progress=False)
+                           progress=False, **compile_kwargs)
     except TierkitError as exc:
         if summaries is not None:
             summaries.append(GraphSummary(graph.name, round(time.monotonic() - started, 1), {}, notes=[str(exc)[:200]]))
         return [ZooRow(graph.name, "(compile)", "-", "-", f"failed: {type(exc).__name__}: {exc}", None, None)]
     summary = GraphSummary(graph.name, round(time.monotonic() - started, 1), dict(vs.build.get("seconds", {})))
+    summary.notes += [line for line in seconds_line(vs.build).splitlines() if not line.startswith("seconds:")]
     secs = {str(r["id"]): dict(r.get("seconds", {})) for r in vs.build.get("report", [])}
     feeds = {b: graph.inputs(b, seed=4242 + b) for b in sizes}
     arts = {REFERENCE: (graph.path(), "onnxruntime")} | {e.id: (vs.open(e.id).artifact_path, e.runtime) for e in vs}
@@ -175,7 +179,7 @@ def _floors(summary: GraphSummary, graph: zoo.ZooGraph, artifact: Path, runtime:
 
 
 def run_zoo(names: list[str], threads: int, budget_s: float,
-            summaries: list[GraphSummary] | None = None) -> list[ZooRow]:
+            summaries: list[GraphSummary] | None = None, **compile_kwargs: Any) -> list[ZooRow]:
     rows: list[ZooRow] = []
     for name in names:
         graph = zoo.GRAPHS[name]
@@ -185,7 +189,7 @@ def run_zoo(names: list[str], threads: int, budget_s: float,
             rows.append(ZooRow(name, "(not installed)", "-", "-", str(exc), None, None))
             continue
         with tempfile.TemporaryDirectory(prefix=f"bench-zoo-{name}-") as tmp:
-            rows += run_graph(graph, Path(tmp), threads, budget_s, summaries)
+            rows += run_graph(graph, Path(tmp), threads, budget_s, summaries, **compile_kwargs)
     return rows
 
 

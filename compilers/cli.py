@@ -65,6 +65,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[
                    help="sequences: most character error rate against the fp32 decoding (default: unbounded)")
     p.add_argument("--max-time", type=float, metavar="SECONDS",
                    help="end the rung search after SECONDS with the best rung found so far (the report says so)")
+    p.add_argument("--repair-budget", type=float, metavar="SECONDS",
+                   help="seconds one rung's repair search may take (default 60); a rung still failing is refused")
     p.add_argument("--repair-all", action="store_true",
                    help="repair every rung that fails the guard, even one slower than fp32 before repair")
     p.add_argument("--task", choices=("classification", "embedding", "regression", "sequence"),
@@ -126,6 +128,13 @@ def seconds_line(build: dict[str, Any]) -> str:
     """Where the compile's time went, and whether the search was cut short."""
     secs = build.get("seconds", {})
     line = "seconds: " + ", ".join(f"{k} {v:.1f}" for k, v in secs.items())
+    rungs = [r for r in build.get("report", []) if r.get("seconds")]
+    if rungs:
+        worst = max(rungs, key=lambda r: r["seconds"].get("build", 0) + r["seconds"].get("validate", 0))
+        s = worst["seconds"]
+        repair = f"; repair {s['repair']:.1f} over {s['attempts']} attempt(s)" if "repair" in s else ""
+        line += (f"\nslowest rung: {worst['id']} {s.get('build', 0) + s.get('validate', 0):.1f} s (build "
+                 f"{s.get('build', 0):.1f}, validate {s.get('validate', 0):.1f}{repair})")
     if build.get("cut_short"):
         line += f"\nsearch cut short: {build['cut_short']}"
     return line
@@ -144,7 +153,7 @@ def run(args: argparse.Namespace) -> int:
     if args.max_drop is not None:
         kwargs["max_drop"] = args.max_drop
     for name in ("max_slice_error", "metric", "max_metric_drop", "decoder", "min_rows_unchanged", "max_char_error",
-                 "max_time"):
+                 "max_time", "repair_budget"):
         if getattr(args, name) is not None:
             kwargs[name] = getattr(args, name)
     # Libraries underneath may print to stdout; keep it for the report (JSON must stay parseable).

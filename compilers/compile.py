@@ -46,6 +46,10 @@ from runtimes.spec import Precision, Task, TensorSpec
 logger = logging.getLogger(__name__)
 
 _TORCH_SUFFIXES = (".pt2",)
+# Seconds one rung's repair may search. Each attempt is a build and a validation: about 3 to 10 s for
+# OpenVINO (no re-calibration), and up to 50 s for onnxruntime's static QDQ of the 10 MB OCR recognizer
+# on a loaded 2-core host, whose repair never came near the guard (16 % -> 27 % of lines unchanged).
+DEFAULT_REPAIR_BUDGET = 60.0
 
 
 @dataclass
@@ -72,7 +76,7 @@ def compile_model(model: Any, *, output: str | Path, target: str | Target | Path
                   strict: bool = False, progress: bool = True, threads: int | None = None,
                   decoder: str | None = None, min_rows_unchanged: float = DEFAULT_MIN_ROWS_UNCHANGED,
                   max_char_error: float | None = None, max_time: float | None = None,
-                  repair_all: bool = False) -> VariantSet:
+                  repair_all: bool = False, repair_budget: float | None = DEFAULT_REPAIR_BUDGET) -> VariantSet:
     """Compile `model` into a ladder of variants for `target`, each checked against the fp32 reference.
 
     Args:
@@ -114,6 +118,10 @@ def compile_model(model: Any, *, output: str | Path, target: str | Target | Path
         repair_all: repair every rung that fails the guard; by default one whose first build runs
             below 0.9x fp32's speed here at every timed batch size is refused unrepaired (a repair keeps
             more layers in fp32, so it could only be slower, and a rung slower than fp32 is never recommended).
+        repair_budget: seconds one rung's repair search may take (default 60; None: no bound but
+            `max_time`). The search keeps 1, 2, 4, ... of the most sensitive ops in fp32, each attempt one
+            build and validation; once the budget is spent it stops, and a rung that still fails is refused
+            with the attempts it made.
         strict: raise `FidelityError` as soon as a variant fails the guard after repair.
         progress: show a progress bar on stderr.
         threads: intra-op threads for validation and timing (default: all cores).
@@ -141,9 +149,10 @@ def compile_model(model: Any, *, output: str | Path, target: str | Target | Path
     if decoder is not None:
         check_decoder(decoder)
         task = task or Task.SEQUENCE.value
-    if max_time is not None and max_time <= 0:
-        msg = f"max_time {max_time!r} must be a number of seconds > 0"
-        raise ConfigError(msg)
+    for label, seconds in (("max_time", max_time), ("repair_budget", repair_budget)):
+        if seconds is not None and seconds <= 0:
+            msg = f"{label} {seconds!r} must be a number of seconds > 0"
+            raise ConfigError(msg)
     if metric is not None and not callable(metric):
         metric = load_metric(str(metric))
     sizes = _batch_sizes(batch_sizes)
@@ -167,11 +176,11 @@ def compile_model(model: Any, *, output: str | Path, target: str | Target | Path
                         task=task, batch_sizes=sizes, threads=threads or os.cpu_count() or 1, work=work,
                         strict=strict, progress=progress, prune=prune_config, metric=metric,
                         generated_data=calib.origin == GENERATED_ORIGIN, decoder=decoder or DEFAULT_DECODER,
-                        max_time=max_time, repair_all=repair_all)
+                        max_time=max_time, repair_all=repair_all, repair_budget=repair_budget)
         arguments = {"precisions": wanted, "max_drop": max_drop, "min_cosine": min_cosine, "batch_sizes": list(sizes),
                      "task": task, "strict": strict, "prune": prune_config.to_json() if prune_config else None,
                      "target": spec.name, "decoder": decoder, "max_time": max_time,
-                     "repair_all": repair_all}
+                     "repair_all": repair_all, "repair_budget": repair_budget}
         return ladder.run(out, name=name or _default_name(model), version=version, sign_key=key,
                           arguments=arguments)
 

@@ -101,6 +101,7 @@ class Ladder:
     decoder: str = DEFAULT_DECODER  # how a sequence task's output is read (compilers.sequence)
     max_time: float | None = None  # seconds for the rung search; past them, the rest is refused as cut short
     repair_all: bool = False  # repair rungs slower than fp32 too (see _repair_pays)
+    repair_budget: float | None = None  # seconds one rung's repair search may take
     rejected: list[dict[str, Any]] = field(default_factory=list)
     # Filled in by run(): reference outputs on the validation data and on the OOD calibration subset,
     # the fp32 baseline's latency, and each evaluated artifact's validation outputs.
@@ -125,6 +126,7 @@ class Ladder:
     seconds: dict[str, float] = field(default_factory=dict)
     cut_short: str = ""
     _eval_s: float = 0.0
+    _repair: dict[str, Any] = field(default_factory=dict)  # the rung being built: its repair's record
     _deadline: float | None = None
 
     def run(self, out: Path, *, name: str, version: str, sign_key: Ed25519PrivateKey | None,
@@ -178,10 +180,13 @@ class Ladder:
             self.rejected.append({**entry, "stage": "cut short",
                                   "reason": f"not built: max_time {self.max_time:g} s was spent before it"})
             return None
-        self._eval_s = 0.0
+        self._eval_s, self._repair = 0.0, {}
         cand = self._build(vid, base, rung)
         spent = time.monotonic() - now
         seconds = {"build": round(spent - self._eval_s, 3), "validate": round(self._eval_s, 3)}
+        if self._repair:  # part of the two above: ranking and search, each attempt one build and validation
+            seconds["repair"] = round(sum(self._repair.get("seconds", {}).values()), 3)
+            seconds["attempts"] = max(len(self._repair.get("attempts", [])) - 1, 0)
         if cand is not None:
             cand.seconds = seconds
         elif self.rejected and self.rejected[-1]["id"] == vid:
@@ -404,7 +409,7 @@ class Ladder:
                           threads=self.threads, batch_sizes=self.batch_sizes, torch_model=base.torch_model,
                           example_inputs=self.source.example_inputs, device=self._device(rung.runtime),
                           reference=self.ref_val, outputs=self.source.outputs, deadline=self._deadline,
-                          decoder=self.decoder, repair_pays=self._repair_pays)
+                          decoder=self.decoder, repair_pays=self._repair_pays, repair_budget=self.repair_budget)
         artifact, records = base.onnx, list(base.records)
         entry = {"id": vid, "precision": rung.precision, "runtime": rung.runtime,
                  "passes": [p.name for p in rung.passes]}
@@ -416,6 +421,8 @@ class Ladder:
                 result = run_pass(spec.name, artifact, dataclasses.replace(ctx, workdir=workdir), spec.params)
                 artifact = result.artifact
                 records.append(result.record)
+                if isinstance(result.record.get("sensitivity"), dict):
+                    self._repair = result.record["sensitivity"]
             fid, verdict = self.evaluate(artifact, rung.runtime)
         except PassSkipped as exc:
             self.rejected.append({**entry, "stage": "skipped", "reason": str(exc)})

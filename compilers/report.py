@@ -212,7 +212,7 @@ def format_table(rows: list[dict[str, Any]], batch_sizes: tuple[int, ...]) -> st
     """The report as a fixed-width text table."""
     sizes = tuple(dict.fromkeys((*batch_sizes, 1)))
     head = ["variant", "status", "prec", "runtime", "passes", "fidelity", *[f"x fp32 b{b}" for b in sizes], "size",
-            "build s", "valid s", "time s"]
+            "build s", "valid s", "time s", "repair s"]
     lines = []
     for r in rows:
         speed = [f"{r['speedup_vs_fp32'][f'batch_{b}']:.2f}" if f"batch_{b}" in r.get("speedup_vs_fp32", {}) else "-"
@@ -221,7 +221,8 @@ def format_table(rows: list[dict[str, Any]], batch_sizes: tuple[int, ...]) -> st
         passes = ",".join(p for p in r["passes"] if not p.startswith("export_onnx"))
         secs = r.get("seconds", {})
         lines.append([r["id"], r["status"], r["precision"], r["runtime"], passes or "-", _fid_cell(r["fidelity"]),
-                      *speed, size, *(f"{secs[k]:.1f}" if k in secs else "-" for k in ("build", "validate", "time"))])
+                      *speed, size, *(f"{secs[k]:.1f}" if k in secs else "-" for k in ("build", "validate", "time")),
+                      f"{secs['repair']:.1f} ({secs['attempts']} tries)" if "repair" in secs else "-"])
     widths = [max(len(str(x)) for x in col) for col in zip(head, *lines, strict=True)]
     out = ["  ".join(str(x).ljust(w) for x, w in zip(row, widths, strict=True)).rstrip() for row in [head, *lines]]
     for r in rows:

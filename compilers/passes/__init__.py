@@ -19,6 +19,7 @@ Pruning and ONNX export act on the torch model before the rungs and live in prun
 from __future__ import annotations
 
 import importlib
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -71,6 +72,7 @@ class PassContext:
         deadline: `time.monotonic()` value past which repair searches stop with what they have.
         repair_pays: (artifact, runtime) -> "" when a first low-precision build that failed the guard runs
             faster than fp32 here, else why repairing it cannot give a rung worth keeping.
+        repair_budget: seconds one rung's repair search may take (None: unbounded but for `deadline`).
     """
 
     workdir: Path
@@ -91,6 +93,13 @@ class PassContext:
     deadline: float | None = None  # time.monotonic() past which a repair search stops (compile's max_time)
     decoder: str = "ctc-greedy"  # how a sequence task's output is read (compilers.sequence)
     repair_pays: Callable[[Path, str], str] | None = None
+    repair_budget: float | None = None
+
+    def repair_deadline(self) -> float | None:
+        """When a repair search that starts now must stop: its budget or the compile's deadline, the earlier."""
+        budget = None if self.repair_budget is None else time.monotonic() + self.repair_budget
+        ends = [d for d in (self.deadline, budget) if d is not None]
+        return min(ends) if ends else None
 
     @property
     def output_names(self) -> tuple[str, ...]:

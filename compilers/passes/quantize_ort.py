@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -220,15 +221,20 @@ def _quantize(artifact: Path, ctx: PassContext, record: dict[str, Any], *, mode:
     if futile:
         record["sensitivity"] = {"note": f"{verdict.reason}; {futile}", "repaired": False}
         return PassResult(first, record)
+    deadline, started = ctx.repair_deadline(), time.monotonic()
     ranking = rank()
+    ranked_s = time.monotonic() - started
     logger.info("int8 (%s) failed the guard (%s); ranked %d nodes by sensitivity", mode, verdict.reason,
                 len(ranking))
     result = sensitivity.search(build, lambda p: ctx.evaluate(p, "onnxruntime"), ranking,
-                                first=(first, fid, verdict), max_attempts=max_attempts, deadline=ctx.deadline)
+                                first=(first, fid, verdict), max_attempts=max_attempts, deadline=deadline)
     record["excluded_nodes"] = [*exclude, *result.excluded]
     record["sensitivity"] = {"method": "qdq-noise" if mode == "static" else "modeled-dynamic-noise",
                              "top": [{"node": n, "noise": round(s, 6)} for n, s in ranking[:10]],
-                             "attempts": result.attempts, "repaired": result.passed}
+                             "attempts": result.attempts, "repaired": result.passed,
+                             "seconds": {"rank": round(ranked_s, 2),
+                                         "search": round(time.monotonic() - started - ranked_s, 2)}}
+    sensitivity.note_time_spent(record["sensitivity"], result, ctx.repair_budget)
     quantized = {n.name for n in model.graph.node if n.op_type in ("Conv", "MatMul", "Gemm")}
     if quantized and quantized <= set(record["excluded_nodes"]):
         record["sensitivity"]["repaired"] = False

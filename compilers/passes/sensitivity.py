@@ -180,6 +180,7 @@ class SearchResult:
     excluded: list[str]
     passed: bool
     attempts: list[dict[str, Any]] = field(default_factory=list)
+    stopped_at_deadline: bool = False  # the search ended because its time was spent, not its steps
 
 
 def search(build: Callable[[list[str]], Path], evaluate: Callable[[Path], tuple[dict[str, float], Verdict]],
@@ -223,7 +224,18 @@ def search(build: Callable[[list[str]], Path], evaluate: Callable[[Path], tuple[
         else:
             failed_at = mid
     artifact, excluded, fid, verdict = best
-    return SearchResult(artifact, excluded, verdict.passed, attempts)
+    return SearchResult(artifact, excluded, verdict.passed, attempts, stopped_at_deadline=late())
+
+
+def note_time_spent(record: dict[str, Any], result: SearchResult, budget: float | None) -> None:
+    """A search that failed because its time ran out says so in the rung's reason (`note`)."""
+    if result.passed or not result.stopped_at_deadline:
+        return
+    last = result.attempts[-1]
+    spent = f"the repair budget of {budget:g} s" if budget is not None else "max_time"
+    record["note"] = (f"{last['reason']}; the repair stopped when {spent} was spent, after {len(result.attempts) - 1} "
+                      f"attempt(s) keeping up to {max(a['excluded'] for a in result.attempts)} op(s) in fp32 "
+                      "(raise repair_budget to search further)")
 
 
 def _try(build: Callable[[list[str]], Path], evaluate: Callable[[Path], tuple[dict[str, float], Verdict]],
