@@ -100,6 +100,21 @@ def test_fp32_rungs_are_held_to_a_numeric_bound_not_to_accuracy() -> None:
     assert guard.check(exact, "classification", numeric=True).passed
 
 
+def test_fp32_bound_is_per_task_and_a_sequence_keeps_every_decoded_row() -> None:
+    """OpenVINO f32 on the OCR recognizer: 1.19e-4 of the probabilities' scale over 128 lines, every line the same."""
+    guard = Guard()
+    assert guard.required("classification", numeric=True) == {"max_rel_error": 1e-4}
+    assert guard.required("sequence", numeric=True) == {"max_rel_error": 1e-3, "min_sequence_rows_unchanged": 1.0}
+    fid = {"max_rel_error": 1.19e-4, "sequence_rows_unchanged": 1.0, "char_error_rate": 0.0, "sequence_rows": 128.0}
+    assert guard.check(fid, "sequence", numeric=True).passed
+    assert not guard.check(fid, "classification", numeric=True).passed
+    one_line = guard.check({**fid, "sequence_rows_unchanged": 127 / 128}, "sequence", numeric=True)
+    assert not one_line.passed
+    assert "1 of 128" in one_line.reason
+    assert not guard.check({**fid, "max_rel_error": 2e-3}, "sequence", numeric=True).passed  # bf16-like error
+    assert Guard(fp32_bound=1e-4).required("sequence", numeric=True)["max_rel_error"] == 1e-4  # one bound for all
+
+
 def test_user_metric_below_the_reference_fails_the_guard() -> None:
     fid = {"drop_points": 0.0, "cosine_mean": 1.0, "metric": 0.60, "reference_metric": 0.70}
     verdict = Guard(max_metric_drop=0.05).check(fid, "classification")
