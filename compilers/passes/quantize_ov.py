@@ -1,13 +1,13 @@
-"""OpenVINO: ONNX -> IR export, and NNCF int8 with its accuracy-controlled mode as the repair.
+"""OpenVINO: ONNX -> IR export, and NNCF int8 repaired by keeping its most sensitive ops in fp32.
 
 `export` converts the fp32 ONNX model to IR (`model.xml` + `model.bin`), with f16 weights when
 asked (OpenVINO CPU computes them in f32: smaller, not faster; GPU and NPU run f16).
 
 `quantize` runs `nncf.quantize` (the transformer model type for embeddings and attention
-graphs). When the guard fails it reruns as `nncf.quantize_with_accuracy_control`: NNCF ranks the
-quantized layers by their effect on a validation metric and reverts the worst to fp32 until the
-drop is within the limit. The metric mirrors the guard: accuracy with labels, top-1 agreement
-with the reference without, mean cosine for embeddings.
+graphs). When the guard fails, the ops whose quantized inputs inject the most noise are kept in
+fp32, 1, 2, 4, ... at a time, each attempt judged by the compile's own guard (decoded sequences
+included) until one passes (`quantize_ov_repair`). This replaces NNCF's accuracy-controlled mode,
+which compiles the model once per quantizer group to rank them (most of a compile on small graphs).
 """
 
 from __future__ import annotations
@@ -22,15 +22,15 @@ from pathlib import Path
 from typing import Any
 
 import nncf
-import numpy as np
 import openvino as ov
 
-from compilers.passes import PassContext, PassResult
-from compilers.sequence import decode
+from compilers.passes import PassContext, PassResult, quantize_ov_repair, sensitivity
 from runtimes.errors import CompileError
 from runtimes.spec import Task
 
 logger = logging.getLogger(__name__)
+
+_RANKING_SAMPLES = 16
 
 
 @contextlib.contextmanager
@@ -73,44 +73,9 @@ def _is_transformer(model: ov.Model, task: str) -> bool:
     return task == Task.EMBEDDING or ("Softmax" in ops and "MatMul" in ops)
 
 
-def _uses_cosine(ctx: PassContext) -> bool:
-    return "min_cosine_mean" in ctx.guard.required(ctx.task)
-
-
-def _metric_fn(ctx: PassContext) -> Any:
-    """NNCF validation function: (compiled model, items) -> (metric, per-item values), higher is better.
-
-    The metric is the guard's: for sequences, the share of rows whose decoded sequence is unchanged;
-    mean cosine to the reference when the guard bounds it, else accuracy (labels) or top-1 agreement
-    with the reference.
-    """
-    cosine, name = _uses_cosine(ctx), ctx.output_names[0] if ctx.output_names else None
-    sequence = ctx.task == Task.SEQUENCE
-
-    def validate(compiled: Any, items: Any) -> tuple[float, list[float]]:
-        values: list[float] = []
-        for inputs, reference, label in items:
-            result = compiled(inputs)
-            out = np.asarray(result[name] if name is not None else result[0], np.float64)
-            ref = np.asarray(reference, np.float64)
-            if sequence:
-                values.extend(float(r == o) for r, o in zip(decode(ref, ctx.decoder), decode(out, ctx.decoder),
-                                                            strict=True))
-            elif not cosine:
-                target = label if label is not None else ref.argmax(axis=1)
-                values.extend((out.argmax(axis=1) == target).astype(float).tolist())
-            else:
-                o, r = out.reshape(len(out), -1), ref.reshape(len(ref), -1)
-                denom = np.linalg.norm(o, axis=1) * np.linalg.norm(r, axis=1)
-                values.extend(((o * r).sum(axis=1) / np.maximum(denom, 1e-30)).tolist())
-        return float(np.mean(values)), values
-
-    return validate
-
-
 def quantize(artifact: Path, ctx: PassContext, *, preset: str | None = None, model_type: str | None = "auto",
              subset_size: int = 300, fast_bias_correction: bool = True, ignored: tuple[str, ...] = (),
-             accuracy_control: bool = True, max_iterations: int = 20) -> PassResult:
+             repair: bool = True, max_attempts: int = 8) -> PassResult:
     """NNCF post-training int8 of the IR `artifact`; accuracy-controlled rerun when the guard fails.
 
     Args:
@@ -121,8 +86,8 @@ def quantize(artifact: Path, ctx: PassContext, *, preset: str | None = None, mod
         subset_size: calibration samples.
         fast_bias_correction: NNCF's fast bias correction (False: slower, sometimes more accurate).
         ignored: node names kept in fp32.
-        accuracy_control: rerun with `quantize_with_accuracy_control` when the guard fails.
-        max_iterations: layers the accuracy-controlled mode may revert.
+        repair: when the guard fails, keep the most sensitive ops in fp32 (`quantize_ov_repair`).
+        max_attempts: most repair builds before the bisection steps (each one compile and validation).
     """
     core = ov.Core()
     model = core.read_model(str(artifact))
@@ -154,60 +119,49 @@ def quantize(artifact: Path, ctx: PassContext, *, preset: str | None = None, mod
         raise CompileError(msg) from exc
     ov.save_model(quantized, str(out), compress_to_fp16=False)
     record["fake_quantize_ops"] = _count_fq(quantized)
+    record["excluded_nodes"] = []
     fid, verdict = ctx.evaluate(out, "openvino")
-    if verdict.passed or not accuracy_control:
+    if verdict.passed or not repair:
         return PassResult(out, record)
     if ctx.deadline is not None and time.monotonic() > ctx.deadline:
-        record["sensitivity"] = {"note": f"{verdict.reason}; max_time was spent before the accuracy-controlled rerun"}
+        record["sensitivity"] = {"note": f"{verdict.reason}; max_time was spent before the repair", "repaired": False}
         return PassResult(out, record)
     futile = ctx.repair_pays(out, "openvino") if ctx.repair_pays is not None else ""
     if futile:
-        record["sensitivity"] = {"note": f"{verdict.reason}; {futile}"}
+        record["sensitivity"] = {"note": f"{verdict.reason}; {futile}", "repaired": False}
         return PassResult(out, record)
-    logger.info("NNCF int8 failed the guard (%s); rerunning in accuracy-controlled mode", verdict.reason)
-    out = _accuracy_controlled(model, calibration, ctx, kwargs, max_iterations, record, fid)
+    logger.info("NNCF int8 failed the guard (%s); keeping its most sensitive ops in fp32", verdict.reason)
+    out = _repair(model, quantized, out, ctx, record, (fid, verdict), max_attempts)
     return PassResult(out, record)
 
 
-def _accuracy_controlled(model: ov.Model, calibration: Any, ctx: PassContext, kwargs: dict[str, Any],
-                         max_iterations: int, record: dict[str, Any], first: dict[str, float]) -> Path:
-    if ctx.reference is None:
-        msg = "accuracy-controlled quantization needs the reference outputs on the validation data"
-        raise CompileError(msg)
-    labels = ctx.validation.labels
-    items = [(batch, ctx.reference[i:i + 1], None if labels is None else labels[i:i + 1])
-             for i, batch in enumerate(ctx.validation.batches(1))]
-    validation = nncf.Dataset(items, lambda item: item[0])
-    if ctx.task == Task.SEQUENCE:
-        max_drop = 1.0 - ctx.guard.min_rows_unchanged
-    elif _uses_cosine(ctx):
-        max_drop = 1.0 - float(ctx.guard.required(ctx.task)["min_cosine_mean"])
-    else:
-        max_drop = ctx.guard.max_drop / 100.0
-    from nncf.quantization.advanced_parameters import AdvancedAccuracyRestorerParameters
+def _repair(original: ov.Model, quantized: ov.Model, first: Path, ctx: PassContext, record: dict[str, Any],
+            measured: tuple[dict[str, float], Any], max_attempts: int) -> Path:
+    """Keep the most sensitive ops of `quantized` (from `original`) in fp32 (quantize_ov_repair): the last build."""
+    started, deadline = time.monotonic(), ctx.repair_deadline()
+    batches = list(ctx.validation.subset(_RANKING_SAMPLES).batches(4))
+    ranking = quantize_ov_repair.rank(quantized, batches, threads=ctx.threads)
+    ranked_s = time.monotonic() - started
+    attempt = [0]
 
-    restorer = AdvancedAccuracyRestorerParameters(max_num_iterations=max_iterations)
-    try:
-        with _quiet_nncf():
-            quantized = nncf.quantize_with_accuracy_control(
-                model, calibration, validation, _metric_fn(ctx), max_drop=max_drop * 0.9,
-                drop_type=nncf.DropType.ABSOLUTE, advanced_accuracy_restorer_parameters=restorer, **kwargs)
-    except Exception as exc:  # NNCF raises many types
-        msg = f"nncf.quantize_with_accuracy_control failed: {exc}"
-        raise CompileError(msg) from exc
-    out = ctx.workdir / "accuracy_control" / "model.xml"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    ov.save_model(quantized, str(out), compress_to_fp16=False)
-    fq = _count_fq(quantized)
-    metric = "sequence_rows_unchanged" if ctx.task == Task.SEQUENCE else "cosine_mean" if _uses_cosine(ctx) \
-        else "accuracy"
-    record["accuracy_control"] = {"used": True, "metric": metric,
-                                  "max_drop": max_drop * 0.9, "max_iterations": max_iterations,
-                                  "first_attempt": {k: round(v, 6) for k, v in first.items()},
-                                  "fake_quantize_ops": fq}
-    if fq == 0:
-        record["sensitivity"] = {"note": "the accuracy-controlled mode reverted every layer: nothing is int8 any more"}
-    return out
+    def build(excluded: list[str]) -> Path:
+        attempt[0] += 1
+        return quantize_ov_repair.bypass(quantized, excluded, ctx.workdir / f"attempt{attempt[0]}" / "model.xml",
+                                         original=original)
+
+    result = sensitivity.search(build, lambda p: ctx.evaluate(p, "openvino"), ranking, first=(first, *measured),
+                                max_attempts=max_attempts, deadline=deadline)
+    record["excluded_nodes"] = list(result.excluded)
+    record["sensitivity"] = {"method": "fake-quantize-noise", "ranked_ops": len(ranking),
+                             "top": [{"node": n, "noise": round(v, 6)} for n, v in ranking[:10]],
+                             "attempts": result.attempts, "repaired": result.passed,
+                             "seconds": {"rank": round(ranked_s, 2),
+                                         "search": round(time.monotonic() - started - ranked_s, 2)}}
+    sensitivity.note_time_spent(record["sensitivity"], result, ctx.repair_budget)
+    if ranking and len(result.excluded) >= len(ranking):
+        record["sensitivity"]["repaired"] = False
+        record["sensitivity"]["note"] = "every quantized op is excluded: nothing is int8 any more"
+    return result.artifact
 
 
 _SHAPE_OPS = {"Reshape", "Transpose", "Squeeze", "Unsqueeze", "Convert"}
