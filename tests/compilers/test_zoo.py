@@ -44,7 +44,9 @@ def _installed(name: str) -> bool:
 
 
 def _params(names: tuple[str, ...] | None = None) -> list:  # type: ignore[type-arg]
-    return [pytest.param(n, marks=[] if n in FAST else [pytest.mark.slow], id=n) for n in names or zoo.GRAPHS]
+    # a slow graph's first test compiles it (the OCR recognizer: 5 rungs of a 10 MB graph, minutes on 2 cores)
+    slow = [pytest.mark.slow, pytest.mark.timeout(1800)]
+    return [pytest.param(n, marks=[] if n in FAST else slow, id=n) for n in names or zoo.GRAPHS]
 
 
 @pytest.fixture(autouse=True)
