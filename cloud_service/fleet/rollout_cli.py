@@ -67,6 +67,10 @@ def add_parsers(sub: Any, common: argparse.ArgumentParser, fleet: Any) -> None:
                    f"(default {Evidence().bucket_s:g} s: the agents' telemetry interval)")
     d.add_argument("--holdback", type=float, default=0.05,
                    help="share of devices the last wave keeps back as its control until its gates pass")
+    d.add_argument("--audit-rate", type=float, default=0.5, metavar="SHARE",
+                   help="share of confident answers a small wave's devices audit while it soaks (0: their own)")
+    d.add_argument("--audit-devices", type=int, default=10, metavar="N",
+                   help="a wave of at most this many devices audits at --audit-rate")
     d.add_argument("--previous", help="the release to roll back to (default: what most targeted devices run)")
     d.add_argument("--cloud-capacity", type=float, metavar="RPS",
                    help="escalations/s the cloud tier sustains (measure with bench/bench_cloud.py)")
@@ -131,7 +135,8 @@ def _deploy(args: argparse.Namespace, fleet: Any) -> int:
     evidence = {"alpha": args.alpha, "beta": args.beta, "bucket_s": args.bucket}
     opts = make_options(waves=args.waves, soak=args.soak, cloud_capacity_rps=args.cloud_capacity,
                         stall_after_s=parse_duration(args.stall_after), margins=margins, evidence=evidence,
-                        max_soak=args.max_soak, on_inconclusive=args.on_inconclusive, holdback=args.holdback)
+                        max_soak=args.max_soak, on_inconclusive=args.on_inconclusive, holdback=args.holdback,
+                        audit_rate=args.audit_rate, audit_devices=args.audit_devices)
     with fleet(args) as f:
         rid = f.rollouts.deploy(args.release, parse_labels(args.label, where="--label"), opts, previous=args.previous)
         r = f.rollouts.get(rid)
