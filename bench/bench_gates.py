@@ -1,10 +1,12 @@
 """Rollout gates at fleet scale: false rollbacks of good releases (A/A), detection of known regressions (A/B).
 
-Devices are drawn from a model (tests/fleet/gate_sim.py): per-device levels of latency, energy and
-escalation, per-device noise, uneven traffic (log-normal rates), and noisy neighbours (shared-load spikes
-that hit every device, whichever release it runs). Releases: the same model (A/A), or one with a known
-regression (A/B): 2 points less accurate at the same escalation rate, one class flipped (confident errors,
-seen only by audits), +30 % p95, +10 % energy.
+Devices are drawn from a model (tests/fleet/gate_sim.py): per-device levels of latency, energy,
+escalation and confident-error rate, per-device noise, uneven traffic (log-normal rates), noisy neighbours
+(shared-load spikes that hit every device, whichever release it runs), audits at the agent's default 1 %
+(the canary at the rollout's raised `audit_rate` while it soaks), an hour of windows before the rollout
+(the default baseline), and the engine's control cohort and hold-back. Releases: the same model (A/A), or
+one with a known regression (A/B): 2 points less accurate at the same escalation rate, one class flipped
+(confident errors, mostly seen only by audits), +30 % p95, +10 % energy.
 
 Two parts:
 

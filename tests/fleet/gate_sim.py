@@ -156,8 +156,8 @@ class Outcome:
 
 def run_rollout(fleet: Fleet, *, waves: tuple[str, ...] = ("1", "5%", "25%", "100%"),
                 margins: Margins | None = None, evidence: Evidence | None = None, baseline_windows: int = 60,
-                max_soak_windows: int = 60, control_max: int | None = None, holdback: int = 5, look_every: int = 2,
-                audit_rate: float | None = None, audit_devices: int | None = None) -> Outcome:
+                max_soak_windows: int = 60, control_max: int | None = None, holdback: int | None = None,
+                look_every: int = 2, audit_rate: float | None = None, audit_devices: int | None = None) -> Outcome:
     """One rollout over the simulated fleet: waves judged by `gates.evaluate` every window, as the engine does;
     a wave of at most `audit_devices` devices audits at `audit_rate` while it soaks (the rollout's defaults)."""
     margins, evidence = margins or Margins(), evidence or Evidence()
@@ -165,6 +165,7 @@ def run_rollout(fleet: Fleet, *, waves: tuple[str, ...] = ("1", "5%", "25%", "10
     audit_rate = defaults.audit_rate if audit_rate is None else audit_rate
     audit_devices = defaults.audit_devices if audit_devices is None else audit_devices
     control_max = defaults.control_max if control_max is None else control_max
+    holdback = max(1, math.ceil(defaults.holdback * fleet.n)) if holdback is None else holdback  # as the engine
     ws = fleet.model.window_s
     sizes = wave_sizes(waves, fleet.n)
     order = list(fleet.rng.permutation(fleet.n))
