@@ -189,6 +189,10 @@ class EdgeAgent(EscalationPath, Background):
         self._background: set[asyncio.Task[Any]] = set()
         self._drain_wake: asyncio.Event | None = None
         self.audits = Auditor(opts.audit, self)  # audits of confident answers, drift, the learned rule
+        self._audit_mj_folded = 0.0
+        if isinstance(ctl, Controller) and self.audits.active:
+            audits = self.audits
+            ctl.attach_audits(lambda: audits.rate if audits.active else 0.0)  # planned with the escalations
 
     # -- lifecycle -----------------------------------------------------------------------------
 

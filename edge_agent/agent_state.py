@@ -109,6 +109,7 @@ class AgentState:
     _background: set[asyncio.Task[Any]]
     _drain_wake: asyncio.Event | None
     audits: Auditor
+    _audit_mj_folded: float  # the audits' energy already spread over folded requests
 
     def _current(self) -> tuple[Variant, float | None]:
         ctl = self.controller

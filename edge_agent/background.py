@@ -30,11 +30,16 @@ class Background(AgentState):
             return
         with self._fold_lock:
             ctl = self.controller
+            # the audits' energy since the last fold, spread over the requests folded now: the controller
+            # plans audits into the energy per request, so the mean it calibrates against holds them too
+            spent = self.audits.counts["audit_mj"]
+            audit_mj, self._audit_mj_folded = spent - self._audit_mj_folded, spent
+            share = audit_mj / len(self._obs) if self._obs else 0.0
             while self._obs:
                 rec = self._obs.popleft()
                 self.stats.add(rec)
                 if ctl is not None:
-                    feed_controller(ctl, rec)
+                    feed_controller(ctl, rec._replace(energy_mj=rec.energy_mj + share) if share else rec)
             if ctl is not None:
                 try:
                     ctl.maybe_redecide()

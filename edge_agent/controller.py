@@ -112,6 +112,8 @@ class Controller:
         self._deadline_scale = 1.0
         self.encoder: WireEncoder | None = None
         self._wires: tuple[WireOption, ...] = ()
+        self._audit_rate: Callable[[], float] = lambda: 0.0
+        self._audits_planned = 0.0
         self.current = self._commit(self._choose(), "initial")
 
     def attach_encoder(self, encoder: WireEncoder | None) -> None:
@@ -119,6 +121,12 @@ class Controller:
         encoding becomes its `planned` one (the agent attaches its transport's)."""
         self.encoder = encoder
         self._flag("wire encodings")
+
+    def attach_audits(self, rate: Callable[[], float]) -> None:
+        """The audit share in force (the agent's `Auditor.rate`, raised during drift or a rollout's
+        wave): audits count against the escalation cap and the energy budget in every plan."""
+        self._audit_rate = rate
+        self._flag("audits")
 
     # -- measurements ----------------------------------------------------------------------------
     def observe_inference(self, variant: str, latency_ms: float, energy_mj: float | None = None, *,
@@ -264,6 +272,8 @@ class Controller:
             self._link_event(now)
         if self.encoder is not None and self.encoder.options() is not self._wires:
             self._flag("wire encodings")
+        if abs(self._audit_rate() - self._audits_planned) > 1e-9:  # raised during drift or a rollout's wave
+            self._flag("audit rate")
         if self._pending:
             # the cloud going or coming back re-decides at once; a round trip that moved waits the gap like
             # any drift (on a link at the edge of the deadline it moves every few requests, and each
@@ -295,7 +305,8 @@ class Controller:
         self._flag(_EVENTS.get(link.event, f"link {link.event}"))
 
     def conditions(self) -> Conditions:
-        """The measured request rate, agent overhead and device slowdown in force now."""
+        """The measured request rate, agent overhead, device slowdown and audit share in force now."""
+        self._audits_planned = min(max(float(self._audit_rate()), 0.0), 1.0)
         span = self._arrivals[-1] - self._arrivals[0] if len(self._arrivals) > 1 else 0.0
         rate = (len(self._arrivals) - 1) / span if len(self._arrivals) >= self._min_obs and span > 0 else None
         overhead = float(np.mean(self._overheads)) if self._overheads else 0.0
@@ -311,7 +322,8 @@ class Controller:
                           shift_error_scale=shift, latency_scale=self.latency_windows.scale,
                           energy_scale=self._energy_scale, deadline_guard_ms=self.deadline_guard_ms(),
                           wire_ref_bytes=None if ref is None else ref.nbytes,
-                          wire_ref_encode_ms=0.0 if ref is None else ref.encode_ms)
+                          wire_ref_encode_ms=0.0 if ref is None else ref.encode_ms,
+                          audit_rate=self._audits_planned)
 
     def _wire(self, encoding: str) -> WireOption | None:
         """The option of `encoding` among those measured; unplanned (""), the one the encoder last

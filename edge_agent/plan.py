@@ -46,6 +46,7 @@ if TYPE_CHECKING:
 __all__ = ["Conditions", "PlanReport", "Predictions", "format_table", "pareto_front", "plot_frontier",
            "predict", "what_if"]
 
+AUDIT_CAP_SHARE = 0.25  # the most of max_escalations_per_s the plan keeps for audits
 
 
 @dataclass(frozen=True)
@@ -69,6 +70,10 @@ class Conditions:
             answered or not, whatever the link does.
         wire_ref_bytes, wire_ref_encode_ms: the request bytes and encode time of the wire encoding the
             link's round trips were measured with (None: the link's mean request size, no encode time).
+        audit_rate: the share of the answers not escalated that are also sent to the cloud to compare
+            (`edge_agent.audit`): off the latency path, but their radio bytes count in the energy plan
+            and they count with the escalations against `max_escalations_per_s`, of which they are
+            planned to take at most `AUDIT_CAP_SHARE`.
     """
 
     request_rate: float | None = None
@@ -81,6 +86,7 @@ class Conditions:
     deadline_guard_ms: float | None = None
     wire_ref_bytes: float | None = None
     wire_ref_encode_ms: float = 0.0
+    audit_rate: float = 0.0
 
     def wire_shift_ms(self, link: LinkState, wire: WireOption | None) -> float:
         """How much longer (ms; < 0: shorter) an escalation's round trip is in `wire` than in the
@@ -110,7 +116,7 @@ class Predictions:
     accuracy: np.ndarray
     p95_ms: np.ndarray
     energy_mj: np.ndarray
-    escalations_per_s: np.ndarray
+    escalations_per_s: np.ndarray  # escalations and audits: both count against max_escalations_per_s
     edge_accuracy_escalated: np.ndarray
     edge_p95_ms: float = 0.0
     answered: float = 0.0  # the share of escalations the cloud answers in time (0 without a link)
@@ -166,7 +172,6 @@ def predict(profile: VariantProfile, thresholds: np.ndarray, link: LinkState | N
     per_escalation = (avail * timely * (radio + rtt_mean * wait)
                       + avail * (1 - timely) * (radio + max(deadline - med, 0.0) * wait)
                       + (1 - avail) * ((radio if fail_ms > 0 else 0.0) + fail_ms * wait))
-    energy = _inference_mj(profile, med) + esc * per_escalation
     success = avail * timely
     accuracy = (1 - esc) * acc_acc + esc * (success * _cloud_accuracy(profile, link, validation_acc_esc)
                                             + (1 - success) * acc_esc)
@@ -176,8 +181,15 @@ def predict(profile: VariantProfile, thresholds: np.ndarray, link: LinkState | N
         mean_ms = float(np.mean(edge)) + esc * (success * rtt_mean + avail * (1 - timely) * (deadline - med)
                                                + (1 - avail) * fail_ms)
         rate = 1000.0 / np.maximum(mean_ms, 1e-3)
+    # audits (not sent while the link is down) take at most their share of the escalation cap: the auditor
+    # sends them only from what escalations leave over, so a larger demand is cut, not the escalations
+    audits_per_s = conditions.audit_rate * (1 - esc) * avail * rate
+    if budget.max_escalations_per_s is not None:
+        audits_per_s = np.minimum(audits_per_s, AUDIT_CAP_SHARE * budget.max_escalations_per_s)
+    energy = (_inference_mj(profile, med) + esc * per_escalation
+              + audits_per_s / np.maximum(rate, 1e-9) * radio)
     label = profile.energy_label if link is None else f"{profile.energy_label} + radio {link.energy_label}"
-    return Predictions(profile.id, label, t, esc, accuracy, p95, energy, esc * rate,
+    return Predictions(profile.id, label, t, esc, accuracy, p95, energy, esc * rate + audits_per_s,
                        validation_acc_esc, float(np.quantile(edge, 0.95)), float(success), wire)
 
 

@@ -103,3 +103,54 @@ def test_a_binding_energy_budget_is_spent_to_within_5_percent(model_error: float
     _, _, energy = simulate(c, 4000, escalation_mj=1.6 * model_error)
     assert 0.95 * 1.8 <= energy <= 1.8
     assert c.current.binding == "energy"  # the decision record names what keeps a more accurate point out
+
+
+def test_audits_count_against_the_escalation_cap_and_the_energy_budget() -> None:
+    """Audits of confident answers go to the cloud too: a plan that ignored them would spend the cap
+    and the energy budget on escalations alone and the audits would push it over both."""
+    from edge_agent.plan import Conditions
+
+    for budget in (Budget(latency_ms=60, max_escalations_per_s=30), Budget(latency_ms=60, energy_mj=1.8)):
+        plain = choose([profile()], link().state(), budget, ControllerConfig(),
+                       conditions=Conditions(request_rate=100.0))
+        audited = choose([profile()], link().state(), budget, ControllerConfig(),
+                         conditions=Conditions(request_rate=100.0, audit_rate=0.1))
+        assert plain.feasible
+        assert audited.feasible
+        assert audited.predicted_escalation_rate < plain.predicted_escalation_rate - 0.02
+        audits = 0.1 * (1 - audited.predicted_escalation_rate)
+        if budget.max_escalations_per_s is not None:  # escalations and audits together within the cap
+            assert (audited.predicted_escalation_rate + audits) * 100 <= 30 + 1e-6
+            assert audited.predicted_escalations_per_s <= 30 + 1e-6
+        else:  # the audits' radio bytes are in the planned energy
+            assert audited.predicted_energy_mj <= 1.8 + 1e-9
+            assert plain.predicted_energy_mj + audits * 1.0 > 1.8
+
+
+def test_audits_that_alone_would_pass_the_cap_take_only_their_share_of_it() -> None:
+    """10 % of 100 requests/s is about 9 audits/s against a cap of 8: the auditor cuts them to what
+    escalations leave over, so the plan keeps a quarter of the cap for them, not every escalation out."""
+    from edge_agent.plan import AUDIT_CAP_SHARE, Conditions
+
+    budget = Budget(latency_ms=60, max_escalations_per_s=8)
+    d = choose([profile()], link().state(), budget, ControllerConfig(),
+               conditions=Conditions(request_rate=100.0, audit_rate=0.1))
+    assert d.feasible
+    assert d.predicted_escalation_rate * 100 > 0.5 * (1 - AUDIT_CAP_SHARE) * 8
+    assert d.predicted_escalation_rate * 100 <= (1 - AUDIT_CAP_SHARE) * 8 + 1e-9
+    assert d.predicted_escalations_per_s <= 8 + 1e-9
+
+
+def test_the_running_controller_plans_with_the_audit_rate_in_force() -> None:
+    rate = [0.0]
+    c = Controller([profile()], Budget(latency_ms=60, max_escalations_per_s=30), link=link(), clock=Clock())
+    simulate(c, 400)
+    before = c.current.predicted_escalation_rate
+    c.attach_audits(lambda: rate[0])
+    c.maybe_redecide()
+    assert abs(c.current.predicted_escalation_rate - before) < 0.02
+    c._clock.t += 1.0  # type: ignore[attr-defined]
+    rate[0] = 0.2  # raised (a drift event, a rollout's wave): re-decided without any other cause
+    c.maybe_redecide()
+    assert c.current.predicted_escalation_rate < before - 0.05
+    assert c.conditions().audit_rate == 0.2
