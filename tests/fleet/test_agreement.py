@@ -20,7 +20,7 @@ from edge_agent.agent import AgentOptions, EdgeAgent
 from edge_agent.budget import Budget
 from edge_agent.fleet_sync import TelemetryWindows, generate_key_and_csr
 from edge_agent.policy import Policy
-from edge_agent.stats import Stats, top1_agreed
+from edge_agent.stats import Observation, Stats, top1_agreed
 from runtimes.registry import open_session
 from sdk import zoo
 from sdk.demo import CloudThread
@@ -35,7 +35,7 @@ def test_top1_agreement_applies_to_classification_outputs_only() -> None:
     assert top1_agreed(np.float32(0.3).reshape(()), np.float32(0.9).reshape(())) is None
     s = Stats()
     for agreed in (True, None, False, True):
-        s.add(("v", 1.0, 1.0, 1.0, "modeled", 1, 1, "cloud", False, "", 2.0, 100, agreed, 3.0, False, 0.5))
+        s.add(Observation("v", 1.0, 1.0, 1.0, "modeled", 1, 1, "cloud", False, "", 2.0, 100, agreed, 3.0, False, 0.5))
     snap = s.snapshot()
     assert (snap["escalations_compared"], snap["escalations_agreed"]) == (3, 2)
     assert snap["agreement"] == pytest.approx(2 / 3)
