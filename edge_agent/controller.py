@@ -126,7 +126,10 @@ class Controller:
         """The audit share in force (the agent's `Auditor.rate`, raised during drift or a rollout's
         wave): audits count against the escalation cap and the energy budget in every plan."""
         self._audit_rate = rate
-        self._flag("audits")
+        if len(self.decisions) == 1 and self.current.trigger == "initial" and self._n == 0:
+            self.decisions.clear()  # attached as the agent starts: the first decision plans with them
+            self.current = self._commit(self._choose(), "initial")
+        # later, a share other than the planned one re-decides (`maybe_redecide`)
 
     # -- measurements ----------------------------------------------------------------------------
     def observe_inference(self, variant: str, latency_ms: float, energy_mj: float | None = None, *,
