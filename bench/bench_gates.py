@@ -130,7 +130,8 @@ def main() -> int:
     ap.add_argument("--ab-runs", type=int, default=25, help="rollouts per regression")
     ap.add_argument("--e2e-devices", type=int, default=200, help="devices over the real fleet and broker; 0: skip")
     ap.add_argument("--e2e-regressions", default="accuracy-2,p95+30%",
-                    help="A/B rollouts end to end after one A/A: " + ", ".join(r for r in REGRESSIONS if r != "none"))
+                    help="A/B rollouts end to end after one A/A: "  # argparse formats help with %: the names carry one
+                    + ", ".join(r for r in REGRESSIONS if r != "none").replace("%", "%%"))
     ap.add_argument("--procs", type=int, default=2, help="processes for the statistics part")
     ap.add_argument("--baseline-windows", type=int, default=360,
                     help="windows (10 s) each device sends before a rollout: 360 is the default baseline, an hour")
