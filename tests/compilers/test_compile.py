@@ -153,7 +153,7 @@ def test_prune_and_distillation_recover_within_the_limit(digits_cnn, digits: zoo
                                                          digits_validation: dict[str, np.ndarray],
                                                          tmp_path: Path) -> None:
     vs = compile_model(digits_cnn, example_inputs=digits.x_train[:1], output=tmp_path / "pruned",
-                       target=ort_target(), precisions=("fp32",), prune=PruneConfig(0.5, epochs=30),
+                       target=ort_target(), precisions=("fp32",), prune=PruneConfig(0.5, epochs=60),
                        calibration={"x": digits.x_train}, validation=digits_validation, max_drop=1.0,
                        progress=False)
     entry = vs.entry("pruned50-fp32-ort")
