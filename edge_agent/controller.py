@@ -309,7 +309,6 @@ class Controller:
 
     def conditions(self) -> Conditions:
         """The measured request rate, agent overhead, device slowdown and audit share in force now."""
-        self._audits_planned = min(max(float(self._audit_rate()), 0.0), 1.0)
         span = self._arrivals[-1] - self._arrivals[0] if len(self._arrivals) > 1 else 0.0
         rate = (len(self._arrivals) - 1) / span if len(self._arrivals) >= self._min_obs and span > 0 else None
         overhead = float(np.mean(self._overheads)) if self._overheads else 0.0
@@ -326,7 +325,7 @@ class Controller:
                           energy_scale=self._energy_scale, deadline_guard_ms=self.deadline_guard_ms(),
                           wire_ref_bytes=None if ref is None else ref.nbytes,
                           wire_ref_encode_ms=0.0 if ref is None else ref.encode_ms,
-                          audit_rate=self._audits_planned)
+                          audit_rate=min(max(float(self._audit_rate()), 0.0), 1.0))
 
     def _wire(self, encoding: str) -> WireOption | None:
         """The option of `encoding` among those measured; unplanned (""), the one the encoder last
@@ -361,7 +360,9 @@ class Controller:
 
     def _choose(self) -> Decision:
         link = self.link.state() if self.link is not None else None
-        return choose(self.profiles, link, self.budget, self.config, conditions=self.conditions(), wires=self._wires)
+        cond = self.conditions()
+        self._audits_planned = cond.audit_rate  # what a decision planned with: another share re-decides
+        return choose(self.profiles, link, self.budget, self.config, conditions=cond, wires=self._wires)
 
     def _redecide(self) -> Decision | None:
         self._redecided_at, self.redecisions = self._clock(), self.redecisions + 1
@@ -371,6 +372,7 @@ class Controller:
             self._wires = self.encoder.options()  # one tuple, replaced whole by the encoder
         link = self.link.state() if self.link is not None else None
         cond = self.conditions()
+        self._audits_planned = cond.audit_rate
         cand = choose(self.profiles, link, self.budget, self.config, conditions=cond, wires=self._wires)
         cur = evaluate(self._by_id[self.current.variant], self.current.threshold, link, self.budget, self.config,
                        conditions=cond, wire=self._wire(self.current.encoding))
