@@ -9,7 +9,7 @@ baselines built with defaults, as most users run them:
 
 Baselines are not guarded: their fidelity is reported as measured. Sizes are of the model files
 (a package also carries its manifest and validation outputs). Models (see
-tests/compilers/models.py): the digits CNN (trained here), ccexam's MNIST CNN, all-MiniLM-L6-v2,
+testkit/models.py): the digits CNN (trained here), ccexam's MNIST CNN, all-MiniLM-L6-v2,
 a ResNet-18-like CNN trained briefly on MNIST at `--resnet-size`, and the same CNN with 50% of its
 channels pruned and recovered by distillation. Targets checked on the best guarded variant:
 MiniLM >= 3x at cosine >= 0.995; ResNet-like >= 3.5x; pruned CNN >= 1.8x with drop <= 1 point;
@@ -103,7 +103,7 @@ def _digits() -> Case:
 
 
 def _mnist() -> Case:
-    from tests.compilers.models import mnist_cnn
+    from testkit.models import mnist_cnn
 
     m = zoo.mnist(0)
     return Case("mnist", mnist_cnn(), {"x": m.x_train[:300]}, {"x": m.x_val, "labels": m.y_val}, "classification",
@@ -111,7 +111,7 @@ def _mnist() -> Case:
 
 
 def _minilm() -> Case:
-    from tests.compilers import models
+    from testkit import models
 
     net, tok = models.minilm()
     texts = models.sentences(456)
@@ -122,7 +122,7 @@ def _minilm() -> Case:
 def _resnet(size: int, prune: bool, n_train: int = 1500) -> Case:
     import torch
 
-    from tests.compilers.models import resnet18_like, to_rgb
+    from testkit.models import resnet18_like, to_rgb
 
     m = zoo.mnist(0)
     torch.manual_seed(0)
@@ -287,7 +287,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _zoo(args: argparse.Namespace) -> int:
     from bench import compile_zoo
-    from tests.compilers.zoo import GRAPHS
+    from testkit.onnx_zoo import GRAPHS
 
     given = args.zoo_graphs or ("ocr-cls" if args.quick else ",".join(GRAPHS))
     names = [g.strip() for g in given.split(",") if g.strip()]

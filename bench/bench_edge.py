@@ -75,7 +75,7 @@ def bench_model(name: str, package: Path, x: np.ndarray, *, threads: int, blocks
     from edge_agent.agent import AgentOptions
     from edge_agent.policy import Policy
     from runtimes.session import SessionOptions
-    from tests.doubles.fake_transport import FakeTransport
+    from testkit.fake_transport import FakeTransport
 
     options = AgentOptions(session=SessionOptions(intra_op_threads=threads, inter_op_threads=1))
     rows = []

@@ -219,7 +219,7 @@ def main() -> int:
         try:
             if args.db in ("both", "sqlite"):
                 results.append(run_db("sqlite", f"sqlite:///{tmp}/fleet.db", broker and broker[1], args))
-            from tests.fleet.postgres import Postgres, available
+            from testkit.postgres import Postgres, available
 
             if args.db == "sqlite":
                 pass

@@ -1,6 +1,6 @@
 """Rollout gates at fleet scale: false rollbacks of good releases (A/A), detection of known regressions (A/B).
 
-Devices are drawn from a model (tests/fleet/gate_sim.py): per-device levels of latency, energy,
+Devices are drawn from a model (testkit/gate_sim.py): per-device levels of latency, energy,
 escalation and confident-error rate, per-device noise, uneven traffic (log-normal rates), noisy neighbours
 (shared-load spikes that hit every device, whichever release it runs), audits at the agent's default 1 %
 (the canary at the rollout's raised `audit_rate` while it soaks), an hour of windows before the rollout
@@ -43,7 +43,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from tests.fleet.gate_sim import REGRESSIONS, Fleet, Model, Outcome, model_devices, run_rollout, summary  # noqa: E402
+from testkit.gate_sim import REGRESSIONS, Fleet, Model, Outcome, model_devices, run_rollout, summary  # noqa: E402
 
 WAVES = ("1", "5%", "25%", "100%")
 OLD_SOAK = 200  # requests per device: the fixed soak before the gates were sequential
@@ -86,8 +86,8 @@ def _wave_devices(n: int) -> list[int]:
 
 
 def e2e_part(n: int, regressions: list[str]) -> dict[str, Any]:
-    from tests.fleet.rollout_device import HEALTHY
-    from tests.fleet.rollout_harness import RolloutFleet
+    from testkit.rollout_device import HEALTHY
+    from testkit.rollout_harness import RolloutFleet
 
     model = Model(window_s=1.0, rate_rps=200.0)  # a window a second standing for a longer one of a busy device
     regressing: dict[str, str] = {}

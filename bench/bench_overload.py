@@ -59,8 +59,8 @@ from typing import Any
 import numpy as np
 
 from cloud_service.protocol import inference_pb2 as pb
-from tests.broker import Broker
-from tests.cloud_service.overload import Load, Server, closed_loop, mqtt_closed_loop, ocr_det_package, request_bytes
+from testkit.broker import Broker
+from testkit.overload import Load, Server, closed_loop, mqtt_closed_loop, ocr_det_package, request_bytes
 
 MODELS = {"slow": (128, 256), "fast": (32, 64)}
 
@@ -212,7 +212,7 @@ def _triton(args: argparse.Namespace, name: str, gen: LoadGen, page: np.ndarray,
             deadline_s: float) -> list[str]:
     """Triton's rows for one model (gRPC, the same caller counts as tierkit's rows), its queue policy
     rejecting what waited past the request's timeout."""
-    from tests.compilers.zoo import OCR_DET
+    from testkit.onnx_zoo import OCR_DET
 
     env = dict(os.environ)
     probe = "import sysconfig; print(sysconfig.get_config_var('LIBDIR'))"

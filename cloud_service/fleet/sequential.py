@@ -78,7 +78,7 @@ class Estimate:
 
         The baselines' error is a constant offset B (not a martingale increment); it enters as the variance
         W² var(B) added to V_t, so the boundary covers it with at least sqrt(2 log(1/alpha)) of its
-        standard deviations at every look (checked in simulation: tests/fleet/test_gates.py)."""
+        standard deviations at every look (checked in simulation: tests/cloud_service/fleet/test_gates.py)."""
         if self.weight <= 0:
             return math.inf
         rho = max(self.unit_var, 1e-12) * t_star / (2 * math.log(1 / alpha) + math.log(1 + 2 * math.log(1 / alpha)))

@@ -3,7 +3,7 @@
 ```
 open_transport("grpc://10.0.0.5:8001,10.0.0.6:8001/digits", device_id="cam-7")  -> GrpcTransport
 open_transport("mqtts://broker:8883/digits", device_id="cam-7", options=...)      -> MqttTransport
-tests.doubles.fake_transport.FakeTransport(handler)                              (tests only)
+testkit.fake_transport.FakeTransport(handler)                                    (tests only)
 ```
 
 Every transport raises only the escalation errors of `runtimes.errors`:

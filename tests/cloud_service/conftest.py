@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from cloud_service.config import ServerConfig
-from tests.cloud_service.helpers import Pki, ServerThread, make_package, write_pki
+from testkit.cloud_helpers import Pki, ServerThread, make_package, write_pki
 
 
 @pytest.fixture

@@ -18,7 +18,7 @@ from cloud_service.cli import add_parser, build_config
 from cloud_service.protocol import encode_request
 from cloud_service.protocol import inference_pb2_grpc as pbg
 from runtimes.errors import ConfigError
-from tests.cloud_service.helpers import ServeProcess
+from testkit.cloud_helpers import ServeProcess
 
 
 def _parse(*argv: str) -> argparse.Namespace:
@@ -104,7 +104,7 @@ def test_bad_flags_are_config_errors(argv: tuple[str, ...], words: str) -> None:
 
 def test_sighup_rescans_the_models_directory(tmp_path: Path, digits_cnn_onnx: Path) -> None:
     from cloud_service.protocol import inference_pb2 as pb
-    from tests.cloud_service.helpers import make_package
+    from testkit.cloud_helpers import make_package
 
     (tmp_path / "models").mkdir()
     server = ServeProcess("--models", str(tmp_path / "models"), "--grpc", "127.0.0.1:0")

@@ -16,7 +16,7 @@ from cloud_service.protocol.codec import NP_TO_OIP
 from runtimes import ort_backend
 from runtimes.errors import TierkitError
 from runtimes.spec import DTYPES, TensorSpec
-from tests.cloud_service.helpers import ServerThread, make_package
+from testkit.cloud_helpers import ServerThread, make_package
 
 
 def test_the_server_advertises_only_what_the_codec_decodes() -> None:

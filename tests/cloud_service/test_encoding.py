@@ -19,7 +19,7 @@ from cloud_service.protocol.preprocess import Preprocess
 from compilers.manifest import Manifest
 from compilers.package import write_package
 from edge_agent.transports import open_transport
-from tests.cloud_service.helpers import DIGITS_INPUTS, DIGITS_OUTPUTS
+from testkit.cloud_helpers import DIGITS_INPUTS, DIGITS_OUTPUTS
 
 
 def _wire(encoding: str, array: np.ndarray) -> tuple[pb.ModelInferRequest, int]:

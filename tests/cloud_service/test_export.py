@@ -14,7 +14,7 @@ from compilers.manifest import Manifest
 from compilers.package import write_package
 from runtimes.errors import ConfigError
 from sdk.cli import main
-from tests.cloud_service.helpers import DIGITS_INPUTS, DIGITS_OUTPUTS
+from testkit.cloud_helpers import DIGITS_INPUTS, DIGITS_OUTPUTS
 
 triton_schema = pytest.importorskip("tritonclient.grpc.model_config_pb2")  # Triton's model_config.proto
 

@@ -20,8 +20,8 @@ from cloud_service.protocol import inference_pb2 as pb
 from cloud_service.protocol.encoding import encode_input
 from edge_agent.transports import open_transport
 from runtimes.errors import CloudTimeout, ConfigError, EscalationError
-from tests.cloud_service.helpers import ServerThread, metric_value
-from tests.cloud_service.upstream_double import SLOW_S, UpstreamDouble
+from testkit.cloud_helpers import ServerThread, metric_value
+from testkit.upstream_double import SLOW_S, UpstreamDouble
 
 
 def _request(x: np.ndarray, seq: int, encoding: str = "") -> pb.ModelInferRequest:
@@ -258,7 +258,7 @@ def test_stream_forward_to_tierkit_serve_matches_direct_and_survives_a_restart(
 def test_an_upstream_refusal_passes_its_hint_on_and_holds_forwarding_back_until_it_passes() -> None:
     from cloud_service.errors import ServerBusy
     from cloud_service.forward import UpstreamError
-    from tests.cloud_service.upstream_double import BUSY_HINT_MS
+    from testkit.upstream_double import BUSY_HINT_MS
 
     upstream = UpstreamDouble(stream=False)
 

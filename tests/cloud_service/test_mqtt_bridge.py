@@ -14,7 +14,7 @@ from cloud_service.config import MqttConfig
 from cloud_service.protocol import decode_outputs, encode_request, get_parameters, topics
 from cloud_service.protocol import inference_pb2 as pb
 from compilers.package import ModelPackage
-from tests.cloud_service.helpers import Device, ServerThread, metric_value
+from testkit.cloud_helpers import Device, ServerThread, metric_value
 
 pytestmark = pytest.mark.mqtt
 

@@ -12,7 +12,7 @@ import pytest
 
 from cloud_service.protocol import mqtt_client
 from cloud_service.protocol.mqtt_client import RECENT_CAP_S, Reconnect, backoff_delay
-from tests.waiting import wait_for
+from testkit.waiting import wait_for
 
 pytestmark = pytest.mark.mqtt
 

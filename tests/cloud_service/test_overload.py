@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.cloud_service.helpers import metric_value
-from tests.cloud_service.overload import Server, closed_loop, mqtt_closed_loop, ocr_det_package, request_bytes
+from testkit.cloud_helpers import metric_value
+from testkit.overload import Server, closed_loop, mqtt_closed_loop, ocr_det_package, request_bytes
 
 DEADLINE_S = 0.1
 CALLERS = 12  # each could keep the model busy alone: 12x its capacity offered
@@ -27,7 +27,7 @@ MQTT_DEADLINE_S = 0.3
 
 @pytest.fixture(scope="module")
 def ocr_models(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, bytes]:
-    from tests.compilers.zoo import NotInstalled
+    from testkit.onnx_zoo import NotInstalled
 
     models = tmp_path_factory.mktemp("ocr-models")
     try:

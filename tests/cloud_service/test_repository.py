@@ -20,7 +20,7 @@ from compilers.package import ModelPackage, pack
 from compilers.variants import VariantEntry, VariantSet
 from runtimes.spec import TensorSpec
 from sdk import zoo
-from tests.cloud_service.helpers import ServerThread, make_package, metric_value
+from testkit.cloud_helpers import ServerThread, make_package, metric_value
 
 
 def _direct(package: Path, x: np.ndarray) -> np.ndarray:

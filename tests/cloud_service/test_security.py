@@ -18,9 +18,9 @@ from cloud_service.protocol import inference_pb2 as pb
 from cloud_service.protocol import inference_pb2_grpc as pbg
 from cloud_service.security import GrpcTls, MqttTls
 from runtimes.errors import ConfigError
-from tests.broker import Broker
-from tests.cloud_service.helpers import Device, Pki, ServerThread, metric_value
-from tests.security.deploy_broker import DeployBroker, need_mosquitto
+from testkit.broker import Broker
+from testkit.cloud_helpers import Device, Pki, ServerThread, metric_value
+from testkit.deploy_broker import DeployBroker, need_mosquitto
 
 
 def _channel(address: str, pki: Pki, *, client_cert: bool) -> grpc.Channel:

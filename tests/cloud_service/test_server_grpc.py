@@ -17,7 +17,7 @@ from cloud_service.protocol import decode_outputs, encode_request, get_parameter
 from cloud_service.protocol import inference_pb2 as pb
 from cloud_service.protocol import inference_pb2_grpc as pbg
 from compilers.package import ModelPackage
-from tests.cloud_service.helpers import ServerThread, make_fake_package, metric_value
+from testkit.cloud_helpers import ServerThread, make_fake_package, metric_value
 
 grpcclient = pytest.importorskip("tritonclient.grpc")
 

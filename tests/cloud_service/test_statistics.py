@@ -15,7 +15,7 @@ from cloud_service.protocol import encode_request
 from cloud_service.protocol import inference_pb2 as pb
 from cloud_service.protocol import inference_pb2_grpc as pbg
 from cloud_service.statistics import ModelStats
-from tests.cloud_service.helpers import ServerThread, make_package
+from testkit.cloud_helpers import ServerThread, make_package
 
 grpcclient = pytest.importorskip("tritonclient.grpc")
 

@@ -27,7 +27,7 @@ from cloud_service.protocol.wire import (
     wire_size,
 )
 from edge_agent.transports import open_transport
-from tests.cloud_service.helpers import ServerThread
+from testkit.cloud_helpers import ServerThread
 from tests.edge_agent.test_transport_grpc import Doubler, serving
 
 PARAMS = {"tierkit.device_id": "cam-7", "tierkit.seq": 12, "score": 0.25, "flag": True}

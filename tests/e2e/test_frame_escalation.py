@@ -22,9 +22,9 @@ from edge_agent.agent import AgentOptions, EdgeAgent
 from edge_agent.budget import Budget
 from edge_agent.policy import Policy
 from runtimes.errors import InputError
-from tests.cloud_service.helpers import ServerThread
+from testkit.cloud_helpers import ServerThread
+from testkit.slowlink import SlowLink
 from tests.e2e.test_slow_link import PREPROCESS, _frame, _pool_model
-from tests.slowlink import SlowLink
 
 
 def _escalate_rows(rows: list[int]) -> Policy:
@@ -130,7 +130,7 @@ def test_sdk_predict_sends_the_frame(models: Path) -> None:
     import sdk
     from cloud_service.protocol import decode_inputs, encode_response
     from cloud_service.protocol.encoding import PARAM_ENCODING
-    from tests.doubles.fake_transport import FakeTransport
+    from testkit.fake_transport import FakeTransport
 
     frame = _frame()
 

@@ -26,11 +26,11 @@ import pytest
 from cloud_service.fleet.gates import Margins
 from compilers.signing import load_private_key
 from sdk import zoo
-from tests.cloud_service.helpers import ServeProcess
-from tests.e2e.rollout_fleet import THRESHOLD, Agents, DigitsModels, LoadDriver, layer_ms
-from tests.edge_agent.releases import variant_set
-from tests.fleet.rollout_harness import RolloutFleet
-from tests.sdk.packages import make_package
+from testkit.cloud_helpers import ServeProcess
+from testkit.packages import make_package
+from testkit.releases import variant_set
+from testkit.rollout_fleet import THRESHOLD, Agents, DigitsModels, LoadDriver, layer_ms
+from testkit.rollout_harness import RolloutFleet
 
 pytestmark = pytest.mark.mqtt
 

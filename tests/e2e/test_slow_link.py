@@ -27,8 +27,8 @@ from compilers.package import write_package
 from edge_agent.transports import TransportOptions, open_transport
 from runtimes.errors import CloudTimeout
 from runtimes.spec import TensorSpec
-from tests.cloud_service.helpers import ServerThread
-from tests.slowlink import SlowLink
+from testkit.cloud_helpers import ServerThread
+from testkit.slowlink import SlowLink
 
 pytestmark = pytest.mark.slow
 

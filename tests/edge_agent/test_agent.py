@@ -24,8 +24,8 @@ from edge_agent.prediction import Prediction
 from runtimes.energy import EnergyMeter, RaplSource
 from runtimes.errors import CloudUnavailable, InputError
 from sdk import zoo
-from tests.doubles.fake_transport import FakeTransport
-from tests.sdk.packages import make_package
+from testkit.fake_transport import FakeTransport
+from testkit.packages import make_package
 
 ALWAYS, NEVER = 2.0, -1.0  # thresholds: every score is in [0, 1]
 

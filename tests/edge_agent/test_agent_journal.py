@@ -20,10 +20,10 @@ from edge_agent.journal import Journal
 from edge_agent.policy import Policy
 from runtimes.errors import CloudUnavailable
 from sdk import zoo
-from tests.conftest import free_port
-from tests.doubles.fake_transport import FakeTransport
-from tests.edge_agent.grpc_cloud import GrpcCloud
-from tests.sdk.packages import make_package
+from testkit.fake_transport import FakeTransport
+from testkit.grpc_cloud import GrpcCloud
+from testkit.packages import make_package
+from testkit.ports import free_port
 
 
 @pytest.fixture(scope="module")

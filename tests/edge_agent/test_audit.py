@@ -25,9 +25,9 @@ from edge_agent.audit import AuditOptions, estimate_agreement, window_fields
 from edge_agent.fleet_sync import TelemetryWindows
 from edge_agent.policy import Policy
 from sdk import zoo
-from tests.doubles.fake_transport import FakeTransport
-from tests.sdk.packages import make_package
-from tests.waiting import wait_for
+from testkit.fake_transport import FakeTransport
+from testkit.packages import make_package
+from testkit.waiting import wait_for
 
 THRESHOLD = 0.999  # max_prob: most clean digits escalate, the rotated ones are confidently wrong
 

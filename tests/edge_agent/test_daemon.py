@@ -20,7 +20,7 @@ from edge_agent.daemon import AgentDaemon
 from edge_agent.fleet_sync import model_digest
 from runtimes.errors import ConfigError
 from sdk import zoo
-from tests.sdk.packages import make_package
+from testkit.packages import make_package
 
 
 @pytest.fixture(scope="module")
@@ -188,7 +188,7 @@ def test_cli_help_mounts_agent() -> None:
 @pytest.fixture
 def acl_broker(tmp_path: Path) -> Any:
     """A broker where each client may touch only `tierkit/v1/<its client id>/#`, and user `operator` all."""
-    from tests.broker import Broker
+    from testkit.broker import Broker
 
     acl = tmp_path / "acl"
     acl.write_text("user operator\ntopic readwrite tierkit/v1/#\n\npattern readwrite tierkit/v1/%c/#\n")

@@ -15,7 +15,6 @@ import numpy as np
 import pytest
 
 import sdk
-from bench.controller.proxy import DelayProxy
 from cloud_service.config import ServerConfig
 from compilers.package import ModelPackage
 from edge_agent.agent import AgentOptions
@@ -23,9 +22,10 @@ from edge_agent.breaker import BreakerConfig
 from edge_agent.link import TimerLateness
 from edge_agent.policy import Policy
 from sdk import zoo
-from tests.cloud_service.helpers import ServerThread
-from tests.cloud_service.helpers import make_package as make_cloud_package
-from tests.sdk.packages import make_package
+from testkit.cloud_helpers import ServerThread
+from testkit.cloud_helpers import make_package as make_cloud_package
+from testkit.delay_proxy import DelayProxy
+from testkit.packages import make_package
 
 BUDGET_MS = 15.0
 # The bounds this test states, from measurement. No predict returns later than the budget plus 5 ms on a

@@ -18,10 +18,10 @@ from edge_agent.drift import AgreementCusum, DriftOptions, ScoreCusum, siegmund_
 from edge_agent.fleet_sync import TelemetryWindows
 from edge_agent.policy import Margin, Policy
 from sdk import zoo
-from tests.doubles.fake_transport import FakeTransport
+from testkit.fake_transport import FakeTransport
+from testkit.packages import make_package
+from testkit.waiting import wait_for
 from tests.edge_agent.test_audit import oracle
-from tests.sdk.packages import make_package
-from tests.waiting import wait_for
 
 REFERENCE = 1000  # requests: 40 batches of 25
 

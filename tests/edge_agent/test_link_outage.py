@@ -19,9 +19,9 @@ from edge_agent.agent import EdgeAgent
 from edge_agent.budget import Budget
 from edge_agent.policy import Policy
 from sdk import zoo
-from tests.edge_agent.grpc_cloud import GrpcCloud
-from tests.sdk.packages import make_package
-from tests.slowlink import SlowLink
+from testkit.grpc_cloud import GrpcCloud
+from testkit.packages import make_package
+from testkit.slowlink import SlowLink
 
 # Measured on the shared 2-core host under load (other suites running): the first cloud answer came
 # 0.15-0.3 s after the link returned with the fix; before it, 3-6 s (or not within the 8 s watched).

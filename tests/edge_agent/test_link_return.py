@@ -26,8 +26,8 @@ from edge_agent.controller import Controller
 from edge_agent.policy import Policy
 from edge_agent.profiles import LinkProfile, VariantProfile
 from sdk import zoo
-from tests.doubles.fake_transport import FakeTransport
-from tests.sdk.packages import make_package
+from testkit.fake_transport import FakeTransport
+from testkit.packages import make_package
 
 # Measured on the shared 2-core host under load (other test suites running), two runs: the first cloud
 # answer 0.20 and 0.29 s after the link returned, the controller's re-decision on it 0.21 and 0.36 s.

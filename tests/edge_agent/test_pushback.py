@@ -21,8 +21,8 @@ from edge_agent.pushback import DrainPace, Pushback, retry_hint_s
 from edge_agent.transports.base import escalation_error
 from runtimes.errors import EscalationError
 from sdk import zoo
-from tests.doubles.fake_transport import FakeTransport
-from tests.sdk.packages import make_package
+from testkit.fake_transport import FakeTransport
+from testkit.packages import make_package
 
 
 def busy(hint_s: float) -> EscalationError:

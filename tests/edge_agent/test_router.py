@@ -18,10 +18,10 @@ from edge_agent.policy import MaxProb, Policy
 from edge_agent.router import Router, RouterOptions, features
 from runtimes.errors import ConfigError
 from sdk import zoo
-from tests.doubles.fake_transport import FakeTransport
+from testkit.fake_transport import FakeTransport
+from testkit.packages import make_package
+from testkit.waiting import wait_for
 from tests.edge_agent.test_audit import oracle
-from tests.sdk.packages import make_package
-from tests.waiting import wait_for
 
 
 @pytest.fixture(scope="module")

@@ -23,8 +23,8 @@ from cloud_service.protocol import encode_request, get_parameters, inference_pb2
 from edge_agent.config import load_config
 from edge_agent.daemon import AgentDaemon
 from sdk import zoo
-from tests.doubles.release_server import ReleaseServer
-from tests.edge_agent.releases import DEVICE, PASSWORD, USER, Kit, build_kit, device_config
+from testkit.release_server import ReleaseServer
+from testkit.releases import DEVICE, PASSWORD, USER, Kit, build_kit, device_config
 
 
 @pytest.fixture(scope="module")
@@ -245,7 +245,7 @@ def test_telemetry_windows_name_the_release_and_count_crashes_across_a_swap() ->
 
 def test_the_new_agent_keeps_the_cloud_link_request_numbering_and_desired_overrides(kit: Kit, digits: zoo.Split,
                                                                                      tmp_path: Path) -> None:
-    from tests.edge_agent.grpc_cloud import GrpcCloud
+    from testkit.grpc_cloud import GrpcCloud
 
     cloud = GrpcCloud()
 

@@ -31,9 +31,9 @@ from edge_agent.config import load_config
 from edge_agent.daemon import AgentDaemon
 from edge_agent.slots import RESTARTED
 from sdk import zoo
-from tests import waiting
-from tests.doubles.release_server import ReleaseServer
-from tests.edge_agent.releases import DEVICE, PASSWORD, USER, Kit, build_kit, device_config
+from testkit import waiting
+from testkit.release_server import ReleaseServer
+from testkit.releases import DEVICE, PASSWORD, USER, Kit, build_kit, device_config
 
 pytestmark = pytest.mark.mqtt
 ROOT = Path(__file__).resolve().parents[2]

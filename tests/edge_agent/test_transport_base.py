@@ -11,7 +11,7 @@ from cloud_service.protocol import encode_request, get_parameters, topics
 from cloud_service.protocol import inference_pb2 as pb
 from edge_agent.transports import TransportOptions, open_transport, parse_cloud_url
 from runtimes.errors import ConfigError
-from tests.doubles.fake_transport import FakeTransport
+from testkit.fake_transport import FakeTransport
 
 
 def test_parse_grpc_url_with_several_targets() -> None:

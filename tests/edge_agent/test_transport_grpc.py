@@ -31,7 +31,7 @@ from cloud_service.protocol import (
 from cloud_service.protocol import inference_pb2 as pb
 from edge_agent.transports import TransportOptions, open_transport
 from runtimes.errors import CloudTimeout, CloudUnavailable, EscalationError
-from tests.conftest import free_port
+from testkit.ports import free_port
 
 X = np.arange(64, dtype=np.float32).reshape(1, 1, 8, 8)
 

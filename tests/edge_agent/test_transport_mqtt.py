@@ -24,7 +24,7 @@ from cloud_service.protocol import inference_pb2 as pb
 from edge_agent.transports import TransportOptions, open_transport
 from edge_agent.transports.mqtt import ERROR_PROPERTY, STATUS_PROPERTY, MqttTransport, backoff_delay
 from runtimes.errors import CloudTimeout, CloudUnavailable, EscalationError
-from tests.broker import Broker
+from testkit.broker import Broker
 from tests.edge_agent.test_transport_grpc import make_pki
 
 pytestmark = pytest.mark.mqtt

@@ -27,9 +27,9 @@ from edge_agent.policy import Policy
 from runtimes import open_session
 from runtimes.errors import ModelClosed, TierkitError
 from sdk import zoo
-from tests.conftest import free_port
-from tests.edge_agent.grpc_cloud import GrpcCloud
-from tests.sdk.packages import make_package
+from testkit.grpc_cloud import GrpcCloud
+from testkit.packages import make_package
+from testkit.ports import free_port
 
 ALWAYS = 2.0  # max_prob never reaches it: every request escalates
 NEVER = 0.0

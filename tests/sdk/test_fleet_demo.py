@@ -18,8 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.fleet.fleet_process import ROOT
-from tests.security.deploy_broker import dynsec_plugin, need_mosquitto
+from testkit.deploy_broker import dynsec_plugin, need_mosquitto
+from testkit.fleet_process import ROOT
 
 pytestmark = pytest.mark.mqtt
 

@@ -21,9 +21,9 @@ from edge_agent.policy import Policy
 from runtimes import open_session
 from runtimes.errors import CloudUnavailable, ConfigError, InputError
 from sdk import zoo
-from tests.cloud_service.helpers import metric_value
-from tests.doubles.fake_transport import FakeTransport
-from tests.sdk.packages import make_package, make_variant_set
+from testkit.cloud_helpers import metric_value
+from testkit.fake_transport import FakeTransport
+from testkit.packages import make_package, make_variant_set
 
 
 @pytest.fixture(scope="module")
@@ -84,8 +84,8 @@ def test_predict_from_many_threads(package: ModelPackage, digits: zoo.Split, dig
     """Four threads share one model whose escalations go to a real cloud on loopback (the CNN): every
     cloud answer is the CNN's answer to that thread's own input, and every request is counted once."""
     from cloud_service.config import ServerConfig
-    from tests.cloud_service.helpers import ServerThread
-    from tests.cloud_service.helpers import make_package as make_cloud_package
+    from testkit.cloud_helpers import ServerThread
+    from testkit.cloud_helpers import make_package as make_cloud_package
 
     make_cloud_package(tmp_path / "models" / "digits-v1", digits_cnn_onnx)
     server = ServerThread(ServerConfig(models_dir=tmp_path / "models", grpc_address="127.0.0.1:0",

@@ -17,7 +17,7 @@ import pytest
 from cloud_service.config import BatchingConfig, ModelOptions, MqttConfig
 from cloud_service.protocol import decode_outputs, encode_request, topics
 from cloud_service.protocol import inference_pb2 as pb
-from tests.cloud_service.helpers import Device, ServerThread, metric_value
+from testkit.cloud_helpers import Device, ServerThread, metric_value
 
 pytestmark = pytest.mark.mqtt
 WINDOW = 8  # the replica's receive_maximum: hostile messages past it would stall an unacknowledging bridge

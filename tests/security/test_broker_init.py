@@ -12,11 +12,11 @@ from pathlib import Path
 import pytest
 
 from sdk.cli import main as tierkit
-from tests.cloud_service.helpers import Pki, ServerThread
-from tests.fleet.fleet_process import FleetProcess, cli
-from tests.security.deploy_broker import DeployBroker, broker_init, connack, need_mosquitto
+from testkit.cloud_helpers import Pki, ServerThread
+from testkit.deploy_broker import DeployBroker, broker_init, connack, need_mosquitto
+from testkit.fleet_process import FleetProcess, cli
+from testkit.waiting import wait_for
 from tests.security.test_broker_permissions import Probe, _tls
-from tests.waiting import wait_for
 
 GRANTED, REFUSED = "Granted QoS 1", "Not authorized"
 

@@ -24,8 +24,8 @@ from cloud_service.config import MqttConfig
 from cloud_service.protocol import encode_request, topics
 from cloud_service.security import MqttTls
 from runtimes.errors import ConfigError
-from tests.cloud_service.helpers import Device, Pki, ServerThread, metric_value
-from tests.security.deploy_broker import DeployBroker, issue_client_cert, need_mosquitto
+from testkit.cloud_helpers import Device, Pki, ServerThread, metric_value
+from testkit.deploy_broker import DeployBroker, issue_client_cert, need_mosquitto
 
 pytestmark = pytest.mark.mqtt
 

@@ -29,8 +29,8 @@ from edge_agent.daemon import AgentDaemon
 from edge_agent.journal import Journal
 from runtimes.errors import TierkitError
 from sdk import zoo
-from tests.cloud_service.helpers import make_package
-from tests.sdk.packages import make_package as make_agent_package
+from testkit.cloud_helpers import make_package
+from testkit.packages import make_package as make_agent_package
 from tests.security.test_grpc_fuzz import ANSWERABLE, MAX_DETAILS, requests
 
 FUZZ = settings(max_examples=100, deadline=None, suppress_health_check=list(HealthCheck), database=None)

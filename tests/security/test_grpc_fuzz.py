@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 from cloud_service.protocol import decode_outputs, encode_request
 from cloud_service.protocol import inference_pb2 as pb
 from cloud_service.protocol import inference_pb2_grpc as pbg
-from tests.cloud_service.helpers import ServerThread, metric_value
+from testkit.cloud_helpers import ServerThread, metric_value
 
 ANSWERABLE = {grpc.StatusCode.OK, grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND,
               grpc.StatusCode.RESOURCE_EXHAUSTED}

@@ -22,7 +22,7 @@ from compilers.package import ModelPackage, pack
 from compilers.variants import VariantEntry, VariantSet
 from runtimes.errors import TierkitError
 from sdk.cli import main as tierkit
-from tests.cloud_service.helpers import ServerThread, make_package, metric_value
+from testkit.cloud_helpers import ServerThread, make_package, metric_value
 
 CASES = ("parent-path", "absolute-path", "symlinked-dir", "other-model", "symlink-in-package", "precision-lie")
 SERVE_CASES = CASES[:-1]  # the server opens variants by path and name; precision is the loader's check

@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from tests.cloud_service.helpers import Pki
-from tests.security.deploy_broker import DeployBroker, connack, issue_client_cert, need_mosquitto
+from testkit.cloud_helpers import Pki
+from testkit.deploy_broker import DeployBroker, connack, issue_client_cert, need_mosquitto
+from testkit.waiting import wait_for
 from tests.security.test_broker_permissions import Probe, _tls
-from tests.waiting import wait_for
 
 pytestmark = pytest.mark.mqtt
 NOT_AUTHORIZED = "Not authorized"

@@ -16,7 +16,7 @@ from compilers.package import ModelPackage, write_package
 from compilers.version_floor import ROLLBACK_KEY, VersionFloor, version_key
 from edge_agent.ladder import load_packages
 from runtimes.errors import IntegrityError, SignatureError
-from tests.cloud_service.helpers import ServerThread, make_package, metric_value
+from testkit.cloud_helpers import ServerThread, make_package, metric_value
 
 
 @pytest.fixture

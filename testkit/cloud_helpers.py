@@ -169,7 +169,7 @@ def write_pki(root: Path) -> Pki:
 def make_fake_package(directory: Path, *, name: str = "slow", version: str = "1", delay_s: float = 0.0,
                       width: int = 4) -> Path:
     """A package of the fake backend's seeded linear model ("x" (batch, width) -> "y" (batch, 2))."""
-    from tests.doubles.fake_backend import write_fake_model
+    from testkit.fake_backend import write_fake_model
 
     directory.mkdir(parents=True, exist_ok=True)
     inputs = (TensorSpec("x", "float32", ("batch", width)),)

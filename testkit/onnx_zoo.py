@@ -89,7 +89,7 @@ def _font_path(bold: bool = False) -> str:
 
 @cache
 def _phrases() -> tuple[str, ...]:
-    from tests.compilers.models import sentences
+    from testkit.models import sentences
 
     words = " ".join(sentences(200, seed=3)).split()
     return tuple(" ".join(words[i:i + 4]) for i in range(0, len(words) - 4, 4))
@@ -247,7 +247,7 @@ def _tokenizer():  # type: ignore[no-untyped-def]
 
 
 def _token_ids(n: int, seed: int, seq: int = 64) -> Inputs:
-    from tests.compilers.models import sentences
+    from testkit.models import sentences
 
     texts = sentences(n, seed=seed)
     enc = _tokenizer()(texts, padding="max_length", truncation=True, max_length=seq, return_tensors="np")

@@ -13,9 +13,9 @@ from typing import Any
 
 import pytest
 
-from tests.fleet.fleet_process import cli
-from tests.fleet.rollout_device import GOLDEN_FAILS, HEALTHY, MORE_ESCALATIONS, SLOW, Behaviour
-from tests.fleet.rollout_harness import RolloutFleet
+from testkit.fleet_process import cli
+from testkit.rollout_device import GOLDEN_FAILS, HEALTHY, MORE_ESCALATIONS, SLOW, Behaviour
+from testkit.rollout_harness import RolloutFleet
 
 pytestmark = pytest.mark.mqtt
 

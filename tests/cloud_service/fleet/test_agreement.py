@@ -24,7 +24,7 @@ from edge_agent.stats import Observation, Stats, top1_agreed
 from runtimes.registry import open_session
 from sdk import zoo
 from sdk.demo import CloudThread
-from tests.sdk.packages import make_package
+from testkit.packages import make_package
 
 
 def test_top1_agreement_applies_to_classification_outputs_only() -> None:

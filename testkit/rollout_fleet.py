@@ -30,8 +30,8 @@ import numpy as np
 
 from cloud_service.protocol import encode_request, inference_pb2_grpc
 from edge_agent.fleet_sync import enroll
-from tests.broker import _free_port
-from tests.fleet.fleet_process import ROOT
+from testkit.broker import _free_port
+from testkit.fleet_process import ROOT
 
 THRESHOLD = 0.8  # every release's threshold (calibrated max-probability, temperature 1)
 LOW_CONFIDENCE_SCALE = 0.6  # release (b): the same model's logits times this

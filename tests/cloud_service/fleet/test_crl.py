@@ -16,10 +16,10 @@ from paho.mqtt.enums import CallbackAPIVersion
 
 from cloud_service.fleet.fleet import Fleet, FleetConfig
 from edge_agent.fleet_sync import generate_key_and_csr
-from tests.broker import Broker
-from tests.fleet.fleet_process import FleetProcess
-from tests.fleet.test_mtls import _server_cert
-from tests.waiting import wait_for
+from testkit.broker import Broker
+from testkit.fleet_process import FleetProcess
+from testkit.waiting import wait_for
+from tests.cloud_service.fleet.test_mtls import _server_cert
 
 pytestmark = pytest.mark.mqtt
 

@@ -25,8 +25,8 @@ from cloud_service.fleet.store import FleetStore
 from cloud_service.fleet.telemetry import TelemetryLimits, TelemetryStore
 from compilers.signing import generate_keypair, load_private_key, load_public_key
 from edge_agent.fleet_sync import generate_key_and_csr
-from tests.fleet.fleet_process import FleetProcess
-from tests.waiting import wait_for
+from testkit.fleet_process import FleetProcess
+from testkit.waiting import wait_for
 
 CHROMIUM = "/usr/bin/chromium"
 FLAGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--no-first-run"]
@@ -73,7 +73,7 @@ def _populate(data: Path, now: float) -> tuple[str, list[str], str]:
 def _rollout(store: FleetStore, data: Path, desired: DesiredState, tel: TelemetryStore, devices: list[str],
              t0: float, behind: str) -> None:
     """A rollout driven by an engine in-process: the canary escalates 10 points more than control; rolled back."""
-    from tests.fleet.rollout_harness import tiny_variant_set
+    from testkit.rollout_harness import tiny_variant_set
 
     (data / "release-keys").mkdir()
     key, pub = generate_keypair(data / "release-keys" / "ops")

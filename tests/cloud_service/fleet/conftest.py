@@ -12,9 +12,9 @@ pytest.importorskip("sqlalchemy")
 pytest.importorskip("alembic")
 
 from cloud_service.fleet.store import FleetStore
-from tests.broker import Broker, _free_port
-from tests.fleet.fleet_process import ROOT, FleetProcess
-from tests.fleet.postgres import Postgres
+from testkit.broker import Broker, _free_port
+from testkit.fleet_process import ROOT, FleetProcess
+from testkit.postgres import Postgres
 
 _counter = iter(range(1_000_000))
 

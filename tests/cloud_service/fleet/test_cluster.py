@@ -15,11 +15,11 @@ from cloud_service.fleet.registry import Registry
 from cloud_service.fleet.store import FleetStore
 from cloud_service.fleet.telemetry import TelemetryStore
 from edge_agent.fleet_sync import generate_key_and_csr
-from tests.broker import Broker
-from tests.fleet.fleet_process import FleetProcess, cli
-from tests.fleet.mqtt_device import Device
-from tests.fleet.postgres import Postgres
-from tests.waiting import wait_for
+from testkit.broker import Broker
+from testkit.fleet_process import FleetProcess, cli
+from testkit.mqtt_device import Device
+from testkit.postgres import Postgres
+from testkit.waiting import wait_for
 
 pytestmark = pytest.mark.mqtt
 

@@ -23,8 +23,8 @@ from cloud_service.fleet.ca import FleetCA
 from cloud_service.fleet.registry import Registry
 from cloud_service.fleet.store import FleetStore
 from edge_agent.fleet_sync import generate_key_and_csr
-from tests.broker import Broker
-from tests.fleet.fleet_process import ROOT
+from testkit.broker import Broker
+from testkit.fleet_process import ROOT
 
 pytestmark = pytest.mark.mqtt
 

@@ -18,8 +18,8 @@ import sqlalchemy as sa
 from cloud_service.fleet import schema as t
 from cloud_service.fleet.store import FleetStore
 from cloud_service.fleet.telemetry import TelemetryLimits, TelemetryStore
-from tests.fleet.fleet_process import FleetProcess
-from tests.fleet.test_dashboard import CHROMIUM, FLAGS
+from testkit.fleet_process import FleetProcess
+from tests.cloud_service.fleet.test_dashboard import CHROMIUM, FLAGS
 
 pytestmark = pytest.mark.slow
 DEVICES = 10_000

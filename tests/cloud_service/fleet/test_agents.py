@@ -18,10 +18,10 @@ import pytest
 from compilers.package import ModelPackage
 from edge_agent.fleet_sync import model_digest
 from sdk import zoo
-from tests.broker import Broker
-from tests.fleet.fleet_process import ROOT, FleetProcess, cli
-from tests.sdk.packages import make_package
-from tests.waiting import wait_for
+from testkit.broker import Broker
+from testkit.fleet_process import ROOT, FleetProcess, cli
+from testkit.packages import make_package
+from testkit.waiting import wait_for
 
 pytestmark = pytest.mark.mqtt
 

@@ -20,7 +20,7 @@ from cloud_service.fleet.rollouts import Rollouts, make_options
 from cloud_service.fleet.store import FleetStore
 from compilers.signing import generate_keypair, load_private_key, load_public_key
 from edge_agent.fleet_sync import generate_key_and_csr
-from tests.fleet.rollout_harness import tiny_variant_set
+from testkit.rollout_harness import tiny_variant_set
 
 
 def _devices(registry: Registry, n: int) -> list[str]:

@@ -19,7 +19,7 @@ import numpy as np
 
 from cloud_service.fleet.gates import STAT_GATES, Arms, Evidence, Margins, evaluate, failed, open_gates
 from cloud_service.fleet.rollouts import RolloutOptions, wave_sizes
-from tests.fleet.rollout_device import SimDevice
+from testkit.rollout_device import SimDevice
 
 # name -> what the release does on a device that runs it
 REGRESSIONS: dict[str, dict[str, float]] = {

@@ -14,10 +14,10 @@ import numpy as np
 from cloud_service.fleet.fleet import Fleet, FleetConfig
 from compilers.signing import generate_keypair, load_private_key
 from edge_agent.fleet_sync import enroll
-from tests.broker import Broker, _free_port
-from tests.fleet.fleet_process import ROOT, FleetProcess
-from tests.fleet.rollout_device import Behaviour, SimDevice
-from tests.waiting import wait_for
+from testkit.broker import Broker, _free_port
+from testkit.fleet_process import ROOT, FleetProcess
+from testkit.rollout_device import Behaviour, SimDevice
+from testkit.waiting import wait_for
 
 FLEET_PASSWORD = "fleet-secret-for-tests"
 
@@ -27,7 +27,7 @@ def tiny_variant_set(directory: Path) -> Path:
     import onnx
     from onnx import TensorProto, helper, numpy_helper
 
-    from tests.sdk.packages import make_variant_set
+    from testkit.packages import make_variant_set
 
     rng = np.random.default_rng(0)
     w, b = rng.normal(size=(64, 10)).astype(np.float32), np.zeros(10, np.float32)

@@ -21,7 +21,7 @@ import numpy as np
 
 from cloud_service.protocol import inference_pb2 as pb
 from runtimes.spec import TensorSpec
-from tests.cloud_service.helpers import make_package
+from testkit.cloud_helpers import make_package
 
 MODEL_INFER = "/inference.GRPCInferenceService/ModelInfer"
 HINT_CAP_S = 0.05  # a refused caller waits the server's retry hint, at most this long, before it calls again
@@ -30,7 +30,7 @@ HINT_CAP_S = 0.05  # a refused caller waits the server's retry hint, at most thi
 def ocr_det_package(models_dir: Path, *, height: int = 128, width: int = 256, name: str = "ocrdet") -> np.ndarray:
     """Package PP-OCRv4's text detector (about 14 ms a page of 128x256 on two idle cores) into `models_dir`;
     return one page (1, 3, height, width) of rendered text to send it."""
-    from tests.compilers.zoo import OCR_DET
+    from testkit.onnx_zoo import OCR_DET
 
     make_package(models_dir / name, OCR_DET.path(), name=name,
                  inputs=(TensorSpec("x", "float32", ("batch", 3, height, width)),),

@@ -12,7 +12,7 @@ import pytest
 
 from cloud_service.fleet.cli import add_parser
 from edge_agent.fleet_sync import EnrollmentError, enroll, load_identity
-from tests.fleet.fleet_process import FleetProcess, cli
+from testkit.fleet_process import FleetProcess, cli
 
 
 @pytest.fixture

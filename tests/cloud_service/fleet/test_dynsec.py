@@ -12,12 +12,12 @@ from pathlib import Path
 import pytest
 
 from edge_agent.fleet_sync import EnrollmentError, enroll
-from tests.broker import Broker
-from tests.cloud_service.helpers import Pki, write_pki
-from tests.fleet.fleet_process import ROOT, FleetProcess, cli
-from tests.fleet.mqtt_device import Device
-from tests.security.deploy_broker import broker_init, dynsec_plugin
-from tests.waiting import wait_for
+from testkit.broker import Broker
+from testkit.cloud_helpers import Pki, write_pki
+from testkit.deploy_broker import broker_init, dynsec_plugin
+from testkit.fleet_process import ROOT, FleetProcess, cli
+from testkit.mqtt_device import Device
+from testkit.waiting import wait_for
 
 pytestmark = pytest.mark.mqtt
 

@@ -16,8 +16,8 @@ from cloud_service.fleet.fleet import Fleet, FleetConfig
 from compilers.release import create_release, open_release, pack_release, unpack_release
 from compilers.signing import generate_keypair, load_private_key
 from edge_agent.fleet_sync import enroll
-from tests.fleet.fleet_process import FleetProcess, cli
-from tests.fleet.rollout_harness import tiny_variant_set
+from testkit.fleet_process import FleetProcess, cli
+from testkit.rollout_harness import tiny_variant_set
 
 
 def _policy(tmp: Path, version: str) -> Path:

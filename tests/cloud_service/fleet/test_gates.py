@@ -1,5 +1,5 @@
 """The rollout gates' error rates in simulation: A/A false alarms over many looks stay under alpha; A/B
-regressions of the margin's size are caught at the canary. Windows come from tests/fleet/gate_sim.py
+regressions of the margin's size are caught at the canary. Windows come from testkit/gate_sim.py
 (per-device levels and noise, uneven traffic, shared-load spikes hitting both arms)."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from cloud_service.fleet.gates import SPECS, Arms, Evidence, Margins, evaluate, 
 from cloud_service.fleet.sequential import Obs, did
 from cloud_service.protocol.fleet_docs import parse_telemetry
 from runtimes.errors import ConfigError
-from tests.fleet.gate_sim import Fleet, Model, run_rollout
+from testkit.gate_sim import Fleet, Model, run_rollout
 
 SPEC = {s.name: s for s in SPECS}
 

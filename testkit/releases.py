@@ -17,7 +17,7 @@ from compilers.package import ModelPackage, write_package
 from compilers.release import create_release, pack_release
 from runtimes.registry import open_session
 from sdk import zoo
-from tests.sdk.packages import make_variant_set
+from testkit.packages import make_variant_set
 
 DEVICE, USER, PASSWORD = "dev-swap", "dev-swap-mqtt", "s3cret-for-tests"
 

@@ -11,10 +11,10 @@ from typing import Any
 import pytest
 
 from edge_agent.fleet_sync import FleetIdentity, enroll
-from tests.broker import Broker
-from tests.fleet.fleet_process import FleetProcess, cli
-from tests.fleet.mqtt_device import Device
-from tests.waiting import wait_for
+from testkit.broker import Broker
+from testkit.fleet_process import FleetProcess, cli
+from testkit.mqtt_device import Device
+from testkit.waiting import wait_for
 
 pytestmark = pytest.mark.mqtt
 def _window(dev: str, seq: int, **kw: Any) -> dict[str, Any]:

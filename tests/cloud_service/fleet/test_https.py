@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from edge_agent.fleet_sync import EnrollmentError, enroll
-from tests.cloud_service.helpers import write_pki
-from tests.fleet.fleet_process import FleetProcess, cli
+from testkit.cloud_helpers import write_pki
+from testkit.fleet_process import FleetProcess, cli
 
 
 def test_enrollment_over_https_needs_the_fleets_ca(tmp_path: Path) -> None:

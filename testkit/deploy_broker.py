@@ -23,10 +23,10 @@ from paho.mqtt.enums import CallbackAPIVersion
 from cloud_service import identity
 from cloud_service.broker_setup import find_plugin
 from sdk.cli import main as tierkit
-from tests.broker import Broker, _free_port
-from tests.cloud_service.helpers import Pki
+from testkit.broker import Broker, _free_port
+from testkit.cloud_helpers import Pki
 
-DEPLOY = Path(__file__).resolve().parents[2] / "deploy" / "mosquitto"
+DEPLOY = Path(__file__).resolve().parents[1] / "deploy" / "mosquitto"
 
 
 def dynsec_plugin() -> str:

@@ -18,8 +18,8 @@ import pytest
 
 from cloud_service.protocol import encode_request, get_parameters, inference_pb2_grpc
 from edge_agent.fleet_sync import enroll
-from tests.fleet.fleet_process import ROOT
-from tests.fleet.rollout_harness import RolloutFleet
+from testkit.fleet_process import ROOT
+from testkit.rollout_harness import RolloutFleet
 
 pytestmark = pytest.mark.mqtt
 
