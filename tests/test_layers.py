@@ -63,3 +63,18 @@ def test_imports_point_down(module: str, path: Path) -> None:
         if _layer(imported) not in allowed:
             bad.append(f"{path.relative_to(ROOT)}:{line} imports {imported}")
     assert not bad, "imports against the layering of DESIGN.md:\n" + "\n".join(bad)
+
+
+# Tests and benchmarks share their real parts through `testkit`, which sits below both.
+APART = {"tests": {"bench"}, "bench": {"tests"}, "testkit": {"tests", "bench"}}
+
+
+@pytest.mark.parametrize("folder", sorted(APART))
+def test_tests_and_bench_do_not_import_each_other(folder: str) -> None:
+    bad = []
+    for path in sorted((ROOT / folder).rglob("*.py")):
+        for line, imported in _imports(path):
+            if imported.split(".")[0] in APART[folder]:
+                bad.append(f"{path.relative_to(ROOT)}:{line} imports {imported}")
+    assert not bad, (f"{folder}/ may not import {' or '.join(sorted(APART[folder]))}; move what both need into "
+                     "testkit/:\n" + "\n".join(bad))
