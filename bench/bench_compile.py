@@ -63,7 +63,7 @@ from compilers.fidelity import measure  # noqa: E402
 from compilers.measure import TimingPlan, time_runners  # noqa: E402
 from compilers.passes import export  # noqa: E402
 from compilers.passes.execute import open_runner, run_all  # noqa: E402
-from sdk import zoo  # noqa: E402
+from testkit import zoo  # noqa: E402
 
 TARGETS = {"minilm": {"speedup": 3.0, "min_cosine": 0.995}, "resnet": {"speedup": 3.5},
            "pruned": {"speedup": 1.8, "max_drop": 1.0}, "mnist": {"max_drop": 0.5}}

@@ -55,7 +55,7 @@ def build(work: Path) -> tuple[Any, list[tuple[str, Path]]]:
     import torch
 
     from compilers import compile_model
-    from sdk import zoo
+    from testkit import zoo
 
     split = zoo.digits(seed=0)
     out = []

@@ -43,8 +43,8 @@ from edge_agent.agent import AgentOptions
 from edge_agent.audit import AuditOptions, window_fields
 from edge_agent.policy import Margin, Policy, threshold_for_rate
 from edge_agent.router import Router, RouterOptions
-from sdk import zoo
 from sdk.demo import CloudThread
+from testkit import zoo
 
 RESULTS = Path(__file__).resolve().parent / "results"
 SHIFTS = ("rotation", "contrast_noise", "class_prior")

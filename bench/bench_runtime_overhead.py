@@ -50,7 +50,7 @@ def compare(model: str, backend: str, raw: Callable[[], Any], wrapped: Callable[
 
 def tiny_cnn(workdir: Path) -> tuple[Path, dict[str, np.ndarray]]:
     """A digits CNN (one epoch is enough to time it) exported to ONNX."""
-    from sdk import zoo
+    from testkit import zoo
 
     split = zoo.digits(seed=0)
     model = zoo.train(zoo.small_cnn(), split, epochs=1, seed=0)

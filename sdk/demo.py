@@ -39,7 +39,7 @@ from edge_agent.breaker import BreakerConfig
 from edge_agent.budget import Budget
 from edge_agent.policy import Policy
 from runtimes.errors import BackendUnavailable, ConfigError
-from sdk import zoo
+from sdk import _demo_models as zoo
 
 KEYS = ("edge_accuracy", "cloud_accuracy", "tiered_accuracy", "escalation_rate", "p50_ms", "p95_ms",
         "answered", "requests", "degraded")

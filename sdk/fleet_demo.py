@@ -122,7 +122,7 @@ def _models(work: Path, out: Callable[[str], None]) -> tuple[Path, Path, str, np
     from sklearn.linear_model import LogisticRegression
 
     from compilers import compile_model
-    from sdk import zoo
+    from sdk import _demo_models as zoo
 
     split = zoo.digits(seed=0)
     x, calib = split.x_train.reshape(len(split.x_train), -1), {"x": split.x_train[:512], "labels": split.y_train[:512]}

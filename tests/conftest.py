@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from runtimes.registry import register_backend
-from sdk import zoo
+from testkit import zoo
 
 # The fake backend is a test double: the product does not ship it, the suite plugs it in.
 register_backend("fake", "testkit.fake_backend:FakeBackend")

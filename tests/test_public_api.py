@@ -15,7 +15,7 @@ def test_all_is_sorted_and_complete() -> None:
     assert sdk.__all__ == PUBLIC
     for name in sdk.__all__:
         assert hasattr(sdk, name), name
-    public = {n for n in vars(sdk) if not n.startswith("_") and n not in {"zoo", "cli", "demo"}}
+    public = {n for n in vars(sdk) if not n.startswith("_") and n not in {"cli", "demo"}}
     assert public == set(PUBLIC) - {"__version__"}
 
 

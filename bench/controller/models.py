@@ -22,7 +22,7 @@ import numpy as np
 
 from compilers.variants import VariantSet
 from edge_agent.policy import Policy
-from sdk import zoo
+from testkit import zoo
 
 EDGE_NAME, CLOUD_NAME = "mnist-edge", "mnist-cloud"
 

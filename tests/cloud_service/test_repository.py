@@ -19,7 +19,7 @@ from compilers import signing
 from compilers.package import ModelPackage, pack
 from compilers.variants import VariantEntry, VariantSet
 from runtimes.spec import TensorSpec
-from sdk import zoo
+from testkit import zoo
 from testkit.cloud_helpers import ServerThread, make_package, metric_value
 
 

@@ -10,7 +10,7 @@ import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from compilers import PassSpec, Rung, Target, VariantSet, compile_model
-from sdk import zoo
+from testkit import zoo
 
 
 @pytest.fixture(scope="session")

@@ -69,7 +69,7 @@ def test_max_drop_and_min_cosine_exclude_each_other(capsys: pytest.CaptureFixtur
 def test_compile_a_torch_factory(npz_files: tuple[Path, Path], tmp_path: Path,
                                  capsys: pytest.CaptureFixture[str]) -> None:
     calib, val = npz_files
-    rc = main(["compile", "sdk.zoo:linear_classifier", "-o", str(tmp_path / "f"), "--target", "x86-avx512",
+    rc = main(["compile", "testkit.zoo:linear_classifier", "-o", str(tmp_path / "f"), "--target", "x86-avx512",
                "--precision", "fp32", "--calibration", str(calib), "--validation", str(val), "--json",
                "--no-progress", "--name", "linear"])
     assert rc == 0

@@ -10,7 +10,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from compilers import PruneConfig, VariantSet, compile_model
 from compilers.fidelity import nll
-from sdk import zoo
+from testkit import zoo
 from tests.compilers.conftest import ort_target, static_rung
 
 

@@ -16,7 +16,7 @@ from compilers.fidelity import (
     nll,
 )
 from runtimes.errors import ConfigError
-from sdk import zoo
+from testkit import zoo
 
 
 def test_measure_classifier_with_labels() -> None:

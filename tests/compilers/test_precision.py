@@ -21,7 +21,7 @@ from compilers.recipes import native_precisions, probe_host
 from compilers.variants import VariantSet
 from runtimes import SessionOptions, open_session
 from runtimes.errors import PackageError
-from sdk import zoo
+from testkit import zoo
 
 
 @pytest.fixture(scope="module")

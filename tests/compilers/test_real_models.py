@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from compilers import PassSpec, Rung, Target, VariantSet, compile_model
-from sdk import zoo
+from testkit import zoo
 
 pytest.importorskip("ccexam")
 pytest.importorskip("mlxtend")

@@ -19,7 +19,7 @@ from compilers.release import (
 )
 from compilers.version_floor import VersionFloor
 from runtimes.errors import ConfigError, IntegrityError, PackageError, SignatureError, UnsafeArchiveError
-from sdk import zoo
+from testkit import zoo
 from testkit.packages import make_variant_set
 
 

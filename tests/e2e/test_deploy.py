@@ -18,7 +18,7 @@ import pytest
 
 from compilers.signing import generate_keypair, load_private_key
 from edge_agent.fleet_sync import enroll
-from sdk import zoo
+from testkit import zoo
 from testkit.cloud_helpers import ServeProcess, metric_value, write_pki
 from testkit.deploy_broker import DeployBroker, need_mosquitto
 from testkit.fleet_process import FleetProcess, cli

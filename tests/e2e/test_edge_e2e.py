@@ -16,8 +16,8 @@ import sdk
 from compilers.variants import VariantSet
 from edge_agent.agent import AgentOptions
 from edge_agent.policy import Policy
-from sdk import zoo
 from sdk.demo import CloudThread
+from testkit import zoo
 from testkit.packages import compiled
 
 POLICY = Policy("margin", target_accuracy=1.0, max_rate=0.2)

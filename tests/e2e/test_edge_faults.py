@@ -37,8 +37,8 @@ from edge_agent.agent import AgentOptions
 from edge_agent.breaker import BreakerConfig
 from edge_agent.journal import Journal
 from edge_agent.policy import Policy
-from sdk import zoo
 from sdk.demo import CloudThread
+from testkit import zoo
 from testkit.packages import make_package
 from testkit.ports import free_port
 

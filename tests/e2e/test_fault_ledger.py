@@ -37,7 +37,7 @@ from edge_agent.agent import AgentOptions
 from edge_agent.breaker import BreakerConfig
 from edge_agent.policy import Policy
 from edge_agent.transports.base import TransportOptions
-from sdk import zoo
+from testkit import zoo
 from testkit.broker import Broker
 from testkit.cloud_helpers import ServerThread
 from testkit.cloud_helpers import make_package as make_cloud_package

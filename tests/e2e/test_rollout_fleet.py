@@ -25,7 +25,7 @@ import pytest
 
 from cloud_service.fleet.gates import Margins
 from compilers.signing import load_private_key
-from sdk import zoo
+from testkit import zoo
 from testkit.cloud_helpers import ServeProcess
 from testkit.packages import make_package
 from testkit.releases import variant_set

@@ -23,7 +23,7 @@ from edge_agent.policy import Policy
 from edge_agent.prediction import Prediction
 from runtimes.energy import EnergyMeter, RaplSource
 from runtimes.errors import CloudUnavailable, InputError
-from sdk import zoo
+from testkit import zoo
 from testkit.fake_transport import FakeTransport
 from testkit.packages import make_package
 

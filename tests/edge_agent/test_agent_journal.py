@@ -19,7 +19,7 @@ from edge_agent.budget import Budget
 from edge_agent.journal import Journal
 from edge_agent.policy import Policy
 from runtimes.errors import CloudUnavailable
-from sdk import zoo
+from testkit import zoo
 from testkit.fake_transport import FakeTransport
 from testkit.grpc_cloud import GrpcCloud
 from testkit.packages import make_package

@@ -24,7 +24,7 @@ from edge_agent.agent import AgentOptions
 from edge_agent.audit import AuditOptions, estimate_agreement, window_fields
 from edge_agent.fleet_sync import TelemetryWindows
 from edge_agent.policy import Policy
-from sdk import zoo
+from testkit import zoo
 from testkit.fake_transport import FakeTransport
 from testkit.packages import make_package
 from testkit.waiting import wait_for

@@ -19,7 +19,7 @@ from edge_agent.config import load_config, parse_config
 from edge_agent.daemon import AgentDaemon
 from edge_agent.fleet_sync import model_digest
 from runtimes.errors import ConfigError
-from sdk import zoo
+from testkit import zoo
 from testkit.packages import make_package
 
 

@@ -21,7 +21,7 @@ from edge_agent.agent import AgentOptions
 from edge_agent.breaker import BreakerConfig
 from edge_agent.link import TimerLateness
 from edge_agent.policy import Policy
-from sdk import zoo
+from testkit import zoo
 from testkit.cloud_helpers import ServerThread
 from testkit.cloud_helpers import make_package as make_cloud_package
 from testkit.delay_proxy import DelayProxy

@@ -17,7 +17,7 @@ from edge_agent.audit import AuditOptions
 from edge_agent.drift import AgreementCusum, DriftOptions, ScoreCusum, siegmund_arl
 from edge_agent.fleet_sync import TelemetryWindows
 from edge_agent.policy import Margin, Policy
-from sdk import zoo
+from testkit import zoo
 from testkit.fake_transport import FakeTransport
 from testkit.packages import make_package
 from testkit.waiting import wait_for

@@ -18,7 +18,7 @@ from compilers.package import ModelPackage
 from edge_agent.agent import EdgeAgent
 from edge_agent.budget import Budget
 from edge_agent.policy import Policy
-from sdk import zoo
+from testkit import zoo
 from testkit.grpc_cloud import GrpcCloud
 from testkit.packages import make_package
 from testkit.slowlink import SlowLink

@@ -25,7 +25,7 @@ from edge_agent.budget import Budget
 from edge_agent.controller import Controller
 from edge_agent.policy import Policy
 from edge_agent.profiles import LinkProfile, VariantProfile
-from sdk import zoo
+from testkit import zoo
 from testkit.fake_transport import FakeTransport
 from testkit.packages import make_package
 

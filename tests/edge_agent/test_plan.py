@@ -14,8 +14,8 @@ from edge_agent.plan import pareto_front, what_if
 from edge_agent.plan_cli import load_profiles
 from edge_agent.policy import Policy
 from edge_agent.profiles import LinkProfile
-from sdk import zoo
 from sdk.cli import main
+from testkit import zoo
 from tests.edge_agent.test_profiles import make_package
 
 

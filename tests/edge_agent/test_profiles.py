@@ -18,7 +18,7 @@ from edge_agent.profiles import LatencyWindow, LinkProfile, VariantProfile, logn
 from runtimes.errors import ConfigError, PackageError
 from runtimes.registry import open_session
 from runtimes.spec import TensorSpec
-from sdk import zoo
+from testkit import zoo
 
 
 def make_package(directory: Path, onnx: Path, split: zoo.Split, *, validation: bool = True,

@@ -20,7 +20,7 @@ from edge_agent.policy import Policy
 from edge_agent.pushback import DrainPace, Pushback, retry_hint_s
 from edge_agent.transports.base import escalation_error
 from runtimes.errors import EscalationError
-from sdk import zoo
+from testkit import zoo
 from testkit.fake_transport import FakeTransport
 from testkit.packages import make_package
 

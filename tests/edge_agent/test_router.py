@@ -17,7 +17,7 @@ from edge_agent.audit import AuditOptions
 from edge_agent.policy import MaxProb, Policy
 from edge_agent.router import Router, RouterOptions, features
 from runtimes.errors import ConfigError
-from sdk import zoo
+from testkit import zoo
 from testkit.fake_transport import FakeTransport
 from testkit.packages import make_package
 from testkit.waiting import wait_for

@@ -22,7 +22,7 @@ import pytest
 from cloud_service.protocol import encode_request, get_parameters, inference_pb2_grpc, topics
 from edge_agent.config import load_config
 from edge_agent.daemon import AgentDaemon
-from sdk import zoo
+from testkit import zoo
 from testkit.release_server import ReleaseServer
 from testkit.releases import DEVICE, PASSWORD, USER, Kit, build_kit, device_config
 

@@ -30,8 +30,7 @@ from edge_agent.cli import PAUSE_ENV
 from edge_agent.config import load_config
 from edge_agent.daemon import AgentDaemon
 from edge_agent.slots import RESTARTED
-from sdk import zoo
-from testkit import waiting
+from testkit import waiting, zoo
 from testkit.release_server import ReleaseServer
 from testkit.releases import DEVICE, PASSWORD, USER, Kit, build_kit, device_config
 

@@ -26,7 +26,7 @@ from edge_agent.journal import Journal
 from edge_agent.policy import Policy
 from runtimes import open_session
 from runtimes.errors import ModelClosed, TierkitError
-from sdk import zoo
+from testkit import zoo
 from testkit.grpc_cloud import GrpcCloud
 from testkit.packages import make_package
 from testkit.ports import free_port

@@ -9,7 +9,7 @@ import pytest
 
 from runtimes.session import write_io_sidecar
 from runtimes.spec import TensorSpec
-from sdk import zoo
+from testkit import zoo
 
 X_SPEC = TensorSpec("x", "float32", ("batch", 1, 8, 8))
 LOGITS_SPEC = TensorSpec("logits", "float32", ("batch", 10))

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from runtimes import InputError, Session, SessionOptions, open_session
-from sdk import zoo
+from testkit import zoo
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,7 @@ import pytest
 from runtimes import BackendUnavailable, ConfigError, SessionOptions, open_session
 from runtimes.errors import PackageError
 from runtimes.session import io_sidecar_path, read_io_sidecar, write_io_sidecar
-from sdk import zoo
+from testkit import zoo
 from tests.runtimes.conftest import LOGITS_SPEC, X_SPEC
 
 torch = pytest.importorskip("torch")

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from runtimes import InputError, SessionOptions, open_session
-from sdk import zoo
+from testkit import zoo
 
 pytestmark = [pytest.mark.gpu, pytest.mark.tensorrt]
 

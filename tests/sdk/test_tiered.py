@@ -20,7 +20,7 @@ from edge_agent.controller import Controller, ControllerConfig, Decision
 from edge_agent.policy import Policy
 from runtimes import open_session
 from runtimes.errors import CloudUnavailable, ConfigError, InputError
-from sdk import zoo
+from testkit import zoo
 from testkit.cloud_helpers import metric_value
 from testkit.fake_transport import FakeTransport
 from testkit.packages import make_package, make_variant_set

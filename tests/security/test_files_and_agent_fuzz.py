@@ -28,7 +28,7 @@ from edge_agent.config import parse_config
 from edge_agent.daemon import AgentDaemon
 from edge_agent.journal import Journal
 from runtimes.errors import TierkitError
-from sdk import zoo
+from testkit import zoo
 from testkit.cloud_helpers import make_package
 from testkit.packages import make_package as make_agent_package
 from tests.security.test_grpc_fuzz import ANSWERABLE, MAX_DETAILS, requests

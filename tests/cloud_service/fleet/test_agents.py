@@ -17,7 +17,7 @@ import pytest
 
 from compilers.package import ModelPackage
 from edge_agent.fleet_sync import model_digest
-from sdk import zoo
+from testkit import zoo
 from testkit.broker import Broker
 from testkit.fleet_process import ROOT, FleetProcess, cli
 from testkit.packages import make_package

@@ -22,8 +22,8 @@ from edge_agent.fleet_sync import TelemetryWindows, generate_key_and_csr
 from edge_agent.policy import Policy
 from edge_agent.stats import Observation, Stats, top1_agreed
 from runtimes.registry import open_session
-from sdk import zoo
 from sdk.demo import CloudThread
+from testkit import zoo
 from testkit.packages import make_package
 
 

