@@ -166,6 +166,16 @@ class EdgeAgent(EscalationPath, Background):
             encoder.meter = self.link  # the bandwidth the transport times is the link's
             if isinstance(ctl, Controller):
                 ctl.attach_encoder(encoder)  # the encoding is chosen with the variant and threshold
+        self._init_state(meter, telemetry, on_late_reply)
+        self.audits = Auditor(opts.audit, self)  # audits of confident answers, drift, the learned rule
+        self._audit_mj_folded = 0.0
+        if isinstance(ctl, Controller) and self.audits.active:
+            audits = self.audits
+            ctl.attach_audits(lambda: audits.rate if audits.active else 0.0)  # planned with the escalations
+
+    def _init_state(self, meter: Any, telemetry: Telemetry | None, on_late_reply: LateReply | None) -> None:
+        """What the agent keeps while it runs: pacing, cache, counters, the journal, tasks in flight."""
+        opts = self.options
         self.pushback = Pushback()  # the cloud's "busy, retry after" (edge_agent.pushback)
         self._pace = DrainPace(opts.drain_rate_per_s)
         self.cache: ResultCache[Prediction] | None = (ResultCache(self.policy.cache_size)
@@ -188,11 +198,6 @@ class EdgeAgent(EscalationPath, Background):
         self._inflight: dict[int, asyncio.Future[bool]] = {}
         self._background: set[asyncio.Task[Any]] = set()
         self._drain_wake: asyncio.Event | None = None
-        self.audits = Auditor(opts.audit, self)  # audits of confident answers, drift, the learned rule
-        self._audit_mj_folded = 0.0
-        if isinstance(ctl, Controller) and self.audits.active:
-            audits = self.audits
-            ctl.attach_audits(lambda: audits.rate if audits.active else 0.0)  # planned with the escalations
 
     # -- lifecycle -----------------------------------------------------------------------------
 

@@ -76,36 +76,7 @@ def create_app(fleet: Fleet) -> FastAPI:
     def dashboard() -> str:
         return _DASHBOARD.read_text()
 
-    @app.post("/v1/enroll", response_model=EnrollResponse, tags=["devices"])
-    def enroll(req: EnrollRequest) -> EnrollResponse:
-        got = fleet.enroll(req.token, req.csr, hardware=req.hardware, agent_version=req.agent_version)
-        return EnrollResponse(device_id=got.device_id, certificate=got.cert_pem, ca_certificate=got.ca_pem,
-                              mqtt_username=got.mqtt_username, mqtt_password=got.mqtt_password, labels=got.labels)
-
-    @app.get("/v1/ca/crl", tags=["devices"], response_class=PlainTextResponse,
-             responses={200: {"content": {"application/x-pem-file": {}}}})
-    def crl() -> PlainTextResponse:
-        """The fleet CA's certificate revocation list (PEM), for a broker's `crlfile`; public, like the CA."""
-        return PlainTextResponse(fleet.crl_pem(), media_type="application/x-pem-file")
-
-    @app.get("/v1/devices", tags=["devices"])
-    def devices(label: str | None = None, _op: str = Depends(reader)) -> list[dict[str, Any]]:
-        return fleet.devices(parse_labels(label, where="label"))
-
-    @app.get("/v1/devices/{device_id}", tags=["devices"])
-    def device(device_id: str, _op: str = Depends(reader)) -> dict[str, Any]:
-        return fleet.show(device_id)
-
-    @app.post("/v1/devices/{device_id}/revoke", tags=["devices"])
-    def revoke(device_id: str, _op: str = Depends(admin)) -> dict[str, Any]:
-        fleet.revoke(device_id)
-        return {"revoked": device_id}
-
-    @app.post("/v1/tokens", tags=["devices"])
-    def token(req: TokenRequest, _op: str = Depends(admin)) -> dict[str, Any]:
-        return {"token": fleet.registry.create_token(req.labels, expires_s=req.expires_s),
-                "expires_at": time.time() + req.expires_s}
-
+    _device_routes(app, fleet, reader, admin)
     _desired_routes(app, fleet, reader, admin)
 
     @app.get("/v1/telemetry", tags=["telemetry"])
@@ -135,6 +106,40 @@ def create_app(fleet: Fleet) -> FastAPI:
         return fleet.stats()
 
     return app
+
+
+def _device_routes(app: FastAPI, fleet: Fleet, reader: Callable[..., str], admin: Callable[..., str]) -> None:
+    """Enrollment, the CA's revocation list, the device registry and enrollment tokens."""
+
+    @app.post("/v1/enroll", response_model=EnrollResponse, tags=["devices"])
+    def enroll(req: EnrollRequest) -> EnrollResponse:
+        got = fleet.enroll(req.token, req.csr, hardware=req.hardware, agent_version=req.agent_version)
+        return EnrollResponse(device_id=got.device_id, certificate=got.cert_pem, ca_certificate=got.ca_pem,
+                              mqtt_username=got.mqtt_username, mqtt_password=got.mqtt_password, labels=got.labels)
+
+    @app.get("/v1/ca/crl", tags=["devices"], response_class=PlainTextResponse,
+             responses={200: {"content": {"application/x-pem-file": {}}}})
+    def crl() -> PlainTextResponse:
+        """The fleet CA's certificate revocation list (PEM), for a broker's `crlfile`; public, like the CA."""
+        return PlainTextResponse(fleet.crl_pem(), media_type="application/x-pem-file")
+
+    @app.get("/v1/devices", tags=["devices"])
+    def devices(label: str | None = None, _op: str = Depends(reader)) -> list[dict[str, Any]]:
+        return fleet.devices(parse_labels(label, where="label"))
+
+    @app.get("/v1/devices/{device_id}", tags=["devices"])
+    def device(device_id: str, _op: str = Depends(reader)) -> dict[str, Any]:
+        return fleet.show(device_id)
+
+    @app.post("/v1/devices/{device_id}/revoke", tags=["devices"])
+    def revoke(device_id: str, _op: str = Depends(admin)) -> dict[str, Any]:
+        fleet.revoke(device_id)
+        return {"revoked": device_id}
+
+    @app.post("/v1/tokens", tags=["devices"])
+    def token(req: TokenRequest, _op: str = Depends(admin)) -> dict[str, Any]:
+        return {"token": fleet.registry.create_token(req.labels, expires_s=req.expires_s),
+                "expires_at": time.time() + req.expires_s}
 
 
 def _desired_routes(app: FastAPI, fleet: Fleet, reader: Callable[..., str], admin: Callable[..., str]) -> None:

@@ -16,6 +16,12 @@ depends_on = None
 
 
 def upgrade() -> None:
+    _desired_and_device_tables()
+    _service_tables()
+    _telemetry_tables()
+
+
+def _desired_and_device_tables() -> None:
     op.create_table('desired_effective',
     sa.Column('device_id', sa.String(length=128), nullable=False),
     sa.Column('version', sa.BigInteger(), nullable=False),
@@ -56,6 +62,9 @@ def upgrade() -> None:
     sa.Column('device_id', sa.String(length=128), nullable=True),
     sa.PrimaryKeyConstraint('token_hash')
     )
+
+
+def _service_tables() -> None:
     op.create_table('ingest_drops',
     sa.Column('reason', sa.String(length=32), nullable=False),
     sa.Column('count', sa.BigInteger(), nullable=False),
@@ -88,6 +97,9 @@ def upgrade() -> None:
     sa.Column('received_at', sa.Float(), nullable=False),
     sa.PrimaryKeyConstraint('device_id')
     )
+
+
+def _telemetry_tables() -> None:
     op.create_table('telemetry',
     sa.Column('id', sa.BigInteger().with_variant(sa.Integer(), 'sqlite'), autoincrement=True, nullable=False),
     sa.Column('device_id', sa.String(length=128), nullable=False),
