@@ -91,15 +91,18 @@ def create_app(fleet: Fleet) -> FastAPI:
 
     @app.get("/v1/fleet/bands", tags=["telemetry"])
     def fleet_bands(by: str = "fleet", hours: int = 24, _op: str = Depends(reader)) -> dict[str, Any]:
-        """p50 / p95 across devices of each figure, per group (fleet, release, label:KEY) and hour."""
-        return view.bands(fleet.store, by=by, hours=max(1, min(hours, 24 * 31)))
+        """p50 / p95 across devices of each figure, per group (fleet, release, label:KEY) and hour (stored
+        per hour as windows arrive: a read costs a few hundred rows)."""
+        return view.bands(fleet.store, by=by[:200], hours=max(1, min(hours, 24 * 31)))
 
     @app.get("/v1/fleet/devices", tags=["devices"])
-    def fleet_devices(offset: int = 0, limit: int = 50, q: str = "", state: str = "",
+    def fleet_devices(after: str = "", before: str = "", limit: int = 50, q: str = "", state: str = "",
                       _op: str = Depends(reader)) -> dict[str, Any]:
-        """One page of devices, filtered by text (id or labels) and state (online, offline, revoked)."""
-        return view.page(fleet.store, offset=offset, limit=limit, q=q[:200], state=state,
-                         online_after_s=fleet.config.online_after_s, data_drift=fleet.telemetry.data_drift)
+        """One page of devices by id (`after` or `before` an id), filtered by a label (`q=site=berlin`) or a
+        device-id prefix, and a state (online, offline, revoked)."""
+        return view.page(fleet.store, after=after[:128], before=before[:128], limit=limit, q=q[:200], state=state,
+                         online_after_s=fleet.config.online_after_s, drift_after_s=fleet.config.drift_after_s,
+                         data_drift=fleet.telemetry.data_drift)
 
     @app.get("/v1/stats", tags=["telemetry"])
     def stats(_op: str = Depends(reader)) -> dict[str, Any]:
@@ -154,5 +157,7 @@ def _desired_routes(app: FastAPI, fleet: Fleet, reader: Callable[..., str], admi
         return {"version": fleet.set_layer(req.selector, req.document, priority=req.priority)}
 
     @app.get("/v1/drift", tags=["desired"])
-    def drift(_op: str = Depends(reader)) -> list[dict[str, Any]]:
-        return fleet.desired.drift()
+    def drift(limit: int | None = None, _op: str = Depends(reader)) -> list[dict[str, Any]]:
+        """Devices drifting from their desired document (the first `limit` by id, when given)."""
+        rows = fleet.desired.drift()
+        return rows if limit is None else rows[:max(0, limit)]

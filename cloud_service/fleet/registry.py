@@ -55,6 +55,9 @@ def parse_labels(text: str | dict[str, str] | None, *, where: str = "labels") ->
         if not key or not value or any(c in key + value for c in ",=*/"):
             msg = f"{where} {text!r} must be k=v pairs separated by commas, e.g. site=berlin,kind=cam"
             raise InvalidDocument(msg)
+        if len(key) > 128 or len(value) > 256:
+            msg = f"{where} {key!r}: a label key has at most 128 characters and a value at most 256"
+            raise InvalidDocument(msg)
         out[key] = value
     return out
 
@@ -80,6 +83,18 @@ class Enrolled:
     mqtt_username: str
     mqtt_password: str
     labels: dict[str, str]
+
+
+def insert_devices(conn: Any, rows: list[dict[str, Any]]) -> None:
+    """Insert `devices` rows (`labels` as JSON text) and index their labels (`device_labels`: the device table's
+    `k=v` filter). Enrollment writes devices through this; so may a bulk import."""
+    if not rows:
+        return
+    conn.execute(t.devices.insert(), rows)
+    labels = [{"key": k, "value": str(v), "device_id": r["device_id"]}
+              for r in rows for k, v in json.loads(r.get("labels") or "{}").items()]
+    if labels:
+        conn.execute(t.device_labels.insert(), labels)
 
 
 class Registry:
@@ -135,10 +150,10 @@ class Registry:
             if claimed != 1:
                 msg = "enrollment token was already used; tokens are one-time, create another"
                 raise EnrollmentRefused(msg)
-            conn.execute(t.devices.insert().values(
-                device_id=device_id, labels=row.labels, hardware=json.dumps(hardware or {}),
-                agent_version=str(agent_version)[:64], cert_serial=serial,
-                mqtt_password_hash=mosquitto_hash(password), enrolled_at=now))
+            insert_devices(conn, [{
+                "device_id": device_id, "labels": row.labels, "hardware": json.dumps(hardware or {}),
+                "agent_version": str(agent_version)[:64], "cert_serial": serial,
+                "mqtt_password_hash": mosquitto_hash(password), "enrolled_at": now}])
             if on_issue is not None:
                 on_issue(device_id, password)
         return Enrolled(device_id, cert_pem, self.ca.cert_pem, device_id, password, json.loads(row.labels))

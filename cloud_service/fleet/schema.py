@@ -146,6 +146,40 @@ telemetry_hourly = Table(
 )
 Index("ix_telemetry_hourly_hour", telemetry_hourly.c.hour)
 
+# Windows received per minute of server time, fleet-wide (migration 0005): the dashboard's cloud tiles read the
+# last minutes here, and an hour's window count stamps the bands computed from it (`bands.py`).
+telemetry_minutes = Table(
+    "telemetry_minutes", metadata,
+    Column("minute", BigInteger, primary_key=True),  # Unix seconds at the start of the minute
+    Column("windows", BigInteger, nullable=False),
+    Column("requests", BigInteger, nullable=False),
+    Column("escalations", Float, nullable=False),  # Σ requests x escalation rate
+    Column("cloud_refused", BigInteger, nullable=False),
+)
+
+# The fleet view's percentile bands, materialized (migration 0005): per grouping ("fleet", "release",
+# "label:KEY"), hour and group, the devices and the p50 / p95 across them of each figure (JSON), stamped with
+# the hour's window count when computed (a later window makes the row stale).
+fleet_bands = Table(
+    "fleet_bands", metadata,
+    Column("grouping", String(160), primary_key=True),
+    Column("hour", BigInteger, primary_key=True),
+    Column("grp", String(200), primary_key=True),
+    Column("devices", Integer, nullable=False),
+    Column("figures", Text, nullable=False),
+    Column("windows", BigInteger, nullable=False),
+    Column("computed_at", Float, nullable=False),
+)
+
+# Each device's labels, one row a label (migration 0005): the device table's `k=v` filter is an index range.
+device_labels = Table(
+    "device_labels", metadata,
+    Column("key", String(128), primary_key=True),
+    Column("value", String(256), primary_key=True),
+    Column("device_id", String(128), primary_key=True),
+)
+Index("ix_devices_last_seen", devices.c.last_seen)
+
 # Bytes accepted and cut per device and UTC day (the cellular-bill cap).
 telemetry_usage = Table(
     "telemetry_usage", metadata,

@@ -3,7 +3,9 @@
 Periodic work: move rollouts on (every second, under the `rollouts` row lease: one process acts),
 publish effective desired documents whose version changed (every second, so a layer set through
 the CLI or by another fleet process reaches the devices), and roll raw telemetry past its retention
-up into hourly rows (every minute). Several processes may run this on one PostgreSQL: the work is
+up into hourly rows (every minute); and, in a task of its own, refresh the fleet view's stored bands
+(`bands.refresh`, every `bands.REFRESH_S`), so that a dashboard load reads them instead of computing them.
+Several processes may run this on one PostgreSQL: the work is
 idempotent or leased, and the broker's shared subscription splits ingestion.
 """
 
@@ -16,6 +18,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+from cloud_service.fleet import bands
 from cloud_service.fleet.api import create_app
 from cloud_service.fleet.errors import FleetError
 from cloud_service.fleet.fleet import Fleet
@@ -63,6 +66,7 @@ async def serve_fleet(fleet: Fleet, *, http: tuple[str, int], mqtt: IngestOption
                                cloud_capacity_rps=fleet.config.cloud_capacity_rps)
         next_rollup = loop.time() + rollup_every_s
         reconciled = fleet.dynsec is None
+        banding = asyncio.create_task(_refresh_bands(fleet, stop))
         while not stop.is_set():
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), 1.0)
@@ -73,6 +77,7 @@ async def serve_fleet(fleet: Fleet, *, http: tuple[str, int], mqtt: IngestOption
             await _periodic(fleet, ingest, engine, roll_up=loop.time() >= next_rollup)
             if loop.time() >= next_rollup:
                 next_rollup = loop.time() + rollup_every_s
+        banding.cancel()
     finally:
         server.should_exit = True
         with contextlib.suppress(Exception):
@@ -80,6 +85,19 @@ async def serve_fleet(fleet: Fleet, *, http: tuple[str, int], mqtt: IngestOption
         if ingest is not None:
             await asyncio.to_thread(ingest.stop)
             fleet.ingest = None
+
+
+async def _refresh_bands(fleet: Fleet, stop: asyncio.Event) -> None:
+    """Keep the stored bands of the last day fresh, off the loop that steps rollouts."""
+    while not stop.is_set():
+        try:
+            await asyncio.to_thread(bands.refresh, fleet.store)
+        except FleetError as exc:
+            logger.warning("fleet bands not refreshed: %s", exc)
+        except Exception:  # the view must never take the service down
+            logger.exception("fleet bands refresh failed; retried in %s s", bands.REFRESH_S)
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stop.wait(), bands.REFRESH_S)
 
 
 async def _periodic(fleet: Fleet, ingest: MqttIngest | None, engine: RolloutEngine, *, roll_up: bool) -> None:

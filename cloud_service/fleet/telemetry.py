@@ -22,7 +22,6 @@ capped (over the device's daily byte budget; also counted in `telemetry_usage.cu
 
 from __future__ import annotations
 
-import json
 import math
 import time
 from collections import Counter
@@ -37,6 +36,7 @@ from cloud_service.fleet.store import FleetStore
 from cloud_service.protocol.fleet_docs import TelemetryWindow, parse_telemetry
 from runtimes.errors import ConfigError
 
+MINUTES_KEPT_S = 32 * 86400.0  # per-minute sums stamp the bands of up to 31 days (the API's longest view)
 DROP_REASONS = ("oversized", "malformed", "unknown", "revoked", "impersonating", "replayed", "capped")
 
 
@@ -113,6 +113,20 @@ def _hourly(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return list(acc.values())
 
 
+def _minutes(rows: list[dict[str, Any]], refused: dict[tuple[str, str, int], int]) -> list[dict[str, Any]]:
+    """Stored windows as fleet-wide sums per minute of server time (`telemetry_minutes`)."""
+    acc: dict[int, dict[str, Any]] = {}
+    for r in rows:
+        minute = int(r["server_ts"] // 60 * 60)
+        m = acc.setdefault(minute, {"minute": minute, "windows": 0, "requests": 0, "escalations": 0.0,
+                                    "cloud_refused": 0})
+        m["windows"] += 1
+        m["requests"] += int(r["requests"])
+        m["escalations"] += int(r["requests"]) * float(r["escalation_rate"])
+        m["cloud_refused"] += refused.get(_key(r), 0)
+    return list(acc.values())
+
+
 class TelemetryStore:
     """Ingest, query and roll up telemetry windows over a `FleetStore`."""
 
@@ -135,6 +149,7 @@ class TelemetryStore:
                 self.bulk.any_of(t.telemetry_usage.c.device_id, names),
                 self.bulk.any_of(t.telemetry_usage.c.day, days)))}
             rows: list[dict[str, Any]] = []
+            refused: dict[tuple[str, str, int], int] = {}
             in_batch: set[tuple[Any, ...]] = set()
             for win, size, server_ts, text in parsed:
                 if win.device not in status:
@@ -146,6 +161,7 @@ class TelemetryStore:
                 else:
                     in_batch.add((win.device, win.boot_id, win.seq))
                     rows.append(self._row(win, size, server_ts, text))
+                    refused[(win.device, win.boot_id, win.seq)] = win.cloud_refused
             # A window that cannot fit under the cap whatever else is new only needs telling replayed from
             # capped; the others are inserted where not stored yet (the unique key decides, also against
             # another fleet process), then those that the cap cuts are taken back out (the batch crossed it).
@@ -181,6 +197,7 @@ class TelemetryStore:
                  "cut_bytes": cut_bytes[(d, day)]} for d, day in set(accepted) | set(cut)], ("device_id", "day"))
             self.bulk.raise_to(conn, t.devices, "device_id", "last_seen", last_seen)
             self.bulk.add_counts(conn, t.telemetry_hourly, _hourly(kept), ("device_id", "hour"))
+            self.bulk.add_counts(conn, t.telemetry_minutes, _minutes(kept, refused), ("minute",))
             self.count_drops(conn, res.dropped)
         return res
 
@@ -218,13 +235,17 @@ class TelemetryStore:
     # -- queries -------------------------------------------------------------------------------
 
     def data_drift(self, devices: list[str] | None = None) -> dict[str, bool]:
-        """Whether each device's latest window flags a data-drift event (devices without windows: absent)."""
-        c = t.telemetry.c
-        latest = sa.select(sa.func.max(c.id)).group_by(c.device_id)
+        """Whether each device's latest window flags a data-drift event (devices without windows: absent).
+
+        One probe of the (device, server time) index per device: a device's older windows are never read."""
+        c, d = t.telemetry.c, t.devices.c
+        latest = (sa.select(c.id).where(c.device_id == d.device_id).order_by(c.server_ts.desc(), c.id.desc())
+                  .limit(1).correlate(t.devices).scalar_subquery())
+        query = sa.select(c.device_id, c.document).select_from(t.devices.join(t.telemetry, c.id == latest))
         if devices is not None:
-            latest = latest.where(c.device_id.in_(devices))
+            query = query.where(d.device_id.in_(devices))
         with self.store.begin() as conn:
-            rows = conn.execute(sa.select(c.device_id, c.document).where(c.id.in_(latest))).all()
+            rows = conn.execute(query).all()
         return {r.device_id: (w := stored_window(r.document)) is not None and w.data_drift for r in rows}
 
     def drops(self) -> dict[str, int]:
@@ -251,23 +272,17 @@ class TelemetryStore:
             rows = conn.execute(q.order_by(c.server_ts, c.id).limit(limit)).all()
         return [{k: v for k, v in r._mapping.items() if k != "document"} for r in rows]
 
-    def cloud_load(self, *, since: float, limit: int = 2000) -> dict[str, Any]:
-        """Escalations and the cloud's refusals of them in the newest windows received since `since` (at most
-        `limit` windows, so the cost stays bounded on a large fleet; `windows` says how many were read)."""
-        c = t.telemetry.c
+    def cloud_load(self, *, since: float) -> dict[str, Any]:
+        """Escalations and the cloud's refusals of them in the windows received since `since` (from the minute
+        `since` falls in: the per-minute sums ingest keeps, a few rows whatever the fleet's size)."""
+        m = t.telemetry_minutes.c
         with self.store.begin() as conn:
-            rows = conn.execute(sa.select(c.document).where(c.server_ts >= since)
-                                .order_by(c.server_ts.desc()).limit(limit)).all()
-        requests = escalations = refused = 0.0
-        for (document,) in rows:
-            try:
-                win = parse_telemetry(json.loads(document))
-            except (ValueError, TypeError):  # stored before a field's rule tightened: left out
-                continue
-            requests += win.requests
-            escalations += win.requests * win.escalation_rate
-            refused += win.cloud_refused
-        return {"since": since, "windows": len(rows), "requests": int(requests), "escalations": round(escalations),
+            windows, requests, escalations, refused = conn.execute(sa.select(
+                sa.func.coalesce(sa.func.sum(m.windows), 0), sa.func.coalesce(sa.func.sum(m.requests), 0),
+                sa.func.coalesce(sa.func.sum(m.escalations), 0.0), sa.func.coalesce(sa.func.sum(m.cloud_refused), 0))
+                .where(m.minute >= int(since // 60 * 60))).one()
+        requests, escalations, refused = float(requests), float(escalations), float(refused)
+        return {"since": since, "windows": int(windows), "requests": int(requests), "escalations": round(escalations),
                 "escalation_rate": escalations / requests if requests else None, "cloud_refused": int(refused),
                 "refused_share": refused / escalations if escalations else None}
 
@@ -281,9 +296,11 @@ class TelemetryStore:
 
     def roll_up(self, *, now: float | None = None, batch: int = 50_000) -> int:
         """Fold raw windows older than the retention into hourly rows and delete them. Returns windows folded."""
-        cutoff = (time.time() if now is None else now) - self.limits.retention_s
+        now = time.time() if now is None else now
+        cutoff = now - self.limits.retention_s
         c = t.telemetry.c
         with self.store.begin() as conn:
+            conn.execute(t.telemetry_minutes.delete().where(t.telemetry_minutes.c.minute < now - MINUTES_KEPT_S))
             rows = conn.execute(sa.select(c.id, c.device_id, c.server_ts, c.requests, c.p95_ms, c.escalation_rate,
                                           c.energy_mj_per_request, c.degraded, c.agreement)
                                 .where(c.server_ts < cutoff).order_by(c.id).limit(batch)).all()
