@@ -26,7 +26,7 @@
   running, instead of being computed again.
 - paho's network thread hands every message it admits to the event loop with `call_soon_threadsafe`.
 - The connection (TCP_NODELAY on every socket, the persistent session, the jittered reconnect, the
-  shutdown that closes paho's sockets) is the one MQTT client layer's, `cloud_service.protocol.mqtt_client`.
+  shutdown that closes paho's sockets) is the one MQTT client layer's, `cloud_service.mqtt_client`.
 - `clean_start=False` with a configurable Session Expiry Interval (default 0: see
   `MqttConfig.session_expiry_s` for why). `stop()` unsubscribes, answers what it holds, and
   disconnects with a Session Expiry of 0, so the broker queues nothing for a replica that left on
@@ -45,6 +45,7 @@ from google.protobuf.message import DecodeError
 from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties
 
+from cloud_service import mqtt_client
 from cloud_service.arrival import ArrivalGate
 from cloud_service.config import MqttConfig
 from cloud_service.device_limits import DeviceLimited, DeviceLimits
@@ -52,9 +53,9 @@ from cloud_service.duplicates import DuplicateCache, request_key
 from cloud_service.errors import MessageTooLarge, ServerBusy
 from cloud_service.infer import clip, infer, model_label, status_of
 from cloud_service.metrics import UNKNOWN_MODEL, Metrics
-from cloud_service.protocol import CodecError, get_parameters, mqtt_client, set_parameters, topics
+from cloud_service.mqtt_client import Reconnect
+from cloud_service.protocol import CodecError, get_parameters, set_parameters, topics
 from cloud_service.protocol import inference_pb2 as pb
-from cloud_service.protocol.mqtt_client import Reconnect
 from cloud_service.repository import ModelRepository
 from runtimes.errors import BackendUnavailable
 

@@ -1,14 +1,17 @@
 """Imports point down DESIGN.md's table: sdk -> edge_agent | cloud_service -> compilers -> runtimes.
 
-`edge_agent` may import `cloud_service.protocol` (the published wire contract) and nothing else of
-`cloud_service`; the protocol itself imports only the standard library, numpy, protobuf, grpc and,
-of tierkit, the bottom layer's shared vocabulary: `runtimes.spec` (the one dtype table),
-`runtimes.errors` (the root of `CodecError`) and `runtimes.budget` (the budget the fleet's documents carry).
+`edge_agent` may import `cloud_service.protocol` (the published wire contract) and
+`cloud_service.mqtt_client` (the one MQTT client layer, over paho), nothing else of `cloud_service`;
+the protocol itself imports only the standard library, numpy, protobuf, grpc (and zstandard, lazily,
+for that wire encoding), no MQTT client and, of tierkit, the bottom layer's shared vocabulary:
+`runtimes.spec` (the one dtype table), `runtimes.errors` (the root of `CodecError`) and `runtimes.budget`
+(the budget the fleet's documents carry).
 """
 
 from __future__ import annotations
 
 import ast
+import sys
 from pathlib import Path
 
 import pytest
@@ -17,18 +20,28 @@ ROOT = Path(__file__).resolve().parent.parent
 ALLOWED = {
     "runtimes": {"runtimes"},
     "compilers": {"compilers", "runtimes"},
-    "edge_agent": {"edge_agent", "compilers", "runtimes", "cloud_service.protocol"},
-    "cloud_service": {"cloud_service", "cloud_service.protocol", "compilers", "runtimes"},
+    "edge_agent": {"edge_agent", "compilers", "runtimes", "cloud_service.protocol", "cloud_service.mqtt_client"},
+    "cloud_service": {"cloud_service", "cloud_service.protocol", "cloud_service.mqtt_client", "compilers", "runtimes"},
     "cloud_service.protocol": {"cloud_service.protocol"},
-    "sdk": {"sdk", "edge_agent", "cloud_service", "cloud_service.protocol", "compilers", "runtimes"},
+    "cloud_service.mqtt_client": set(),
+    "sdk": {"sdk", "edge_agent", "cloud_service", "cloud_service.protocol", "cloud_service.mqtt_client", "compilers",
+            "runtimes"},
 }
 OWN = {"runtimes", "compilers", "edge_agent", "cloud_service", "sdk"}
 # what the wire contract may take from the bottom layer
 VOCABULARY = {"runtimes.spec", "runtimes.errors", "runtimes.budget"}
 
 
+PUBLISHED = ("cloud_service.protocol", "cloud_service.mqtt_client")  # the parts of cloud_service the agent may import
+# the third-party libraries the wire contract may import (the standard library aside)
+PROTOCOL_THIRD_PARTY = {"numpy", "google", "grpc", "zstandard"}
+
+
 def _layer(module: str) -> str:
-    return "cloud_service.protocol" if module.startswith("cloud_service.protocol") else module.split(".", maxsplit=1)[0]
+    for part in PUBLISHED:
+        if module == part or module.startswith(part + "."):
+            return part
+    return module.split(".", maxsplit=1)[0]
 
 
 def _imports(path: Path) -> list[tuple[int, str]]:
@@ -38,8 +51,14 @@ def _imports(path: Path) -> list[tuple[int, str]]:
         if isinstance(node, ast.Import):
             found += [(node.lineno, alias.name) for alias in node.names]
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            found.append((node.lineno, node.module))
+            # `from cloud_service import mqtt_client` imports the module cloud_service.mqtt_client
+            found += [(node.lineno, _submodule(node.module, alias.name)) for alias in node.names]
     return found
+
+
+def _submodule(package: str, name: str) -> str:
+    where = ROOT.joinpath(*package.split("."), name)
+    return f"{package}.{name}" if where.with_suffix(".py").is_file() or where.is_dir() else package
 
 
 def _modules() -> list[tuple[str, Path]]:
@@ -64,6 +83,19 @@ def test_imports_point_down(module: str, path: Path) -> None:
             bad.append(f"{path.relative_to(ROOT)}:{line} imports {imported}")
     assert not bad, "imports against the layering of DESIGN.md:\n" + "\n".join(bad)
 
+
+
+def test_the_wire_contract_needs_no_transport_library() -> None:
+    """`cloud_service.protocol` is read by whoever speaks the contract: no MQTT client (paho lives in
+    `cloud_service.mqtt_client`), nothing beyond the standard library and the libraries DESIGN.md names."""
+    bad = []
+    for path in sorted((ROOT / "cloud_service" / "protocol").rglob("*.py")):
+        for line, imported in _imports(path):
+            top = imported.split(".")[0]
+            if top in OWN or top in sys.stdlib_module_names or top in PROTOCOL_THIRD_PARTY:
+                continue
+            bad.append(f"{path.relative_to(ROOT)}:{line} imports {imported}")
+    assert not bad, "the wire contract imports a library it may not:\n" + "\n".join(bad)
 
 # Tests and benchmarks share their real parts through `testkit`, which sits below both.
 APART = {"tests": {"bench"}, "bench": {"tests"}, "testkit": {"tests", "bench"}}

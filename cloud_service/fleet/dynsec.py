@@ -80,7 +80,7 @@ class DynsecAdmin:
         self._on_message(None, None, msg)
 
     def _connect(self) -> Any:
-        from cloud_service.protocol import mqtt_client  # paho, only where the admin connects on its own
+        from cloud_service import mqtt_client  # paho, only where the admin connects on its own
 
         o = self.options
         c = mqtt_client.new_client(o.client_id or f"tierkit-fleet-admin-{socket.gethostname()}-{os.getpid()}",
@@ -176,6 +176,6 @@ class DynsecAdmin:
     def close(self) -> None:
         c, self._client = self._client, None
         if c is not None and self._shared is None:
-            from cloud_service.protocol import mqtt_client
+            from cloud_service import mqtt_client
 
             mqtt_client.shutdown(c)

@@ -3,7 +3,7 @@
 Every `tierkit fleet serve` process subscribes to `$share/{group}/tierkit/v1/+/telemetry` and
 `.../reported`, so several processes on one database split the devices' messages between them
 (the broker balances; there is no cluster code here). The connection is the one MQTT client layer's
-(`cloud_service.protocol.mqtt_client`: jittered reconnect, subscriptions restored on every reconnection).
+(`cloud_service.mqtt_client`: jittered reconnect, subscriptions restored on every reconnection).
 paho's network thread only queues messages;
 a writer thread stores them in batches (one transaction each), so the database's speed, not one
 round trip per window, bounds the ingest rate. While the database is locked or gone the batch is
@@ -29,13 +29,14 @@ from typing import Any
 
 import paho.mqtt.client as paho
 
+from cloud_service import mqtt_client
 from cloud_service.fleet.desired import DesiredState
 from cloud_service.fleet.errors import FleetError, StoreUnavailable
 from cloud_service.fleet.registry import Registry
 from cloud_service.fleet.telemetry import TelemetryStore
-from cloud_service.protocol import mqtt_client, topics
+from cloud_service.mqtt_client import Reconnect
+from cloud_service.protocol import topics
 from cloud_service.protocol.fleet_docs import parse_reported
-from cloud_service.protocol.mqtt_client import Reconnect
 from cloud_service.security import MqttTls
 from runtimes.errors import ConfigError
 

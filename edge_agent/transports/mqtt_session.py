@@ -3,7 +3,7 @@
 - paho's network thread (`loop_start`) does the I/O; callbacks reach the event loop through
   `loop.call_soon_threadsafe`, so everything the caller sees runs on the loop.
 - The connection itself (TCP_NODELAY, the persistent session, the jittered reconnect, the shutdown that
-  closes paho's sockets) is the one MQTT client layer's, `cloud_service.protocol.mqtt_client`.
+  closes paho's sockets) is the one MQTT client layer's, `cloud_service.mqtt_client`.
 - A connection that is not up (CONNACK and SUBACK in) within `connect_timeout_s` of its socket opening is
   shut down, so that paho tries again: paho bounds only the TCP connect, and an attempt that met a
   network cut (TCP accepted, packets dropped) would otherwise wait out the keepalive after the link is back.
@@ -28,8 +28,8 @@ import paho.mqtt.client as paho
 from paho.mqtt.properties import Properties
 from paho.mqtt.reasoncodes import ReasonCode
 
-from cloud_service.protocol import mqtt_client
-from cloud_service.protocol.mqtt_client import RECENT_CAP_S, RECENT_S, Reconnect, backoff_delay
+from cloud_service import mqtt_client
+from cloud_service.mqtt_client import RECENT_CAP_S, RECENT_S, Reconnect, backoff_delay
 from edge_agent.transports.base import TransportOptions
 from edge_agent.transports.tls import ssl_context
 

@@ -10,8 +10,8 @@ from typing import Any
 import paho.mqtt.client as paho
 import pytest
 
-from cloud_service.protocol import mqtt_client
-from cloud_service.protocol.mqtt_client import RECENT_CAP_S, Reconnect, backoff_delay
+from cloud_service import mqtt_client
+from cloud_service.mqtt_client import RECENT_CAP_S, Reconnect, backoff_delay
 from testkit.waiting import wait_for
 
 pytestmark = pytest.mark.mqtt

@@ -20,8 +20,10 @@ for all four:
   sockets paho leaves to the garbage collector (its wake-up pair, and a connection it completed while
   being stopped).
 
-It sits beside the wire contract because both the agent and the cloud service use it (the agent may import
-nothing else of `cloud_service`); it imports paho, and nothing of tierkit.
+Both the agent and the cloud service use it, so it is, with the wire contract (`cloud_service.protocol`),
+one of the two parts of `cloud_service` the agent may import. It is not part of the contract: the contract
+stays free of any transport library, so a reader of documents and messages needs no MQTT client. It imports
+paho, and nothing of tierkit.
 """
 
 from __future__ import annotations
