@@ -21,6 +21,7 @@ from compilers.variants import VariantEntry, VariantSet
 from runtimes.spec import TensorSpec
 from testkit import zoo
 from testkit.cloud_helpers import ServerThread, make_package, metric_value
+from testkit.waiting import wait_for
 
 
 def _direct(package: Path, x: np.ndarray) -> np.ndarray:
@@ -54,8 +55,14 @@ class Load:
     def __enter__(self) -> Load:
         for t in self._threads:
             t.start()
-        time.sleep(0.2)
+        wait_for("the load's first answers", lambda: len(self.versions) >= 5 or self.errors, timeout=20, interval=0.02)
         return self
+
+    def answers_after(self, what: str, count: int = 10) -> None:
+        """Wait for `count` more answers than there are now."""
+        seen = len(self.versions)
+        wait_for(f"{count} answers {what}", lambda: len(self.versions) >= seen + count or self.errors, timeout=20,
+                 interval=0.02)
 
     def __exit__(self, *exc: object) -> None:
         self.stop_event.set()
@@ -72,11 +79,11 @@ def test_new_version_swaps_in_under_load_without_a_failed_request(
         make_package(models_dir / "digits-v2", digits_linear_onnx, version="2")
         report = server.call(server.service.reload())
         assert report.loaded == ["digits:2"]
-        time.sleep(0.3)
+        load.answers_after("after version 2 was loaded")
         shutil.rmtree(models_dir / "digits-v1")
         report = server.call(server.service.reload())
         assert report.unloaded == ["digits:1"]
-        time.sleep(0.3)
+        load.answers_after("after version 1 was unloaded")
     assert load.errors == []
     assert len(load.versions) > 20
     assert "1" in load.versions

@@ -18,6 +18,7 @@ from cloud_service.protocol import inference_pb2 as pb
 from cloud_service.protocol import inference_pb2_grpc as pbg
 from compilers.package import ModelPackage
 from testkit.cloud_helpers import ServerThread, make_fake_package, metric_value
+from testkit.waiting import wait_for
 
 grpcclient = pytest.importorskip("tritonclient.grpc")
 
@@ -237,7 +238,9 @@ def test_requests_past_their_deadline_are_not_computed(serve: Callable[..., Serv
     with grpc.insecure_channel(server.grpc) as channel:
         stub = pbg.GRPCInferenceServiceStub(channel)
         first = stub.ModelInfer.future(encode_request("slow", {"x": x}), timeout=20)
-        time.sleep(0.1)  # `first` is running now
+        wait_for("the first request to be taken from the queue and run",  # received and no longer queued
+                 lambda: metric_value(text := server.metrics_text, "tierkit_requests_total", model="slow") == 1
+                 and metric_value(text, "tierkit_queue_depth", model="slow") == 0, timeout=5, interval=0.01)
         with pytest.raises(grpc.RpcError) as info:
             stub.ModelInfer(encode_request("slow", {"x": x}), timeout=0.1)
         assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
@@ -246,8 +249,9 @@ def test_requests_past_their_deadline_are_not_computed(serve: Callable[..., Serv
         with pytest.raises(grpc.RpcError) as info:  # this one starts at once, and outlives its deadline
             stub.ModelInfer(encode_request("slow", {"x": x}), timeout=0.1)
         assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-        time.sleep(0.4)  # it finishes its run; nobody is waiting for the answer any more
-    text = server.metrics_text
+        # it finishes its run; nobody is waiting for the answer any more
+        text = wait_for("the third batch to finish", lambda: metric_value(t := server.metrics_text,
+                        "tierkit_batch_size_count", model="slow") >= 3 and t, timeout=5, interval=0.05)
     assert metric_value(text, "tierkit_batch_size_count", model="slow") == 3
     assert metric_value(text, "tierkit_request_failures_total", model="slow", protocol="grpc", code="CANCELLED") >= 1
 

@@ -7,6 +7,7 @@ import time
 from collections.abc import Iterator
 
 from cloud_service.stream import StreamRunner
+from testkit.waiting import wait_for
 
 
 def counted(n: int, pulled: list[int]) -> Iterator[int]:
@@ -48,7 +49,8 @@ def test_at_most_a_window_of_requests_is_in_flight() -> None:
         stream = runner.answers(counted(100, pulled), lambda i: gate.wait(5) and i, is_active=lambda: True)
         first = threading.Thread(target=lambda: next(stream))
         first.start()
-        time.sleep(0.3)
+        wait_for("the reader to fill its window", lambda: len(pulled) >= 4, timeout=5, interval=0.01)
+        time.sleep(0.3)  # room for a pull past the window (it must not come)
         assert len(pulled) <= 4 + 2, pulled  # the window, the one being handed over, the one read
         gate.set()
         first.join(5)
@@ -67,14 +69,14 @@ def test_reader_stops_when_the_client_goes_away() -> None:
         stream = runner.answers(counted(1000, pulled), lambda i: gate.wait(5) and i, is_active=lambda: active[0])
         waiter = threading.Thread(target=lambda: next(stream, None), daemon=True)
         waiter.start()
-        time.sleep(0.2)
+        wait_for("the reader's first pull", lambda: pulled, timeout=5, interval=0.01)
         active[0] = False  # the client cancelled; nobody reads the answers any more
         gate.set()
-        time.sleep(0.5)
+        wait_for("the stream's reader thread to end", lambda: not any(
+            t.name == "tierkit-stream-reader" and t.is_alive() for t in threading.enumerate()), timeout=5)
         settled = len(pulled)
-        time.sleep(0.3)
+        time.sleep(0.3)  # room for a pull after the end (it must not come)
         assert len(pulled) == settled < 10  # the reader stopped instead of pulling the whole stream
-        assert not any(t.name == "tierkit-stream-reader" and t.is_alive() for t in threading.enumerate())
     finally:
         gate.set()
         runner.close()

@@ -41,6 +41,7 @@ from sdk.demo import CloudThread
 from testkit import zoo
 from testkit.packages import make_package
 from testkit.ports import free_port
+from testkit.waiting import wait_for
 
 BUDGET_MS = 100.0
 MARGIN_MS = 60.0  # scheduling noise of a loaded 2-core host
@@ -253,10 +254,9 @@ def test_agent_kill_9_replays_journaled_escalations_exactly_once(edge: ModelPack
     server, _ = _grpc_cloud(servicer, cloud_port)
     proc, _ = _agent(config)
     try:
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline and len(servicer.seen) < 10:
-            time.sleep(0.1)
-        time.sleep(1.0)  # room for a duplicate to show up
+        wait_for("the restarted agent to replay its 10 journaled escalations", lambda: len(servicer.seen) >= 10,
+                 timeout=30)
+        time.sleep(1.0)  # room for a duplicate to show up (nothing to wait for: it must not come)
     finally:
         _end(proc, signal.SIGTERM)
         server.stop(0)

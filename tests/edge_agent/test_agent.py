@@ -26,6 +26,7 @@ from runtimes.errors import CloudUnavailable, InputError
 from testkit import zoo
 from testkit.fake_transport import FakeTransport
 from testkit.packages import make_package
+from testkit.waiting import until
 
 ALWAYS, NEVER = 2.0, -1.0  # thresholds: every score is in [0, 1]
 
@@ -420,9 +421,8 @@ def test_telemetry_carries_the_controllers_decision(package: ModelPackage, digit
         async with EdgeAgent(package, cloud=FakeTransport(cloud_answer()), policy=Policy("max_prob"),
                              controller=True, options=opts, telemetry=publish) as agent:
             await agent.infer(digits.x_test[0])
-            await asyncio.sleep(0.2)
-            assert agent.decision is not None
-            assert docs[-1]["decision"]["variant"] == agent.decision.variant
+            await until("a telemetry window carrying the decision", lambda: docs and agent.decision is not None
+                        and (docs[-1].get("decision") or {}).get("variant") == agent.decision.variant, timeout=5)
 
     asyncio.run(main())
     doc = docs[-1]["decision"]
@@ -463,10 +463,8 @@ def test_the_controller_never_gets_modeled_energy_labelled_measured(package: Mod
             for _ in range(10):
                 await agent.infer(digits.x_test[0])
             (zone / "energy_uj").write_text(f"{10**6}\n")  # 1 J over these 10 requests: 100 mJ each
-            for _ in range(300):  # the meter is read once a second
-                if agent._measured_mj is not None:
-                    break
-                await asyncio.sleep(0.01)
+            # the meter is read once a second
+            await until("the meter's first reading", lambda: agent._measured_mj is not None, timeout=5, interval=0.01)
             out = [await agent.infer(digits.x_test[0]) for _ in range(5)]
             agent.fold()
             return out

@@ -24,6 +24,7 @@ from testkit.fake_transport import FakeTransport
 from testkit.grpc_cloud import GrpcCloud
 from testkit.packages import make_package
 from testkit.ports import free_port
+from testkit.waiting import until
 
 
 @pytest.fixture(scope="module")
@@ -69,11 +70,8 @@ def test_kept_escalations_are_sent_once_when_the_cloud_returns(package: ModelPac
             assert agent.journal is not None
             assert agent.journal.count() == 6
             cloud.down = False
-            for _ in range(100):
-                await asyncio.sleep(0.05)
-                if agent.journal.count() == 0:
-                    break
-            assert agent.journal.count() == 0
+            journal = agent.journal
+            await until("the journal to drain once the cloud answers", lambda: journal.count() == 0, timeout=5)
             assert sorted(late) == sorted(p.seq for p in preds)
 
     asyncio.run(main())
@@ -137,10 +135,9 @@ def test_an_escalation_in_flight_is_already_journaled(package: ModelPackage, dig
                 held = [e.seq for e in other.pending()]
             cloud.servicer.go.set()
             pred = await task
-            for _ in range(100):  # the entry is cleared in the background
-                if agent.journal is not None and not agent.journal.count():
-                    break
-                await asyncio.sleep(0.02)
+            journal = agent.journal
+            assert journal is not None
+            await until("the answered entry to be cleared (in the background)", lambda: not journal.count(), timeout=2)
             return held, pred
 
     try:
@@ -169,8 +166,10 @@ def test_the_drain_starts_when_the_cloud_answers_not_when_the_breaker_reopens(pa
             assert agent.breaker.state == "open"  # and stays so for a minute
             cloud = GrpcCloud(port=port)
             t = time.monotonic()
-            while agent.journal is not None and agent.journal.count() and time.monotonic() - t < 20:
-                await asyncio.sleep(0.05)
+            journal = agent.journal
+            assert journal is not None
+            await until("the journal to drain after the cloud came back", lambda: not journal.count(), timeout=20,
+                        interval=0.05)
             return time.monotonic() - t, [p.seq for p in preds], cloud
 
     took, seqs, cloud = asyncio.run(main())

@@ -21,6 +21,7 @@ from edge_agent.fleet_sync import model_digest
 from runtimes.errors import ConfigError
 from testkit import zoo
 from testkit.packages import make_package
+from testkit.waiting import until
 
 
 @pytest.fixture(scope="module")
@@ -149,22 +150,24 @@ def test_desired_state_and_telemetry_over_a_real_broker(package: ModelPackage, d
     desired = {"budget": {"latency_ms": 25}, "threshold": 0.5}
     client.publish(topics.desired_topic(device), json.dumps(desired), qos=1, retain=True).wait_for_publish(5)
 
+    seen: dict[str, list[dict[str, Any]]] = {}
+
+    def reported_and_counted() -> bool:
+        _collect(received, seen)
+        reported = seen.get(topics.reported_topic(device), [])
+        return bool(reported and reported[-1].get("threshold") == 0.5
+                    and any(t["requests"] >= 1 for t in seen.get(topics.telemetry_topic(device), [])))
+
     async def main() -> tuple[float, float]:
         async with AgentDaemon(config) as daemon:
-            for _ in range(100):
-                await asyncio.sleep(0.05)
-                if daemon.desired_applied:
-                    break
+            await until("the desired state applied", lambda: daemon.desired_applied, timeout=5)
             await daemon.agent.infer(digits.x_test[0])
-            await asyncio.sleep(0.6)
+            await until("the desired threshold reported and a telemetry window counting the request",
+                        reported_and_counted, timeout=10)
             return daemon.agent.budget.latency_ms, daemon.agent.threshold
 
     try:
         latency, threshold = asyncio.run(main())
-        seen: dict[str, list[dict[str, Any]]] = {}
-        while not received.empty():
-            topic, payload = received.get()
-            seen.setdefault(topic, []).append(json.loads(payload))
     finally:
         client.loop_stop()
         client.disconnect()
@@ -177,6 +180,15 @@ def test_desired_state_and_telemetry_over_a_real_broker(package: ModelPackage, d
     telemetry = seen[topics.telemetry_topic(device)]
     assert any(t["requests"] >= 1 for t in telemetry)
     assert telemetry[-1]["device"] == device
+
+
+def _collect(received: queue.Queue[tuple[str, bytes]], seen: dict[str, list[dict[str, Any]]]
+             ) -> dict[str, list[dict[str, Any]]]:
+    """Move what the operator's client received into `seen`, by topic."""
+    while not received.empty():
+        topic, payload = received.get()
+        seen.setdefault(topic, []).append(json.loads(payload))
+    return seen
 
 
 def test_cli_help_mounts_agent() -> None:
@@ -219,21 +231,20 @@ def test_mqtt_cloud_link_carries_telemetry_and_desired(package: ModelPackage, di
     client.publish(topics.desired_topic(device), json.dumps({"threshold": 0.25}), qos=1,
                    retain=True).wait_for_publish(5)
 
+    seen: dict[str, list[dict[str, Any]]] = {}
+    both = {topics.telemetry_topic(device), topics.reported_topic(device)}
+
     async def main() -> float:
         async with AgentDaemon(config) as daemon:
-            for _ in range(100):
-                await asyncio.sleep(0.05)
-                if daemon.desired_applied:
-                    break
+            await until("the desired state applied", lambda: daemon.desired_applied, timeout=5)
             await daemon.agent.infer(digits.x_test[0])
-            await asyncio.sleep(0.6)
+            await until("telemetry and reported state through the one session",
+                        lambda: both <= set(_collect(received, seen)), timeout=10)
             return daemon.agent.threshold
 
     try:
         threshold = asyncio.run(main())
-        topics_seen = set()
-        while not received.empty():
-            topics_seen.add(received.get()[0])
+        topics_seen = set(seen)
     finally:
         client.loop_stop()
         client.disconnect()
@@ -249,13 +260,16 @@ def test_telemetry_is_journaled_without_a_broker(package: ModelPackage, tmp_path
     config = parse_config({"model": str(package.directory), "listen": "127.0.0.1:0", "device_id": "dev-9",
                            "telemetry_interval_s": 0.1, "journal": {"path": "journal.db"}}, base=tmp_path)
 
+    def journaled() -> list[Any]:
+        with Journal(tmp_path / "journal.db.telemetry") as journal:
+            return journal.pending(10)
+
     async def main() -> None:
         async with AgentDaemon(config):
-            await asyncio.sleep(0.5)
+            await until("a telemetry window journaled", journaled, timeout=10, interval=0.1)
 
     asyncio.run(main())
-    with Journal(tmp_path / "journal.db.telemetry") as journal:
-        entries = journal.pending(10)
+    entries = journaled()
     assert entries
     assert {e.kind for e in entries} == {"telemetry"}
     assert json.loads(entries[0].payload)["device"] == "dev-9"

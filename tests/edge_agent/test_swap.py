@@ -22,7 +22,7 @@ import pytest
 from cloud_service.protocol import encode_request, get_parameters, inference_pb2_grpc, topics
 from edge_agent.config import load_config
 from edge_agent.daemon import AgentDaemon
-from testkit import zoo
+from testkit import waiting, zoo
 from testkit.release_server import ReleaseServer
 from testkit.releases import DEVICE, PASSWORD, USER, Kit, build_kit, device_config
 
@@ -33,15 +33,7 @@ def kit(digits_linear_onnx: Path, digits: zoo.Split, tmp_path_factory: pytest.Te
 
 
 async def until(what: str, check: Callable[[], Any], timeout: float = 30.0) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        got = check()
-        if got:
-            return got
-        if time.monotonic() > deadline:
-            msg = f"timed out waiting for {what}"
-            raise AssertionError(msg)
-        await asyncio.sleep(0.02)
+    return await waiting.until(what, check, timeout)
 
 
 def swap_state(daemon: AgentDaemon) -> dict[str, Any]:
@@ -90,6 +82,13 @@ def test_swap_reports_every_state_and_rolls_back_by_pointer_flip(kit: Kit, digit
     client.loop_start()
     errors: list[BaseException] = []
     timings: dict[str, float] = {}
+    reports: list[dict[str, Any]] = []
+
+    def flipped_back_reported() -> bool:
+        while not received.empty():
+            reports.append(json.loads(received.get()))
+        return bool(reports) and reports[-1]["release"] == kit.digests["r1"] \
+            and (reports[-1]["swap"] or {}).get("state") == "committed"
 
     async def main(server: ReleaseServer) -> None:
         config = load_config(device_config(tmp_path, kit.local, server.url, [kit.pub], broker=broker.url))
@@ -134,7 +133,7 @@ def test_swap_reports_every_state_and_rolls_back_by_pointer_flip(kit: Kit, digit
             stop.set()
             await loader
             assert seen >= {"local", "lin", "lin2"}
-            await asyncio.sleep(0.3)  # the last report reaches the broker
+            await until("the report of the flip back to r1 at the broker", flipped_back_reported, timeout=10)
 
     try:
         with ReleaseServer({USER: PASSWORD}) as server:
@@ -147,9 +146,6 @@ def test_swap_reports_every_state_and_rolls_back_by_pointer_flip(kit: Kit, digit
         client._reset_sockets()  # paho leaves its socket pair (and a late connection) to gc
     assert not errors, errors[:3]
     assert downloads == {kit.digests["r1"]: 1, kit.digests["r2"]: 1}  # the rollback downloaded nothing
-    reports = []
-    while not received.empty():
-        reports.append(json.loads(received.get()))
     states = [(r["swap"] or {}).get("state") for r in reports if r.get("swap")]
     for s in ("downloading", "verifying", "staged", "golden", "active", "soaking", "committed"):
         assert s in states, f"no report of {s}: {states}"

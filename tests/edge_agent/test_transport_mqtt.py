@@ -25,6 +25,7 @@ from edge_agent.transports import TransportOptions, open_transport
 from edge_agent.transports.mqtt import ERROR_PROPERTY, STATUS_PROPERTY, MqttTransport, backoff_delay
 from runtimes.errors import CloudTimeout, CloudUnavailable, EscalationError
 from testkit.broker import Broker
+from testkit.waiting import until
 from tests.edge_agent.test_transport_grpc import make_pki
 
 pytestmark = pytest.mark.mqtt
@@ -153,9 +154,7 @@ def test_reconnects_after_broker_restart(broker: Broker, responder: Responder) -
             assert isinstance(cloud, MqttTransport)
             await cloud.escalate(encode_request("", {"x": X}), timeout_s=5.0)
             await asyncio.to_thread(broker.stop)
-            deadline = time.monotonic() + 5
-            while cloud.connected and time.monotonic() < deadline:
-                await asyncio.sleep(0.02)
+            await until("the transport to see the broker gone", lambda: not cloud.connected, timeout=5)
             with pytest.raises(CloudUnavailable):
                 await cloud.escalate(encode_request("", {"x": X}), timeout_s=1.0)
             await asyncio.to_thread(broker.start)

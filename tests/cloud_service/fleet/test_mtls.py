@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import datetime as dt
 import ssl
-import time
 from pathlib import Path
 
 import paho.mqtt.client as paho
@@ -25,6 +24,7 @@ from cloud_service.fleet.store import FleetStore
 from edge_agent.fleet_sync import generate_key_and_csr
 from testkit.broker import Broker
 from testkit.fleet_process import ROOT
+from testkit.waiting import wait_for
 
 pytestmark = pytest.mark.mqtt
 
@@ -80,9 +80,7 @@ def test_enrolled_certificate_is_the_mqtt_identity(tmp_path: Path) -> None:
         c, acks = _client(broker.port, tmp_path / "ca" / "ca.pem", tmp_path / "a.pem", tmp_path / "a.key")
         own = c.publish(f"tierkit/v1/{ids[0]}/telemetry", b"{}", qos=1)
         other = c.publish(f"tierkit/v1/{ids[1]}/telemetry", b"{}", qos=1)
-        deadline = time.monotonic() + 10
-        while len(acks) < 2 and time.monotonic() < deadline:
-            time.sleep(0.05)
+        wait_for("the broker's answers to both publishes", lambda: len(acks) >= 2, timeout=10, interval=0.05)
         assert not acks[own.mid].is_failure  # type: ignore[attr-defined]
         assert acks[other.mid].is_failure  # type: ignore[attr-defined]
         c.disconnect()
