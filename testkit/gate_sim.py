@@ -39,7 +39,11 @@ class Model:
     escalation: median escalation rate; disagree: disagreement among escalations; conf_disagree: among
     confident inputs (per device, log-normal with conf_disagree_sd); audit_rate: share of confident inputs
     audited (the agent's default); spike_p / spike: a shared-load spike's chance per window and its p95 factor
-    range."""
+    range (it hits every device alike); swing_sd / swing_s: a device's own slow swings (a noisy neighbour on
+    its CPU, another app): log p95 wanders with this sd and correlation time (AR(1)), energy per request with a
+    third of it. On five agents sharing two cores the canary's p95 against its peers swung 0.4-1.6x over tens of
+    seconds (about 0.35 sd on the log, tests/e2e/test_rollout_fleet.py); a device with its own cores swings less:
+    0.1 by default, `bench_gates.py --swing-sd 0.35` for the shared host."""
 
     window_s: float = 10.0
     rate_rps: float = 10.0
@@ -57,6 +61,8 @@ class Model:
     energy_mj: float = 2.0
     spike_p: float = 0.1
     spike: tuple[float, float] = (1.3, 2.5)
+    swing_sd: float = 0.1
+    swing_s: float = 30.0
 
 
 @dataclass
@@ -80,6 +86,25 @@ class Fleet:
         self.energy = m.energy_mj * np.exp(rng.normal(0, 0.2, self.n))
         self.conf_disagree = np.clip(m.conf_disagree * np.exp(rng.normal(0, m.conf_disagree_sd, self.n)), 0, 1)
         self._load: dict[int, float] = {}
+        self._swing = rng.normal(0, m.swing_sd, self.n)  # each device's swing, at `_swing_t`
+        self._swing_t = 0.0
+        self._one: dict[int, tuple[float, float]] = {}  # `window`'s per-device swings (device -> (t, value))
+
+    def swing(self, t: float, rng: np.random.Generator) -> np.ndarray:
+        """Every device's own swing of log p95 at t (an AR(1) with `swing_s` correlation time; t only grows)."""
+        m = self.model
+        phi = math.exp(-max(t - self._swing_t, 0.0) / m.swing_s) if m.swing_s > 0 else 0.0
+        self._swing = phi * self._swing + math.sqrt(1 - phi * phi) * rng.normal(0, m.swing_sd, self.n)
+        self._swing_t = t
+        return self._swing
+
+    def swing_one(self, i: int, t: float, rng: np.random.Generator) -> float:
+        m = self.model
+        last_t, value = self._one.get(i, (t, float(rng.normal(0, m.swing_sd))))
+        phi = math.exp(-max(t - last_t, 0.0) / m.swing_s) if m.swing_s > 0 else 0.0
+        value = phi * value + math.sqrt(1 - phi * phi) * float(rng.normal(0, m.swing_sd))
+        self._one[i] = (t, value)
+        return value
 
     def load(self, t: float) -> float:
         """The shared-load factor of the window ending at t (noisy neighbours, a slow cloud): same for all."""
@@ -106,8 +131,10 @@ class Fleet:
         cq = min(1.0, self.conf_disagree[i] + reg.get("conf_disagree", 0.0) * n / max(conf, 1))
         degraded = int(rng.binomial(n, min(1.0, m.degraded * (1 + 4 * (s - 1)))))
         sd = self.noise[i] * (1 + 3 / math.sqrt(max(n, 1)))
-        p95 = self.p95[i] * s * reg.get("p95", 1.0) * math.exp(rng.normal(0, sd))
-        energy = self.energy[i] * (1 + 0.3 * (s - 1)) * reg.get("energy", 1.0) * math.exp(rng.normal(0, sd / 3))
+        own = self.swing_one(i, t, rng)
+        p95 = self.p95[i] * s * reg.get("p95", 1.0) * math.exp(rng.normal(0, sd) + own)
+        energy = self.energy[i] * (1 + 0.3 * (s - 1)) * reg.get("energy", 1.0) * math.exp(rng.normal(0, sd / 3)
+                                                                                          + own / 3)
         return {"device_id": self.ids[i], "device": self.ids[i], "server_ts": t, "ts": t, "window_s": m.window_s,
                 "requests": n, "escalation_rate": esc / n if n else 0.0, "compared": esc,
                 "tiers": {"edge": n - esc, "cloud": esc},
@@ -131,9 +158,10 @@ class Fleet:
         cq = np.minimum(1.0, self.conf_disagree + on * reg.get("conf_disagree", 0.0) * n / np.maximum(conf, 1))
         degraded = rng.binomial(n, min(1.0, m.degraded * (1 + 4 * (s - 1))))
         sd = self.noise * (1 + 3 / np.sqrt(np.maximum(n, 1)))
-        p95 = self.p95 * s * np.where(treated, reg.get("p95", 1.0), 1.0) * np.exp(rng.normal(0, 1, n_dev) * sd)
+        own = self.swing(t, rng)
+        p95 = self.p95 * s * np.where(treated, reg.get("p95", 1.0), 1.0) * np.exp(rng.normal(0, 1, n_dev) * sd + own)
         energy = (self.energy * (1 + 0.3 * (s - 1)) * np.where(treated, reg.get("energy", 1.0), 1.0)
-                  * np.exp(rng.normal(0, 1, n_dev) * sd / 3))
+                  * np.exp(rng.normal(0, 1, n_dev) * sd / 3 + own / 3))
         audit_dis = rng.binomial(audits, cq)
         cols = zip(self.ids, n.tolist(), esc.tolist(), dis.tolist(), degraded.tolist(), p95.tolist(),
                    energy.tolist(), audits.tolist(), audit_rate.tolist(), audit_dis.tolist(), strict=True)
@@ -209,11 +237,11 @@ def run_rollout(fleet: Fleet, *, waves: tuple[str, ...] = ("1", "5%", "25%", "10
             if failed(gates):
                 per_wave.append(done)
                 return Outcome("rolled_back", w, failed(gates), per_wave[0], per_wave, looks)
-            if not open_gates(gates) and done >= margins.min_requests:
+            if not open_gates(gates, audited=bool(raised)) and done >= margins.min_requests:
                 break
         else:
             per_wave.append(done)
-            return Outcome("held", w, open_gates(gates), per_wave[0], per_wave, looks)
+            return Outcome("held", w, open_gates(gates, audited=bool(raised)), per_wave[0], per_wave, looks)
         per_wave.append(done)
     return Outcome("succeeded", len(sizes) - 1, [], per_wave[0], per_wave, looks)
 

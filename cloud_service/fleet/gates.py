@@ -13,8 +13,11 @@ confidence sequence), each with a *practically relevant difference* (`Margins`),
 | degraded_share | degraded answers / inferences | degraded_points |
 | agreement | escalations the cloud answered otherwise, per inference (not per escalation, so the arms
   compare alike whatever each escalates) | agreement_points (accuracy points) |
-| audit_agreement | among audited confident inputs (where windows carry audits), the share the cloud answered
-  otherwise: the errors escalations never see | agreement_points |
+| audit_agreement | where windows carry audits: the whole stream's disagreement with the cloud per inference,
+  escalations answered otherwise plus audited confident inputs answered otherwise, each standing for the
+  confident inputs it samples (the agent's `agreement_est`): the audit share differs by arm (1 % on control
+  devices, 50 % on a small wave), the estimate does not; the errors escalations never see count, a flipped
+  class's confident ones too | agreement_points (accuracy points) |
 | p95_vs_control | log of the window's p95 | log(1 + p95_ratio) |
 | energy_per_request | log of the window's energy per inference | log(1 + energy_ratio) |
 
@@ -48,10 +51,11 @@ STAT_GATES = ("escalation_rate", "degraded_share", "agreement", "audit_agreement
 HARD_GATES = ("device_verifies", "crashes")
 MIN_WINDOW_REQUESTS = 5  # a window's p95 and energy from fewer inferences are too coarse to count
 MIN_BASELINE_WINDOWS = 5  # a device with fewer windows before the wave has no baseline (just started or swapped)
-# p95 and energy fail only on this many of the wave's windows: a few windows' p95 is one transient's (a slow
-# first minute on a one-device canary), and their spread is not yet known. Looks skipped cost no validity: the
-# confidence sequence holds at every look, so it holds at the ones taken.
-MIN_FAIL_WINDOWS = 20
+# p95 and energy fail only on this many of the wave's windows: a few windows' p95 tell little of their spread.
+# A device's slow swings (a minute at 0.5-1.6x on a shared CPU) are in the variance, clustered by device and
+# block (sequential.py), not in this count. Looks skipped cost no validity: the confidence sequence holds at
+# every look, so it holds at the ones taken.
+MIN_FAIL_WINDOWS = 10
 
 
 @dataclass(frozen=True)
@@ -100,6 +104,8 @@ class Evidence:
             and energy): a gate passes once its upper bound is
             under the margin, or once it has the planned evidence with an estimate under half the margin; a
             wave that reaches its maximum soak first is inconclusive.
+        block_s: a device's windows within a block this long are one cluster for the variance (noise that stays
+            with a device for a minute, as on agents sharing a CPU, counts once per block, not once a window).
     """
 
     alpha: float = 0.01
@@ -109,14 +115,16 @@ class Evidence:
     warmup_windows: int = 2
     warmup_s: float = 30.0
     plan: float = 1.0
+    block_s: float = 120.0
 
     def __post_init__(self) -> None:
         if not (0 < self.alpha < 0.5 and 0 < self.beta < 0.5):
             msg = f"alpha={self.alpha!r} and beta={self.beta!r} must be error rates in (0, 0.5), e.g. 0.01"
             raise ConfigError(msg)
-        if not (self.bucket_s > 0 and self.baseline_s > 0 and self.plan > 0 and self.warmup_s >= 0
+        if not (self.bucket_s > 0 and self.baseline_s > 0 and self.plan > 0 and self.block_s > 0 and self.warmup_s >= 0
                 and self.warmup_windows >= 0):
-            msg = (f"bucket_s={self.bucket_s!r}, baseline_s={self.baseline_s!r} and plan={self.plan!r} must be "
+            msg = (f"bucket_s={self.bucket_s!r}, baseline_s={self.baseline_s!r}, block_s={self.block_s!r} and "
+                   f"plan={self.plan!r} must be "
                    f"positive, warmup_s={self.warmup_s!r} and warmup_windows={self.warmup_windows!r} >= 0")
             raise ConfigError(msg)
 
@@ -179,6 +187,8 @@ def window_counts(doc: TelemetryWindow | None) -> dict[str, Any]:
     if doc is None:
         return {"compared": 0}
     out: dict[str, Any] = {"compared": doc.compared if doc.compared is not None else doc.cloud}
+    if doc.agreement_est is not None:
+        out["agreement_est"] = doc.agreement_est
     if doc.audits and doc.audit_rate is not None:
         out.update(audits=doc.audits, audit_disagreed=doc.audit_disagreed, audit_rate=doc.audit_rate)
     elif doc.audited and doc.audit_agreement is not None:  # the agent's window
@@ -203,10 +213,22 @@ def _disagreements(w: Mapping[str, Any]) -> float | None:
     return ((1 - float(agreement)) * compared if agreement is not None and compared > 0 else 0.0) / n
 
 
-def _audit_disagreements(w: Mapping[str, Any]) -> float | None:
-    """Among audited (confident, answered at the edge) inputs, the share the cloud answered differently."""
+def _stream_disagreements(w: Mapping[str, Any]) -> float | None:
+    """The whole stream's disagreement with the cloud per inference: the agent's `agreement_est` where the window
+    has one, else from the counts (escalations answered otherwise, plus the confident inputs times the share of
+    their audits answered otherwise). None where confident inputs went unaudited (their share is unknown; which
+    windows hold audits does not depend on the answers, so leaving them out biases neither arm)."""
+    n = _n(w)
+    if n <= 0:
+        return None
+    if w.get("agreement_est") is not None:
+        return 1.0 - float(w["agreement_est"])
+    escalated = _disagreements(w)
+    confident = n * (1 - float(w.get("escalation_rate") or 0))
     audits = float(w.get("audits") or 0)
-    return float(w.get("audit_disagreed") or 0) / audits if audits > 0 else None
+    if escalated is None or (confident > 0 and audits <= 0):
+        return None
+    return escalated + (confident / n * float(w.get("audit_disagreed") or 0) / audits if audits > 0 else 0.0)
 
 
 def _log(key: str) -> Callable[[Mapping[str, Any]], float | None]:
@@ -239,9 +261,8 @@ SPECS = (
           lambda m: m.degraded_points, 2500, "degraded answers per inference, points", 1000, 500),
     _Spec("agreement", _disagreements, False, _n, lambda m: m.agreement_points, 2500,
           "escalations answered otherwise by the cloud, per inference, points", 1000, 500),
-    _Spec("audit_agreement", _audit_disagreements, False, lambda w: float(w.get("audits") or 0),
-          lambda m: m.agreement_points, 150, "audited confident inputs answered otherwise by the cloud, points",
-          300, 150),
+    _Spec("audit_agreement", _stream_disagreements, False, _n, lambda m: m.agreement_points, 2500,
+          "whole-stream disagreement with the cloud per inference (escalations and audits), points", 1500, 500),
     _Spec("p95_vs_control", _log("p95_ms"), True, lambda w: 1.0, lambda m: math.log1p(m.p95_ratio), 30,
           "p95 latency ratio (difference of log p95, wave change / control change)", 30, 15),
     _Spec("energy_per_request", _log("energy_mj_per_request"), True, lambda w: 1.0,
@@ -275,10 +296,11 @@ def judge(spec: _Spec, arms: Arms, *, margins: Margins, evidence: Evidence, alph
     key = (spec.name, "baselines", id(arms.pre_wave), len(arms.pre_wave), id(arms.pre_control), len(arms.pre_control))
     base: Baselines | None = cache.get(key) if cache is not None else None  # type: ignore[assignment]
     if base is None:
-        base = baselines(pw, pc, MIN_BASELINE_WINDOWS, floor, evidence.bucket_s)
+        base = baselines(pw, pc, MIN_BASELINE_WINDOWS, floor, evidence.bucket_s, evidence.block_s)
         if cache is not None:
             cache[key] = base  # type: ignore[assignment]
-    est = did(pw, qw, pc, qc, bucket_s=evidence.bucket_s, floor=floor, min_baseline=MIN_BASELINE_WINDOWS, base=base)
+    est = did(pw, qw, pc, qc, bucket_s=evidence.bucket_s, floor=floor, min_baseline=MIN_BASELINE_WINDOWS, base=base,
+              block_s=evidence.block_s)
     margin = spec.margin(margins)
     if est is None:
         # it holds the wave only where both arms have windows from devices with a baseline
@@ -311,7 +333,7 @@ def judge(spec: _Spec, arms: Arms, *, margins: Margins, evidence: Evidence, alph
         decision, note = "open", f"collecting evidence ({info:.0f} of {plan:g} planned)"
     out = _record(spec, est, decision, margin, alpha_gate, evidence.beta, (lower, upper, pass_upper),
                   f"{spec.note}: {note}")
-    return {**out, "plan": plan}
+    return {**out, "plan": plan, "block_s": evidence.block_s}
 
 
 def _record(spec: _Spec, est: Estimate | None, decision: str | None, margin: float, alpha: float, beta: float,
@@ -328,7 +350,8 @@ def _record(spec: _Spec, est: Estimate | None, decision: str | None, margin: flo
         "scale": "ratio" if spec.per_window else "points", "note": note}
     if est is not None and bounds is not None:
         out.update(estimate=r(shown(est.delta)), lower=r(shown(bounds[0])), upper=r(shown(bounds[1])),
-                   pass_upper=r(shown(bounds[2])), evidence=r(est.weight), information=r(est.information),
+                   pass_upper=r(shown(bounds[2])), se=r(est.se), evidence=r(est.weight),
+                   information=r(est.information),
                    buckets=est.buckets,
                    wave=r(math.exp(est.wave_mean) if spec.per_window else est.wave_mean),
                    control=r(math.exp(est.control_mean) if spec.per_window else est.control_mean),
@@ -379,9 +402,12 @@ def failed(gates: Iterable[Mapping[str, Any]], names: Iterable[str] | None = Non
     return [g["gate"] for g in gates if g["ok"] is False and (keep is None or g["gate"] in keep)]
 
 
-def open_gates(gates: Iterable[Mapping[str, Any]]) -> list[str]:
-    """Statistical gates still collecting evidence (neither passed nor failed, with data to come)."""
-    # audits are sparse (a small share of confident inputs): the audit gate stops a wave when its evidence is
-    # clear, but never holds one up
-    return [g["gate"] for g in gates if g["gate"] in STAT_GATES and g["gate"] != "audit_agreement"
+def open_gates(gates: Iterable[Mapping[str, Any]], *, audited: bool = False) -> list[str]:
+    """Statistical gates still collecting evidence (neither passed nor failed, with data to come).
+
+    `audited`: the wave audits at the rollout's raised rate (a small wave), so the whole-stream gate holds it
+    until it passes too: a small wave is where confident errors (a flipped class) must be seen, before
+    the release reaches devices that audit at 1 %. Elsewhere audits are sparse, and that gate stops a wave
+    when its evidence is clear but never holds one up."""
+    return [g["gate"] for g in gates if g["gate"] in STAT_GATES and (audited or g["gate"] != "audit_agreement")
             and g["decision"] == "open"]

@@ -217,7 +217,7 @@ class RolloutEngine:
         # rollout up, once some earlier wave was judged; with no device judged at all, it waits
         enough = (figures["wave"].requests >= opts.margins.min_requests if current
                   else bool(members) and not any(v["state"] in ("pending", "control") for v in ctx.devs.values()))
-        still = open_gates(gates)
+        still = open_gates(gates, audited=self._audited(ctx, waves, w))
         controls = [d for d, v in ctx.devs.items() if v["state"] == "control"]
         with self.store.begin() as conn:
             self.lease.fence(conn, now=ctx.now)

@@ -9,8 +9,13 @@ devices changed over the same span.
   against its own baseline, the mean of its windows on the previous release before the wave began.
 - **Shared load** (noisy neighbours, a slow cloud) cancels: windows are grouped into time buckets, and
   each bucket compares the wave with the control over that same bucket only.
-- **Variance** is estimated across devices and windows (within-bucket spread of baseline-adjusted values;
-  for rates, never below the binomial floor), not from one ratio of pooled figures.
+- **Variance** is estimated with the device and time as the unit, not one ratio of pooled figures: a device's
+  windows within one block of `block_s` seconds form one cluster (a cluster-robust, batch-means variance), so
+  noise that stays with a device for a minute (a noisy neighbour on a shared CPU, another app on a phone)
+  counts once per block, not once per window. The reference is an A/A one built from the same load: every
+  device's windows before the wave against its peers' over the same buckets, and the control's devices against
+  each other since; the wave's own clusters join as they come. Never below the naive per-window spread, nor,
+  for rates, the binomial floor.
 
 The bucket differences D_k, weighted by W_k = 1/(1/n_wave + 1/n_control), sum to S_t = Σ W_k (D_k - Δ)
 with variance V_t. Robbins' normal mixture (Howard et al. 2021; the asymptotic confidence sequences of
@@ -29,7 +34,7 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -38,7 +43,8 @@ import numpy as np
 MIN_BUCKETS = 10  # a delayed start (Bibaut et al.): no decision on fewer buckets with both arms...
 WIDE_BUCKETS, WIDE_WINDOWS = 3, 30  # ...unless a wide wave has this many buckets and windows in each arm
 SHRINK_DEVICES = 10  # baselines are shrunk toward the cohort's only where this many devices show their spread
-PRIOR_WINDOWS = 10.0  # the wave's variance starts from the control's, worth this many windows
+PRIOR_CLUSTERS = 4.0  # the wave's variance starts from the control's, worth this many device-blocks
+MIN_CLUSTERS = 5.0  # an arm's own clustered spread counts beside the A/A reference from this many device-blocks
 
 
 class Obs(NamedTuple):
@@ -72,6 +78,11 @@ class Estimate:
         total = self.var_post + self.weight ** 2 * self.var_base
         return self.weight * self.var_post / total if total > 0 else self.weight
 
+    @property
+    def se(self) -> float:
+        """The standard error of `delta` (on the tested scale), the baselines' error included."""
+        return math.sqrt(self.var_post + self.weight ** 2 * self.var_base) / self.weight if self.weight > 0 else math.inf
+
     def radius(self, alpha: float, t_star: float, *, one_sided: bool = False) -> float:
         """Half-width of the (1 - alpha) confidence sequence at this look; `one_sided`: the bound on one side
         only (a lower bound for "worse", an upper one for "not worse"), each crossed with probability <= alpha.
@@ -88,28 +99,52 @@ class Estimate:
         return math.sqrt(v * math.log(v / (rho * alpha * alpha))) / self.weight
 
 
-# per arm: device -> (baseline, weight, extra): the baseline's error variance is (unit variance / weight + extra)
-Baselines = tuple[dict[str, tuple[float, float, float]], dict[str, tuple[float, float, float]]]
+class Baselines(NamedTuple):
+    """Per arm, device -> (baseline, weight, extra): the baseline's error variance is unit variance / weight + extra;
+    and the A/A reference: the clustered within-device variance per unit weight before the wave, net of shared
+    load (`unit_var`), with its degrees of freedom (`df`, device-blocks less what the means took)."""
+
+    wave: dict[str, tuple[float, float, float]]
+    control: dict[str, tuple[float, float, float]]
+    unit_var: float = 0.0
+    df: float = 0.0
+    naive_var: float = 0.0  # the same, each window alone: unit_var / naive_var is the clustering's design effect
+
+
+def clustered(dev: Sequence[str], ts: np.ndarray, w: np.ndarray, r: np.ndarray, block_s: float) -> tuple[float, int]:
+    """(Σ over clusters of (Σ w r)², clusters): one cluster per device and block of `block_s` seconds. Over
+    Σ w it is the variance of one unit of weight with the correlation inside a block counted (batch means):
+    for independent windows it is their variance; for noise that lasts a minute, up to a block's worth more."""
+    if not len(r):
+        return 0.0, 0
+    index: dict[tuple[str, int], int] = {}
+    ci = np.array([index.setdefault((d, int(t // block_s)), len(index)) for d, t in zip(dev, ts.tolist(), strict=True)],
+                  dtype=np.int64)
+    sums = np.bincount(ci, weights=w * r)
+    return float((sums ** 2).sum()), len(sums)
 
 
 def baselines(pre_wave: Iterable[Obs], pre_control: Iterable[Obs], min_windows: int,
-              floor: Callable[[float], float] | None, bucket_s: float) -> Baselines:
+              floor: Callable[[float], float] | None, bucket_s: float, block_s: float | None = None) -> Baselines:
     """Each arm's device -> (baseline, weight, extra): the mean of its windows before the wave, shrunk toward
-    the cohort's (empirical Bayes) where ten devices or more show how far devices differ.
+    the cohort's (empirical Bayes) where ten devices or more show how far devices differ; and the A/A reference
+    variance (`Baselines.unit_var`).
 
     Devices with fewer than `min_windows` are left out (a device just started or just swapped: its few
-    windows are a cold start, not its level). Shrinkage: with s² the within-device variance per unit weight
-    (net of shared load: each time bucket's common move is taken out, as in the comparison itself) and tau² the
-    between-device variance (DerSimonian-Laird, method of moments), a device's own mean m (weight n) and the
-    cohort's M give the baseline (n m + a M) / (n + a), a = s²/tau², whose error variance is s²/(n + a) (the
-    `weight` n + a) plus (a / (n + a))² tau² / D for M's own (`extra`). Sparse figures (audits) gain most: an
-    hour of one device's audits hardly tells its level, the cohort's does unless devices differ."""
+    windows are a cold start, not its level). The within-device variance s² per unit weight is net of shared
+    load (each time bucket's common move is taken out, as in the comparison itself) and clustered by device and
+    block of `block_s` (default: one window per cluster). Shrinkage: with tau² the between-device variance
+    (DerSimonian-Laird, method of moments, at its upper end), a device's own mean m (weight n) and the cohort's M give the baseline
+    (n m + a M) / (n + a), a = s²/tau², whose error variance is s²/(n + a) (the `weight` n + a) plus
+    (a / (n + a))² tau² / D for M's own (`extra`). Sparse figures (audits) gain most: an hour of one device's
+    audits hardly tells its level, the cohort's does unless devices differ."""
     rows = [(o, side) for side, pre in enumerate((pre_wave, pre_control)) for o in pre if o.weight > 0]
     devs = sorted({o.device for o, _ in rows})
     index = {d: k for k, d in enumerate(devs)}
     di = np.array([index[o.device] for o, _ in rows], dtype=np.int64)
     w = np.array([o.weight for o, _ in rows], dtype=float)
     x = np.array([o.value for o, _ in rows], dtype=float)
+    ts = np.array([o.ts for o, _ in rows], dtype=float)
     n = np.bincount(di, weights=w, minlength=len(devs))
     k = np.bincount(di, minlength=len(devs))
     m = np.bincount(di, weights=w * x, minlength=len(devs)) / np.where(n > 0, n, 1.0)
@@ -118,28 +153,38 @@ def baselines(pre_wave: Iterable[Obs], pre_control: Iterable[Obs], min_windows: 
     out: list[dict[str, tuple[float, float, float]]] = [{}, {}]
     for d in (d for d in devs if keep[index[d]]):
         out[side[d]][d] = (float(m[index[d]]), float(n[index[d]]), 0.0)
-    if int(keep.sum()) < SHRINK_DEVICES:
-        return out[0], out[1]
+    devices = int(keep.sum())
+    if devices < 2:
+        return Baselines(out[0], out[1])
     use = keep[di]
-    di, w, x = di[use], w[use], x[use]
-    _, bi = np.unique(np.array([int(o.ts // bucket_s) for o, _ in rows], dtype=np.int64)[use], return_inverse=True)
+    di, w, x, ts = di[use], w[use], x[use], ts[use]
+    _, bi = np.unique((ts // bucket_s).astype(np.int64), return_inverse=True)
     r = x - m[di]
     common = np.bincount(bi, weights=w * r) / np.bincount(bi, weights=w)
-    dof = len(x) - int(keep.sum()) - (int(bi.max()) + 1 if len(bi) else 0)
-    big_n, devices = float(n[keep].sum()), int(keep.sum())
+    resid = r - common[bi]
+    naive_dof = len(x) - devices - (int(bi.max()) + 1)
+    naive = float((w * resid ** 2).sum()) / max(naive_dof, 1)
+    ss, clusters = clustered([devs[i] for i in di.tolist()], ts, w, resid, block_s or bucket_s / 2)
+    dof = clusters * (1 - 1 / devices) - devices  # each device's mean, each bucket's common move
+    unit_var = max(ss / float(w.sum()) * clusters / max(dof, 1.0), naive)
+    if devices < SHRINK_DEVICES:
+        return Baselines(out[0], out[1], unit_var, max(dof, 0.0), naive)
+    big_n = float(n[keep].sum())
     centre = float((n[keep] * m[keep]).sum()) / big_n
-    within = float((w * (r - common[bi]) ** 2).sum()) / max(dof, 1)
-    within = max(within, floor(centre) if floor else 0.0, 1e-12)
+    within = max(unit_var, floor(centre) if floor else 0.0, 1e-12)
     q_stat = float((n[keep] * (m[keep] - centre) ** 2).sum())
     den = big_n - float((n[keep] ** 2).sum()) / big_n
-    tau2 = max(0.0, (q_stat - (devices - 1) * within) / den) if den > 0 else math.inf
+    # tau² at the upper end of its range (Q's own spread is about sqrt(2 (D - 1)) within): the point estimate is
+    # often 0 and would trust the cohort's level for a device that differs from it
+    slack = 2 * math.sqrt(2 * (devices - 1)) * within
+    tau2 = max(0.0, (q_stat - (devices - 1) * within + slack) / den) if den > 0 else math.inf
     for arm in out:
         for d, (mean, weight, _e) in arm.items():
             a = within / tau2 if tau2 > 0 else big_n
             pull = a / (weight + a)
             arm[d] = ((weight * mean + a * centre) / (weight + a), weight + a,
                       pull * pull * (tau2 if math.isfinite(tau2) else 0.0) / devices)
-    return out[0], out[1]
+    return Baselines(out[0], out[1], unit_var, max(dof, 0.0), naive)
 
 
 class _Arm:
@@ -149,7 +194,8 @@ class _Arm:
                  bucket_s: float) -> None:
         rows = [o for o in post if o.weight > 0 and o.device in base]
         self.dev = [o.device for o in rows]
-        self.k = np.array([int(o.ts // bucket_s) for o in rows], dtype=np.int64)
+        self.ts = np.array([o.ts for o in rows], dtype=float)
+        self.k = (self.ts // bucket_s).astype(np.int64)
         self.w = np.array([o.weight for o in rows], dtype=float)
         x = np.array([o.value for o in rows], dtype=float)
         self.y = x - np.array([base[o.device][0] for o in rows], dtype=float)
@@ -171,13 +217,23 @@ class _Arm:
     def at(self, table: dict[int, float], default: float = 0.0) -> np.ndarray:
         return np.array([table.get(k, default) for k in self.k.tolist()], dtype=float)
 
-    def spread(self, centre: np.ndarray) -> tuple[float, float]:
-        """(Σ w (y - centre)², degrees of freedom)."""
-        return float((self.w * (self.y - centre) ** 2).sum()), float(len(self.y))
-
-    def own_spread(self) -> tuple[float, float]:
-        ss, n = self.spread(self.at(self.mean))
-        return ss, n - len(self.mean)
+    def variance(self, centre: np.ndarray, block_s: float, *, own: bool) -> tuple[float, float, float]:
+        """(clustered variance of one unit of weight, naive variance (each window alone), the clustered one's
+        degrees of freedom) from the spread about `centre`, the clustered one never below the naive one. `own`:
+        `centre` is this arm's own bucket means (a device per bucket's worth of freedom is spent on them)."""
+        if not self.total:
+            return 0.0, 0.0, 0.0
+        r = self.y - centre
+        devices = len(set(self.dev))
+        ss, clusters = clustered(self.dev, self.ts, self.w, r, block_s)
+        dof = clusters * (1 - 1 / devices) if own else clusters - 1.0
+        naive_dof = len(r) - (len(self.mean) if own else 1)
+        if naive_dof <= 0:
+            return 0.0, 0.0, 0.0
+        naive = float((self.w * r * r).sum()) / naive_dof
+        if dof <= 0:  # within one block: what the windows show, worth little beside a reference
+            return naive, naive, 0.5
+        return max(ss / self.total * clusters / dof, naive), naive, dof
 
     def shares(self, keep: set[int], weights: dict[int, float]) -> dict[str, float]:
         """Each device's share of the arm's bucket means, weighted by the buckets' W_k."""
@@ -189,18 +245,41 @@ class _Arm:
         return out
 
 
+def _pool(own: tuple[float, float], prior: float, prior_df: float) -> tuple[float, float]:
+    """(variance, degrees of freedom): an arm's own beside a reference worth `prior_df`; the larger of the two
+    once its own has MIN_CLUSTERS (a release or a control noisier than the reference shows through)."""
+    var, dof = own
+    if dof <= 0 or prior_df <= 0:
+        return (var, dof) if dof > 0 else (prior, prior_df)
+    pooled = (var * dof + prior * prior_df) / (dof + prior_df)
+    return (max(pooled, var) if dof >= MIN_CLUSTERS else pooled), dof + prior_df
+
+
+def _unsure(var: float, dof: float) -> float:
+    """A variance estimated from `dof` device-blocks, scaled by dof / (dof - 2) (the mean of its inverse, capped
+    at 3x): a few clusters can say a noisy device is quiet, and the bound must not trust that."""
+    return var * min(3.0, dof / (dof - 2)) if dof > 3 else 3.0 * var
+
+
 def did(pre_wave: Iterable[Obs], post_wave: Iterable[Obs], pre_control: Iterable[Obs],
         post_control: Iterable[Obs], *, bucket_s: float,
         floor: Callable[[float], float] | None = None, min_baseline: int = 5,
-        base: Baselines | None = None) -> Estimate | None:
+        base: Baselines | None = None, block_s: float | None = None) -> Estimate | None:
     """The wave's effect (difference in differences over shared time buckets); None with too little data.
 
     `floor(mean)` gives the least variance of one unit of weight (the binomial p(1-p) for rates).
     Devices with fewer than `min_baseline` baseline windows are left out (their change cannot be told from
     their level). `base`: `baselines(pre_wave, pre_control, ...)` computed already (they do not change
-    between looks)."""
-    bw, bc = base if base is not None else baselines(pre_wave, pre_control, min_baseline, floor, bucket_s)
-    wave, ctl = _Arm(post_wave, bw, bucket_s), _Arm(post_control, bc, bucket_s)
+    between looks). `block_s`: a device's windows within a block this long are one cluster (default: each
+    window its own).
+
+    Variance: the control's, its devices against each other over the buckets since the wave (clustered), pooled
+    with the A/A reference from before the wave (`Baselines.unit_var`); the wave's, its devices against the
+    control's bucket means (or each other), pooled with the control's worth PRIOR_CLUSTERS device-blocks."""
+    block = block_s or bucket_s / 2
+    pre_w, pre_c = list(pre_wave), list(pre_control)
+    base = base if base is not None else baselines(pre_w, pre_c, min_baseline, floor, bucket_s, block)
+    wave, ctl = _Arm(post_wave, base.wave, bucket_s), _Arm(post_control, base.control, bucket_s)
     keep = set(wave.n) & set(ctl.n)
     if len(keep) < MIN_BUCKETS and (len(keep) < WIDE_BUCKETS or min(wave.rows(keep), ctl.rows(keep)) < WIDE_WINDOWS):
         return None
@@ -208,18 +287,31 @@ def did(pre_wave: Iterable[Obs], post_wave: Iterable[Obs], pre_control: Iterable
     total = sum(wk.values())
     delta = sum(wk[k] * (wave.mean[k] - ctl.mean[k]) for k in keep) / total
     lo = floor((wave.raw * wave.total + ctl.raw * ctl.total) / (wave.total + ctl.total)) if floor else 0.0
-    ss_c, df_c = ctl.own_spread()
-    if df_c < 5:  # too few control windows per bucket to see their spread: against the wave's bucket means
-        ss_c, df_c = ctl.spread(np.where(np.isin(ctl.k, list(keep)), ctl.at(wave.mean) - delta, ctl.at(ctl.mean)))
-    var_c = max(ss_c / max(df_c, 1.0), lo)
-    ss_w, df_w = wave.own_spread()
-    if df_w < 5:
-        ss_w, df_w = wave.spread(np.where(np.isin(wave.k, list(keep)), wave.at(ctl.mean) + delta,
-                                          wave.at(wave.mean)))
-    var_w = max((ss_w + PRIOR_WINDOWS * var_c) / (df_w + PRIOR_WINDOWS), lo)
+    inside = np.isin(ctl.k, list(keep))
+    if len(set(ctl.dev)) >= 2:
+        own_c = ctl.variance(ctl.at(ctl.mean), block, own=True)
+    else:  # one control device: against the wave's bucket means
+        own_c = ctl.variance(np.where(inside, ctl.at(wave.mean) - delta, ctl.at(ctl.mean)), block, own=False)
+    pooled_c = _pool((own_c[0], own_c[2]), base.unit_var, base.df)
+    var_c = max(_unsure(*pooled_c), lo)
+    # the clustering's design effect (how much a device's slow swings add to what its windows show), from the
+    # A/A reference; the wave's variance starts from its own windows' spread times it
+    naive_ref = base.naive_var if base.df > 0 else own_c[1]
+    deff = max(1.0, pooled_c[0] / naive_ref) if naive_ref > 0 else 1.0
+    if len(set(wave.dev)) >= 2:
+        own_w = wave.variance(wave.at(wave.mean), block, own=True)
+    else:  # a one-device wave (a canary): against the control's bucket means and the effect
+        inside_w = np.isin(wave.k, list(keep))
+        own_w = wave.variance(np.where(inside_w, wave.at(ctl.mean) + delta, wave.at(wave.mean)), block, own=False)
+    prior_w = own_w[1] * deff if own_w[1] > 0 else pooled_c[0]
+    var_w = max(_unsure(_pool((own_w[0], own_w[2]), prior_w, PRIOR_CLUSTERS)[0], max(own_w[2], 0.0) + pooled_c[1]),
+                lo)
     var_post = sum(wk[k] ** 2 * (var_w / wave.n[k] + var_c / ctl.n[k]) for k in keep)
     var_base = 0.0
-    for arm, levels, var in ((wave, bw, var_w), (ctl, bc, var_c)):
+    # a baseline's error is that of the windows before the wave (measured there: a small wave audits at a raised
+    # rate since, its baseline at the fleet's own)
+    before = max(_unsure(base.unit_var, base.df), lo) if base.df > 0 else None
+    for arm, levels, var in ((wave, base.wave, before or var_w), (ctl, base.control, before or var_c)):
         for dev, share in arm.shares(keep, wk).items():
             var_base += (share / total) ** 2 * (var / levels[dev][1] + levels[dev][2])
     return Estimate(delta=delta, weight=total, var_post=var_post, var_base=var_base, unit_var=var_post / total,
