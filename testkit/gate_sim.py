@@ -180,6 +180,7 @@ class Outcome:
     canary_inferences: int  # inferences on the release in the canary wave when it was decided
     wave_inferences: list[int]  # per wave, inferences on the release when it was decided
     looks: int
+    old_soak_inferences: list[int] = field(default_factory=list)  # per wave, under the old fixed soak (below)
 
 
 def run_rollout(fleet: Fleet, *, waves: tuple[str, ...] = ("1", "5%", "25%", "100%"),
@@ -243,7 +244,26 @@ def run_rollout(fleet: Fleet, *, waves: tuple[str, ...] = ("1", "5%", "25%", "10
             per_wave.append(done)
             return Outcome("held", w, open_gates(gates, audited=bool(raised)), per_wave[0], per_wave, looks)
         per_wave.append(done)
-    return Outcome("succeeded", len(sizes) - 1, [], per_wave[0], per_wave, looks)
+    return Outcome("succeeded", len(sizes) - 1, [], per_wave[0], per_wave, looks,
+                   [old_soak(fleet, ws_new) for ws_new in _wave_devices(order, sizes)])
+
+
+OLD_SOAK = 200  # requests per device: the fixed soak before the gates were sequential
+
+
+def _wave_devices(order: list[int], sizes: list[int]) -> list[list[int]]:
+    return [order[a:b] for a, b in zip([0, *sizes[:-1]], sizes, strict=True)]
+
+
+def old_soak(fleet: Fleet, devices: list[int]) -> int:
+    """The inferences a wave ran under the old fixed soak: it was judged once every device of it had run 200
+    requests on the release, so its slowest device sets the time and the wave's whole traffic over that time is
+    the soak (expected counts, window by window)."""
+    if not devices:
+        return 0
+    per_window = fleet.rate[devices] * fleet.model.window_s
+    windows = math.ceil(OLD_SOAK / max(float(per_window.min()), 1e-9))
+    return int(per_window.sum() * windows)
 
 
 class ModelDevice(SimDevice):

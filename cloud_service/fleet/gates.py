@@ -213,22 +213,22 @@ def _disagreements(w: Mapping[str, Any]) -> float | None:
     return ((1 - float(agreement)) * compared if agreement is not None and compared > 0 else 0.0) / n
 
 
-def _stream_disagreements(w: Mapping[str, Any]) -> float | None:
-    """The whole stream's disagreement with the cloud per inference: the agent's `agreement_est` where the window
-    has one, else from the counts (escalations answered otherwise, plus the confident inputs times the share of
-    their audits answered otherwise). None where confident inputs went unaudited (their share is unknown; which
-    windows hold audits does not depend on the answers, so leaving them out biases neither arm)."""
+def _confident_disagreements(w: Mapping[str, Any]) -> float | None:
+    """Confident inputs the cloud would answer otherwise, per inference: the confident share times the share of
+    their audits answered otherwise (the agent's `agreement_est` less its escalations' part where the window has
+    one). None where confident inputs went unaudited (their share is unknown; which windows hold audits does not
+    depend on the answers, so leaving them out biases neither arm)."""
     n = _n(w)
-    if n <= 0:
+    escalated = _disagreements(w)
+    if n <= 0 or escalated is None:
         return None
     if w.get("agreement_est") is not None:
-        return 1.0 - float(w["agreement_est"])
-    escalated = _disagreements(w)
+        return max(0.0, 1.0 - float(w["agreement_est"]) - escalated)
     confident = n * (1 - float(w.get("escalation_rate") or 0))
     audits = float(w.get("audits") or 0)
-    if escalated is None or (confident > 0 and audits <= 0):
+    if confident > 0 and audits <= 0:
         return None
-    return escalated + (confident / n * float(w.get("audit_disagreed") or 0) / audits if audits > 0 else 0.0)
+    return confident / n * float(w.get("audit_disagreed") or 0) / audits if audits > 0 else 0.0
 
 
 def _log(key: str) -> Callable[[Mapping[str, Any]], float | None]:
@@ -261,7 +261,7 @@ SPECS = (
           lambda m: m.degraded_points, 2500, "degraded answers per inference, points", 1000, 500),
     _Spec("agreement", _disagreements, False, _n, lambda m: m.agreement_points, 2500,
           "escalations answered otherwise by the cloud, per inference, points", 1000, 500),
-    _Spec("audit_agreement", _stream_disagreements, False, _n, lambda m: m.agreement_points, 2500,
+    _Spec("audit_agreement", _confident_disagreements, False, _n, lambda m: m.agreement_points, 2500,
           "whole-stream disagreement with the cloud per inference (escalations and audits), points", 1500, 500),
     _Spec("p95_vs_control", _log("p95_ms"), True, lambda w: 1.0, lambda m: math.log1p(m.p95_ratio), 30,
           "p95 latency ratio (difference of log p95, wave change / control change)", 30, 15),
@@ -269,6 +269,7 @@ SPECS = (
           lambda m: math.log1p(m.energy_ratio), 30, "energy per inference ratio (difference of logs)", 30, 15),
 )
 
+_AGREEMENT = next(s for s in SPECS if s.name == "agreement")
 
 def _obs(spec: _Spec, windows: Iterable[Mapping[str, Any]]) -> list[Obs]:
     value, weight = spec.value, spec.weight
@@ -276,17 +277,18 @@ def _obs(spec: _Spec, windows: Iterable[Mapping[str, Any]]) -> list[Obs]:
             if (v := value(w)) is not None and math.isfinite(v)]
 
 
-def judge(spec: _Spec, arms: Arms, *, margins: Margins, evidence: Evidence, alpha_gate: float,
-         cache: dict[Any, list[Obs]] | None = None) -> dict[str, Any]:
-    """One statistical gate: its estimate, confidence bounds and decision (pass / fail / open / None).
-    `cache` keeps the observations of window lists that do not change between looks (the baselines)."""
+def _estimate(spec: _Spec, arms: Arms, evidence: Evidence,
+              cache: dict[Any, Any] | None) -> tuple[Estimate | None, bool]:
+    """The spec's difference in differences, and whether it is due (both arms have windows from devices with a
+    baseline: too few time buckets yet, rather than none to judge). `cache` keeps what does not change between
+    looks (the observations before the wave and the baselines)."""
     def obs(windows: Sequence[Mapping[str, Any]]) -> list[Obs]:
         if cache is None:
             return _obs(spec, windows)
         key = (spec.name, id(windows), len(windows))
         if key not in cache:
             cache[key] = _obs(spec, windows)
-        return cache[key]
+        return list(cache[key])
 
     pw, pc = obs(arms.pre_wave), obs(arms.pre_control)
     qw, qc = _obs(spec, arms.post_wave), _obs(spec, arms.post_control)
@@ -294,23 +296,32 @@ def judge(spec: _Spec, arms: Arms, *, margins: Margins, evidence: Evidence, alph
         qw = [o for o in qw if o.ts >= arms.warm.get(o.device, -math.inf)]
     floor = None if spec.per_window else binomial_floor()
     key = (spec.name, "baselines", id(arms.pre_wave), len(arms.pre_wave), id(arms.pre_control), len(arms.pre_control))
-    base: Baselines | None = cache.get(key) if cache is not None else None  # type: ignore[assignment]
+    base: Baselines | None = cache.get(key) if cache is not None else None
     if base is None:
         base = baselines(pw, pc, MIN_BASELINE_WINDOWS, floor, evidence.bucket_s, evidence.block_s)
         if cache is not None:
-            cache[key] = base  # type: ignore[assignment]
+            cache[key] = base
     est = did(pw, qw, pc, qc, bucket_s=evidence.bucket_s, floor=floor, min_baseline=MIN_BASELINE_WINDOWS, base=base,
               block_s=evidence.block_s)
+    if est is not None:
+        return est, True
+    # it holds the wave only where both arms have windows from devices with a baseline
+    based = [set(base.wave), set(base.control)]
+    return None, all({o.device for o in post} & b for b, post in zip(based, (qw, qc), strict=True))
+
+
+def judge(spec: _Spec, arms: Arms, *, margins: Margins, evidence: Evidence, alpha_gate: float,
+          cache: dict[Any, Any] | None = None) -> dict[str, Any]:
+    """One statistical gate: its estimate, confidence bounds and decision (pass / fail / open / None).
+    The whole-stream gate is the sum of two: escalations answered otherwise (the agreement gate's figure) and
+    confident inputs answered otherwise (from audits), each against its own baselines (a device's escalations
+    tell its level well, its 1 % of audits do not: the cohort's does), their variances added."""
+    est, due = _estimate(spec, arms, evidence, cache)
+    if spec.name == "audit_agreement" and est is not None:
+        escalated, due = _estimate(_AGREEMENT, arms, evidence, cache)
+        est = None if escalated is None else est.plus(escalated)
     margin = spec.margin(margins)
     if est is None:
-        # it holds the wave only where both arms have windows from devices with a baseline
-        def based(pre: list[Obs]) -> set[str]:
-            count: dict[str, int] = {}
-            for o in pre:
-                count[o.device] = count.get(o.device, 0) + 1
-            return {d for d, k in count.items() if k >= MIN_BASELINE_WINDOWS}
-
-        due = all({o.device for o in post} & based(pre) for pre, post in ((pw, qw), (pc, qc)))
         out = _record(spec, None, None, margin, alpha_gate, evidence.beta, None,
                       "not judged yet: too few time buckets with both arms" if due else
                       "not judged: no figure with a baseline in one arm (a device new to the fleet, or none sent)")
@@ -361,7 +372,7 @@ def _record(spec: _Spec, est: Estimate | None, decision: str | None, margin: flo
 
 def evaluate(arms: Arms | None, *, margins: Margins, evidence: Evidence, waves: int, budget_ms: float | None,
              device_failures: Mapping[str, str], crashes: int, fleet_request_rate: float | None,
-             cloud_capacity_rps: float | None, cache: dict[Any, list[Obs]] | None = None) -> list[dict[str, Any]]:
+             cloud_capacity_rps: float | None, cache: dict[Any, Any] | None = None) -> list[dict[str, Any]]:
     """Every gate of a wave. `arms` None: no control cohort (the statistical gates are not judged)."""
     alpha_gate = evidence.alpha_gate(waves)
     wave = cohort(arms.post_wave if arms else [])

@@ -78,10 +78,22 @@ class Estimate:
         total = self.var_post + self.weight ** 2 * self.var_base
         return self.weight * self.var_post / total if total > 0 else self.weight
 
+    def plus(self, other: Estimate) -> Estimate:
+        """The sum of two effects measured on the same units from independent data (escalations and audits),
+        its variance the sum of theirs, on this one's evidence (the sparser)."""
+        w = self.weight
+        var_post = w * w * (self.var_post / w ** 2 + other.var_post / other.weight ** 2) if w > 0 else math.inf
+        return Estimate(delta=self.delta + other.delta, weight=w, var_post=var_post,
+                        var_base=self.var_base + other.var_base, unit_var=var_post / w if w > 0 else math.inf,
+                        buckets=min(self.buckets, other.buckets), wave_n=self.wave_n, control_n=self.control_n,
+                        wave_mean=self.wave_mean + other.wave_mean, control_mean=self.control_mean + other.control_mean)
+
     @property
     def se(self) -> float:
         """The standard error of `delta` (on the tested scale), the baselines' error included."""
-        return math.sqrt(self.var_post + self.weight ** 2 * self.var_base) / self.weight if self.weight > 0 else math.inf
+        if self.weight <= 0:
+            return math.inf
+        return math.sqrt(self.var_post + self.weight ** 2 * self.var_base) / self.weight
 
     def radius(self, alpha: float, t_star: float, *, one_sided: bool = False) -> float:
         """Half-width of the (1 - alpha) confidence sequence at this look; `one_sided`: the bound on one side
@@ -134,8 +146,8 @@ def baselines(pre_wave: Iterable[Obs], pre_control: Iterable[Obs], min_windows: 
     windows are a cold start, not its level). The within-device variance s² per unit weight is net of shared
     load (each time bucket's common move is taken out, as in the comparison itself) and clustered by device and
     block of `block_s` (default: one window per cluster). Shrinkage: with tau² the between-device variance
-    (DerSimonian-Laird, method of moments, at its upper end), a device's own mean m (weight n) and the cohort's M give the baseline
-    (n m + a M) / (n + a), a = s²/tau², whose error variance is s²/(n + a) (the `weight` n + a) plus
+    (DerSimonian-Laird, method of moments, at its upper end), a device's own mean m (weight n) and the cohort's M
+    give the baseline (n m + a M) / (n + a), a = s²/tau², whose error variance is s²/(n + a) (the `weight` n + a) plus
     (a / (n + a))² tau² / D for M's own (`extra`). Sparse figures (audits) gain most: an hour of one device's
     audits hardly tells its level, the cohort's does unless devices differ."""
     rows = [(o, side) for side, pre in enumerate((pre_wave, pre_control)) for o in pre if o.weight > 0]

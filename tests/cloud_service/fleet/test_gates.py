@@ -20,10 +20,10 @@ SPEC = {s.name: s for s in SPECS}
 
 
 def _looks(fleet: Fleet, gates: list[str], *, alpha: float, windows: int = 40, every: int = 2,
-           baseline: int = 30) -> dict[str, int | None]:
+           baseline: int = 30, block_s: float = Evidence().block_s) -> dict[str, int | None]:
     """Device 0 is the wave (from window `baseline` on), the rest the control: the first look (window count)
     at which each gate failed, None if never."""
-    ev = Evidence(bucket_s=fleet.model.window_s, baseline_s=1e9)
+    ev = Evidence(bucket_s=fleet.model.window_s, baseline_s=1e9, block_s=block_s)
     hist: list[list[dict[str, Any]]] = [[] for _ in range(fleet.n)]
     first: dict[str, int | None] = dict.fromkeys(gates)
     pre_w: list[dict[str, Any]] = []
@@ -57,19 +57,47 @@ def test_aa_false_alarms_over_many_looks_stay_under_alpha() -> None:
     assert all(a / runs <= alpha for a in alarms.values()), alarms
 
 
-@pytest.mark.parametrize(("regression", "gate"), [("p95+30%", "p95_vs_control"), ("energy+10%", "energy_per_request"),
-                                                  ("accuracy-2", "agreement")])
-def test_ab_a_margin_sized_regression_is_caught_at_the_canary(regression: str, gate: str) -> None:
+@pytest.mark.parametrize(("regression", "gate", "windows"), [
+    ("p95+30%", "p95_vs_control", 90), ("energy+10%", "energy_per_request", 60), ("accuracy-2", "agreement", 60)])
+def test_ab_a_margin_sized_regression_is_caught_at_the_canary(regression: str, gate: str, windows: int) -> None:
     """At the rollout's own alpha per gate (0.01 over 6 gates x 4 waves), within 60 windows of a 20/s canary
-    (p95 and energy fail on 20 windows at the earliest), at least 80 % of 30 runs."""
+    (p95 and energy fail on 10 windows at the earliest; a device's own slow swings cost p95 more: 90), at least
+    80 % of 30 runs, with 20 minutes of baseline (a device's level before the wave is as unsure as its swings)."""
     alpha = Evidence().alpha_gate(4)
     model = Model(rate_rps=20, traffic_sd=0.0)
     runs, caught, at = 30, 0, []
     for seed in range(runs):
-        got = _looks(Fleet(12, 100 + seed, model, regression), [gate], alpha=alpha, windows=60)[gate]
+        got = _looks(Fleet(12, 100 + seed, model, regression), [gate], alpha=alpha, windows=windows,
+                     baseline=120)[gate]
         caught += got is not None
         at += [got] if got is not None else []
     assert caught / runs >= 0.8, (caught, at)
+
+
+def test_a_device_swinging_on_its_own_is_not_a_regression() -> None:
+    """Devices whose p95 swings on its own for tens of seconds (0.35 sd on the log, 30 s: five agents on two
+    shared cores): A/A canaries stay under alpha once a device's windows within two minutes are one cluster;
+    counted window by window, as if independent, they alarm several times as often."""
+    alpha, runs = 0.05, 40
+    model = Model(rate_rps=20, traffic_sd=0.0, swing_sd=0.35, swing_s=30.0)
+    gates = ["p95_vs_control", "energy_per_request"]
+    alarms = {"clustered": 0, "each window alone": 0}
+    for seed in range(runs):
+        for name, block in (("clustered", Evidence().block_s), ("each window alone", 1.0)):
+            got = _looks(Fleet(12, 500 + seed, model), gates, alpha=alpha, every=4, block_s=block)
+            alarms[name] += any(v is not None for v in got.values())
+    assert alarms["clustered"] <= alpha * runs, alarms
+    assert alarms["each window alone"] >= 3 * max(1, alarms["clustered"]), alarms
+
+
+def test_a_flipped_class_is_stopped_at_the_audited_canary() -> None:
+    """A release whose extra errors are mostly confident (one class flipped: 1.75 of its 3 points never
+    escalate) is stopped in the canary wave, which audits half its confident answers: the whole-stream gate
+    (escalations plus audits against the control's 1 %) holds the wave until it passes or fails."""
+    model = Model(rate_rps=30, traffic_sd=0.3)
+    for seed in range(3):
+        out = run_rollout(Fleet(40, 300 + seed, model, "flip-class"), waves=("1", "25%", "100%"), max_soak_windows=60)
+        assert (out.result, out.wave) == ("rolled_back", 0), out
 
 
 def test_shared_load_and_device_levels_cancel() -> None:
