@@ -309,7 +309,7 @@ def did(pre_wave: Iterable[Obs], post_wave: Iterable[Obs], pre_control: Iterable
     # the clustering's design effect (how much a device's slow swings add to what its windows show), from the
     # A/A reference; the wave's variance starts from its own windows' spread times it
     naive_ref = base.naive_var if base.df > 0 else own_c[1]
-    deff = max(1.0, pooled_c[0] / naive_ref) if naive_ref > 0 else 1.0
+    deff = max(1.0, max(pooled_c[0], lo, 1e-12) / max(naive_ref, lo, 1e-12))
     if len(set(wave.dev)) >= 2:
         own_w = wave.variance(wave.at(wave.mean), block, own=True)
     else:  # a one-device wave (a canary): against the control's bucket means and the effect
