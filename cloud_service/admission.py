@@ -7,6 +7,9 @@
 - `StandingQueue` is CoDel's detector (Nichols and Jacobson, "Controlling Queue Delay"): the queue is
   *standing* once every request taken from it for a whole `interval` had waited longer than `target`.
   A queue that merely absorbs a burst drains below the target within the interval and never counts.
+- `RetryHints` sizes a refusal's retry hint from the refusal pressure: callers that honour it come back,
+  all of them together, at about half the model's capacity however many they are, so that refusals
+  stay cheap beside the answers instead of outnumbering them.
 
 Both are plain state guarded by the batcher's lock; no threads, no clocks of their own.
 
@@ -20,9 +23,13 @@ Example:
 from __future__ import annotations
 
 import math
+import random
 from collections import deque
 from dataclasses import dataclass, field
 
+_HINT_SHARE = 0.5  # refused callers honouring their hints return at this share of the capacity, in all
+_MAX_HINT_S = 5.0  # a hint is at most this (what the agent honours at most, `edge_agent.pushback.MAX_HINT_S`)
+_HINT_JITTER = 0.25  # each hint is drawn within this share either side, so a burst refused together spreads
 _ALPHA = 0.2  # weight of a new measurement in the moving averages
 _WINDOW = 32  # recent runs per bucket the planning quantile is taken over
 PLAN_QUANTILE = 0.9  # runs are planned to take this quantile of the recent ones
@@ -65,7 +72,6 @@ class _Average:
             self._planned = ordered[max(0, math.ceil(PLAN_QUANTILE * len(ordered)) - 1)]
             self._longest = ordered[-1]
         return self._planned
-
 
 @dataclass(slots=True)
 class ServiceTimes:
@@ -118,6 +124,12 @@ class ServiceTimes:
         """
         return max((bucket.overshoot for bucket in self._buckets.values()), default=0.0)
 
+    def rows_per_s(self, instances: int) -> float:
+        """The rows per second the instances answer at the best measured batch size (0 before any run)."""
+        best = max((bucket.rows / bucket.seconds for bucket in self._buckets.values() if bucket.seconds > 0),
+                   default=0.0)
+        return best * max(1, instances)
+
     def drain_seconds(self, rows: int, instances: int) -> float:
         """Time to work through `rows` queued rows in full batches, spread over `instances`."""
         if rows <= 0:
@@ -153,3 +165,50 @@ class StandingQueue:
     def emptied(self) -> None:
         """The queue ran empty: whatever stood has drained."""
         self._above_since, self.standing = None, False
+
+
+@dataclass(slots=True)
+class RetryHints:
+    """Retry hints sized so that the refused callers that honour them come back at `share` of capacity.
+
+    The callers waiting out a hint are a population; by Little's law it is about the refusals given
+    during the last hint (each one a caller now waiting). They return at that population divided by
+    the hint, so a hint of `population / (share x capacity)` brings them back at `share` of what the
+    model answers: under deep overload refusals stay a fraction of the answers, and the CPU they take
+    (a gRPC call, an MQTT round trip through the broker) stays small beside the model's. The estimate
+    converges from the first refusals upwards (a short hint counts few callers, so the next is longer)
+    and falls back to `floor_s` once refusals stop. Each hint is drawn within +-`jitter` of the size, so
+    callers refused in one burst do not return in one. Callers that ignore hints cannot raise the
+    rate of answers they get; they lengthen the hints others get, up to `max_s`.
+
+    Args:
+        share: the returning callers' rate, as a share of the model's capacity.
+        max_s: the longest hint.
+        jitter: the spread of each hint, as a share of its size.
+        seed: the jitter's random seed.
+    """
+
+    share: float = _HINT_SHARE
+    max_s: float = _MAX_HINT_S
+    jitter: float = _HINT_JITTER
+    seed: int | None = None
+    _given: deque[float] = field(default_factory=lambda: deque(maxlen=100_000))
+    _size: float = 0.0
+    _rng: random.Random = field(default_factory=random.Random)
+
+    def __post_init__(self) -> None:
+        if self.seed is not None:
+            self._rng.seed(self.seed)
+
+    def hint_s(self, now: float, floor_s: float, capacity_per_s: float) -> float:
+        """The hint for one refusal at `now` (it is counted): at least `floor_s` (when the queue has
+        room again), sized by the refusals of the last hint against `capacity_per_s` (0: unknown)."""
+        given = self._given
+        given.append(now)
+        window = max(self._size, floor_s)
+        while given and given[0] < now - window:
+            given.popleft()
+        pressure = len(given) / (self.share * capacity_per_s) if capacity_per_s > 0 else 0.0
+        self._size = min(self.max_s, max(floor_s, pressure))
+        drawn = self._size * self._rng.uniform(1 - self.jitter, 1 + self.jitter)
+        return max(floor_s, min(self.max_s, drawn))

@@ -41,6 +41,8 @@ from runtimes.errors import CloudTimeout
 if TYPE_CHECKING:
     import paho.mqtt.client as paho
 
+    from cloud_service.batcher import DynamicBatcher
+
 DEFAULT_MAX_WAITING = 64  # MqttConfig.max_waiting
 _WAITING_HINT_MS = 5  # a refusal for a full hand-off: the loop clears it within a few milliseconds
 _TRANSITS = 64  # recent arrivals the reply margin is the median of
@@ -113,7 +115,9 @@ class ArrivalGate:
                 self._on_refused(request.model_name if request is not None else "", "waiting")
                 msg = (f"{self.max_waiting} escalations are waiting to be queued at their models; not queued, "
                        "retry after the hinted delay or add replicas")
-                return request, ServerBusy(msg, retry_after_ms=_WAITING_HINT_MS)
+                batcher = self._batcher(request)
+                hint = _WAITING_HINT_MS if batcher is None else max(_WAITING_HINT_MS, batcher.busy_hint_ms())
+                return request, ServerBusy(msg, retry_after_ms=hint)
         return request, refusal
 
     def taken(self) -> None:
@@ -145,17 +149,21 @@ class ArrivalGate:
                    f"({margin * 1000:.1f} ms); not computed")
             return CloudTimeout(msg)
         left = None if left is None else left - margin
-        if self._forwarding:
+        batcher = self._batcher(request)
+        if batcher is None:
+            return None
+        rows = request.inputs[0].shape[0] if request.inputs and request.inputs[0].shape else 1
+        return batcher.admissible(max(1, int(rows)), left)
+
+    def _batcher(self, request: pb.ModelInferRequest | None) -> DynamicBatcher | None:
+        """The batcher of the model `request` names, when it is served here and batches (not forwarding)."""
+        if request is None or self._forwarding:
             return None
         try:
             model = self.repository.get(request.model_name, request.model_version)
         except Exception:  # unknown model, bad version: the loop answers with the precise error
             return None
-        batcher = model.batcher
-        if batcher is None:
-            return None
-        rows = request.inputs[0].shape[0] if request.inputs and request.inputs[0].shape else 1
-        return batcher.admissible(max(1, int(rows)), left)
+        return model.batcher
 
 
 def _envelope(payload: bytes | bytearray) -> pb.ModelInferRequest | None:

@@ -54,7 +54,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from cloud_service.admission import ServiceTimes, StandingQueue
+from cloud_service.admission import RetryHints, ServiceTimes, StandingQueue
 from cloud_service.config import BatchingConfig
 from cloud_service.errors import ServerBusy
 from runtimes.errors import BackendUnavailable, CloudTimeout, InferenceError, InputError, TierkitError
@@ -174,6 +174,7 @@ class DynamicBatcher:
         self._arrivals = itertools.count()
         self._times = ServiceTimes(config.max_batch_size if self.batched else 1)
         self._standing = StandingQueue(config.queue_target_ms / 1000, config.queue_interval_ms / 1000)
+        self._hints = RetryHints()
         # per instance: (start, planned end) of the batch it runs, None while idle
         self._running_span: list[tuple[float, float] | None] = [None] * len(self._runners)
         # A batch holds its instance for its whole run: requests with plenty of time (a journal's drain)
@@ -408,10 +409,17 @@ class DynamicBatcher:
         return wait + self._times.drain_seconds(ahead_rows + rows, len(self._runners))
 
     def _busy(self, why: str, over_s: float) -> ServerBusy:
-        """The refusal: why, and a hint of when a retry would find the queue shorter by the excess."""
-        hint = max(over_s, self._times.batch_seconds(1), 0.001)
+        """The refusal (the lock held): why, and a hint of when to retry: no sooner than the queue is
+        shorter by the excess, and spread by the refusal pressure (`admission.RetryHints`)."""
+        floor = max(over_s, self._times.batch_seconds(1), 0.001)
+        hint = self._hints.hint_s(time.monotonic(), floor, self._times.rows_per_s(len(self._runners)))
         msg = f"model {self.name!r} is overloaded: {why}; not queued, retry after the hinted delay or add replicas"
         return ServerBusy(msg, retry_after_ms=min(5000, math.ceil(hint * 1000)))
+
+    def busy_hint_ms(self) -> int:
+        """A retry hint for a refusal made in front of the queue (the MQTT bridge's full hand-off)."""
+        with self._ready:
+            return self._busy("", 0.0).retry_after_ms
 
     def _lead(self, request: _Request) -> bool:
         """Run batches in this thread while an instance is free and `request` is unanswered."""

