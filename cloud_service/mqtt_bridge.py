@@ -25,6 +25,7 @@
   cache (`cloud_service.duplicates`, shared with the gRPC servicer), or join the computation already
   running, instead of being computed again.
 - paho's network thread hands every message it admits to the event loop with `call_soon_threadsafe`.
+  What it refuses it writes at once (`_flush`), not after paho's loop has read the escalations behind it.
 - The connection (TCP_NODELAY on every socket, the persistent session, the jittered reconnect, the
   shutdown that closes paho's sockets) is the one MQTT client layer's, `cloud_service.mqtt_client`.
 - `clean_start=False` with a configurable Session Expiry Interval (default 0: see
@@ -212,6 +213,23 @@ class MqttBridge:
             log.exception("MQTT escalation on %s: the refusal failed", clip(message.topic, 200))
         finally:
             self._ack(message)
+            self._flush(client)
+
+    @staticmethod
+    def _flush(client: paho.Client) -> None:
+        """On paho's thread: write the queued packets (a refusal and its acknowledgement) now.
+
+        paho's loop writes only after it has read what the socket holds, up to one packet per message
+        it has in flight: under load, tens of ~400 KB escalations. A refusal published from `on_message`
+        would wait behind all of them; written here, it leaves at once. Safe on paho's own thread while
+        no `on_publish` is set (paho calls it, under a lock it holds during `on_message`, only for QoS 0
+        publishes, which the bridge never sends).
+        """
+        if client.on_publish is None:
+            try:
+                client.loop_write()
+            except Exception:  # a connection being torn down: paho's loop handles it
+                log.debug("MQTT: writing a refusal at once failed; paho's loop writes it", exc_info=True)
 
     def _duplicate(self, request: pb.ModelInferRequest, topic: str) -> bool:
         """Whether `request` repeats an escalation being answered or cached (any thread: two lookups)."""

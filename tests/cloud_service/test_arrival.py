@@ -63,3 +63,43 @@ def test_escalations_waiting_for_the_event_loop_are_bounded(tmp_path: Path) -> N
     gate.taken()
     assert gate.arrive(_message(sent_ago_s=0.001, left_s=1.0))[1] is None
     assert gate.waiting == 3
+
+
+class _Recorder:
+    """Stands in for the bridge's paho client: records what is sent, and when packets are written."""
+
+    on_publish = None
+
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+
+    def publish(self, topic: str, payload: bytes, qos: int = 0, properties: object = None) -> None:
+        self.calls.append(f"publish {topic}")
+
+    def ack(self, mid: int, qos: int) -> None:
+        self.calls.append("ack")
+
+    def loop_write(self) -> None:
+        self.calls.append("write")
+
+
+def test_a_refusal_on_arrival_is_written_at_once_not_after_paho_reads_the_escalations_behind_it(
+        tmp_path: Path) -> None:
+    """paho's loop writes only after reading what its socket holds (under load, tens of ~400 KB escalations):
+    the bridge writes a refusal made on paho's thread itself, right after replying and acknowledging."""
+    from paho.mqtt.packettypes import PacketTypes
+    from paho.mqtt.properties import Properties
+
+    from cloud_service.config import MqttConfig
+    from cloud_service.metrics import Metrics
+    from cloud_service.mqtt_bridge import MqttBridge
+
+    bridge = MqttBridge(MqttConfig(url="mqtt://127.0.0.1:1", client_id="cloud-test"),
+                        ModelRepository(ServerConfig(models_dir=tmp_path)), Metrics(), max_message_bytes=1 << 20)
+    client = _Recorder()
+    bridge._client = client  # type: ignore[assignment]
+    message = _message(sent_ago_s=0.03, left_s=-0.01)  # past its deadline: refused on arrival
+    message.properties = Properties(PacketTypes.PUBLISH)  # type: ignore[no-untyped-call]
+    message.properties.ResponseTopic = "tierkit/v1/cam-1/reply"
+    bridge._on_message(client, None, message)  # type: ignore[arg-type]
+    assert client.calls == ["publish tierkit/v1/cam-1/reply", "ack", "write"]

@@ -115,7 +115,10 @@ def test_mqtt_escalations_past_capacity_are_refused_on_arrival(ocr_models: tuple
     # from paho's thread to the refusal's publish: most at once (refused on arrival, before decoding); the
     # rest were admitted and refused when queued behind an event loop that a loaded host starves
     assert _refused_within(metrics, "mqtt", 0.01) >= 0.5, summary
-    assert _refused_within(metrics, "mqtt", 0.1) >= 0.95, summary
+    # callers honouring the hints make refusals few (17 in one run at a load average of 14): a share of 95 % would
+    # hang on one refusal, so at most 5 % or two were slower than 100 ms
+    count = metric_value(metrics, "tierkit_refusal_seconds_count", model="ocrdet", protocol="mqtt")
+    assert (1 - _refused_within(metrics, "mqtt", 0.1)) * count <= max(2.0, 0.05 * count), summary
     refused = metric_value(metrics, "tierkit_requests_refused_total", model="ocrdet")
     assert refused > 0, summary
 
