@@ -159,5 +159,4 @@ def _desired_routes(app: FastAPI, fleet: Fleet, reader: Callable[..., str], admi
     @app.get("/v1/drift", tags=["desired"])
     def drift(limit: int | None = None, _op: str = Depends(reader)) -> list[dict[str, Any]]:
         """Devices drifting from their desired document (the first `limit` by id, when given)."""
-        rows = fleet.desired.drift()
-        return rows if limit is None else rows[:max(0, limit)]
+        return fleet.desired.drift(limit=limit)

@@ -272,16 +272,31 @@ class DesiredState:
         return None if row is None else {"version": row.version, "document": json.loads(row.document),
                                          "received_at": row.received_at}
 
-    def drift(self, *, now: float | None = None) -> list[dict[str, Any]]:
-        """Devices whose reported version differs from the effective one for longer than `drift_after_s`."""
-        now = time.time() if now is None else now
+    def _drifting(self, now: float) -> tuple[Any, list[Any]]:
+        """The join and the conditions of drift, in SQL (the rows that do not drift stay in the database)."""
         eff, rep, dev = t.desired_effective, t.reported, t.devices
+        joined = (eff.join(dev, dev.c.device_id == eff.c.device_id)
+                  .outerjoin(rep, rep.c.device_id == eff.c.device_id))
+        return joined, [dev.c.revoked_at.is_(None), eff.c.since < now - self.drift_after_s,
+                        rep.c.version.is_distinct_from(eff.c.version)]
+
+    def drift(self, *, now: float | None = None, limit: int | None = None) -> list[dict[str, Any]]:
+        """Devices whose reported version differs from the effective one for longer than `drift_after_s`
+        (by id; the first `limit`, when given)."""
+        now = time.time() if now is None else now
+        eff, rep = t.desired_effective, t.reported
+        joined, where = self._drifting(now)
         query = (sa.select(eff.c.device_id, eff.c.version.label("desired_version"), eff.c.since,
                            rep.c.version.label("reported_version"), rep.c.received_at)
-                 .select_from(eff.join(dev, dev.c.device_id == eff.c.device_id)
-                              .outerjoin(rep, rep.c.device_id == eff.c.device_id))
-                 .where(dev.c.revoked_at.is_(None)).order_by(eff.c.device_id))
+                 .select_from(joined).where(*where).order_by(eff.c.device_id))
+        if limit is not None:
+            query = query.limit(max(0, limit))
         with self.store.begin() as conn:
             rows = conn.execute(query).all()
-        return [dict(r._mapping, behind_s=now - r.since) for r in rows
-                if r.reported_version != r.desired_version and now - r.since > self.drift_after_s]
+        return [dict(r._mapping, behind_s=now - r.since) for r in rows]
+
+    def drift_count(self, *, now: float | None = None) -> int:
+        """How many devices `drift` lists."""
+        joined, where = self._drifting(time.time() if now is None else now)
+        with self.store.begin() as conn:
+            return int(conn.execute(sa.select(sa.func.count()).select_from(joined).where(*where)).scalar_one())

@@ -214,7 +214,7 @@ class Fleet:
                 sa.func.count(), sa.func.count(d.revoked_at),
                 sa.func.count().filter(live, d.last_seen >= time.time() - self.config.online_after_s))).one()
         return {"devices": int(total), "online": int(online), "revoked": int(revoked),
-                "drift": len(self.desired.drift()), "dropped": self.telemetry.drops(),
+                "drift": self.desired.drift_count(), "dropped": self.telemetry.drops(),
                 "cloud": self.telemetry.cloud_load(since=time.time() - CLOUD_LOAD_S),
                 "ingest": dict(self.ingest.stats) if self.ingest is not None else {},
                 "mqtt_connected": bool(self.ingest is not None and self.ingest.connected.is_set())}

@@ -1,7 +1,7 @@
 """The dashboard in Debian's headless Chromium (driven by Playwright), over a fleet with telemetry, drift and a
 rollout whose canary failed its escalation gate.
 
-Set TIERKIT_DASHBOARD_SCREENSHOT=PATH to keep the screenshot (docs/fleet-dashboard.png was made so).
+Set TIERKIT_DASHBOARD_SCREENSHOT=PATH to keep the screenshot.
 """
 
 from __future__ import annotations

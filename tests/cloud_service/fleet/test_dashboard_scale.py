@@ -1,7 +1,10 @@
-"""The fleet view over 10,000 devices and a day of windows on PostgreSQL, in headless Chromium: percentile
-bands and one page of devices, aggregated server-side (the hourly sums filled at ingest), first paint timed.
+"""The fleet view over 10,000 devices and a day of windows on PostgreSQL: what a page load reads (query plans:
+no scan of the windows or of the device-hours, a few rows of each), and the dashboard in headless Chromium
+(bands drawn, the device table paged and filtered), first paint timed.
 
-Set TIERKIT_DASHBOARD_SCREENSHOT=PATH to keep the screenshot (docs/fleet-dashboard.png was made so).
+The 2 s first-paint target is bench/bench_dashboard.py's, measured alone; here the bound is loose, for a
+host that runs other suites at the same time (measured so, load average about 10 on 2 cores: 1.5 s).
+Set TIERKIT_DASHBOARD_SCREENSHOT=PATH to keep the screenshot.
 """
 
 from __future__ import annotations
@@ -9,105 +12,193 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import time
+import tempfile
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import sqlalchemy as sa
 
-from cloud_service.fleet import schema as t
-from cloud_service.fleet.store import FleetStore
-from cloud_service.fleet.telemetry import TelemetryLimits, TelemetryStore
+from cloud_service.fleet import bands, view
+from cloud_service.fleet.fleet import Fleet, FleetConfig
 from testkit.fleet_process import FleetProcess
+from testkit.fleet_seed import FleetShape, seed, touch
 from tests.cloud_service.fleet.test_dashboard import CHROMIUM, FLAGS
 
 pytestmark = pytest.mark.slow
-DEVICES = 10_000
-HOURS = 24
-FIRST_PAINT_S = 2.0  # the benchmark figure; asserted loosely on a shared host (PAINT_BOUND_S)
-PAINT_BOUND_S = 10.0
+SHAPE = FleetShape(devices=10_000, sites=8, windows_per_hour=1)
+PAINT_BOUND_S = 6.0  # loaded 2-core host (load average ~10), a fresh browser: 1.5 s measured
+WINDOW_TABLES = ("telemetry", "telemetry_hourly")
 
 
-def _populate(url: str, now: float) -> str:
-    """10,000 devices on 4 sites and 3 releases (rows written directly: enrollment signs certificates), and
-    a window an hour each for a day, through the real ingest (so the hourly sums come from it)."""
-    store = FleetStore.open(url)
+@pytest.fixture(scope="module")
+def seeded(postgres: Any) -> Iterator[tuple[str, str]]:
+    """A database on the session's PostgreSQL with the fleet, its stored bands computed (as `fleet serve`
+    keeps them)."""
+    admin = sa.create_engine(postgres.url, isolation_level="AUTOCOMMIT")
+    with admin.connect() as conn:
+        conn.execute(sa.text("CREATE DATABASE fleet_scale"))
+    admin.dispose()
+    url = postgres.url.rsplit("/", 1)[0] + "/fleet_scale"
+    with Fleet.open(FleetConfig(data_dir=Path(tempfile.mkdtemp(prefix="fleet-scale-")), db_url=url)) as fleet:
+        token = seed(fleet.store, SHAPE)
+        assert len(bands.refresh(fleet.store)) == SHAPE.hours + 1  # a day of windows spans 25 clock hours
+    yield url, token
+    admin = sa.create_engine(postgres.url, isolation_level="AUTOCOMMIT")
+    with admin.connect() as conn:  # 10,000 devices' day of windows: not left on the session's server
+        conn.execute(sa.text("DROP DATABASE fleet_scale WITH (FORCE)"))
+    admin.dispose()
+
+
+def _plans(fleet: Fleet, call: Callable[[], Any]) -> list[dict[str, Any]]:
+    """Every statement `call` runs, explained (ANALYZE: actual rows) after it ran."""
+    seen: list[tuple[str, Any]] = []
+
+    def capture(_conn: Any, _cursor: Any, statement: str, params: Any, _ctx: Any, _many: bool) -> None:
+        seen.append((statement, params))
+
+    sa.event.listen(fleet.store.engine, "before_cursor_execute", capture)
     try:
-        from cloud_service.fleet.registry import Registry
-
-        ids = [f"dev-{i:05d}" for i in range(DEVICES)]
-        releases = [f"sha256:{k:064x}" for k in (1, 2, 3)]
-        with store.begin() as conn:
-            conn.execute(t.devices.insert(), [
-                {"device_id": d, "labels": json.dumps({"site": f"site{i % 4}", "kind": "cam"}), "hardware": "{}",
-                 "agent_version": "0.1.0", "cert_serial": f"{i:x}", "mqtt_password_hash": "", "enrolled_at": now,
-                 "last_seen": now - (0 if i % 10 else 600), "model_digest": "sha256:0123", "variant": "int8",
-                 "threshold": 0.8} for i, d in enumerate(ids)])
-            conn.execute(t.reported.insert(), [
-                {"device_id": d, "version": None, "received_at": now,
-                 "document": json.dumps({"release": releases[i % 3]})} for i, d in enumerate(ids)])
-        tel = TelemetryStore(store, TelemetryLimits(daily_bytes=10**9, max_skew_s=10**9))
-        for h in range(HOURS):
-            ts = now - (HOURS - h) * 3600 + 60
-            batch = [(d, json.dumps({
-                "device": d, "boot_id": "b", "seq": h, "ts": ts, "window_s": 3600, "requests": 100 + i % 50,
-                "p95_ms": 5 + (i % 7) + (h % 5), "escalation_rate": 0.1 + 0.01 * (i % 10), "agreement": 0.95,
-                "energy_mj_per_request": 2.0 + 0.1 * (i % 3), "energy_label": "modeled", "degraded": i % 3,
-                "variant": "int8", "threshold": 0.8}).encode(), ts) for i, d in enumerate(ids)]
-            for k in range(0, len(batch), 2500):
-                assert tel.ingest(batch[k:k + 2500]).stored == len(batch[k:k + 2500])
-        with store.begin() as conn:
-            assert conn.execute(sa.select(sa.func.count()).select_from(t.telemetry)).scalar_one() == DEVICES * HOURS
-        return Registry(store).create_operator_token("viewer", "read")
+        call()
     finally:
-        store.close()
+        sa.event.remove(fleet.store.engine, "before_cursor_execute", capture)
+    plans = []
+    with fleet.store.engine.connect() as conn:
+        for statement, params in seen:
+            if statement.lstrip().upper().startswith("SELECT"):
+                got = conn.exec_driver_sql("EXPLAIN (ANALYZE, FORMAT JSON) " + statement, params).scalar_one()
+                plans.append({"sql": statement, "plan": (got if isinstance(got, list) else json.loads(got))[0]["Plan"]})
+        conn.rollback()
+    return plans
 
 
-@pytest.mark.timeout(900)
-@pytest.mark.parametrize("db_url", ["postgresql"], indirect=True)
-def test_ten_thousand_devices_first_paint(db_url: str, tmp_path: Path) -> None:
+def _nodes(plan: dict[str, Any]) -> Iterator[dict[str, Any]]:
+    yield plan
+    for child in plan.get("Plans", []):
+        yield from _nodes(child)
+
+
+def _reads(plans: list[dict[str, Any]], table: str) -> tuple[int, list[str]]:
+    """Rows the plans read from `table` (actual rows and those its filter removed, x loops), and the kinds of
+    scan that read them."""
+    rows, kinds = 0, []
+    for p in plans:
+        for node in _nodes(p["plan"]):
+            if node.get("Relation Name") == table:
+                read = int(node["Actual Rows"]) + int(node.get("Rows Removed by Filter", 0))
+                rows += read * int(node["Actual Loops"])
+                kinds.append(node["Node Type"])
+    return rows, kinds
+
+
+def test_a_page_load_reads_stored_bands_and_index_ranges_never_the_windows(seeded: tuple[str, str],
+                                                                          tmp_path: Path) -> None:
+    url, _token = seeded
+    with Fleet.open(FleetConfig(data_dir=tmp_path, db_url=url)) as fleet:
+        def load() -> None:  # what the four first-paint requests run
+            view.page(fleet.store, q="", data_drift=fleet.telemetry.data_drift)
+            view.page(fleet.store, after="dev-05000", q="site=site3", state="online",
+                      data_drift=fleet.telemetry.data_drift)
+            bands.bands(fleet.store, by="label:site")
+            fleet.stats()
+
+        load()
+        plans = _plans(fleet, load)
+    for table in WINDOW_TABLES:
+        rows, kinds = _reads(plans, table)
+        assert "Seq Scan" not in kinds, (table, kinds)
+        # the windows: each listed device's latest only (a probe reads 2-3 index rows, not its 25 windows)
+        assert rows <= {"telemetry": 4 * 2 * 50, "telemetry_hourly": 0}[table], (table, rows)
+    band_rows, _ = _reads(plans, "fleet_bands")
+    assert band_rows <= 2 * 8 * (SHAPE.hours + 1)  # the stale check and the read: groups x hours
+    minute_rows, _ = _reads(plans, "telemetry_minutes")  # a day's minutes: a scan of the table is the plan
+    assert minute_rows <= 60 * (SHAPE.hours + 1) + 10  # the hours' stamps and the last 5 minutes
+    pages = [p for p in plans if "FROM devices" in p["sql"] and "ORDER BY devices.device_id" in p["sql"]]
+    assert len(pages) == 2
+    for plan in pages:  # index ranges from the cursor: 50 rows, or the rows until 50 pass a 1-in-8 filter
+        rows, kinds = _reads([plan], "devices")
+        assert "Seq Scan" not in kinds, plan["sql"]
+        assert rows <= (1000 if "device_labels" in plan["sql"] else 100), (rows, plan["sql"])
+
+
+def _text(page: Any, selector: str) -> str:
+    return str(page.locator(selector).inner_text())
+
+
+def _wait_info(page: Any, text: str) -> None:
+    page.wait_for_function(f"document.getElementById('page-info').textContent == {json.dumps(text)}",
+                           timeout=60_000)
+
+
+@pytest.mark.timeout(600)
+def test_ten_thousand_devices_in_the_dashboard(seeded: tuple[str, str], tmp_path: Path) -> None:
     if not Path(CHROMIUM).exists():
         pytest.skip("chromium is not installed (apt-get install chromium)")
     pytest.importorskip("playwright.sync_api")
     from playwright.sync_api import sync_playwright
 
-    token = _populate(db_url, time.time())
+    url, token = seeded
+    touch(url, SHAPE)  # the devices were last heard from just now (the module's first test ran before)
     data = tmp_path / "fleet-data"
     data.mkdir()
-    proc = FleetProcess(data, db_url).start()
+    proc = FleetProcess(data, url).start()
     try:
-        status, bands = proc.call("GET", "/v1/fleet/bands?by=label:site", token=token)
-        assert status == 200
-        assert sorted(bands["groups"]) == [f"site={s}" for s in ("site0", "site1", "site2", "site3")]
-        assert bands["groups"]["site=site0"]["devices"] == DEVICES // 4
         with sync_playwright() as pw:
             ctx = pw.chromium.launch_persistent_context(str(tmp_path / "profile"), executable_path=CHROMIUM,
                                                         headless=True, args=FLAGS,
                                                         viewport={"width": 1400, "height": 1300})
             try:
                 page = ctx.new_page()
-                page.goto("about:blank")
-                started = time.monotonic()
                 page.goto(f"{proc.url}/#token={token}")
-                page.wait_for_selector("body[data-loaded='1']", timeout=60_000)
-                first_paint_s = time.monotonic() - started
-                print(f"fleet view, {DEVICES} devices, {HOURS} h of windows (PostgreSQL): first paint "
-                      f"{first_paint_s:.2f} s (benchmark figure: {FIRST_PAINT_S} s)")
-                assert first_paint_s <= PAINT_BOUND_S
-                assert page.locator("#devices tbody tr").count() == 50
-                assert page.locator("#page-info").inner_text() == f"1–50 of {DEVICES}"
-                assert page.locator("#n-devices").inner_text() == str(DEVICES)
+                page.wait_for_function("performance.getEntriesByName('tierkit-first-paint').length > 0",
+                                       timeout=60_000)
+                paint_s = page.evaluate("performance.getEntriesByName('tierkit-first-paint')[0].startTime") / 1e3
+                print(f"fleet view, {SHAPE.devices} devices, a day of windows (PostgreSQL): first paint "
+                      f"{paint_s:.2f} s (bound here {PAINT_BOUND_S} s; the 2 s target: bench/bench_dashboard.py)")
+                assert paint_s <= PAINT_BOUND_S
+                assert _text(page, "#n-devices") == str(SHAPE.devices)
+                assert _text(page, "#n-online") == str(SHAPE.devices - SHAPE.devices // SHAPE.offline_every)
+                assert _text(page, "#n-drift") == str(SHAPE.devices // SHAPE.drift_every)
+                assert page.locator("#drift tbody tr").count() == 51  # 50 listed, then "and 50 more"
+                # bands: the fleet's p50 and p95 over every hour of the day, and the area between them
                 lines = page.locator(".plot[data-metric='p95_ms'] polyline.series")
                 assert lines.count() == 2
-                assert len((lines.first.get_attribute("points") or "").split()) >= HOURS - 1
+                assert len((lines.first.get_attribute("points") or "").split()) == SHAPE.hours + 1
+                assert page.locator(".plot[data-metric='p95_ms'] polygon.band").count() == 1
+                # the table: 50 rows a page, keyset pages forward and back
+                assert page.locator("#devices tbody tr").count() == 50
+                assert _text(page, "#page-info") == f"1–50 of {SHAPE.devices}"
+                assert page.is_disabled("#prev")
+                page.click("#next")
+                _wait_info(page, f"51–100 of {SHAPE.devices}")
+                assert page.locator("#devices tbody tr").first.get_attribute("data-device") == "dev-00050"
+                page.click("#prev")
+                _wait_info(page, f"1–50 of {SHAPE.devices}")
+                assert page.locator("#devices tbody tr").first.get_attribute("data-device") == "dev-00000"
+                # filters: a label, a state, an id prefix
+                page.fill("#filter", "site=site3")
+                page.dispatch_event("#filter", "change")
+                _wait_info(page, f"1–50 of {SHAPE.devices // SHAPE.sites}")
+                assert all("site=site3" in t for t in page.locator("#devices tbody td:nth-child(3)").all_inner_texts())
+                page.fill("#filter", "")
+                page.select_option("#state", "offline")
+                _wait_info(page, f"1–50 of {SHAPE.devices // SHAPE.offline_every}")
+                assert set(page.locator("#devices tbody td:nth-child(2)").all_inner_texts()) == {"offline"}
+                page.select_option("#state", "")
+                page.fill("#filter", "dev-0999")
+                page.dispatch_event("#filter", "change")
+                _wait_info(page, "1–10 of 10")
+                assert page.is_disabled("#next")
+                # bands by label: a band per site
                 page.select_option("#group", "label:site")
-                page.wait_for_function(
-                    "document.querySelectorAll(\".plot[data-metric='p95_ms'] polyline\").length == 8", timeout=60_000)
-                shot = tmp_path / "dashboard.png"
-                page.screenshot(path=str(shot), full_page=True)
+                page.wait_for_function("document.querySelectorAll(\".plot[data-metric='p95_ms'] polygon.band\")"
+                                       f".length == {SHAPE.sites}", timeout=60_000)
+                assert page.locator(".plot[data-metric='p95_ms'] polyline.series").count() == 2 * SHAPE.sites
                 keep = os.environ.get("TIERKIT_DASHBOARD_SCREENSHOT")
                 if keep:
-                    shutil.copy(shot, keep)
+                    page.screenshot(path=str(tmp_path / "dashboard.png"), full_page=True)
+                    shutil.copy(tmp_path / "dashboard.png", keep)
             finally:
                 ctx.close()
     finally:
