@@ -64,32 +64,37 @@ def _release(dialect: str) -> Any:
     return sa.func.json_extract(doc, "$.release")
 
 
-def _device_hours(conn: Any, dialect: str, hour: int) -> list[Any]:
+def _device_hours(conn: Any, dialect: str, hour: int) -> list[tuple[Any, ...]]:
+    """The hour's device-hours as columns: 8 sums, then labels, reported (a device id or None), release."""
     h, d, r = t.telemetry_hourly.c, t.devices.c, t.reported.c
     query = (sa.select(h.windows, h.requests, h.p95_sum, h.escalations, h.energy_mj, h.degraded, h.agreement_sum,
                        h.agreement_weight, d.labels, r.device_id.label("reported"), _release(dialect).label("release"))
              .select_from(t.telemetry_hourly.outerjoin(t.devices, d.device_id == h.device_id)
                           .outerjoin(t.reported, r.device_id == h.device_id))
              .where(h.hour == hour))
-    return list(conn.execute(query))
+    rows = conn.execute(query).all()
+    return list(zip(*rows, strict=True)) if rows else []
 
 
-def _figures(rows: list[Any]) -> dict[str, np.ndarray]:
+def _figures(cols: list[tuple[Any, ...]]) -> dict[str, np.ndarray]:
     """Each device-hour's figures (NaN where undefined)."""
-    cols = list(zip(*[tuple(r[:8]) for r in rows], strict=True))
-    win, req, p95, esc, energy, degraded, agree, weight = (np.array(c, dtype=float) for c in cols)
+    win, req, p95, esc, energy, degraded, agree, weight = (np.array(c, dtype=float) for c in cols[:8])
     with np.errstate(divide="ignore", invalid="ignore"):
         return {"p95_ms": p95 / win, "escalation_rate": esc / req,
                 "agreement": np.where(weight > 0, agree / weight, np.nan),
                 "energy_mj_per_request": energy / req, "degraded_share": degraded / req}
 
 
-def _memberships(rows: list[Any], extra: Iterable[str]) -> dict[str, list[str]]:
-    """grouping -> each row's group name, for fleet, release, every label key present and `extra`."""
-    labels = [json.loads(r.labels) if r.labels is not None else None for r in rows]
+def _memberships(cols: list[tuple[Any, ...]], extra: Iterable[str]) -> dict[str, list[str]]:
+    """grouping -> each device-hour's group name, for fleet, release, every label key present and `extra`."""
+    texts, reported, releases = cols[8:11]
+    parsed: dict[str, dict[str, str]] = {}  # devices share few label sets: each text parsed once
+    labels = [None if x is None else parsed[x] if x in parsed else parsed.setdefault(x, json.loads(x))
+              for x in texts]
     keys = {k for lab in labels if lab for k in lab} | {g[6:] for g in extra if g.startswith("label:")}
-    out = {"fleet": ["fleet"] * len(rows),
-           "release": ["?" if r.reported is None else (r.release or "none")[:23] for r in rows]}
+    out = {"fleet": ["fleet"] * len(texts),
+           "release": ["?" if rep is None else (rel or "none")[:23]
+                       for rep, rel in zip(reported, releases, strict=True)]}
     for k in sorted(keys):
         out[f"label:{k}"] = [f"{k}={lab.get(k, '?')}"[:200] if lab is not None else "?" for lab in labels]
     for grouping, names in out.items():  # at most MAX_GROUPS groups: the largest, the rest as one
@@ -107,12 +112,12 @@ def _percentiles(values: np.ndarray) -> list[float] | None:
 
 def compute_hour(conn: Any, dialect: str, hour: int, *, extra: Iterable[str] = ()) -> dict[str, dict[str, Any]]:
     """grouping -> group -> {"devices", "figures"} for one hour, from its device-hours."""
-    rows = _device_hours(conn, dialect, hour)
-    if not rows:
+    cols = _device_hours(conn, dialect, hour)
+    if not cols:
         return {}
-    figures = _figures(rows)
+    figures = _figures(cols)
     out: dict[str, dict[str, Any]] = {}
-    for grouping, names in _memberships(rows, extra).items():
+    for grouping, names in _memberships(cols, extra).items():
         arr = np.array(names, dtype=object)
         groups: dict[str, Any] = {}
         for name in sorted(set(names)):
