@@ -99,6 +99,7 @@ def infer_blocking(repository: ModelRepository, request: RawRequest, *,
     for attempt in range(_LOOKUPS):
         model = repository.get(message.model_name, message.model_version)
         try:
+            _admit_before_decoding(model, message, timeout)
             arrays, names = _check(model, message, request.raw or None)
             outputs = _batcher(model).run(arrays, timeout=timeout)
             response = raw_response(model.name, {n: outputs[n] for n in names}, version=model.version,
@@ -131,6 +132,22 @@ def _preprocess(model: ServedModel) -> Preprocess:
                "send the model input instead")
         raise CodecError(msg)
     return Preprocess.from_json(declared)
+
+
+def _admit_before_decoding(model: ServedModel, message: pb.ModelInferRequest, timeout: float | None) -> None:
+    """Refuse, from the message's declared shape alone, a request the model's queue cannot answer in time:
+    under overload most calls are refused, and a refusal should cost no tensor decoding, preprocessing or
+    validation. What passes is admitted again when it is queued (`DynamicBatcher.run`)."""
+    batcher = model.batcher
+    if batcher is None:
+        return
+    shape = message.inputs[0].shape if message.inputs else ()
+    rows = max(1, int(shape[0])) if shape else 1
+    if rows > batcher.config.max_batch_size:  # too large to batch: decoding answers with the precise error
+        return
+    refusal = batcher.admissible(rows, timeout)
+    if refusal is not None:
+        raise refusal
 
 
 def _batcher(model: ServedModel) -> DynamicBatcher:

@@ -304,3 +304,37 @@ def test_callers_ignoring_hints_get_no_more_answers_and_lengthen_the_hints_up_to
     assert answered <= 200 * 1.05
     assert refused > 10 * 200
     assert hints.hint_s(1.0, 0.005, 200.0) == pytest.approx(hints.max_s, rel=hints.jitter)
+
+
+def test_a_grpc_request_the_queue_cannot_answer_is_refused_before_its_tensors_are_decoded() -> None:
+    """Under overload most calls are refused: the refusal comes from the message's declared shape, before
+    decoding. A request whose tensor bytes do not match its shape shows which ran first: refused as busy
+    while the model is saturated, and only on an idle model does decoding reach it (and name the fault)."""
+    from types import SimpleNamespace
+
+    from cloud_service.infer import infer_blocking
+    from cloud_service.protocol import CodecError
+    from cloud_service.protocol import inference_pb2 as pb
+    from cloud_service.protocol.wire import RawRequest
+
+    message = pb.ModelInferRequest(model_name="m")
+    message.inputs.add(name="x", datatype="FP32", shape=[1, 2])
+    message.raw_input_contents.append(b"not eight bytes")
+    request = RawRequest.parse(message.SerializeToString())
+    model = Switchable(0.01)
+
+    async def main() -> None:
+        async with DynamicBatcher("m", [model], BatchingConfig(max_batch_size=1), batched=False) as b:
+            served = SimpleNamespace(name="m", batcher=b, stats=SimpleNamespace(request_done=lambda *_, **__: None))
+            repository = SimpleNamespace(get=lambda *_: served)
+            await b.infer(one(0))  # measured: about 10 ms a run
+            with pytest.raises(CodecError):  # idle: admitted, decoded, and the bytes found wrong
+                await asyncio.to_thread(infer_blocking, repository, request, timeout=5.0)  # type: ignore[arg-type]
+            model.seconds, model.started = 0.5, threading.Event()
+            running = b.submit(one(1))
+            assert await asyncio.to_thread(model.started.wait, 5)
+            with pytest.raises(ServerBusy):  # busy, and a run takes longer than the 5 ms left: refused unread
+                await asyncio.to_thread(infer_blocking, repository, request, timeout=0.005)  # type: ignore[arg-type]
+            await running
+
+    asyncio.run(main())
