@@ -139,14 +139,18 @@ def _through_fault(model: sdk.TieredModel, digits: zoo.Split, n: int, fault: Fau
         issued.add((DEVICE, boot, pred.seq))
         return pred
 
-    assert all(issue(i).tier == "cloud" for i in range(10))
+    live = [issue(i) for i in range(10)]
+    # On a loaded host a live escalation can miss its 200 ms budget (the process not scheduled): it is then
+    # journaled and replayed like the ones during the fault, and the ledger still counts it once.
+    missed = sum(p.degraded for p in live)
+    assert missed < len(live), [p.reason for p in live]
     fault.down()
     went = time.monotonic()
     assert all(issue(i).degraded for i in range(10, n))
     time.sleep(max(0.0, went + fault.down_s - time.monotonic()))
     journal = agent.journal
     assert journal is not None
-    assert journal.count() == n - 10
+    assert n - 10 <= journal.count() <= n - 10 + missed
     replies_before = agent.stats.late_replies
     fault.up()
     back = time.monotonic()
@@ -171,10 +175,16 @@ def _check(rig: Rig, issued: set[tuple[str, str, int]], name: str, first: float,
           f"first_replay_answered_s={first:.2f} journal_empty_s={empty:.2f}")
     assert keys == issued, (sorted(issued - keys)[:5], sorted(keys - issued)[:5])
     assert computed == len(issued), "an escalation was computed twice"
-    # about a second here (more on a loaded host); 6-9 s with paho's doubling backoff, no bridge session
-    # and a 5 s drain timeout behind an open breaker
+    # The bounds, from measurement (100 escalations; docs/RELIABILITY.md has the runs alone). First replay
+    # answered: 0.06-1.23 s alone; the 3 s network cut 1.24-1.45 s in three runs at load average 15-18 on 2 cores
+    # (another test run beside it); 5.7-7.3 s before the agent's reconnect and drain were fixed (paho's
+    # doubling backoff, no bridge session, a 5 s drain timeout behind an open breaker). The bound sits
+    # between: RECOVERY_S.
     assert first < RECOVERY_S, f"the first journaled escalation was answered {first:.1f} s after the fault ended"
-    # the drain is paced (AgentOptions.drain_rate_per_s, so that a reconnecting fleet does not flood the cloud)
+    # Journal empty: 0.19-1.38 s alone; the network cut 4.93-5.09 s in three runs at load average 15-18. The drain is
+    # paced (AgentOptions.drain_rate_per_s, so that a reconnecting fleet does not flood the cloud): the
+    # bound is RECOVERY_S plus the paced drain of everything issued (9 s at 100). Tight figures:
+    # docs/RELIABILITY.md's runs alone.
     drain_s = len(issued) / AgentOptions(device_id=DEVICE).drain_rate_per_s
     assert empty < RECOVERY_S + drain_s, f"the journal emptied {empty:.1f} s after the fault ended"
 

@@ -212,18 +212,22 @@ def test_an_idle_agent_sleeps(package: ModelPackage) -> None:
 
     selector.select = counting
 
-    async def main() -> int:
+    async def main() -> tuple[int, float]:
         async with EdgeAgent(package, policy=Policy("max_prob", threshold=NEVER)):
             await asyncio.sleep(0.1)
-            before = wakeups[0]
+            before, started = wakeups[0], time.monotonic()
             await asyncio.sleep(2.0)
-            return wakeups[0] - before
+            return wakeups[0] - before, time.monotonic() - started
 
     try:
-        woke = loop.run_until_complete(main())
+        woke, idle_s = loop.run_until_complete(main())
     finally:
         loop.close()
-    assert woke <= 6, f"an idle edge-only agent woke its loop {woke} times in 2 s"
+    # Idle, the agent's housekeeping and journal drain each wake at most once a second, and this test's own
+    # sleep once: 5 to 7 wakeups in 2 s, by phase. Measured: 6 in 12 runs of 12 at load average 14-16 on 2
+    # cores. A loaded host stretches the window (the sleep ends late), so the bound is a rate over the
+    # window as it ran: 4 a second. Polling would show far more (the controller's busy rate is 20 a second).
+    assert woke <= 4 * idle_s, f"an idle edge-only agent woke its loop {woke} times in {idle_s:.2f} s"
 
 
 def test_predict_never_waits_for_a_wedged_loop(package: ModelPackage, digits: zoo.Split, cloud: GrpcCloud) -> None:
