@@ -1,13 +1,18 @@
 """Replay the held-out stream through the real agent while the delay proxy and the budget step.
 
-Requests go one after another through `sdk.load(...).predict`, paced at most `rate` per second,
-with the agent escalating over gRPC to the real cloud service behind the delay proxy. The controller
-is the one `sdk.load(..., controller=True)` builds; the other strategies stand in its place.
+Requests arrive at a fixed rate, as from an external load generator: request k at k / `rate` seconds,
+whether or not the ones before it were answered (several are in flight while escalations wait on a
+slow link). Each goes through `sdk.load(...).apredict`, the agent escalating over gRPC to the real
+cloud service behind the delay proxy. A phase therefore lasts its requests / `rate` seconds for every
+strategy: a driver sending one request after another would stretch a phase whose requests wait
+(300 escalations of 30 ms take 9 s, not 3) and then catch up in a burst of thousands a second.
+The controller is the one `sdk.load(..., controller=True)` builds; the other strategies stand in
+its place.
 """
 
 from __future__ import annotations
 
-import time
+import asyncio
 from dataclasses import dataclass
 from typing import Any
 
@@ -64,20 +69,19 @@ def agent_options(adaptive: AdaptiveOptions | None = None, *, wire_encoding: str
 def replay(controller: Any, models: Models, phases: list[Phase], trace: np.ndarray, proxy: DelayProxy, *,
            rate: float, warmup: int = 200, adaptive: AdaptiveOptions | None = None,
            wire_encoding: str = "fp32") -> dict[str, Any]:
-    """Run `trace` (indices into the test split) through a fresh agent; one record per request.
+    """Run `trace` (indices into the test split) through a fresh agent at `rate` requests per second;
+    one record per request.
 
     `controller` is True (the agent builds its controller, with the priors of `adaptive`) or a
     `Scripted` strategy.
     """
-    x, y = models.split.x_test, models.split.y_test
     n = sum(p.requests for p in phases)
-    rec = {k: np.zeros(n, dtype=t) for k, t in (("phase", int), ("t", float), ("latency_ms", float),
-                                                 ("energy_mj", float), ("cloud", bool), ("degraded", bool),
-                                                 ("wanted", bool), ("correct", bool), ("threshold", float),
-                                                 ("guard_ms", float), ("deadline_scale", float))}
-    variants: list[str] = []
-    reasons: list[str] = []
-    encodings: list[str] = []  # the controller's planned wire encoding ("" where none is planned)
+    rec: dict[str, Any] = {k: np.zeros(n, dtype=t) for k, t in (
+        ("phase", int), ("t", float), ("latency_ms", float), ("energy_mj", float), ("cloud", bool),
+        ("degraded", bool), ("wanted", bool), ("correct", bool), ("threshold", float), ("guard_ms", float),
+        ("deadline_scale", float))}
+    for k in ("variant", "reason", "encoding"):  # encoding: the controller's planned one ("" where none)
+        rec[k] = [""] * n
     labels: set[str] = set()
     # The warm-up runs on the plain link under a loose budget whatever the first phase is: it opens the
     # channel and teaches the agent the round trip. Under a tight first budget (12 ms with jitter) the
@@ -91,44 +95,77 @@ def replay(controller: Any, models: Models, phases: list[Phase], trace: np.ndarr
     if controller is True:
         controller = model.agent.controller
     try:
-        for i in range(warmup):  # opens the channel and teaches the agent the round trip; not recorded
-            model.predict(x[trace[i % trace.size]][None])
-            time.sleep(1 / rate)
-        k, start = 0, time.perf_counter()
-        for pi, phase in enumerate(phases):
-            phase.apply(proxy)
-            model.set_budget(phase.budget)
-            if isinstance(controller, Scripted):
-                controller.enter_phase(pi)
-            next_stall = time.perf_counter() + phase.stall_every_s
-            for _ in range(phase.requests):
-                if phase.stall_every_s and time.perf_counter() >= next_stall:
-                    proxy.stall(phase.stall_s)
-                    next_stall += phase.stall_every_s
-                due = start + k / rate
-                if (wait := due - time.perf_counter()) > 0:
-                    time.sleep(wait)
-                i = trace[k % trace.size]  # a calibration phase may be longer than a shortened trace
-                threshold = float(controller.current.threshold)
-                # what the agent's timer ends escalations by: its learned lateness, and the share of the budget
-                rec["guard_ms"][k] = model.agent.lateness.margin_ms()
-                rec["deadline_scale"][k] = controller.deadline_scale()
-                pred = model.predict(x[i][None])
-                rec["phase"][k], rec["t"][k] = pi, time.perf_counter() - start
-                rec["latency_ms"][k], rec["energy_mj"][k] = pred.latency_ms, pred.energy_mj
-                rec["cloud"][k], rec["degraded"][k] = pred.tier == "cloud", pred.degraded
-                rec["wanted"][k] = pred.score < threshold
-                rec["correct"][k] = int(pred.outputs["logits"].argmax()) == int(y[i])
-                rec["threshold"][k] = threshold
-                encodings.append(str(getattr(controller.current, "encoding", "")))
-                variants.append(pred.variant)
-                reasons.append(pred.reason)
-                labels.add(pred.energy_label)
-                k += 1
+        driver = _Driver(model, controller, models, trace, rec, labels)
+        asyncio.run(driver.run(phases, proxy, rate, warmup))
     finally:
         model.close()
     # read once the agent is closed: its fold thread appends decisions while requests flow
     decisions = [d.to_json() for d in getattr(controller, "decisions", [])]
-    return {**rec, "variant": np.array(variants), "reason": np.array(reasons), "encoding": np.array(encodings),
-            "energy_label": ", ".join(sorted(labels)), "decisions": decisions,
-            "redecisions": getattr(controller, "redecisions", 0)}
+    return {**rec, "variant": np.array(rec["variant"]), "reason": np.array(rec["reason"]),
+            "encoding": np.array(rec["encoding"]), "energy_label": ", ".join(sorted(labels)),
+            "decisions": decisions, "redecisions": getattr(controller, "redecisions", 0)}
+
+
+class _Driver:
+    """Sends the requests at their arrival times on an event loop of its own, each as a task."""
+
+    def __init__(self, model: Any, controller: Any, models: Models, trace: np.ndarray, rec: dict[str, Any],
+                 labels: set[str]) -> None:
+        self.model, self.controller, self.trace, self.rec, self.labels = model, controller, trace, rec, labels
+        self.x, self.y = models.split.x_test, models.split.y_test
+
+    async def run(self, phases: list[Phase], proxy: DelayProxy, rate: float, warmup: int) -> None:
+        loop = asyncio.get_running_loop()
+        tasks: set[asyncio.Task[None]] = set()
+        start = loop.time()
+        for i in range(warmup):  # opens the channel and teaches the agent the round trip; not recorded
+            await _until(loop, start + i / rate)
+            tasks.add(asyncio.ensure_future(self.model.apredict(self.x[self.trace[i % self.trace.size]][None])))
+        await asyncio.gather(*tasks)
+        tasks.clear()
+        k, start = 0, loop.time() + 1 / rate
+        for pi, phase in enumerate(phases):
+            await _until(loop, start + k / rate)
+            phase.apply(proxy)
+            # the controller re-decides on a new budget; the arrivals do not wait for it
+            budget = asyncio.ensure_future(asyncio.to_thread(self.model.set_budget, phase.budget))
+            if isinstance(self.controller, Scripted):
+                self.controller.enter_phase(pi)
+            next_stall = start + k / rate + phase.stall_every_s
+            for _ in range(phase.requests):
+                due = start + k / rate
+                if phase.stall_every_s and due >= next_stall:
+                    proxy.stall(phase.stall_s)
+                    next_stall += phase.stall_every_s
+                await _until(loop, due)
+                task = asyncio.ensure_future(self.one(k, pi, due - start))
+                tasks.add(task)
+                task.add_done_callback(tasks.discard)
+                k += 1
+            await budget
+        while tasks:
+            await asyncio.gather(*list(tasks))
+
+    async def one(self, k: int, pi: int, t: float) -> None:
+        """Request `k` (phase `pi`), arriving `t` seconds into the trace."""
+        rec, c = self.rec, self.controller
+        i = self.trace[k % self.trace.size]  # a calibration phase may be longer than a shortened trace
+        threshold = float(c.current.threshold)
+        # what the agent's timer ends escalations by: its learned lateness, and the share of the budget
+        rec["guard_ms"][k] = self.model.agent.lateness.margin_ms()
+        rec["deadline_scale"][k] = c.deadline_scale()
+        rec["encoding"][k] = str(getattr(c.current, "encoding", ""))
+        pred = await self.model.apredict(self.x[i][None])
+        rec["phase"][k], rec["t"][k] = pi, t
+        rec["latency_ms"][k], rec["energy_mj"][k] = pred.latency_ms, pred.energy_mj
+        rec["cloud"][k], rec["degraded"][k] = pred.tier == "cloud", pred.degraded
+        rec["wanted"][k] = pred.score < threshold
+        rec["correct"][k] = int(pred.outputs["logits"].argmax()) == int(self.y[i])
+        rec["threshold"][k] = threshold
+        rec["variant"][k], rec["reason"][k] = pred.variant, pred.reason
+        self.labels.add(pred.energy_label)
+
+
+async def _until(loop: asyncio.AbstractEventLoop, when: float) -> None:
+    if (wait := when - loop.time()) > 0:
+        await asyncio.sleep(wait)

@@ -4,7 +4,9 @@
                                    [--work DIR] [--rate R] [--png PATH]
 
 A delay-injecting TCP proxy sits between the agent and `tierkit serve`, while the held-out MNIST
-stream is replayed (the same trace for every strategy).
+stream is replayed (the same trace for every strategy). Requests arrive at a fixed rate, as from an
+external load generator (`replay`): several are in flight while escalations wait, and every phase
+lasts its requests / rate seconds for every strategy.
 
 - `--phases adapt` (default): the round trip steps 2 ms -> 60 ms -> cloud down -> 2 ms and the
   latency budget 20 ms -> 8 ms; budgets rarely bind.
@@ -156,7 +158,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--only", help="run only these phases, e.g. 1,2 (numbered as in the full plan)")
     ap.add_argument("--work", type=Path, default=Path(tempfile.gettempdir()) / "tierkit-bench-controller",
                     help="cache of the trained and compiled models")
-    ap.add_argument("--rate", type=float, help="at most this many requests per second (adapt 200, binding 100)")
+    ap.add_argument("--rate", type=float, help="requests per second, arriving at fixed times (adapt 200, binding and "
+                                               "trace 100)")
     ap.add_argument("--png", type=Path, default=Path(__file__).with_name("controller.png"))
     ap.add_argument("--dump", type=Path, help="also write every record and the controller's decisions here (.npz)")
     args = ap.parse_args(argv)
@@ -183,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
     best_edge = max(vs.entries, key=lambda e: (fidelity[e.id], -e.cost_ms)).id
     recommended = vs.recommended.id
     print(f"edge ladder: {[e.id for e in vs.entries]} (recommended {recommended}, most accurate {best_edge}); "
-          f"{total} requests per strategy at <= {args.rate:g}/s")
+          f"{total} requests per strategy arriving at {args.rate:g}/s")
     port = free_port()
     with cloud_server(models, port):
         proxy = DelayProxy(("127.0.0.1", port)).start()
@@ -261,7 +264,7 @@ def main(argv: list[str] | None = None) -> int:
              + (f" --requests {args.requests}" if args.requests is not None else "")
              + (f" --only {args.only}" if args.only else ""))
     header = (f"### Controller evaluation (`bench/controller/run.py{flags}`)\n\n"
-              f"MNIST held-out stream, {per_phase} requests per phase at <= {args.rate:g}/s, edge ladder "
+              f"MNIST held-out stream, {per_phase} requests per phase arriving at {args.rate:g}/s, edge ladder "
               f"{', '.join(e.id for e in vs.entries)}, cloud `{CLOUD_NAME}` via `tierkit serve` behind a TCP delay "
               f"proxy on loopback. Plot: `{png}`.")
     print("\n" + markdown(results, plan, header=header, labels=labels["controller"]))
