@@ -5,7 +5,9 @@ whether or not the ones before it were answered (several are in flight while esc
 slow link). Each goes through `sdk.load(...).apredict`, the agent escalating over gRPC to the real
 cloud service behind the delay proxy. A phase therefore lasts its requests / `rate` seconds for every
 strategy: a driver sending one request after another would stretch a phase whose requests wait
-(300 escalations of 30 ms take 9 s, not 3) and then catch up in a burst of thousands a second.
+(300 escalations of 30 ms take 9 s, not 3) and then catch up in a burst of thousands a second. At most
+`MAX_IN_FLIGHT` are outstanding, as with a load generator's pool of connections: a stalled agent
+delays the next arrivals rather than collecting hundreds of them.
 The controller is the one `sdk.load(..., controller=True)` builds; the other strategies stand in
 its place.
 """
@@ -30,6 +32,7 @@ from edge_agent.transports.base import TransportOptions
 from testkit.delay_proxy import DelayProxy
 
 POLICY = Policy("max_prob")
+MAX_IN_FLIGHT = 8  # requests outstanding at once (at 100/s and a 40 ms budget, about 4 are)
 
 
 @dataclass(frozen=True)
@@ -117,6 +120,7 @@ class _Driver:
     async def run(self, phases: list[Phase], proxy: DelayProxy, rate: float, warmup: int) -> None:
         loop = asyncio.get_running_loop()
         tasks: set[asyncio.Task[None]] = set()
+        slots = asyncio.Semaphore(MAX_IN_FLIGHT)
         start = loop.time()
         for i in range(warmup):  # opens the channel and teaches the agent the round trip; not recorded
             await _until(loop, start + i / rate)
@@ -138,9 +142,11 @@ class _Driver:
                     proxy.stall(phase.stall_s)
                     next_stall += phase.stall_every_s
                 await _until(loop, due)
+                await slots.acquire()
                 task = asyncio.ensure_future(self.one(k, pi, due - start))
                 tasks.add(task)
                 task.add_done_callback(tasks.discard)
+                task.add_done_callback(lambda _: slots.release())
                 k += 1
             await budget
         while tasks:
