@@ -106,6 +106,7 @@ class Controller:
         self._redecided_at, self.redecisions = -math.inf, 0
         self._epoch = link.link.epoch if link is not None else 0
         self._epoch_at = -math.inf  # when the link last changed state
+        self._settle_at = math.inf  # then: when to re-decide once it has settled
         self._excused_until = -math.inf  # windows closing before this do not tighten the latency target
         self._cut: tuple[float, float] | None = None  # the last tightening: when, and the scale before it
         self.latency_windows = BudgetWindows("p95", window_s=self.config.window_s, calm=20)
@@ -273,6 +274,9 @@ class Controller:
         if self.link is not None and (epoch := self.link.link.epoch) != self._epoch:
             self._epoch = epoch
             self._link_event(now)
+        if now >= self._settle_at:  # a move that only saves energy waited for it: make it now, not periodically
+            self._settle_at = math.inf
+            self._flag("link settled")
         if self.encoder is not None and self.encoder.options() is not self._wires:
             self._flag("wire encodings")
         if abs(self._audit_rate() - self._audits_planned) > 1e-9:  # raised during drift or a rollout's wave
@@ -300,6 +304,7 @@ class Controller:
         if link is None:
             return
         self._epoch_at = now if link.up else -math.inf
+        self._settle_at = now + self.config.link_settle_s if link.up else math.inf
         if not link.up or link.slow or link.event == "slower":
             self._excused_until = now + self.config.window_s
             if self._cut is not None and now - self._cut[0] <= self.config.window_s:
@@ -403,9 +408,20 @@ class Controller:
     def _switch_reason(self, cur: Decision, cand: Decision) -> str:
         link = self.link.state() if self.link is not None else None
         settled = self._clock() - self._epoch_at >= self.config.link_settle_s
+        # a slow spell raises the floor once it has lasted (a loss burst moves nothing)
+        floor = probe_floor(link if settled or link is None else replace(link, slow=False), self.config)
         return switch_reason(cur, cand, self.config, noise=self._cloud_noise(cur, cand),
                              energy_evidence=settled and self._energy_evidence(cur.variant, cand.variant),
-                             floor=probe_floor(link, self.config))
+                             floor=floor, tie=self._tie(cur, cand))
+
+    def _tie(self, cur: Decision, cand: Decision) -> float:
+        """How much less accurate `cand` may be predicted than `cur` and still tie with it (`decide.tied`):
+        `tie_z` standard errors of what escalating the band between two thresholds of one variant gains."""
+        if cand.variant != cur.variant:
+            return 0.0
+        var = self._by_id[cur.variant].escalated_variance(np.array([cur.threshold, cand.threshold]))
+        answered = float(cand.inputs.get("escalations_answered") or 0.0)
+        return self.config.tie_z * answered * math.sqrt(abs(float(var[0] - var[1])))
 
     def _energy_evidence(self, current: str, other: str) -> bool:
         if current == other:

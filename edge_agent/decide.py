@@ -21,20 +21,29 @@ measured bandwidth plus its encode time, and its radio energy by its bytes, so a
 make a higher threshold fit the latency or energy budget. Without an encoder that may choose, the
 requests go as built and only the (variant, threshold) grid is searched.
 
-Accuracies closer than `tie_tolerance` are equal: then, where escalations are answered, the point
-escalating most wins (each answered escalation gains, however little, so the budget is used), then
-the more faithful encoding (lossless before fp16: `encoding.FIDELITY_ORDER`), then less energy; where
-none is answered (the link down or too slow), the one with less energy, then lower p95, then the more
-faithful encoding. When no point keeps every budget, the one closest to them (smallest summed
-relative excess).
+**Ties** (`tied`): a point is as accurate as the best when the accuracy it gives up cannot be told
+from no difference. Two thresholds of one (variant, encoding) differ by what escalating the band of
+inputs between them gains, and that gain is estimated from the band's validation inputs: it ties when
+the difference is within `tie_z` (1) standard errors of that estimate plus `tie_tolerance` (2e-4);
+another variant or encoding ties when its best is within `tie_tolerance` of the best. The best here
+is the most accurate point every budget but the energy budget allows. Of the points that tie with
+it and keep every budget, the rule takes, where escalations are answered, the more faithful encoding
+(lossless before fp16: `encoding.FIDELITY_ORDER`), then the one spending least energy, then the one
+escalating least; where none is answered (the link down or too slow), the one with less energy, then
+lower p95, then the more faithful encoding. So with escalation free it escalates as far as
+escalating still clearly gains (on held-out MNIST, to about fixed-0.99's share), not everything. When
+no budget-keeping point ties with the best, the energy budget binds: the rule takes the most accurate
+point it allows and, of those within `tie_tolerance`, the one escalating most, so that the budget is
+spent (an energy budget names what accuracy is worth). When no point keeps every budget, the one
+closest to them (smallest summed relative excess).
 
 **Hysteresis** (`switch_reason`): the controller moves from its current point to the rule's choice
 only when (1) the current point breaks a budget by more than `violation_tolerance`, or breaks one at
 all and the choice is as accurate; or (2) the choice is more accurate by more than the accuracy
 margin plus the noise of the fitted cloud accuracy (`accuracy_z` standard errors over the escalations
 the move adds) and it fits the latency target with `switch_headroom` and the energy target with
-`energy_switch_headroom` to spare; or (3) the choice is as accurate (within `tie_tolerance`) and
-spends `energy_margin` less energy (across variants, on measured figures only; not within
+`energy_switch_headroom` to spare; or (3) the choice is as accurate (a tie, as above, between the two
+points) and spends `energy_margin` less energy (across variants, on measured figures only; not within
 `link_settle_s` of a move of the round trip, so that a loss burst does not move it); or (4) the current
 point escalates clearly less than the probe floor (under three quarters of it) and the choice, as
 accurate, does not; or (5) the choice differs only in its encoding, as accurate, more faithful and
@@ -66,7 +75,7 @@ from runtimes.errors import ConfigError
 if TYPE_CHECKING:
     from edge_agent.encoding import WireOption
 
-__all__ = ["ControllerConfig", "Decision", "candidate_thresholds", "choose", "evaluate", "switch_reason"]
+__all__ = ["ControllerConfig", "Decision", "candidate_thresholds", "choose", "evaluate", "switch_reason", "tied"]
 
 ANSWERED_MIN = 0.01  # escalations answered less often than this win nothing worth pricing
 _DEFAULT_GRID = tuple(round(x, 3) for x in np.arange(0, 1.0001, 0.01))
@@ -85,9 +94,11 @@ class ControllerConfig:
         violation_tolerance: the current point is kept while over the budgets by at most this share
             (summed relative excess), unless a feasible point is as accurate.
         tie_tolerance: accuracies closer than this are equal (then less energy wins).
+        tie_z: two thresholds of one variant are as accurate when their difference is within this many
+            standard errors of what escalating the band between them gains (`tied`); 0: exact ties only.
         switch_headroom: a move for accuracy needs the new point's p95 this share under the target...
         energy_switch_headroom: ...and its mean energy this share under the energy target.
-        energy_margin: a move between points as accurate (within `tie_tolerance`) needs this share less energy.
+        energy_margin: a move between points as accurate (`tied`) needs this share less energy.
         accuracy_z: ...and its gain to beat this many standard errors of the fitted cloud accuracy
             over the escalations it adds.
         probe_escalation_rate, down_probe_escalation_rate: the least share escalated while the link is
@@ -95,7 +106,9 @@ class ControllerConfig:
         min_observations: requests (or samples) before a measured rate or latency is trusted.
         link_settle_s: a move that only saves energy waits this long after the link's round trip moved
             (a loss burst shorter than this neither takes the escalations away nor waits to get them
-            back); not after the link went down.
+            back), and is made then (a "link settled" re-decision); not after the link went down. Half
+            a second: bursts of 0.3 s ride through, and a lasting change is followed within about 50
+            requests at 100 a second (the link model marks a partition down after as long).
         redecide_interval_s: re-decide at least this often while requests flow.
         redecide_gap_s: a drift re-decides at most this often (a link event and a budget change at once).
         latency_drift, latency_drift_abs_ms: relative and absolute move of the device speed that re-decides.
@@ -114,6 +127,7 @@ class ControllerConfig:
     accuracy_margin_min: float = 5e-4
     violation_tolerance: float = 0.05
     tie_tolerance: float = 2e-4
+    tie_z: float = 1.0
     switch_headroom: float = 0.1
     energy_switch_headroom: float = 0.01
     energy_margin: float = 0.1
@@ -121,7 +135,7 @@ class ControllerConfig:
     probe_escalation_rate: float = 0.03
     down_probe_escalation_rate: float = 0.1
     min_observations: int = 20
-    link_settle_s: float = 1.0
+    link_settle_s: float = 0.5
     redecide_interval_s: float = 1.0
     redecide_gap_s: float = 0.25
     latency_drift: float = 0.3
@@ -271,10 +285,11 @@ def _decision(p: Predictions, i: int, shortfall: float, violated: list[str], rea
 
 
 def probe_floor(link: LinkState | None, config: ControllerConfig) -> float:
-    """The least share escalated that keeps the link measured: more while it is down."""
+    """The least share escalated that keeps the link measured: more while it is down or its timeouts
+    run unusually long (slow: the same floor before and after such a spell turns into "down")."""
     if link is None:
         return 0.0
-    if link.up:
+    if link.up and not link.slow:
         return config.probe_escalation_rate
     return max(config.probe_escalation_rate, config.down_probe_escalation_rate) if config.probe_escalation_rate else 0.0
 
@@ -285,6 +300,30 @@ def _binding(acc: np.ndarray, feasible: np.ndarray, names: list[list[str]], best
     if not better.size:
         return "none"
     return " and ".join(names[int(better[np.argmax(acc[better])])]) or "none"
+
+
+def tied(acc: np.ndarray, gain_var: np.ndarray, group: np.ndarray, pool: np.ndarray,
+         config: ControllerConfig) -> np.ndarray:
+    """The points of `pool` whose predicted accuracy cannot be told from the best's (the tie rule).
+
+    Within one (variant, encoding) the points nest: a lower threshold escalates a subset of what a
+    higher one does, and the accuracy between them differs by what escalating the band between them
+    gains, estimated from that band's validation inputs. A point ties with its group's most accurate
+    point when that difference is within `tie_z` standard errors of the estimate (the validation
+    sampling error of the edge's correctness over the band, `VariantProfile.escalated_variance`)
+    plus `tie_tolerance`; groups tie with the most accurate group within `tie_tolerance`.
+    """
+    top = acc[pool].max()
+    out = np.zeros(acc.shape, dtype=bool)
+    for g in np.unique(group[pool]):
+        members = pool & (group == g)
+        idx = np.flatnonzero(members)
+        head = idx[np.argmax(acc[idx])]
+        if acc[head] < top - config.tie_tolerance:
+            continue
+        slack = config.tie_z * np.sqrt(np.abs(gain_var[idx] - gain_var[head])) + config.tie_tolerance
+        out[idx] = acc[idx] >= acc[head] - slack
+    return out
 
 
 def _fidelity(wire: WireOption | None) -> int:
@@ -333,16 +372,32 @@ def choose(profiles: Sequence[VariantProfile], link: LinkState | None, budget: B
     short = np.concatenate([a[0] for a in assessed])
     names = [n for a in assessed for n in a[1]]
     feasible = short == 0
-    pool = feasible
-    if (floor := probe_floor(link, config)) > 0:
-        probing = feasible & (esc >= floor - 1e-9)
-        pool = probing if probing.any() else feasible
+    floor = probe_floor(link, config)
+
+    def probing(mask: np.ndarray) -> np.ndarray:  # the floor of escalations, where a point keeps it
+        kept = mask & (esc >= floor - 1e-9)
+        return kept if floor > 0 and kept.any() else mask
+
+    pool = probing(feasible)
     answered = np.concatenate([np.full(p.thresholds.size, p.answered) for p in preds])
     if pool.any():
-        cands = np.flatnonzero(pool & (acc >= acc[pool].max() - config.tie_tolerance))
-        # where escalations are answered, each one gains (however little: `plan._cloud_accuracy`)
-        order = (np.lexsort((energy[cands], fid[cands], -esc[cands])) if answered[cands].max() > ANSWERED_MIN
-                 else np.lexsort((fid[cands], p95[cands], energy[cands])))
+        group = np.concatenate([np.full(p.thresholds.size, v) for v, p in enumerate(preds)])
+        gain_var = np.concatenate([p.gain_variance if p.gain_variance is not None else np.zeros(p.thresholds.size)
+                                   for p in preds])
+        # ties are judged against the best point every budget but the energy budget allows: a binding
+        # energy budget is spent, not left for accuracy that cannot be told from what it buys
+        ref = probing(feasible | np.array([n == ["energy"] for n in names], dtype=bool))
+        ties = pool & tied(acc, gain_var, group, ref, config)
+        if ties.any():  # the cheapest of the points as accurate as the best: where escalations are answered,
+            # the most faithful encoding, then least energy, then fewest escalations
+            cands = np.flatnonzero(ties)
+            order = (np.lexsort((esc[cands], energy[cands], fid[cands])) if answered[cands].max() > ANSWERED_MIN
+                     else np.lexsort((fid[cands], p95[cands], energy[cands])))
+        else:  # the energy budget binds: the most accurate point it allows, and of those as accurate
+            # (`tie_tolerance`) the one escalating most (each answered escalation gains), the budget spent
+            cands = np.flatnonzero(pool & (acc >= acc[pool].max() - config.tie_tolerance))
+            order = (np.lexsort((energy[cands], fid[cands], -esc[cands])) if answered[cands].max() > ANSWERED_MIN
+                     else np.lexsort((fid[cands], p95[cands], energy[cands])))
         best = int(cands[order[0]])
     else:
         cands = np.flatnonzero(short <= short.min() + 1e-9)
@@ -393,14 +448,16 @@ def accuracy_margin(cur: Decision, config: ControllerConfig) -> float:
 
 
 def switch_reason(cur: Decision, cand: Decision, config: ControllerConfig, *, noise: float = 0.0,
-                  energy_evidence: bool = True, floor: float = 0.0) -> str:
+                  energy_evidence: bool = True, floor: float = 0.0, tie: float = 0.0) -> str:
     """Why to move from `cur` to `cand` (the rule's choice), or "" to stay: the hysteresis of the rule.
 
     `noise` is how much the two may differ in predicted accuracy by the fitted cloud accuracy's own
     uncertainty (`accuracy_z` standard errors over the escalations the move adds). `energy_evidence`:
     whether their energy difference is evidence (a threshold move always; across variants, measured
     figures that differ beyond `energy_z` standard errors: modeled noise never moves a variant).
-    `floor` is the least share escalated that keeps the link measured (`probe_floor`)."""
+    `floor` is the least share escalated that keeps the link measured (`probe_floor`). `tie`: how much
+    less accurate `cand` may be predicted and still be as accurate (`tied`: `tie_z` standard errors of
+    the gain of the band between them, for two thresholds of one variant; 0 otherwise)."""
     if cand.point == cur.point:
         return ""
     over = " and ".join(cur.violated)
@@ -421,7 +478,7 @@ def switch_reason(cur: Decision, cand: Decision, config: ControllerConfig, *, no
         return ""
     if cand.predicted_accuracy > cur.predicted_accuracy + margin + noise:
         return f"accuracy {cur.predicted_accuracy:.4f} -> {cand.predicted_accuracy:.4f}"
-    if (energy_evidence and cand.predicted_accuracy >= cur.predicted_accuracy - config.tie_tolerance
+    if (energy_evidence and cand.predicted_accuracy >= cur.predicted_accuracy - config.tie_tolerance - tie
             and cand.predicted_energy_mj < cur.predicted_energy_mj * (1 - config.energy_margin)):
         return f"as accurate, energy {cur.predicted_energy_mj:.3g} -> {cand.predicted_energy_mj:.3g} mJ"
     if (cand.key == cur.key and cand.predicted_accuracy >= cur.predicted_accuracy - config.tie_tolerance

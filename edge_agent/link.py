@@ -15,11 +15,12 @@ ones the prior fills in (an optimistic round trip, which brings escalations, whi
 again). A slow spell is forgotten once it is over even if nothing is sent meanwhile.
 
 Up/down has hysteresis: `down_after` refusals in a row (or a run of timeouts that is news for this
-link, `TimeoutRuns`, 1e-4 by chance) mark it down; `up_after` answers since then with no refusal
-between them mark it up. Slow and fast: a run of timeouts less likely than 1 % by chance on this link
-is "slower"; the first answer in time after it is "faster" (the timeouts of the run are dropped: they
-describe the link no more), and so is a probe's answer, and a move of the answered round trips' EWMA
-by half or more. Each such change bumps `epoch`, which the controller watches to re-decide at once.
+link, `TimeoutRuns`, 1e-4 by chance, and has lasted `down_after_s`, 0.5 s) mark it down; `up_after`
+answers since then with no refusal between them mark it up. Slow and fast: a run of timeouts less
+likely than 1 % by chance on this link is "slower"; the first answer in time after it is "faster" (the
+timeouts of the run are dropped: they describe the link no more), and so is a probe's answer, and a
+move of the answered round trips' EWMA by half or more. Each such change bumps `epoch`, which the
+controller watches to re-decide at once.
 
 Thread safety: the agent's event loop feeds it; the controller reads it from the thread that folds
 observations. Every method takes the link's lock; `view()` returns an immutable snapshot.
@@ -135,8 +136,10 @@ class TimerLateness:
 
     The agent abandons an escalation with its own timer; between the moment it is due and the moment
     the degraded answer is ready, time still passes (the loop wakes late, the local answer is built).
-    The next timer is set a high quantile of the recent latenesses earlier. Samples older than
-    `max_age_s` are forgotten.
+    The next timer is set the `quantile` of the recent latenesses earlier: of the last `window` ones
+    within `max_age_s`, read without interpolation below (so that of fewer than twenty, the largest is
+    never the margin: one stall of a loaded host does not cut every deadline for ten seconds), with
+    the prior standing in for the samples missing to `min_samples`.
 
     Example:
         >>> late = TimerLateness()
@@ -164,9 +167,8 @@ class TimerLateness:
         if not samples:
             self._margin, self._until = self.prior_ms, math.inf
             return
-        s = sorted(v for _, v in samples)
-        q = s[min(len(s) - 1, int(self.quantile * len(s)))]
-        self._margin = q if len(s) >= self.min_samples else max(q, self.prior_ms)
+        s = sorted([v for _, v in samples] + [self.prior_ms] * max(0, self.min_samples - len(samples)))
+        self._margin = s[int(self.quantile * (len(s) - 1))]
         self._until = samples[0][0] + self.max_age_s
 
     def margin_ms(self) -> float:
@@ -313,6 +315,7 @@ class LinkView:
     recent: int
     hold_until: float
     rtt_samples: np.ndarray = field(default_factory=lambda: np.empty(0), repr=False, compare=False)
+    slow: bool = False  # a run of timeouts unusual for this link is going on
 
 
 class Link:
@@ -325,6 +328,10 @@ class Link:
         down_after, up_after: refusals in a row that mark the link down; answers since then, with no
             refusal between them, that mark it up again.
         down_after_timeouts: the most timeouts in a row that mark it down (fewer when the run is news).
+        down_after_s: a run of timeouts marks it down only once it has lasted this long: at a hundred
+            requests a second, a 0.3-s loss burst is thirty timeouts in a row, news by count, but a burst,
+            not a partition (the link is "slower" meanwhile, and the controller waits `link_settle_s`,
+            as long, before it gives the escalations up). Longer spells are down within 0.5 s.
         drift, drift_abs_ms: a move of the answered round trips' EWMA by this share of the reference
             and this many milliseconds is an event ("slower", "faster"): the older samples are dropped
             but the last `rebase_keep` (so that one load spike among them does not read as a slow
@@ -335,14 +342,15 @@ class Link:
 
     def __init__(self, *, rtt_ms: float = 10.0, rtt_high_ms: float | None = None, horizon_s: float = 5.0,
                  high_quantile: float = 0.95, window: int = 256, alpha: float = 0.2, down_after: int = 3,
-                 up_after: int = 3, down_after_timeouts: int = 64, drift: float = 0.5, drift_abs_ms: float = 2.0,
+                 up_after: int = 3, down_after_timeouts: int = 64, down_after_s: float = 0.5, drift: float = 0.5,
+                 drift_abs_ms: float = 2.0,
                  rebase_keep: int = 32, timer_lateness_ms: float = 1.0,
                  clock: Callable[[], float] = time.monotonic) -> None:
         if not (rtt_ms > 0 and horizon_s > 0 and 0 < high_quantile < 1 and down_after >= 1 and up_after >= 1
-                and down_after_timeouts >= down_after):
+                and down_after_timeouts >= down_after and down_after_s >= 0):
             msg = (f"Link: need rtt_ms > 0, horizon_s > 0, 0 < high_quantile < 1, down_after >= 1, up_after >= 1, "
-                   f"down_after_timeouts >= down_after; got {rtt_ms!r}, {horizon_s!r}, {high_quantile!r}, "
-                   f"{down_after!r}, {up_after!r}, {down_after_timeouts!r}")
+                   f"down_after_timeouts >= down_after, down_after_s >= 0; got {rtt_ms!r}, {horizon_s!r}, "
+                   f"{high_quantile!r}, {down_after!r}, {up_after!r}, {down_after_timeouts!r}, {down_after_s!r}")
             raise ConfigError(msg)
         self._lock = threading.RLock()
         self._clock = clock
@@ -355,6 +363,8 @@ class Link:
         self.up, self.down_after, self.up_after = True, down_after, up_after
         self.drift, self.drift_abs_ms, self.rebase_keep = drift, drift_abs_ms, rebase_keep
         self.failures = self.refusals = 0  # in a row: every failure, and those that were not timeouts
+        self.down_after_s = down_after_s
+        self._failing_since = math.inf  # when the failures in a row began
         self._oks = 0  # answers since the link went down (no refusal between them)
         self.availability, self.failure_latency_ms = 1.0, 0.0
         self.epoch, self.event = 0, ""
@@ -375,6 +385,7 @@ class Link:
         would not fit; answered in time, the older round trips no longer describe the link."""
         with self._lock:
             self.failures = self.refusals = 0
+            self._failing_since = math.inf
             self._oks += 1
             self.timeouts.record(timeout=False)
             if self.slow:  # answered in time after an unusual run of timeouts: those describe the link no more
@@ -396,6 +407,8 @@ class Link:
     def observe_timeout(self, waited_ms: float | None = None) -> None:
         """No answer before the deadline: the link is slower than what was left (the round trips learn it)."""
         with self._lock:
+            now = self._clock()
+            self._failing_since = min(self._failing_since, now)
             self.failures += 1
             self.refusals = 0
             self._oks = 0 if self.up else self._oks
@@ -406,7 +419,8 @@ class Link:
                 self.slow = True
                 self.rtt.rebase(self.timeouts.run)  # the link is this run now, not the answers before it
                 self._bump("slower")
-            if self.up and self.failures > self.refusals and self.failures >= self.timeouts.threshold():
+            if (self.up and self.failures > self.refusals and self.failures >= self.timeouts.threshold()
+                    and now - self._failing_since >= self.down_after_s):
                 self._down()
 
     def observe_refusal(self, waited_ms: float | None = None, *, busy: bool = False,
@@ -415,6 +429,7 @@ class Link:
         that lowers availability and, with `retry_after_s`, holds escalations back until then, but does
         not mark the link down."""
         with self._lock:
+            self._failing_since = min(self._failing_since, self._clock())
             self.failures += 1
             self.refusals += 1
             self._oks = 0
@@ -461,7 +476,7 @@ class Link:
             return LinkView(self.up, self.rtt.current_ewma(), float(np.median(samples)), high,
                             self.availability if self.up else 0.0, self.failure_latency_ms, self.lateness.margin_ms(),
                             self.bandwidth.estimate(), self.epoch, self.event, len(self.rtt), self.hold_until,
-                            samples)
+                            samples, self.slow)
 
     # -- upkeep ------------------------------------------------------------------------------
     def forget_unanswered(self) -> None:

@@ -121,10 +121,19 @@ class Predictions:
     edge_p95_ms: float = 0.0
     answered: float = 0.0  # the share of escalations the cloud answers in time (0 without a link)
     wire: WireOption | None = None  # the wire encoding priced (None: the requests as the link saw them)
+    # per threshold, the validation sampling variance of the accuracy escalating gains (`decide.tied`)
+    gain_variance: np.ndarray | None = None
 
 
-def _cdf(points: np.ndarray, samples: np.ndarray) -> np.ndarray:
-    return np.searchsorted(np.sort(samples), points, side="right") / samples.size
+_RTT_POINTS = 64  # round-trip quantiles the answered escalations' latency is drawn from
+
+
+def _quantiles(s: np.ndarray, q: np.ndarray | float) -> np.ndarray:
+    """`np.quantile(s, q)` (linear interpolation) of a sorted array, without its overhead."""
+    pos = np.asarray(q, dtype=float) * (s.size - 1)
+    lo = np.floor(pos).astype(np.intp)
+    hi = np.minimum(lo + 1, s.size - 1)
+    return np.asarray(s[lo] + (s[hi] - s[lo]) * (pos - lo), dtype=float)
 
 
 def predict(profile: VariantProfile, thresholds: np.ndarray, link: LinkState | None, budget: Budget,
@@ -141,7 +150,7 @@ def predict(profile: VariantProfile, thresholds: np.ndarray, link: LinkState | N
     speed = min(max(conditions.slowdown / max(ratio, 1e-9), 0.25), 8.0)
     edge = profile.latency.samples() * speed + conditions.edge_overhead_ms
     deadline = conditions.deadline_ms(budget)
-    med = float(np.median(edge))
+    med = float(_quantiles(edge, 0.5))
     ok_rtt = np.zeros(1)
     if link is None:
         avail = timely = fail_ms = rtt_mean = radio = wait = 0.0
@@ -152,6 +161,8 @@ def predict(profile: VariantProfile, thresholds: np.ndarray, link: LinkState | N
         samples = np.maximum(link.rtt_samples + shift, 0.0)
         in_time = samples[samples <= deadline - med]
         ok_rtt = in_time if in_time.size else np.array([min(max(link.rtt_high_ms + shift, 0.0), deadline)])
+        if ok_rtt.size > _RTT_POINTS:  # sorted: evenly spaced quantiles stand for them
+            ok_rtt = ok_rtt[((np.arange(_RTT_POINTS) + 0.5) / _RTT_POINTS * ok_rtt.size).astype(np.intp)]
         rtt_mean = (min(max(link.rtt_ms + shift, 0.0), deadline) if math.isfinite(link.rtt_ms)
                     else float(np.mean(ok_rtt)))
         radio = (link.bytes_per_escalation if wire is None else wire.nbytes) * link.energy_per_byte_mj
@@ -160,15 +171,13 @@ def predict(profile: VariantProfile, thresholds: np.ndarray, link: LinkState | N
         return np.maximum(edge, np.minimum(edge + extra, deadline))
 
     # answered escalations: edge latency plus a round trip, both drawn from their distributions
-    # (32 edge quantiles x the RTT samples), so the p95 of a mixture escalating much is not overstated
-    edge_q = np.quantile(edge, (np.arange(32) + 0.5) / 32)
+    # (32 edge quantiles x at most 64 RTT quantiles), so the p95 of a mixture escalating much is not overstated
+    edge_q = _quantiles(edge, (np.arange(32) + 0.5) / 32)
     answered = np.maximum(np.minimum(edge_q[:, None] + np.ravel(ok_rtt)[None, :], deadline), edge_q[:, None]).ravel()
-    parts = (edge, answered, np.maximum(edge, deadline), capped(fail_ms))
-    points = np.unique(np.concatenate(parts))
-    # the mixture's CDF at threshold t is (1 - esc) F_edge + esc G, G the escalations' own mixture
-    f_edge, f_ans, f_late, f_fail = (_cdf(points, p) for p in parts)
-    g = avail * timely * f_ans + avail * (1 - timely) * f_late + (1 - avail) * f_fail
-    p95 = points[_first_at_least(f_edge, g, esc, 0.95 - 1e-9)]
+    # each part sorted (the edge samples are, and the late and failed ones are monotone in them)
+    parts = (edge, np.sort(answered), np.maximum(edge, deadline), capped(fail_ms))
+    weights = (avail * timely, avail * (1 - timely), 1 - avail)
+    p95 = _mixture_quantile(parts, weights, esc, 0.95 - 1e-9)
     per_escalation = (avail * timely * (radio + rtt_mean * wait)
                       + avail * (1 - timely) * (radio + max(deadline - med, 0.0) * wait)
                       + (1 - avail) * ((radio if fail_ms > 0 else 0.0) + fail_ms * wait))
@@ -190,7 +199,8 @@ def predict(profile: VariantProfile, thresholds: np.ndarray, link: LinkState | N
               + audits_per_s / np.maximum(rate, 1e-9) * radio)
     label = profile.energy_label if link is None else f"{profile.energy_label} + radio {link.energy_label}"
     return Predictions(profile.id, label, t, esc, accuracy, p95, energy, esc * rate + audits_per_s,
-                       validation_acc_esc, float(np.quantile(edge, 0.95)), float(success), wire)
+                       validation_acc_esc, float(_quantiles(edge, 0.95)), float(success), wire,
+                       success ** 2 * profile.escalated_variance(t))
 
 
 def _cloud_accuracy(profile: VariantProfile, link: LinkState | None, edge_esc: np.ndarray) -> np.ndarray:
@@ -207,16 +217,23 @@ def _cloud_accuracy(profile: VariantProfile, link: LinkState | None, edge_esc: n
     return np.clip(1 - ratio * (1 - edge_esc), 0.0, 1.0)
 
 
-def _first_at_least(f: np.ndarray, g: np.ndarray, w: np.ndarray, level: float) -> np.ndarray:
-    """For each weight w_i, the first index x where (1 - w_i) f[x] + w_i g[x] >= level (f and g are CDFs
-    on the same points, so each mixture is non-decreasing): a bisection per weight, all at once, in
-    log2(len(f)) steps rather than a table of len(w) x len(f)."""
+def _mixture_quantile(parts: tuple[np.ndarray, ...], weights: tuple[float, ...], w: np.ndarray,
+                      level: float) -> np.ndarray:
+    """For each escalation share w_i, the `level` quantile of the latency mixture (1 - w_i) F_0 + w_i G, G the
+    mixture of parts[1:] weighted by `weights` (each part sorted): the first of the parts' pooled values where
+    the mixture's CDF reaches `level`. The CDFs are evaluated once on the pooled values; then a bisection
+    per share, all at once, in log2(len) steps rather than a table of len(w) x len."""
+    points = np.sort(np.concatenate(parts))
+    cdf = [np.searchsorted(p, points, side="right") / p.size for p in parts]
+    f, g = cdf[0], np.zeros(points.size)
+    for k, c in zip(weights, cdf[1:], strict=True):
+        g += k * c
     lo, hi = np.zeros(w.shape, dtype=np.intp), np.full(w.shape, f.size - 1, dtype=np.intp)
     while np.any(lo < hi):
         mid = (lo + hi) // 2
         ok = (1 - w) * f[mid] + w * g[mid] >= level
         hi, lo = np.where(ok, mid, hi), np.where(ok, lo, mid + 1)
-    return lo
+    return np.asarray(points[lo], dtype=float)
 
 
 def _inference_mj(profile: VariantProfile, edge_ms: float) -> float:

@@ -153,6 +153,8 @@ class VariantProfile:
         # fewer errors there are worth (a little), where the raw count would say it gains nothing
         self._smooth = ((right + self._cum_correct[-1] / s.size) / (counts + 1))[self._bin]
         self._cum_smooth = np.concatenate([[0.0], np.cumsum(self._smooth)])
+        # the sampling variance of the edge's correctness summed over the lowest-scored k inputs (`escalated_variance`)
+        self._cum_var = np.concatenate([[0.0], np.cumsum(self._smooth * (1 - self._smooth))]) / s.size ** 2
         self.latency = LatencyWindow(np.asarray(latency_prior_ms, dtype=float), maxlen=window)
         self.baseline_p50_ms = self.latency.quantile(0.5)
         self.energy_mj = float(energy_mj)
@@ -216,6 +218,15 @@ class VariantProfile:
             k = round(min(max(float(e), 0.0), 1.0) * n)
             out.append(float(np.nextafter(self.scores[-1], np.inf)) if k >= n else float(self.scores[k]))
         return np.unique(np.asarray(out))
+
+    def escalated_variance(self, thresholds: np.ndarray) -> np.ndarray:
+        """For each threshold, the validation sampling variance of what escalating gains, in accuracy
+        units squared: the sum of p (1 - p) / N^2 over the N validation inputs it escalates, p each
+        input's smoothed chance of being right. Thresholds nest, so the variance of the difference in
+        gain between two thresholds (the band one escalates and the other does not) is the difference
+        of theirs."""
+        k = np.searchsorted(self.scores, np.atleast_1d(np.asarray(thresholds, dtype=float)), side="left")
+        return np.asarray(self._cum_var[k], dtype=float)
 
     def curve(self, thresholds: np.ndarray, *, smoothed: bool = False) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """For each threshold: escalation rate, edge accuracy on accepted, edge accuracy on escalated.
@@ -344,6 +355,7 @@ class LinkState:
     cloud_reference_accuracy: float | None = None
     bandwidth_bps: float | None = None  # measured on the wire (None until a large request was timed)
     rtt_samples: np.ndarray = field(default_factory=lambda: np.empty(0), repr=False, compare=False)
+    slow: bool = False  # the link's unusual run of timeouts is going on (`link.Link.slow`)
 
     def timely(self, within_ms: float) -> float:
         """Share of escalations answered within `within_ms` (from the RTT window)."""
@@ -503,7 +515,7 @@ class LinkProfile:
                          agreement_n=len(self._agree), epoch=v.epoch, event=v.event,
                          cloud_reference_accuracy=self._reference(),
                          bandwidth_bps=v.bandwidth.bandwidth_bps if v.bandwidth is not None else None,
-                         rtt_samples=v.rtt_samples)
+                         rtt_samples=v.rtt_samples, slow=v.slow)
 
     def _reference(self) -> float | None:
         """The edge's mean validation accuracy on the escalations the cloud accuracy was fitted on (None

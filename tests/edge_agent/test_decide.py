@@ -154,3 +154,59 @@ def test_the_running_controller_plans_with_the_audit_rate_in_force() -> None:
     c.maybe_redecide()
     assert c.current.predicted_escalation_rate < before - 0.05
     assert c.conditions().audit_rate == 0.2
+
+
+def sure_profile() -> VariantProfile:
+    """A stream where the edge is never wrong on the 55 % it scores 0.999 or more: escalating those gains
+    nothing the validation data can show, and costs 1.6 mJ each."""
+    scores, correct = stream(0, N)
+    sure = scores >= 0.99
+    return VariantProfile("lr", np.where(sure, 0.999 + 0.001 * (scores - 0.99) / 0.01, scores), correct | sure,
+                          np.full(16, 1.0), 1.0, "modeled:test")
+
+
+def test_ties_are_broken_toward_the_cheaper_point() -> None:
+    """No energy budget, escalation free: where escalating more gains less than one standard error of what
+    validation can estimate, the rule takes the cheaper point (it used to escalate 99.6 % where 35 % was
+    as accurate); where the gain is clear (below the fixed-0.99 level), it still escalates."""
+    prof = sure_profile()
+    state, budget = link().state(), Budget(latency_ms=60)
+    exact = choose([prof], state, budget, ControllerConfig(tie_z=0.0))
+    d = choose([prof], state, budget, ControllerConfig())
+    assert exact.predicted_escalation_rate > 0.75  # the most accurate point escalates most of the sure ones
+    assert fixed_rate(0.99) - 0.02 <= d.predicted_escalation_rate < 0.6
+    assert d.predicted_energy_mj < 0.8 * exact.predicted_energy_mj
+    var = prof.escalated_variance(np.array([d.threshold, exact.threshold]))
+    assert exact.predicted_accuracy - d.predicted_accuracy <= float(np.sqrt(var[1] - var[0])) + 2e-4
+
+
+def test_a_running_controller_at_the_costly_point_moves_to_the_cheaper_one() -> None:
+    """The hysteresis judges "as accurate" by the same rule: from the most escalating point it moves to the
+    cheaper tie (10 % less energy or more) within a few seconds."""
+    from edge_agent.controller import evaluate
+
+    prof = sure_profile()
+    c = Controller([prof], Budget(latency_ms=60), link=link(), clock=Clock())
+    cheap = c.current
+    costly = evaluate(prof, float(prof.thresholds((1.0,))[0]), c.link.state() if c.link else None, c.budget,
+                      c.config, conditions=c.conditions())
+    c._commit(costly, "test")
+    assert c.current.predicted_escalation_rate > 0.9
+    rate, _, _ = simulate(c, 600)
+    assert c.current.predicted_escalation_rate < 0.6
+    assert abs(c.current.predicted_escalation_rate - cheap.predicted_escalation_rate) < 0.1
+    assert rate < 0.6
+
+
+def test_an_energy_budget_beyond_what_clear_accuracy_needs_is_not_spent() -> None:
+    """The other side of the binding-energy check: an energy budget between the cheaper tie and the most
+    escalating point buys only accuracy that cannot be told apart, so the cheaper tie stands (the mean
+    stays well under the budget: accuracy is already the cloud's, as far as validation can tell)."""
+    prof = sure_profile()
+    state = link().state()
+    free = choose([prof], state, Budget(latency_ms=60), ControllerConfig())
+    costly = choose([prof], state, Budget(latency_ms=60), ControllerConfig(tie_z=0.0))
+    energy = 0.5 * (free.predicted_energy_mj + costly.predicted_energy_mj)
+    d = choose([prof], state, Budget(latency_ms=60, energy_mj=energy), ControllerConfig())
+    assert d.key == free.key
+    assert d.predicted_energy_mj < 0.9 * energy

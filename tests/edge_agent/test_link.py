@@ -104,3 +104,44 @@ def test_the_breaker_profile_and_encoder_read_the_same_link() -> None:
     link.observe_answer(2.0)
     assert profile.state().rtt_samples.size >= 1
     assert profile.state().epoch == link.epoch
+
+
+def test_a_loss_burst_is_slower_not_down_and_a_lasting_partition_is_down() -> None:
+    """At 100 escalations a second, a 0.3-s stall is thirty timeouts in a row: news by count, but a burst.
+    It used to mark the link down, which took the escalations away at once (the controller's settling
+    time covers only "slower"), and brought them back only after three answers."""
+    clock = Clock()
+    link = Link(rtt_ms=20.0, clock=clock)
+    for _ in range(200):
+        link.observe_answer(20.0)
+        clock.now += 0.01
+    for _ in range(30):  # the burst
+        link.observe_timeout(36.0)
+        clock.now += 0.01
+    assert link.slow
+    assert link.up
+    assert link.event == "slower"
+    link.observe_answer(21.0)
+    assert link.event == "faster"
+    for _ in range(50):  # a partition: timeouts for half a second
+        link.observe_timeout(36.0)
+        clock.now += 0.01
+    assert link.up
+    link.observe_timeout(36.0)
+    assert (link.up, link.event) == (False, "down")
+
+
+def test_one_late_timer_does_not_set_the_margin_a_steady_lateness_does_and_it_ages_out() -> None:
+    """The agent's timer margin is a quantile of recent latenesses: one stall of a loaded host (22 ms) among
+    few samples is not the margin (it used to be, for ten seconds, cutting every deadline below the round
+    trip on a tight budget); latenesses that recur are; all of them age out."""
+    clock = Clock()
+    link = Link(rtt_ms=2.0, timer_lateness_ms=1.0, clock=clock)
+    for late in (0.5, 22.0, 0.8, 0.6, 1.2):
+        link.observe_lateness(late)
+    assert link.margin_ms() <= 1.2
+    for _ in range(12):
+        link.observe_lateness(9.0)
+    assert link.margin_ms() == pytest.approx(9.0)
+    clock.now += 11.0
+    assert link.margin_ms() == pytest.approx(1.0)  # forgotten: the prior again

@@ -188,9 +188,10 @@ def test_budget_change_moves_the_controllers_decision(ladder: VariantSet) -> Non
         roomy = model.decision
         assert roomy is not None
         assert roomy.feasible
-        # a 10 ms round trip fits: the cloud helps, and escalating more never loses accuracy with a 0.999
-        # cloud (its errors are where the edge's are), so the budget's room is used
-        assert roomy.predicted_escalation_rate > 0.5
+        # a 10 ms round trip fits, but the digits CNN is so rarely wrong that escalating more gains nothing
+        # its validation data can tell apart (`decide.tied`): the cheapest such point, at least the floor
+        # of escalations that keeps the link measured
+        assert roomy.predicted_escalation_rate >= ControllerConfig().probe_escalation_rate - 1e-9
         assert roomy.binding == "none"
         model.set_budget(sdk.Budget(latency_ms=200, max_escalations_per_s=0.5))  # a cloud-cost cap
         capped = model.decision
