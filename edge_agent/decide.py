@@ -380,6 +380,7 @@ def choose(profiles: Sequence[VariantProfile], link: LinkState | None, budget: B
 
     pool = probing(feasible)
     answered = np.concatenate([np.full(p.thresholds.size, p.answered) for p in preds])
+    how = "most accurate"
     if pool.any():
         group = np.concatenate([np.full(p.thresholds.size, v) for v, p in enumerate(preds)])
         gain_var = np.concatenate([p.gain_variance if p.gain_variance is not None else np.zeros(p.thresholds.size)
@@ -391,6 +392,7 @@ def choose(profiles: Sequence[VariantProfile], link: LinkState | None, budget: B
         if ties.any():  # the cheapest of the points as accurate as the best: where escalations are answered,
             # the most faithful encoding, then least energy, then fewest escalations
             cands = np.flatnonzero(ties)
+            how = f"cheapest of {cands.size} as accurate as the best"
             order = (np.lexsort((esc[cands], energy[cands], fid[cands])) if answered[cands].max() > ANSWERED_MIN
                      else np.lexsort((fid[cands], p95[cands], energy[cands])))
         else:  # the energy budget binds: the most accurate point it allows, and of those as accurate
@@ -410,7 +412,7 @@ def choose(profiles: Sequence[VariantProfile], link: LinkState | None, budget: B
                   f"(shortfall {short[best]:.3g})")
     else:
         latency_target, energy_target = targets(budget, config, conditions)
-        reason = (f"most accurate of {int(feasible.sum())} feasible points out of {len(index)} "
+        reason = (f"{how} of {int(feasible.sum())} feasible points out of {len(index)} "
                   f"(p95 <= {latency_target:.3g} ms"
                   + (f", energy <= {energy_target:.3g} mJ" if energy_target is not None else "")
                   + (f", <= {budget.max_escalations_per_s:g} escalations/s"
