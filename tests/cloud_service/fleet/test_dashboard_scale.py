@@ -3,7 +3,7 @@ no scan of the windows or of the device-hours, a few rows of each), and the dash
 (bands drawn, the device table paged and filtered), first paint timed.
 
 The 2 s first-paint target is bench/bench_dashboard.py's, measured alone; here the bound is loose, for a
-host that runs other suites at the same time (measured so, load average about 10 on 2 cores: 1.5 s).
+host that runs other suites at the same time (measured so, load average 10-19 on 2 cores: 1.3-1.5 s).
 Set TIERKIT_DASHBOARD_SCREENSHOT=PATH to keep the screenshot.
 """
 
@@ -28,7 +28,7 @@ from tests.cloud_service.fleet.test_dashboard import CHROMIUM, FLAGS
 
 pytestmark = pytest.mark.slow
 SHAPE = FleetShape(devices=10_000, sites=8, windows_per_hour=1)
-PAINT_BOUND_S = 6.0  # loaded 2-core host (load average ~10), a fresh browser: 1.5 s measured
+PAINT_BOUND_S = 6.0  # loaded 2-core host (load average 10-19), a fresh browser: 1.3-1.5 s measured
 WINDOW_TABLES = ("telemetry", "telemetry_hourly")
 
 
