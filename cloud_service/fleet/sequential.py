@@ -40,8 +40,9 @@ from typing import NamedTuple
 
 import numpy as np
 
-MIN_BUCKETS = 10  # a delayed start (Bibaut et al.): no decision on fewer buckets with both arms...
-WIDE_BUCKETS, WIDE_WINDOWS = 3, 30  # ...unless a wide wave has this many buckets and windows in each arm
+MIN_BUCKETS = 6  # a delayed start (Bibaut et al.): no decision on fewer buckets with both arms...
+WIDE_BUCKETS, WIDE_WINDOWS = 2, 10  # ...unless a wide wave has this many buckets and windows in each arm
+# (the variance does not rest on the wave's few windows: the A/A reference from before the wave carries it)
 SHRINK_DEVICES = 10  # baselines are shrunk toward the cohort's only where this many devices show their spread
 PRIOR_CLUSTERS = 4.0  # the wave's variance starts from the control's, worth this many device-blocks
 MIN_CLUSTERS = 5.0  # an arm's own clustered spread counts beside the A/A reference from this many device-blocks
@@ -307,7 +308,7 @@ def did(pre_wave: Iterable[Obs], post_wave: Iterable[Obs], pre_control: Iterable
     pooled_c = _pool((own_c[0], own_c[2]), base.unit_var, base.df)
     var_c = max(_unsure(*pooled_c), lo)
     # the clustering's design effect (how much a device's slow swings add to what its windows show), from the
-    # A/A reference; the wave's variance starts from its own windows' spread times it
+    # A/A reference
     naive_ref = base.naive_var if base.df > 0 else own_c[1]
     deff = max(1.0, max(pooled_c[0], lo, 1e-12) / max(naive_ref, lo, 1e-12))
     if len(set(wave.dev)) >= 2:
@@ -315,7 +316,11 @@ def did(pre_wave: Iterable[Obs], post_wave: Iterable[Obs], pre_control: Iterable
     else:  # a one-device wave (a canary): against the control's bucket means and the effect
         inside_w = np.isin(wave.k, list(keep))
         own_w = wave.variance(np.where(inside_w, wave.at(ctl.mean) + delta, wave.at(wave.mean)), block, own=False)
-    prior_w = own_w[1] * deff if own_w[1] > 0 else pooled_c[0]
+    # a figure per window (log p95, energy: `floor` None) is measured alike in both arms, and a short run of
+    # windows that swing together shows too little spread: the wave starts from the control's variance. A rate's
+    # spread follows its counts (a small wave audits at a raised rate): from its own windows' times the design
+    # effect.
+    prior_w = own_w[1] * deff if own_w[1] > 0 and floor is not None else pooled_c[0]
     var_w = max(_unsure(_pool((own_w[0], own_w[2]), prior_w, PRIOR_CLUSTERS)[0], max(own_w[2], 0.0) + pooled_c[1]),
                 lo)
     var_post = sum(wk[k] ** 2 * (var_w / wave.n[k] + var_c / ctl.n[k]) for k in keep)
