@@ -23,8 +23,8 @@ from edge_agent.budget import Budget
 from edge_agent.policy import Policy
 from runtimes.errors import InputError
 from testkit.cloud_helpers import ServerThread
+from testkit.frames import PREPROCESS, photo_frame, pool_package
 from testkit.slowlink import SlowLink
-from tests.e2e.test_slow_link import PREPROCESS, _frame, _pool_model
 
 
 def _escalate_rows(rows: list[int]) -> Policy:
@@ -39,7 +39,7 @@ def _escalate_rows(rows: list[int]) -> Policy:
 
 @pytest.fixture
 def models(tmp_path: Path) -> Path:
-    _pool_model(tmp_path / "models" / "pool-v1")
+    pool_package(tmp_path / "models" / "pool-v1")
     yield tmp_path / "models"
     shutil.rmtree(tmp_path / "models", ignore_errors=True)
 
@@ -53,7 +53,7 @@ def test_frame_escalation_answers_as_fp32_with_a_quarter_of_the_bytes(kind: str,
                               mqtt=MqttConfig(url=broker.url, client_id="cloud-frames"))
     else:
         config = ServerConfig(models_dir=models, grpc_address="127.0.0.1:0", drain_timeout_s=2)
-    frame = _frame()  # a real 224x224 photo
+    frame = photo_frame()  # a real 224x224 photo
     x = Preprocess.from_json(PREPROCESS).apply(frame)[0]
     package = ModelPackage.open(models / "pool-v1")
     server = ServerThread(config).start()
@@ -105,10 +105,10 @@ def test_frame_escalation_answers_as_fp32_with_a_quarter_of_the_bytes(kind: str,
 
 
 def test_frames_need_a_declared_preprocess_and_exclude_x(models: Path, tmp_path: Path) -> None:
-    plain = _pool_model(tmp_path / "plain")
+    plain = pool_package(tmp_path / "plain")
     manifest = ModelPackage.open(plain).manifest
     write_package(plain, dataclasses.replace(manifest, preprocess={}))
-    frame = _frame()
+    frame = photo_frame()
 
     async def main() -> None:
         async with EdgeAgent(ModelPackage.open(models / "pool-v1"), cloud=None) as agent:
@@ -132,7 +132,7 @@ def test_sdk_predict_sends_the_frame(models: Path) -> None:
     from cloud_service.protocol.encoding import PARAM_ENCODING
     from testkit.fake_transport import FakeTransport
 
-    frame = _frame()
+    frame = photo_frame()
 
     def cloud(req: object) -> object:
         tensor = req.inputs[0]  # type: ignore[attr-defined]

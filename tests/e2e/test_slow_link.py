@@ -14,49 +14,19 @@ import time
 from pathlib import Path
 
 import numpy as np
-import onnx
 import pytest
-from onnx import TensorProto, helper
 
 from cloud_service.config import ServerConfig
 from cloud_service.protocol import decode_outputs, inference_pb2
 from cloud_service.protocol.encoding import encode_input
 from cloud_service.protocol.preprocess import Preprocess
-from compilers.manifest import Manifest
-from compilers.package import write_package
 from edge_agent.transports import TransportOptions, open_transport
 from runtimes.errors import CloudTimeout
-from runtimes.spec import TensorSpec
 from testkit.cloud_helpers import ServerThread
+from testkit.frames import PREPROCESS, photo_frame, pool_package
 from testkit.slowlink import SlowLink
 
 pytestmark = pytest.mark.slow
-
-PREPROCESS = {"size": [224, 224], "scale": 1 / 255, "mean": [0.485, 0.456, 0.406], "std": [0.229, 0.224, 0.225]}
-
-
-def _pool_model(directory: Path) -> Path:
-    """A real ONNX graph on a 1x3x224x224 input: per-channel means and a 4x4 grid of pooled cells."""
-    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 3, 224, 224])
-    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 3, 4, 4])
-    pool = helper.make_node("AveragePool", ["x"], ["y"], kernel_shape=[56, 56], strides=[56, 56])
-    model = helper.make_model(helper.make_graph([pool], "pool", [x], [y]),
-                              opset_imports=[helper.make_opsetid("", 13)])
-    directory.mkdir(parents=True)
-    onnx.save(model, directory / "model.onnx")
-    manifest = Manifest(name="pool", version="1", target="x86-avx512", precision="fp32", runtime="onnxruntime",
-                        artifact="model.onnx", inputs=(TensorSpec("x", "float32", ("batch", 3, 224, 224)),),
-                        outputs=(TensorSpec("y", "float32", ("batch", 3, 4, 4)),), preprocess=PREPROCESS)
-    write_package(directory, manifest)
-    return directory
-
-
-def _frame() -> np.ndarray:
-    from sklearn.datasets import load_sample_image  # a real photo shipped in scikit-learn's wheel
-
-    photo = load_sample_image("china.jpg")
-    return np.ascontiguousarray(photo[100:324, 200:424])  # 224x224x3 uint8
-
 
 def _request(encoding: str, frame: np.ndarray, x: np.ndarray) -> inference_pb2.ModelInferRequest:
     request = inference_pb2.ModelInferRequest(model_name="pool")
@@ -66,7 +36,7 @@ def _request(encoding: str, frame: np.ndarray, x: np.ndarray) -> inference_pb2.M
 
 @pytest.fixture
 def server(tmp_path: Path):  # type: ignore[no-untyped-def]
-    _pool_model(tmp_path / "models" / "pool-v1")
+    pool_package(tmp_path / "models" / "pool-v1")
     thread = ServerThread(ServerConfig(models_dir=tmp_path / "models", grpc_address="127.0.0.1:0",
                                        drain_timeout_s=2)).start()
     yield thread
@@ -75,7 +45,7 @@ def server(tmp_path: Path):  # type: ignore[no-untyped-def]
 
 
 def test_encodings_over_a_10_mbit_30_ms_link(server: ServerThread) -> None:
-    frame = _frame()
+    frame = photo_frame()
     x = Preprocess.from_json(PREPROCESS).apply(frame)
     host, port = server.grpc.rsplit(":", 1)
     rows: dict[str, tuple[float, float]] = {}
@@ -112,7 +82,7 @@ def test_encodings_over_a_10_mbit_30_ms_link(server: ServerThread) -> None:
 
 
 def test_auto_encoding_switches_when_the_rate_steps_down(server: ServerThread) -> None:
-    frame = _frame()
+    frame = photo_frame()
     x = Preprocess.from_json(PREPROCESS).apply(frame)
     host, port = server.grpc.rsplit(":", 1)
     budget_s = 0.150

@@ -15,8 +15,8 @@ from sdk.cli import main as tierkit
 from testkit.cloud_helpers import Pki, ServerThread
 from testkit.deploy_broker import DeployBroker, broker_init, connack, need_mosquitto
 from testkit.fleet_process import FleetProcess, cli
+from testkit.mqtt_probe import Probe, tls_context
 from testkit.waiting import wait_for
-from tests.security.test_broker_permissions import Probe, _tls
 
 GRANTED, REFUSED = "Granted QoS 1", "Not authorized"
 
@@ -58,7 +58,7 @@ def grouped(tmp_path: Path, pki: Pki) -> Iterator[DeployBroker]:
 
 @pytest.mark.mqtt
 def test_the_accounts_log_in_with_their_groups(grouped: DeployBroker, pki: Pki) -> None:
-    probes = {name: Probe(grouped.cloud_port, name, ctx=_tls(pki, None), username=name,
+    probes = {name: Probe(grouped.cloud_port, name, ctx=tls_context(pki, None), username=name,
                           password=grouped.passwords[name]) for name in ("tierkit-cloud-a", "tierkit-cloud-b",
                                                                          "tierkit-fleet")}
     try:
@@ -70,7 +70,7 @@ def test_the_accounts_log_in_with_their_groups(grouped: DeployBroker, pki: Pki) 
     finally:
         for probe in probes.values():
             probe.close()
-    assert connack(grouped.cloud_port, _tls(pki, None), "tierkit-cloud-a",
+    assert connack(grouped.cloud_port, tls_context(pki, None), "tierkit-cloud-a",
                    grouped.passwords["tierkit-cloud-b"]).is_failure  # another account's password
 
 

@@ -6,9 +6,6 @@ device all reaching the cloud while one device tries to join the cloud's shared 
 from __future__ import annotations
 
 import queue
-import ssl
-import threading
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -17,7 +14,6 @@ import numpy as np
 import paho.mqtt.client as paho
 import pytest
 from paho.mqtt.enums import CallbackAPIVersion
-from paho.mqtt.subscribeoptions import SubscribeOptions
 
 from cloud_service import identity
 from cloud_service.config import MqttConfig
@@ -26,54 +22,9 @@ from cloud_service.security import MqttTls
 from runtimes.errors import ConfigError
 from testkit.cloud_helpers import Device, Pki, ServerThread, metric_value
 from testkit.deploy_broker import DeployBroker, issue_client_cert, need_mosquitto
+from testkit.mqtt_probe import Probe, tls_context
 
 pytestmark = pytest.mark.mqtt
-
-
-class Probe:
-    """A raw MQTT v5 client whose SUBACK and PUBACK reason codes the test reads."""
-
-    def __init__(self, port: int, client_id: str, *, ctx: ssl.SSLContext, username: str | None = None,
-                 password: str | None = None) -> None:
-        self.client = paho.Client(CallbackAPIVersion.VERSION2, client_id=client_id, protocol=paho.MQTTv5)
-        self.client.tls_set_context(ctx)
-        if username is not None:
-            self.client.username_pw_set(username, password)
-        self.subacks: dict[int, str] = {}
-        self.pubacks: dict[int, str] = {}
-        self.messages: queue.Queue[Any] = queue.Queue()
-        self.connected = threading.Event()
-        self.client.on_connect = lambda c, u, f, rc, p: self.connected.set()
-        self.client.on_subscribe = lambda c, u, mid, rcs, p: self.subacks.__setitem__(mid, str(rcs[0]))
-        self.client.on_publish = lambda c, u, mid, rc, p: self.pubacks.__setitem__(mid, str(rc))
-        self.client.on_message = lambda c, u, m: self.messages.put(m)
-        self.client.connect("127.0.0.1", port)
-        self.client.loop_start()
-        assert self.connected.wait(10), f"{client_id} could not connect"
-
-    def _wait(self, table: dict[int, str], mid: int) -> str:
-        deadline = time.monotonic() + 5
-        while mid not in table and time.monotonic() < deadline:
-            time.sleep(0.01)
-        return table.get(mid, "no answer")
-
-    def subscribe(self, topic: str) -> str:
-        return self._wait(self.subacks, self.client.subscribe(topic, options=SubscribeOptions(qos=1))[1])
-
-    def publish(self, topic: str, payload: bytes = b"x", *, retain: bool = False) -> str:
-        return self._wait(self.pubacks, self.client.publish(topic, payload, qos=1, retain=retain).mid)
-
-    def close(self) -> None:
-        self.client.disconnect()
-        self.client.loop_stop()
-        self.client._reset_sockets()  # paho leaves its socket pair (and a late connection) to gc
-
-
-def _tls(pki: Pki, cert: tuple[Path, Path] | None) -> ssl.SSLContext:
-    ctx = ssl.create_default_context(cafile=str(pki.ca))
-    if cert is not None:
-        ctx.load_cert_chain(str(cert[0]), str(cert[1]))
-    return ctx
 
 
 @pytest.fixture
@@ -86,7 +37,7 @@ def deploy(tmp_path: Path, pki: Pki) -> Iterator[DeployBroker]:
 
 @pytest.fixture
 def cam1(deploy: DeployBroker, pki: Pki) -> Iterator[Probe]:
-    probe = Probe(deploy.port, "cam-1", ctx=_tls(pki, (pki.client_cert, pki.client_key)))
+    probe = Probe(deploy.port, "cam-1", ctx=tls_context(pki, (pki.client_cert, pki.client_key)))
     yield probe
     probe.close()
 
@@ -121,7 +72,7 @@ def test_device_publish_matrix(cam1: Probe) -> None:
 
 def test_unknown_and_crafted_certificate_names_get_nothing(deploy: DeployBroker, pki: Pki) -> None:
     for cn in ("cam-9", "cam-1/escalate", "+"):  # signed by the CA, never enrolled
-        probe = Probe(deploy.port, "x", ctx=_tls(pki, issue_client_cert(pki, cn)))
+        probe = Probe(deploy.port, "x", ctx=tls_context(pki, issue_client_cert(pki, cn)))
         try:
             assert probe.publish("tierkit/v1/cam-1/escalate") == "Not authorized"
             if "+" not in cn:
@@ -133,7 +84,7 @@ def test_unknown_and_crafted_certificate_names_get_nothing(deploy: DeployBroker,
 
 def test_devices_cannot_log_in_on_the_password_listener(deploy: DeployBroker, pki: Pki) -> None:
     client = paho.Client(CallbackAPIVersion.VERSION2, client_id="cam-1", protocol=paho.MQTTv5)
-    client.tls_set_context(_tls(pki, None))
+    client.tls_set_context(tls_context(pki, None))
     client.username_pw_set("cam-1", "")
     reasons: queue.Queue[Any] = queue.Queue()
     client.on_connect = lambda c, u, f, rc, p: reasons.put(rc)
@@ -163,7 +114,7 @@ def test_a_device_cannot_take_another_devices_escalations(
     assert cam1.subscribe("$share/tierkit/tierkit/v1/+/escalate") == "Not authorized"
     assert cam1.subscribe("tierkit/v1/+/escalate") == "Not authorized"
     cert2 = issue_client_cert(pki, "cam-2")
-    cam2 = Device("127.0.0.1", deploy.port, "cam-2", tls=_tls(pki, cert2))
+    cam2 = Device("127.0.0.1", deploy.port, "cam-2", tls=tls_context(pki, cert2))
     try:
         payload = encode_request("digits", {"x": digits_x[:1]}).SerializeToString()
         for i in range(20):
@@ -179,7 +130,7 @@ def test_a_device_cannot_take_another_devices_escalations(
 def test_dynsec_commands_enroll_a_device_at_run_time(deploy: DeployBroker, pki: Pki) -> None:
     import json
 
-    fleet = Probe(deploy.cloud_port, "tierkit-fleet", ctx=_tls(pki, None), username="tierkit-fleet",
+    fleet = Probe(deploy.cloud_port, "tierkit-fleet", ctx=tls_context(pki, None), username="tierkit-fleet",
                   password=deploy.passwords["tierkit-fleet"])
     try:
         assert fleet.subscribe("$CONTROL/dynamic-security/v1/response") == "Granted QoS 1"
@@ -189,7 +140,7 @@ def test_dynsec_commands_enroll_a_device_at_run_time(deploy: DeployBroker, pki: 
         assert all("error" not in r for r in answer["responses"]), answer
     finally:
         fleet.close()
-    cam7 = Probe(deploy.port, "cam-7", ctx=_tls(pki, issue_client_cert(pki, "cam-7")))
+    cam7 = Probe(deploy.port, "cam-7", ctx=tls_context(pki, issue_client_cert(pki, "cam-7")))
     try:
         assert cam7.subscribe(topics.reply_topic("cam-7")) == "Granted QoS 1"
         assert ACCEPTED[cam7.publish(topics.escalate_topic("cam-7"))] == "accepted"

@@ -13,8 +13,8 @@ import pytest
 
 from testkit.cloud_helpers import Pki
 from testkit.deploy_broker import DeployBroker, connack, issue_client_cert, need_mosquitto
+from testkit.mqtt_probe import Probe, tls_context
 from testkit.waiting import wait_for
-from tests.security.test_broker_permissions import Probe, _tls
 
 pytestmark = pytest.mark.mqtt
 NOT_AUTHORIZED = "Not authorized"
@@ -33,7 +33,7 @@ def deploy(tmp_path: Path, pki: Pki) -> Iterator[DeployBroker]:
 
 
 def _service(deploy: DeployBroker, pki: Pki, name: str, client_id: str | None = None) -> Probe:
-    return Probe(deploy.cloud_port, client_id or name, ctx=_tls(pki, None), username=name,
+    return Probe(deploy.cloud_port, client_id or name, ctx=tls_context(pki, None), username=name,
                  password=deploy.passwords[name])
 
 
@@ -44,7 +44,7 @@ def _takeovers(deploy: DeployBroker) -> int:
 @pytest.mark.parametrize("cn", ["tierkit-cloud", "tierkit-fleet"])
 def test_a_certificate_named_like_a_service_gets_no_service_rights(deploy: DeployBroker, pki: Pki, cn: str) -> None:
     cert = (pki.cloud_cert, pki.cloud_key) if cn == "tierkit-cloud" else issue_client_cert(pki, cn)
-    probe = Probe(deploy.port, cn, ctx=_tls(pki, cert))
+    probe = Probe(deploy.port, cn, ctx=tls_context(pki, cert))
     try:
         got = {t: probe.subscribe(t) for t in SERVICE_TOPICS_SUB}
         got |= {t: probe.publish(t, json.dumps({"commands": [{"command": "listClients"}]}).encode(), retain=False)
@@ -55,7 +55,7 @@ def test_a_certificate_named_like_a_service_gets_no_service_rights(deploy: Deplo
         probe.close()
     # the same name with no password (or a guessed one) on the service listener: refused outright
     for password in ("", "tierkit"):
-        assert connack(deploy.cloud_port, _tls(pki, cert), cn, password).is_failure
+        assert connack(deploy.cloud_port, tls_context(pki, cert), cn, password).is_failure
 
 
 def test_the_service_accounts_hold_their_rights(deploy: DeployBroker, pki: Pki) -> None:
@@ -80,13 +80,13 @@ def test_the_service_accounts_hold_their_rights(deploy: DeployBroker, pki: Pki) 
 
 def test_no_login_takes_another_identitys_client_id(deploy: DeployBroker, pki: Pki) -> None:
     cloud = _service(deploy, pki, "tierkit-cloud")
-    cam1 = Probe(deploy.port, "cam-1", ctx=_tls(pki, (pki.client_cert, pki.client_key)))
+    cam1 = Probe(deploy.port, "cam-1", ctx=tls_context(pki, (pki.client_cert, pki.client_key)))
     claims: list[Probe] = []
     try:
         before = _takeovers(deploy)
         # a device certificate, and one named like the service, asking for the cloud's client id
         for cert in (issue_client_cert(pki, "cam-2"), (pki.cloud_cert, pki.cloud_key)):
-            claims.append(Probe(deploy.port, "tierkit-cloud", ctx=_tls(pki, cert)))
+            claims.append(Probe(deploy.port, "tierkit-cloud", ctx=tls_context(pki, cert)))
         # a service login asking for the device's client id (its username on the certificate listener)
         claims.append(_service(deploy, pki, "tierkit-fleet", client_id="CN=cam-1"))
         assert cloud.subscribe("$share/tierkit/tierkit/v1/+/escalate") == "Granted QoS 1"  # still its session
@@ -95,7 +95,7 @@ def test_no_login_takes_another_identitys_client_id(deploy: DeployBroker, pki: P
         assert cloud.client.is_connected()
         assert cam1.client.is_connected()
         # the control: the device's own certificate again does take its own session over
-        claims.append(Probe(deploy.port, "anything", ctx=_tls(pki, (pki.client_cert, pki.client_key))))
+        claims.append(Probe(deploy.port, "anything", ctx=tls_context(pki, (pki.client_cert, pki.client_key))))
         wait_for("the broker's takeover notice", lambda: _takeovers(deploy) > before, timeout=5)
     finally:
         for probe in (cloud, cam1, *claims):
