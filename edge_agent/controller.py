@@ -410,8 +410,11 @@ class Controller:
         settled = self._clock() - self._epoch_at >= self.config.link_settle_s
         # a slow spell raises the floor once it has lasted (a loss burst moves nothing)
         floor = probe_floor(link if settled or link is None else replace(link, slow=False), self.config)
+        # while the link is down the breaker skips the escalations, whatever share is wanted: what the plan
+        # says they would cost then is no reason to move (the floor still is)
+        up = link is None or link.up
         return switch_reason(cur, cand, self.config, noise=self._cloud_noise(cur, cand),
-                             energy_evidence=settled and self._energy_evidence(cur.variant, cand.variant),
+                             energy_evidence=settled and up and self._energy_evidence(cur.variant, cand.variant),
                              floor=floor, tie=self._tie(cur, cand))
 
     def _tie(self, cur: Decision, cand: Decision) -> float:

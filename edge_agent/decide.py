@@ -44,7 +44,8 @@ margin plus the noise of the fitted cloud accuracy (`accuracy_z` standard errors
 the move adds) and it fits the latency target with `switch_headroom` and the energy target with
 `energy_switch_headroom` to spare; or (3) the choice is as accurate (a tie, as above, between the two
 points) and spends `energy_margin` less energy (across variants, on measured figures only; not within
-`link_settle_s` of a move of the round trip, so that a loss burst does not move it); or (4) the current
+`link_settle_s` of a move of the round trip, so that a loss burst does not move it; nor while the
+link is down, when the breaker skips the escalations whatever share is wanted); or (4) the current
 point escalates clearly less than the probe floor (under three quarters of it) and the choice, as
 accurate, does not; or (5) the choice differs only in its encoding, as accurate, more faithful and
 with the spare room of (2). Nothing else moves
