@@ -10,6 +10,7 @@ recommended only when batch 1 is the default.
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import sys
 import time
@@ -27,10 +28,11 @@ from compilers.calibration import CalibrationData
 from compilers.fidelity import Guard, Verdict, classifier_calibration, measure, measure_outputs
 from compilers.golden import GOLDEN_SAMPLES
 from compilers.measure import TimingPlan, latency_record, modeled_energy, time_runners
-from compilers.passes import PassContext, PassSkipped, run_pass
+from compilers.passes import PassContext, PassResult, PassSkipped, run_pass
 from compilers.passes.execute import Runner, open_runner, output_axes, run_all, samples_first, take_samples
-from compilers.recipes import PruneConfig, Rung, Target, native_precisions, probe_host
-from compilers.sequence import DEFAULT_DECODER, looks_like_sequence
+from compilers.recipes import PassSpec, PruneConfig, Rung, Target, native_precisions, probe_host
+from compilers.sequence import DEFAULT_DECODER, decode, looks_like_sequence
+from compilers.validation import SequenceStop, artifact_digest, eval_batch, run_validation, sample_bytes
 from compilers.variants import VariantSet
 from runtimes.errors import BackendUnavailable, CompileError, ConfigError, FidelityError, InferenceError
 from runtimes.registry import available_backends
@@ -46,6 +48,9 @@ _OOD_SAMPLES = 512
 # covers timing noise on a loaded host); the short plan costs about a second per repaired rung.
 REPAIR_MIN_SPEEDUP = 0.9
 REPAIR_TIMING = TimingPlan(budget_s=0.5, rounds=3)
+# Passes whose output depends on their input and parameters alone: run once per compile and shared (the
+# OpenVINO export under the fp32, bf16 and int8 OpenVINO rungs).
+SHARED_PASSES = ("export_openvino",)
 _EXTRA = {"openvino": "openvino", "tensorrt": "tensorrt", "torch": "torch", "onnxruntime": "onnx"}
 
 
@@ -126,6 +131,14 @@ class Ladder:
     seconds: dict[str, float] = field(default_factory=dict)
     cut_short: str = ""
     _eval_s: float = 0.0
+    _batch: int = 0  # samples per validation call (validation.eval_batch), set by _reference
+    _ref_decoded: list[tuple[int, ...]] = field(default_factory=list)  # a sequence reference's decoded rows
+    # (artifact digest, runtime, precision) -> its validation outputs and executed precision: an identical
+    # artifact is not run again
+    _known: dict[tuple[str, str, str], tuple[dict[str, np.ndarray], str]] = field(default_factory=dict)
+    # passes whose result depends on their input and parameters alone, done once per compile (the OpenVINO
+    # export shared by the fp32, f16, bf16 and int8 OpenVINO rungs)
+    _pass_results: dict[tuple[str, str, str], PassResult] = field(default_factory=dict)
     _repair: dict[str, Any] = field(default_factory=dict)  # the rung being built: its repair's record
     _deadline: float | None = None
 
@@ -213,7 +226,9 @@ class Ladder:
             try:
                 first = self.primary
                 self.out_axes = output_axes(runner, self.validation, self.source.inputs, self.source.outputs)
+                batch = self._size_batch(runner)
                 self.ref_outputs = run_all(runner, self.validation.batches(batch), self.out_axes)
+                self._known[(artifact_digest(self.source.onnx), "onnxruntime", "fp32")] = (self.ref_outputs, "fp32")
                 self.ref_val = samples_first(self.ref_outputs[first], self.out_axes.get(first, 0))
                 ood = run_all(runner, self._ood_data.batches(batch), self.out_axes)[first]
                 self.ref_cal = samples_first(ood, self.out_axes.get(first, 0))
@@ -228,6 +243,8 @@ class Ladder:
             msg = (f"task 'sequence' needs an output [samples, steps, symbols]; {self.primary!r} is "
                    f"{list(self.ref_val.shape)}")
             raise ConfigError(msg)
+        if self.task == Task.SEQUENCE:
+            self._ref_decoded = decode(self.ref_val, self.decoder)
         if self.metric is not None:
             self._reference_metric = self._user_metric(self.ref_outputs)
         self._golden()
@@ -269,7 +286,15 @@ class Ladder:
 
     def _eval_batch(self) -> int:
         first = self.source.inputs[0].shape[0] if self.source.inputs[0].shape else 1
-        return first if isinstance(first, int) else 64
+        return first if isinstance(first, int) else self._batch or 64
+
+    def _size_batch(self, runner: Runner) -> int:
+        """Samples per validation call, from one sample's bytes (`validation.eval_batch`) where the batch is free."""
+        first = self.source.inputs[0].shape[0] if self.source.inputs[0].shape else 1
+        if not isinstance(first, int) and len(self.validation):
+            one = self.validation.batch(1)
+            self._batch = eval_batch(sample_bytes(one, runner.run(one)))
+        return self._eval_batch()
 
     def _pruned_base(self) -> Base:
         from compilers.passes import export, prune
@@ -335,13 +360,23 @@ class Ladder:
 
     def _evaluate(self, artifact: Path, runtime: str) -> tuple[dict[str, float], Verdict]:
         precision, numeric = self._building
-        runner = open_runner(artifact, runtime, threads=self.threads, device=self._device(runtime),
-                             precision=precision)
-        try:
-            executed = str(getattr(runner, "precision", precision))
-            outputs = run_all(runner, self.validation.batches(self._eval_batch()), self.out_axes)
-        finally:
-            runner.close()
+        key = (artifact_digest(artifact), runtime, precision)
+        if key in self._known:
+            outputs, executed = self._known[key]
+            logger.info("%s is identical to an artifact already validated: its outputs are reused", artifact)
+            run = None
+        else:
+            runner = open_runner(artifact, runtime, threads=self.threads, device=self._device(runtime),
+                                 precision=precision)
+            try:
+                executed = str(getattr(runner, "precision", precision))
+                run = run_validation(runner, self.validation.batches(self._eval_batch()), self.out_axes,
+                                     primary=self.primary, stop=self._sequence_stop(numeric))
+            finally:
+                runner.close()
+            outputs = run.outputs
+            if not run.stopped:
+                self._known[key] = (outputs, executed)
         if executed != precision:
             msg = (f"{runtime} runs this {precision} variant in {executed} on this host "
                    f"({'no native ' + precision if precision in ('bf16', 'fp16') else 'precision not pinned'})")
@@ -350,6 +385,8 @@ class Ladder:
         values = samples_first(outputs.get(first, next(iter(outputs.values()))), self.out_axes.get(first, 0))
         self._outputs[str(artifact)] = values
         self._executed[str(artifact)] = executed
+        if run is not None and run.stopped:
+            return self._stopped_verdict(values, outputs, run.samples, run.note, numeric)
         fid = measure(self.ref_val, values, self.validation.labels, task=str(self.task), decoder=self.decoder)
         classified = first if self.task == Task.CLASSIFICATION and self.ref_val.ndim == 2 else None
         numeric_fid, where = measure_outputs(self.ref_outputs, outputs, judged_by_task=classified,
@@ -359,6 +396,30 @@ class Ladder:
             fid["metric"] = self._user_metric(outputs)
             fid["reference_metric"] = self._reference_metric
         return fid, self.guard.check(fid, str(self.task), numeric=numeric, where=where)
+
+    def _sequence_stop(self, numeric: bool) -> SequenceStop | None:
+        """A sequence guard's early stop: the changed rows it allows over the whole validation set."""
+        if not self._ref_decoded:
+            return None
+        least = self.guard.required(str(self.task), numeric=numeric).get("min_sequence_rows_unchanged")
+        if least is None:
+            return None
+        allowed = int(np.floor((1 - least) * len(self._ref_decoded) + 1e-9))
+        return SequenceStop(self._ref_decoded, allowed, self.decoder)
+
+    def _stopped_verdict(self, values: np.ndarray, outputs: dict[str, np.ndarray], rows: int, note: str,
+                         numeric: bool) -> tuple[dict[str, float], Verdict]:
+        """Figures over the first `rows` validation rows of a run stopped early, and the failing verdict."""
+        labels = self.validation.labels
+        fid = measure(self.ref_val[:rows], values, None if labels is None else labels[:rows], task=str(self.task),
+                      decoder=self.decoder)
+        reference = {k: take_samples(v, self.out_axes.get(k, 0), rows) for k, v in self.ref_outputs.items()}
+        numeric_fid, where = measure_outputs(reference, outputs, sample_axes=self.out_axes)
+        fid.update(numeric_fid)
+        fid["validation_rows"] = float(len(self._ref_decoded))
+        verdict = self.guard.check(fid, str(self.task), numeric=numeric, where=where)
+        assert not verdict.passed, "a validation is stopped only once its guard cannot pass"
+        return fid, Verdict(False, f"{verdict.reason} ({note})", verdict.required)
 
     def _repair_pays(self, artifact: Path, runtime: str) -> str:
         """"" when `artifact` (a first build that failed the guard) runs at least 0.9x the fp32 reference's speed
@@ -418,7 +479,7 @@ class Ladder:
             for i, spec in enumerate(rung.passes):
                 workdir = self.work / vid / f"{i}-{spec.name}"
                 workdir.mkdir(parents=True, exist_ok=True)
-                result = run_pass(spec.name, artifact, dataclasses.replace(ctx, workdir=workdir), spec.params)
+                result = self._run_pass(spec, artifact, dataclasses.replace(ctx, workdir=workdir))
                 artifact = result.artifact
                 records.append(result.record)
                 if isinstance(result.record.get("sensitivity"), dict):
@@ -452,6 +513,17 @@ class Ladder:
             records.append({"name": "note", "text": rung.note})
         return Candidate(vid, base, rung, artifact, records, fid, self._outputs[str(artifact)],
                          executed_precision=self._executed[str(artifact)])
+
+    def _run_pass(self, spec: PassSpec, artifact: Path, ctx: PassContext) -> PassResult:
+        """`run_pass`, done once per compile for a pass in `SHARED_PASSES` with the same input and parameters."""
+        key = (spec.name, json.dumps(spec.params, sort_keys=True, default=str), str(artifact))
+        if spec.name in SHARED_PASSES and key in self._pass_results:
+            done: PassResult = self._pass_results[key]
+            return PassResult(done.artifact, dict(done.record))
+        result = run_pass(spec.name, artifact, ctx, spec.params)
+        if spec.name in SHARED_PASSES:
+            self._pass_results[key] = result
+        return result
 
     def _reject(self, entry: dict[str, Any], stage: str, exc: BaseException, *, unexpected: bool = False) -> None:
         """Record a rung that failed at `stage` with a one-line reason; the other rungs go on."""

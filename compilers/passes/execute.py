@@ -45,11 +45,17 @@ def run_all(runner: Runner, batches: Any, axes: Mapping[str, int | None] | None 
     state `[layers, batch, hidden]` is joined on axis 1. An output whose axis is None does not hold
     samples (every batch gives the same one) and is taken from the first batch.
     """
-    axes = axes or {}
     parts: dict[str, list[np.ndarray]] = {}
     for batch in batches:
         for name, value in runner.run(batch).items():
             parts.setdefault(name, []).append(np.asarray(value))
+    return join_outputs(parts, axes)
+
+
+def join_outputs(parts: Mapping[str, Sequence[np.ndarray]],
+                 axes: Mapping[str, int | None] | None = None) -> dict[str, np.ndarray]:
+    """Each output's per-batch values joined along its sample axis (`run_all`)."""
+    axes = axes or {}
     out = {}
     for name, values in parts.items():
         axis = axes.get(name, 0)
