@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from compilers.recipes import target_names
+from compilers.report import PLANNED_SECONDS
 
 _EPILOG = """\
 MODEL is an .onnx file, a .pt2 torch.export program, or "package.module:factory", a callable that
@@ -135,6 +136,14 @@ def seconds_line(build: dict[str, Any]) -> str:
         repair = f"; repair {s['repair']:.1f} over {s['attempts']} attempt(s)" if "repair" in s else ""
         line += (f"\nslowest rung: {worst['id']} {s.get('build', 0) + s.get('validate', 0):.1f} s (build "
                  f"{s.get('build', 0):.1f}, validate {s.get('validate', 0):.1f}{repair})")
+    slow = build.get("slowest_step") or {}
+    if slow:
+        total = float(secs.get("total", 0.0))
+        over = f"the compile took {total:.0f} s, over {PLANNED_SECONDS:.0f} s; " if slow.get("over_planned") else ""
+        repair = (f", {slow['repair_seconds']:.1f} s of it repairing over {slow['repair_attempts']} attempt(s)"
+                  if "repair_seconds" in slow else "")
+        line += (f"\n{over}most of it: {slow['step']} {slow['seconds']:.1f} s ({100 * slow['share']:.0f} %"
+                 f"{repair})")
     if build.get("cut_short"):
         line += f"\nsearch cut short: {build['cut_short']}"
     return line

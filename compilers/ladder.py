@@ -51,6 +51,8 @@ REPAIR_TIMING = TimingPlan(budget_s=0.5, rounds=3)
 # Passes whose output depends on their input and parameters alone: run once per compile and shared (the
 # OpenVINO export under the fp32, bf16 and int8 OpenVINO rungs).
 SHARED_PASSES = ("export_openvino",)
+REUSED_NOTE = ("byte-identical to an artifact already validated under the same runtime and precision (the "
+               "reference graph, when a fusion kept it): that run's validation outputs are its own")
 _EXTRA = {"openvino": "openvino", "tensorrt": "tensorrt", "torch": "torch", "onnxruntime": "onnx"}
 
 
@@ -131,6 +133,7 @@ class Ladder:
     seconds: dict[str, float] = field(default_factory=dict)
     cut_short: str = ""
     _eval_s: float = 0.0
+    _reused: bool = False  # the rung being built had the outputs of an identical artifact
     _batch: int = 0  # samples per validation call (validation.eval_batch), set by _reference
     _ref_decoded: list[tuple[int, ...]] = field(default_factory=list)  # a sequence reference's decoded rows
     # (artifact digest, runtime, precision) -> its validation outputs and executed precision: an identical
@@ -364,6 +367,7 @@ class Ladder:
         if key in self._known:
             outputs, executed = self._known[key]
             logger.info("%s is identical to an artifact already validated: its outputs are reused", artifact)
+            self._reused = True
             run = None
         else:
             runner = open_runner(artifact, runtime, threads=self.threads, device=self._device(runtime),
@@ -475,6 +479,7 @@ class Ladder:
         entry = {"id": vid, "precision": rung.precision, "runtime": rung.runtime,
                  "passes": [p.name for p in rung.passes]}
         self._building = (rung.precision, rung.precision == "fp32" and not base.label)
+        self._reused = False
         try:
             for i, spec in enumerate(rung.passes):
                 workdir = self.work / vid / f"{i}-{spec.name}"
@@ -511,6 +516,8 @@ class Ladder:
             return None
         if rung.note:
             records.append({"name": "note", "text": rung.note})
+        if self._reused:
+            records.append({"name": "note", "text": REUSED_NOTE})
         return Candidate(vid, base, rung, artifact, records, fid, self._outputs[str(artifact)],
                          executed_precision=self._executed[str(artifact)])
 

@@ -150,11 +150,37 @@ def write(out: Path, ladder: Ladder, candidates: list[Candidate], baseline: str,
     ladder.seconds["total"] = round(sum(ladder.seconds.values()), 2)
     vs = VariantSet(out, name, ladder.target.name, tuple(entries), tuple(_jsonable(r) for r in ladder.rejected),
                     {**build, "report": rows, "baseline_latency_ms": ladder.baseline_latency,
-                     "signed": sign_key is not None, "seconds": dict(ladder.seconds), "cut_short": ladder.cut_short})
+                     "signed": sign_key is not None, "seconds": dict(ladder.seconds), "cut_short": ladder.cut_short,
+                     "slowest_step": slowest_step(ladder.seconds, rows)})
     vs.write()
     logger.info("wrote %d variant(s) to %s; recommended %s\n%s", len(entries), out, recommended,
                 format_table(rows, ladder.batch_sizes))
     return vs
+
+
+# A compile a user can wait for; past it the report names the step that took the time.
+PLANNED_SECONDS = 120.0
+
+
+def slowest_step(seconds: dict[str, float], rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """The single step that took the most of the compile: the reference, one rung's build (its repair
+    included) or validation, the timing, or the writing; with its seconds and share of the total."""
+    steps = {k: float(v) for k, v in seconds.items() if k in ("reference", "timing", "write")}
+    for r in rows:
+        for part in ("build", "validate"):
+            if part in r.get("seconds", {}):
+                steps[f"{r['id']} {part}"] = float(r["seconds"][part])
+    if not steps:
+        return {}
+    name = max(steps, key=steps.__getitem__)
+    total = float(seconds.get("total") or sum(steps.values()))
+    out: dict[str, Any] = {"step": name, "seconds": round(steps[name], 2),
+                           "share": round(steps[name] / total, 3) if total > 0 else 0.0}
+    repair = next((r["seconds"] for r in rows if name == f"{r['id']} build" and "repair" in r["seconds"]), None)
+    if repair is not None:
+        out["repair_seconds"], out["repair_attempts"] = repair["repair"], repair.get("attempts", 0)
+    out["over_planned"] = total > PLANNED_SECONDS
+    return out
 
 
 def _jsonable(value: Any) -> Any:
