@@ -261,6 +261,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="--zoo: each compile's rung search ends after SECONDS (compile_model max_time)")
     parser.add_argument("--repair-budget", type=float, metavar="SECONDS",
                         help="--zoo: seconds one rung's repair may take (compile_model repair_budget; default 60)")
+    parser.add_argument("--cache", type=Path, metavar="DIR",
+                        help="--zoo: reuse compiles kept in DIR (keyed by the graph's digest, the options and the "
+                             "compiler's source); reused compiles report the seconds of the run that made them")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     if args.zoo:
@@ -299,7 +302,8 @@ def _zoo(args: argparse.Namespace) -> int:
 
     summaries: list[compile_zoo.GraphSummary] = []
     kwargs = {k: v for k, v in (("max_time", args.max_time), ("repair_budget", args.repair_budget)) if v is not None}
-    rows = compile_zoo.run_zoo(names, args.threads, 0.6 if args.quick else args.budget, summaries, **kwargs)
+    rows = compile_zoo.run_zoo(names, args.threads, 0.6 if args.quick else args.budget, summaries, args.cache,
+                               **kwargs)
     if args.json:
         print(json.dumps({"zoo": compile_zoo.as_json(rows), "graphs": compile_zoo.summaries_json(summaries),
                           "cpu": host_cpu(), "threads": args.threads}, indent=2))

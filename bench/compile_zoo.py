@@ -18,15 +18,18 @@ ratio floor / rung p50 is what to compare (target >= 0.95x on the rung's own fil
 
 from __future__ import annotations
 
+import hashlib
+import json
 import tempfile
 import time
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from compilers import compile_model
+from compilers import VariantSet, compile_model
 from compilers.cli import seconds_line
 from compilers.measure import TimingPlan, time_runners
 from compilers.passes.execute import Runner, open_runner
@@ -34,6 +37,8 @@ from runtimes.errors import TierkitError
 from testkit import onnx_zoo as zoo
 
 REFERENCE = "ort fp32 (original)"
+ROOT = Path(__file__).resolve().parents[1]
+FLOOR_TARGET = 0.95  # the recommended rung's speed against its runtime's own best on the same file
 
 
 @dataclass
@@ -65,10 +70,16 @@ class GraphSummary:
     original_floor_ms: float | None = None  # the original graph, the fastest of onnxruntime and OpenVINO
     original_floor_by: str = ""
     notes: list[str] = field(default_factory=list)
+    cached: str = ""  # when the compile came from the cache: when it ran (its seconds are that run's)
 
     @property
     def ratio(self) -> float | None:
         return None if not self.floor_ms or not self.rung_ms else self.floor_ms / self.rung_ms
+
+    @property
+    def floor_met(self) -> bool | None:
+        """The recommended rung at >= FLOOR_TARGET of the fastest its runtime reaches on its own file."""
+        return None if self.ratio is None else self.ratio >= FLOOR_TARGET
 
     @property
     def ratio_original(self) -> float | None:
@@ -105,23 +116,57 @@ def _brief(fid: dict[str, float]) -> str:
     return " ".join(parts) or "-"
 
 
-def run_graph(graph: zoo.ZooGraph, work: Path, threads: int, budget_s: float,
-              summaries: list[GraphSummary] | None = None, **compile_kwargs: Any) -> list[ZooRow]:
-    """Compile `graph`, time its kept rungs against onnxruntime fp32 on the original; one row per rung.
+def _digest(paths: list[Path]) -> str:
+    h = hashlib.sha256()
+    for path in sorted(paths):
+        h.update(str(path.relative_to(ROOT)).encode() if path.is_relative_to(ROOT) else path.name.encode())
+        h.update(path.read_bytes())
+    return h.hexdigest()
 
-    `compile_kwargs` go to `compile_model` (`max_time`, `repair_budget`)."""
-    sizes = tuple(dict.fromkeys((1, graph.batch)))
+
+def cache_key(graph: zoo.ZooGraph, options: dict[str, Any]) -> str:
+    """What a compile depends on: the graph file, the options and data sizes, and the compiler's own source."""
+    code = [p for d in ("compilers", "runtimes") for p in (ROOT / d).rglob("*.py")]
+    parts = {"graph": _digest([graph.path()]), "options": options, "sizes": list(graph.sizes),
+             "code": _digest([*code, ROOT / "testkit" / "onnx_zoo.py"])}
+    return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:20]
+
+
+def _compile(graph: zoo.ZooGraph, work: Path, cache: Path | None, **options: Any) -> tuple[VariantSet, float, str]:
+    """The graph's variant set and its compile seconds; from `cache` when a compile with the same key is there
+    (then the seconds are that compile's, and the third value says when it ran)."""
+    entry = None if cache is None else cache / f"{graph.name}-{cache_key(graph, options)}"
+    if entry is not None and (entry / "compile.json").is_file():
+        meta = json.loads((entry / "compile.json").read_text())
+        return VariantSet.load(entry / "variants"), float(meta["compile_s"]), str(meta["compiled_at"])
     calibration, validation = graph.data()
     started = time.monotonic()
+    out = (entry if entry is not None else work) / "variants"
+    vs = compile_model(graph.path(), output=out, target="x86-avx512", precisions=("fp32", "int8"),
+                       calibration=calibration, validation=validation, progress=False, **options)
+    compile_s = round(time.monotonic() - started, 1)
+    if entry is not None:
+        stamp = datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC")
+        (entry / "compile.json").write_text(json.dumps({"compile_s": compile_s, "compiled_at": stamp}))
+    return vs, compile_s, ""
+
+
+def run_graph(graph: zoo.ZooGraph, work: Path, threads: int, budget_s: float,
+              summaries: list[GraphSummary] | None = None, cache: Path | None = None,
+              **compile_kwargs: Any) -> list[ZooRow]:
+    """Compile `graph`, time its kept rungs against onnxruntime fp32 on the original; one row per rung.
+
+    `compile_kwargs` go to `compile_model` (`max_time`, `repair_budget`). With `cache`, a compile of the same
+    graph, options and compiler source is reused (its recorded seconds are reported, marked as cached)."""
+    sizes = tuple(dict.fromkeys((1, graph.batch)))
+    started = time.monotonic()
     try:
-        vs = compile_model(graph.path(), output=work / "variants", target="x86-avx512", precisions=("fp32", "int8"),
-                           calibration=calibration, validation=validation, batch_sizes=sizes, threads=threads,
-                           progress=False, **compile_kwargs)
+        vs, compile_s, cached = _compile(graph, work, cache, batch_sizes=sizes, threads=threads, **compile_kwargs)
     except TierkitError as exc:
         if summaries is not None:
             summaries.append(GraphSummary(graph.name, round(time.monotonic() - started, 1), {}, notes=[str(exc)[:200]]))
         return [ZooRow(graph.name, "(compile)", "-", "-", f"failed: {type(exc).__name__}: {exc}", None, None)]
-    summary = GraphSummary(graph.name, round(time.monotonic() - started, 1), dict(vs.build.get("seconds", {})))
+    summary = GraphSummary(graph.name, compile_s, dict(vs.build.get("seconds", {})), cached=cached)
     summary.notes += [line for line in seconds_line(vs.build).splitlines() if not line.startswith("seconds:")]
     secs = {str(r["id"]): dict(r.get("seconds", {})) for r in vs.build.get("report", [])}
     feeds = {b: graph.inputs(b, seed=4242 + b) for b in sizes}
@@ -178,8 +223,8 @@ def _floors(summary: GraphSummary, graph: zoo.ZooGraph, artifact: Path, runtime:
     summary.original_floor_ms, summary.original_floor_by = best
 
 
-def run_zoo(names: list[str], threads: int, budget_s: float,
-            summaries: list[GraphSummary] | None = None, **compile_kwargs: Any) -> list[ZooRow]:
+def run_zoo(names: list[str], threads: int, budget_s: float, summaries: list[GraphSummary] | None = None,
+            cache: Path | None = None, **compile_kwargs: Any) -> list[ZooRow]:
     rows: list[ZooRow] = []
     for name in names:
         graph = zoo.GRAPHS[name]
@@ -189,7 +234,7 @@ def run_zoo(names: list[str], threads: int, budget_s: float,
             rows.append(ZooRow(name, "(not installed)", "-", "-", str(exc), None, None))
             continue
         with tempfile.TemporaryDirectory(prefix=f"bench-zoo-{name}-") as tmp:
-            rows += run_graph(graph, Path(tmp), threads, budget_s, summaries, **compile_kwargs)
+            rows += run_graph(graph, Path(tmp), threads, budget_s, summaries, cache, **compile_kwargs)
     return rows
 
 
@@ -220,9 +265,11 @@ def print_summaries(summaries: list[GraphSummary], cpu: str, threads: int) -> No
     print(f"\nCPU: {cpu}; {threads} threads")
     for s in summaries:
         steps = ", ".join(f"{k} {v:.1f}" for k, v in s.steps.items() if k != "total")
-        print(f"{s.graph}: compile {s.compile_s:.1f} s ({steps})")
+        cached = f" [cached: the compile of {s.cached}]" if s.cached else ""
+        print(f"{s.graph}: compile {s.compile_s:.1f} s ({steps}){cached}")
         if s.rung_ms is not None:
-            own = f"{s.floor_ms:.3f} ms by {s.floor_by} = {s.ratio:.2f}x" if s.ratio else "-"
+            own = (f"{s.floor_ms:.3f} ms by {s.floor_by} = {s.ratio:.2f}x "
+                   f"({'met' if s.floor_met else 'NOT met'}: >= {FLOOR_TARGET:g}x)" if s.ratio else "-")
             orig = (f"{s.original_floor_ms:.3f} ms by {s.original_floor_by} = {s.ratio_original:.2f}x"
                     if s.ratio_original else "-")
             print(f"  recommended {s.recommended} p50 {s.rung_ms:.3f} ms; floor on its file {own}; "
@@ -234,7 +281,8 @@ def print_summaries(summaries: list[GraphSummary], cpu: str, threads: int) -> No
 def summaries_json(summaries: list[GraphSummary]) -> list[dict[str, Any]]:
     from dataclasses import asdict
 
-    return [{**asdict(s), "ratio": s.ratio, "ratio_original": s.ratio_original} for s in summaries]
+    return [{**asdict(s), "ratio": s.ratio, "floor_met": s.floor_met, "ratio_original": s.ratio_original}
+            for s in summaries]
 
 
 def as_json(rows: list[ZooRow]) -> list[dict[str, Any]]:
