@@ -305,6 +305,11 @@ def _zoo(args: argparse.Namespace) -> int:
         print(f"unknown zoo graph(s) {unknown}; known: {', '.join(GRAPHS)}", file=sys.stderr)
         return 2
     from compilers.measure import host_cpu
+    from runtimes.hardware import probe
+
+    isa = set(probe(openvino=False).isa)
+    wanted = ("avx2", "avx512f", "avx512_vnni", "avx_vnni", "avx512_bf16", "amx_bf16")
+    cpu = f"{host_cpu()} ({', '.join(f if f in isa else 'no ' + f for f in wanted)})"
 
     summaries: list[compile_zoo.GraphSummary] = []
     kwargs = {k: v for k, v in (("max_time", args.max_time), ("repair_budget", args.repair_budget)) if v is not None}
@@ -312,10 +317,10 @@ def _zoo(args: argparse.Namespace) -> int:
                                **kwargs)
     if args.json:
         print(json.dumps({"zoo": compile_zoo.as_json(rows), "graphs": compile_zoo.summaries_json(summaries),
-                          "cpu": host_cpu(), "threads": args.threads}, indent=2))
+                          "cpu": cpu, "threads": args.threads}, indent=2))
     else:
         compile_zoo.print_zoo(rows)
-        compile_zoo.print_summaries(summaries, host_cpu(), args.threads)
+        compile_zoo.print_summaries(summaries, cpu, args.threads)
     return 0
 
 
