@@ -124,15 +124,17 @@ class Baselines(NamedTuple):
     naive_var: float = 0.0  # the same, each window alone: unit_var / naive_var is the clustering's design effect
 
 
-def clustered(dev: Sequence[str], ts: np.ndarray, w: np.ndarray, r: np.ndarray, block_s: float) -> tuple[float, int]:
+def clustered(dev: Sequence[str] | np.ndarray, ts: np.ndarray, w: np.ndarray, r: np.ndarray,
+              block_s: float) -> tuple[float, int]:
     """(Σ over clusters of (Σ w r)², clusters): one cluster per device and block of `block_s` seconds. Over
     Σ w it is the variance of one unit of weight with the correlation inside a block counted (batch means):
     for independent windows it is their variance; for noise that lasts a minute, up to a block's worth more."""
     if not len(r):
         return 0.0, 0
-    index: dict[tuple[str, int], int] = {}
-    ci = np.array([index.setdefault((d, int(t // block_s)), len(index)) for d, t in zip(dev, ts.tolist(), strict=True)],
-                  dtype=np.int64)
+    _, di = np.unique(np.asarray(dev), return_inverse=True)
+    bi = (ts // block_s).astype(np.int64)
+    bi -= bi.min()
+    _, ci = np.unique(di.astype(np.int64) * (int(bi.max()) + 1) + bi, return_inverse=True)
     sums = np.bincount(ci, weights=w * r)
     return float((sums ** 2).sum()), len(sums)
 
@@ -152,9 +154,9 @@ def baselines(pre_wave: Iterable[Obs], pre_control: Iterable[Obs], min_windows: 
     (a / (n + a))² tau² / D for M's own (`extra`). Sparse figures (audits) gain most: an hour of one device's
     audits hardly tells its level, the cohort's does unless devices differ."""
     rows = [(o, side) for side, pre in enumerate((pre_wave, pre_control)) for o in pre if o.weight > 0]
-    devs = sorted({o.device for o, _ in rows})
+    uniq, di = np.unique(np.array([o.device for o, _ in rows], dtype=str), return_inverse=True)
+    devs = uniq.tolist()
     index = {d: k for k, d in enumerate(devs)}
-    di = np.array([index[o.device] for o, _ in rows], dtype=np.int64)
     w = np.array([o.weight for o, _ in rows], dtype=float)
     x = np.array([o.value for o, _ in rows], dtype=float)
     ts = np.array([o.ts for o, _ in rows], dtype=float)
@@ -177,7 +179,7 @@ def baselines(pre_wave: Iterable[Obs], pre_control: Iterable[Obs], min_windows: 
     resid = r - common[bi]
     naive_dof = len(x) - devices - (int(bi.max()) + 1)
     naive = float((w * resid ** 2).sum()) / max(naive_dof, 1)
-    ss, clusters = clustered([devs[i] for i in di.tolist()], ts, w, resid, block_s or bucket_s / 2)
+    ss, clusters = clustered(di, ts, w, resid, block_s or bucket_s / 2)
     dof = clusters * (1 - 1 / devices) - devices  # each device's mean, each bucket's common move
     unit_var = max(ss / float(w.sum()) * clusters / max(dof, 1.0), naive)
     if devices < SHRINK_DEVICES:
