@@ -10,15 +10,13 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import pytest
 
 import sdk
-from cloud_service.protocol import decode_inputs, encode_response, get_parameters, inference_pb2, topics
+from cloud_service.protocol import get_parameters, topics
 from compilers.package import ModelPackage
 from edge_agent.agent import AgentOptions
 from edge_agent.audit import AuditOptions, estimate_agreement, window_fields
@@ -26,6 +24,7 @@ from edge_agent.fleet_sync import TelemetryWindows
 from edge_agent.policy import Policy
 from testkit import zoo
 from testkit.fake_transport import FakeTransport
+from testkit.oracle import oracle
 from testkit.packages import make_package
 from testkit.waiting import wait_for
 
@@ -47,20 +46,6 @@ def shifted_stream(digits: zoo.Split) -> tuple[np.ndarray, np.ndarray]:
     xs, ys = np.concatenate([x, rotated]), np.concatenate([y, y[:n]])
     order = np.random.default_rng(0).permutation(len(xs))
     return np.ascontiguousarray(xs[order]), ys[order]
-
-
-def oracle(xs: np.ndarray, ys: np.ndarray, *, answer: int | None = None) -> Callable[[Any], Any]:
-    """A cloud answering each known image with its true label (or always `answer`)."""
-    labels = {x.tobytes(): int(y) for x, y in zip(xs, ys, strict=True)}
-
-    def handler(request: inference_pb2.ModelInferRequest) -> inference_pb2.ModelInferResponse:
-        x = decode_inputs(request)["x"]
-        logits = np.zeros((len(x), 10), np.float32)
-        for i, row in enumerate(x):
-            logits[i, answer if answer is not None else labels[np.ascontiguousarray(row).tobytes()]] = 7.0
-        return encode_response("digits", {"logits": logits})
-
-    return handler
 
 
 def test_audits_are_never_answered_nor_counted_as_escalations(package: ModelPackage, digits: zoo.Split,

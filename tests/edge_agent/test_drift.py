@@ -19,9 +19,9 @@ from edge_agent.fleet_sync import TelemetryWindows
 from edge_agent.policy import Margin, Policy
 from testkit import zoo
 from testkit.fake_transport import FakeTransport
+from testkit.oracle import oracle
 from testkit.packages import make_package
 from testkit.waiting import wait_for
-from tests.edge_agent.test_audit import oracle
 
 REFERENCE = 1000  # requests: 40 batches of 25
 

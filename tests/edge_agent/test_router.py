@@ -19,9 +19,9 @@ from edge_agent.router import Router, RouterOptions, features
 from runtimes.errors import ConfigError
 from testkit import zoo
 from testkit.fake_transport import FakeTransport
+from testkit.oracle import oracle
 from testkit.packages import make_package
 from testkit.waiting import wait_for
-from tests.edge_agent.test_audit import oracle
 
 
 @pytest.fixture(scope="module")

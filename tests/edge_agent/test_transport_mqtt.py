@@ -25,8 +25,8 @@ from edge_agent.transports import TransportOptions, open_transport
 from edge_agent.transports.mqtt import ERROR_PROPERTY, STATUS_PROPERTY, MqttTransport, backoff_delay
 from runtimes.errors import CloudTimeout, CloudUnavailable, EscalationError
 from testkit.broker import Broker
+from testkit.grpc_doubler import make_pki
 from testkit.waiting import until
-from tests.edge_agent.test_transport_grpc import make_pki
 
 pytestmark = pytest.mark.mqtt
 

@@ -8,11 +8,8 @@ import numpy as np
 import pytest
 
 from runtimes.session import write_io_sidecar
-from runtimes.spec import TensorSpec
 from testkit import zoo
-
-X_SPEC = TensorSpec("x", "float32", ("batch", 1, 8, 8))
-LOGITS_SPEC = TensorSpec("logits", "float32", ("batch", 10))
+from testkit.digits_specs import LOGITS_SPEC, X_SPEC
 
 
 @pytest.fixture(scope="session")

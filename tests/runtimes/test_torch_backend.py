@@ -12,7 +12,7 @@ from runtimes import BackendUnavailable, ConfigError, SessionOptions, open_sessi
 from runtimes.errors import PackageError
 from runtimes.session import io_sidecar_path, read_io_sidecar, write_io_sidecar
 from testkit import zoo
-from tests.runtimes.conftest import LOGITS_SPEC, X_SPEC
+from testkit.digits_specs import LOGITS_SPEC, X_SPEC
 
 torch = pytest.importorskip("torch")
 

@@ -143,7 +143,7 @@ def test_fuzzed_payloads_over_mqtt_each_get_one_bounded_answer(
         server: ServerThread, devices: tuple[Device, Device], digits_x: np.ndarray) -> None:
     from hypothesis import HealthCheck, given, settings
 
-    from tests.security.test_grpc_fuzz import ANSWERABLE, MAX_DETAILS, requests
+    from testkit.fuzz import ANSWERABLE, MAX_DETAILS, requests
 
     hostile, honest = devices
     payloads: list[bytes] = []

@@ -30,8 +30,8 @@ from edge_agent.journal import Journal
 from runtimes.errors import TierkitError
 from testkit import zoo
 from testkit.cloud_helpers import make_package
+from testkit.fuzz import ANSWERABLE, MAX_DETAILS, requests
 from testkit.packages import make_package as make_agent_package
-from tests.security.test_grpc_fuzz import ANSWERABLE, MAX_DETAILS, requests
 
 FUZZ = settings(max_examples=100, deadline=None, suppress_health_check=list(HealthCheck), database=None)
 

@@ -17,9 +17,9 @@ from paho.mqtt.enums import CallbackAPIVersion
 from cloud_service.fleet.fleet import Fleet, FleetConfig
 from edge_agent.fleet_sync import generate_key_and_csr
 from testkit.broker import Broker
+from testkit.broker_cert import server_cert
 from testkit.fleet_process import FleetProcess
 from testkit.waiting import wait_for
-from tests.cloud_service.fleet.test_mtls import _server_cert
 
 pytestmark = pytest.mark.mqtt
 
@@ -70,7 +70,7 @@ def test_a_revoked_certificate_is_listed_and_refused_by_the_broker(tmp_path: Pat
         assert len(empty) == 0
         assert empty.is_signature_valid(fleet.ca.cert.public_key())  # type: ignore[arg-type]
 
-        skey, scert = _server_cert(fleet.ca, tmp_path)
+        skey, scert = server_cert(fleet.ca, tmp_path)
         ca = data / "ca.pem"
         broker = Broker(tmp_path / "broker", extra_conf=(
             f"allow_anonymous false\ncafile {ca}\ncertfile {scert}\nkeyfile {skey}\nrequire_certificate true\n"

@@ -6,16 +6,11 @@ The broker trusts the fleet CA, takes the certificate's CN (the device id) as th
 
 from __future__ import annotations
 
-import datetime as dt
 import ssl
 from pathlib import Path
 
 import paho.mqtt.client as paho
 import pytest
-from cryptography import x509
-from cryptography.hazmat.primitives import hashes, serialization
-from cryptography.hazmat.primitives.asymmetric import ec
-from cryptography.x509.oid import NameOID
 from paho.mqtt.enums import CallbackAPIVersion
 
 from cloud_service.fleet.ca import FleetCA
@@ -23,29 +18,11 @@ from cloud_service.fleet.registry import Registry
 from cloud_service.fleet.store import FleetStore
 from edge_agent.fleet_sync import generate_key_and_csr
 from testkit.broker import Broker
+from testkit.broker_cert import server_cert
 from testkit.fleet_process import ROOT
 from testkit.waiting import wait_for
 
 pytestmark = pytest.mark.mqtt
-
-
-def _server_cert(ca: FleetCA, out: Path) -> tuple[Path, Path]:
-    """A broker certificate for 127.0.0.1, signed by the fleet CA (test setup: the broker's own PKI)."""
-    import ipaddress
-
-    key = ec.generate_private_key(ec.SECP256R1())
-    now = dt.datetime.now(dt.UTC)
-    cert = (x509.CertificateBuilder().subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "broker")]))
-            .issuer_name(ca.cert.subject).public_key(key.public_key()).serial_number(x509.random_serial_number())
-            .not_valid_before(now - dt.timedelta(minutes=5)).not_valid_after(now + dt.timedelta(days=1))
-            .add_extension(x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
-                           critical=False)
-            .sign(ca.key, hashes.SHA256()))
-    kp, cp = out / "server.key", out / "server.pem"
-    kp.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                                     serialization.NoEncryption()))
-    cp.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-    return kp, cp
 
 
 def _client(port: int, ca: Path, cert: Path, key: Path) -> tuple[paho.Client, dict[int, object]]:
@@ -72,7 +49,7 @@ def test_enrolled_certificate_is_the_mqtt_identity(tmp_path: Path) -> None:
             ids.append(got.device_id)
     finally:
         store.close()
-    skey, scert = _server_cert(ca, tmp_path)
+    skey, scert = server_cert(ca, tmp_path)
     broker = Broker(tmp_path / "broker", extra_conf=(
         f"allow_anonymous false\nacl_file {ROOT / 'deploy/fleet/acl'}\ncafile {tmp_path / 'ca' / 'ca.pem'}\n"
         f"certfile {scert}\nkeyfile {skey}\nrequire_certificate true\nuse_identity_as_username true\n")).start()

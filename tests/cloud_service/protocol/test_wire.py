@@ -28,7 +28,7 @@ from cloud_service.protocol.wire import (
 )
 from edge_agent.transports import open_transport
 from testkit.cloud_helpers import ServerThread
-from tests.edge_agent.test_transport_grpc import Doubler, serving
+from testkit.grpc_doubler import Doubler, serving
 
 PARAMS = {"tierkit.device_id": "cam-7", "tierkit.seq": 12, "score": 0.25, "flag": True}
 
