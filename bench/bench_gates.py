@@ -2,7 +2,9 @@
 
 Devices are drawn from a model (testkit/gate_sim.py): per-device levels of latency, energy,
 escalation and confident-error rate, per-device noise, uneven traffic (log-normal rates), noisy neighbours
-(shared-load spikes that hit every device, whichever release it runs), audits at the agent's default 1 %
+(shared-load spikes that hit every device, whichever release it runs, and each device's own slow swings of
+p95 and energy: 0.1 sd on the log with 30 s correlation, `--swing-sd 0.35` for agents sharing two cores),
+audits at the agent's default 1 %
 (the canary at the rollout's raised `audit_rate` while it soaks), an hour of windows before the rollout
 (the default baseline), and the engine's control cohort and hold-back. Releases: the same model (A/A), or
 one with a known regression (A/B): 2 points less accurate at the same escalation rate, one class flipped
@@ -20,7 +22,8 @@ Two parts:
 Reported: the A/A false-rollback rate (target <= 1 % of 100) and how many were held inconclusive; per
 regression, the share stopped at the canary wave and the canary inferences each decision needed (target
 <= 2,000); the soak inferences a good release needed per wave against the fixed default before the gates
-were sequential (200 requests on every device of the wave).
+were sequential (200 requests on every device of the wave: as 200 x devices, and as it ran with uneven
+traffic, the wave's whole traffic until its slowest device had 200).
 
     python bench/bench_gates.py [--devices 200] [--runs 100] [--ab-runs 25] [--e2e-devices 200]
                                 [--e2e-regressions accuracy-2,p95+30%] [--json]
