@@ -305,9 +305,10 @@ def _estimate(spec: _Spec, arms: Arms, evidence: Evidence,
               block_s=evidence.block_s)
     if est is not None:
         return est, True
-    # it holds the wave only where both arms have windows from devices with a baseline
-    based = [set(base.wave), set(base.control)]
-    return None, all({o.device for o in post} & b for b, post in zip(based, (qw, qc), strict=True))
+    # it holds the wave wherever both arms have devices with a baseline, windows since or not (a canary's first
+    # seconds, p95 within its warm-up: not judged yet is not passed); the audits only where the wave sent some
+    # (a fleet that does not audit is not held by them)
+    return None, bool(base.wave) and bool(base.control) and (spec.name != "audit_agreement" or bool(qw))
 
 
 def judge(spec: _Spec, arms: Arms, *, margins: Margins, evidence: Evidence, alpha_gate: float,

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from cloud_service.fleet.gates import SPECS, Arms, Evidence, Margins, evaluate, failed, judge, window_counts
+from cloud_service.fleet.gates import SPECS, Arms, Evidence, Margins, evaluate, failed, judge, open_gates, window_counts
 from cloud_service.fleet.sequential import Obs, did
 from cloud_service.protocol.fleet_docs import parse_telemetry
 from runtimes.errors import ConfigError
@@ -174,3 +174,17 @@ def test_rollout_show_prints_the_capacity_the_gate_was_judged_against() -> None:
     text = format_rollout(shown)
     assert "cloud capacity 400 escalations/s" in text  # the fleet's --cloud-capacity, as the gate judged it
     assert "alpha 0.01 per rollout" in text
+
+
+def test_a_wave_with_no_windows_yet_is_held_not_passed() -> None:
+    """A canary soaked its requests before its first window on the release arrived: every statistical gate is
+    open (it holds the wave), not unjudged (which would let the wave pass on its soak alone)."""
+    fleet = Fleet(6, 3)
+    pre = [fleet.window(i, 10.0 * (k + 1), False) for k in range(20) for i in range(6)]
+    arms = Arms([w for w in pre if w["device_id"] == fleet.ids[0]], [],
+                [w for w in pre if w["device_id"] != fleet.ids[0]], [])
+    gates = evaluate(arms, margins=Margins(), evidence=Evidence(), waves=4, budget_ms=None, device_failures={},
+                     crashes=0, fleet_request_rate=None, cloud_capacity_rps=None)
+    decisions = {g["gate"]: g["decision"] for g in gates if g["gate"] in SPEC}
+    assert decisions == {**dict.fromkeys(SPEC, "open"), "audit_agreement": None}, decisions
+    assert open_gates(gates) == [g for g in SPEC if g != "audit_agreement"]
