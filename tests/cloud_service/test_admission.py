@@ -165,12 +165,13 @@ def test_a_batch_is_cut_where_it_would_miss_its_earliest_deadline() -> None:
             await asyncio.sleep(0.01)
             # 8 rows would take ~80 ms; the earliest deadline leaves ~75 ms once the blocker ends (room for
             # its 4 rows even when the runs planned at their p90 are half as long again on a loaded host)
-            calls = [b.submit(one(10 + i), deadline=loop.time() + 0.085 + 0.2 * (i >= 4)) for i in range(8)]
+            calls = [b.submit(one(10 + i), deadline=loop.time() + 0.085 + 1.0 * (i >= 4)) for i in range(8)]
             gate.set()
             await blocker
             outcomes = await asyncio.gather(*calls, return_exceptions=True)
             # a tight one whose batch ran late on a loaded host is refused, never answered late; the loose
-            # ones (200 ms more) are all answered
+            # ones (a second more: 200 ms was refused once with another test run loading both cores) are all
+            # answered
             assert all(not isinstance(o, BaseException) or isinstance(o, ServerBusy) for o in outcomes), outcomes
             assert not any(isinstance(o, BaseException) for o in outcomes[4:]), outcomes
             computed.extend(float(o["y"][0, 0]) for o in outcomes if not isinstance(o, BaseException))
