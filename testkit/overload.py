@@ -127,6 +127,21 @@ class Load:
     def answer_p(self, q: float) -> float:
         return float(np.percentile(self.answer_ms, q)) if self.answer_ms else 0.0
 
+    def answered(self, took_s: float) -> None:
+        """One answer `took_s` after it was sent: in time or late against the deadline."""
+        self.answer_ms.append(took_s * 1000)
+        if took_s <= self.deadline_s:
+            self.in_time += 1
+        else:
+            self.late += 1
+
+    def refusal(self, took_s: float, hint_ms: float | None) -> None:
+        """One refusal `took_s` after it was sent, with the server's retry hint if it gave one."""
+        self.refused += 1
+        self.refused_ms.append(took_s * 1000)
+        if hint_ms is not None:
+            self.hints_ms.append(hint_ms)
+
     def add(self, other: Load) -> None:
         self.in_time += other.in_time
         self.late += other.late
@@ -180,23 +195,15 @@ def closed_loop(address: str, payload: bytes, *, callers: int, seconds: float, d
                 took = time.monotonic() - sent
                 code = exc.code()  # type: ignore[attr-defined]
                 if code in (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNAVAILABLE):
-                    mine.refused += 1
-                    mine.refused_ms.append(took * 1000)
                     hint = _hint_ms(exc)
-                    if hint is not None:
-                        mine.hints_ms.append(hint)
+                    mine.refusal(took, hint)
                     time.sleep(_backoff_s(hint, end_at[0], honour_hints=honour_hints))
                 elif code == grpc.StatusCode.DEADLINE_EXCEEDED:
                     mine.expired += 1
                 else:
                     mine.other[code.name] = mine.other.get(code.name, 0) + 1
                 continue
-            took = time.monotonic() - sent
-            mine.answer_ms.append(took * 1000)
-            if took <= deadline_s:
-                mine.in_time += 1
-            else:
-                mine.late += 1
+            mine.answered(time.monotonic() - sent)
 
     threads = [threading.Thread(target=caller, args=(r,), daemon=True) for r in results]
     for t in threads:
@@ -243,22 +250,14 @@ async def _mqtt_callers(url: str, payload: bytes, *, callers: int, seconds: floa
                 except EscalationError as exc:
                     code = str(getattr(exc, "code", ""))
                     if code in ("RESOURCE_EXHAUSTED", "UNAVAILABLE"):
-                        mine.refused += 1
-                        mine.refused_ms.append((time.monotonic() - sent) * 1000)
                         hint = retry_hint_s(exc)
-                        if hint is not None:
-                            mine.hints_ms.append(hint * 1000)
                         hint_ms = None if hint is None else hint * 1000
+                        mine.refusal(time.monotonic() - sent, hint_ms)
                         await asyncio.sleep(_backoff_s(hint_ms, end, honour_hints=honour_hints))
                     else:
                         mine.other[code] = mine.other.get(code, 0) + 1
                     continue
-                took = time.monotonic() - sent
-                mine.answer_ms.append(took * 1000)
-                if took <= deadline_s:
-                    mine.in_time += 1
-                else:
-                    mine.late += 1
+                mine.answered(time.monotonic() - sent)
 
         await asyncio.gather(*(caller(t, r) for t, r in zip(transports, results, strict=True)))
     total = Load(callers, seconds, deadline_s)
