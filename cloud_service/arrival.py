@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING
 from google.protobuf.message import DecodeError
 
 from cloud_service.errors import ServerBusy
-from cloud_service.protocol import get_parameters, topics
+from cloud_service.protocol import declared_rows, get_parameters, topics
 from cloud_service.protocol import inference_pb2 as pb
 from cloud_service.repository import ModelRepository
 from runtimes.errors import CloudTimeout
@@ -152,8 +152,7 @@ class ArrivalGate:
         batcher = self._batcher(request)
         if batcher is None:
             return None
-        rows = request.inputs[0].shape[0] if request.inputs and request.inputs[0].shape else 1
-        return batcher.admissible(max(1, int(rows)), left)
+        return batcher.admissible(declared_rows(request), left)
 
     def _batcher(self, request: pb.ModelInferRequest | None) -> DynamicBatcher | None:
         """The batcher of the model `request` names, when it is served here and batches (not forwarding)."""

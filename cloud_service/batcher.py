@@ -267,6 +267,8 @@ class DynamicBatcher:
         """
         if not self.config.admission or not self._queue.times.known or self._closed:
             return None
+        if self.batched and rows > self.config.max_batch_size:  # too large to batch: its decoding answers
+            return None  # with the precise error
         rows = rows if self.batched else 1
         now = time.monotonic()
         due = None if timeout is None else now + timeout

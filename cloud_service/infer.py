@@ -18,7 +18,7 @@ import numpy as np
 from cloud_service.batcher import BatcherClosed, DynamicBatcher
 from cloud_service.metrics import UNKNOWN_MODEL
 from cloud_service.models import ServedModel
-from cloud_service.protocol import CodecError, decode_inputs, encode_response, get_parameters, topics
+from cloud_service.protocol import CodecError, declared_rows, decode_inputs, encode_response, get_parameters, topics
 from cloud_service.protocol import inference_pb2 as pb
 from cloud_service.protocol.codec import RawBytes
 from cloud_service.protocol.encoding import frame_inputs
@@ -138,15 +138,7 @@ def _admit_before_decoding(model: ServedModel, message: pb.ModelInferRequest, ti
     """Refuse, from the message's declared shape alone, a request the model's queue cannot answer in time:
     under overload most calls are refused, and a refusal should cost no tensor decoding, preprocessing or
     validation. What passes is admitted again when it is queued (`DynamicBatcher.run`)."""
-    batcher = model.batcher
-    if batcher is None:
-        return
-    shape = message.inputs[0].shape if message.inputs else ()
-    rows = max(1, int(shape[0])) if shape else 1
-    if rows > batcher.config.max_batch_size:  # too large to batch: decoding answers with the precise error
-        return
-    refusal = batcher.admissible(rows, timeout)
-    if refusal is not None:
+    if model.batcher is not None and (refusal := model.batcher.admissible(declared_rows(message), timeout)):
         raise refusal
 
 

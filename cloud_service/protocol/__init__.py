@@ -7,6 +7,7 @@ it without pulling in the rest of the cloud service.
 from cloud_service.protocol import inference_pb2, inference_pb2_grpc, topics
 from cloud_service.protocol.codec import (
     CodecError,
+    declared_rows,
     decode_inputs,
     decode_outputs,
     encode_request,
@@ -17,6 +18,7 @@ from cloud_service.protocol.codec import (
 
 __all__ = [
     "CodecError",
+    "declared_rows",
     "decode_inputs",
     "decode_outputs",
     "encode_request",

@@ -144,6 +144,13 @@ def decode_inputs(request: pb.ModelInferRequest,
     return out
 
 
+def declared_rows(request: pb.ModelInferRequest) -> int:
+    """The rows (first axis) the request's first input declares, at least 1, read without decoding a tensor:
+    what a front end admits or refuses a request on before paying for its decoding."""
+    shape = request.inputs[0].shape if request.inputs else ()
+    return max(1, int(shape[0])) if shape else 1
+
+
 def decode_outputs(response: pb.ModelInferResponse) -> dict[str, np.ndarray]:
     """The response's output tensors as numpy arrays (raw or typed contents)."""
     raw = response.raw_output_contents
