@@ -16,7 +16,6 @@ Three things keep a rung's validation from costing more than it must:
 
 from __future__ import annotations
 
-import hashlib
 import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -24,6 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
+from compilers.package import sha256_file
 from compilers.passes.execute import Runner, join_outputs, samples_first
 from compilers.sequence import decode
 
@@ -44,15 +44,9 @@ def sample_bytes(inputs: Mapping[str, np.ndarray], outputs: Mapping[str, np.ndar
 
 
 def artifact_digest(artifact: Path) -> str:
-    """SHA-256 over the artifact and its companion files (an OpenVINO `.xml` and its `.bin`)."""
-    digest = hashlib.sha256()
+    """The artifact's identity with its companion files (an OpenVINO `.xml` and its `.bin`): their SHA-256s."""
     files = [artifact] + ([artifact.with_suffix(".bin")] if artifact.suffix == ".xml" else [])
-    for f in files:
-        if f.is_file():
-            with f.open("rb") as fh:
-                for chunk in iter(lambda: fh.read(1 << 20), b""):
-                    digest.update(chunk)
-    return digest.hexdigest()
+    return "+".join(sha256_file(f) for f in files if f.is_file())
 
 
 @dataclass
