@@ -58,11 +58,13 @@ import dataclasses
 import multiprocessing
 import os
 import platform
+import queue
 import resource
 import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.request
 from collections.abc import Callable, Iterator
@@ -74,7 +76,15 @@ import numpy as np
 
 from cloud_service.protocol import inference_pb2 as pb
 from testkit.broker import Broker
-from testkit.overload import Load, Server, closed_loop, mqtt_closed_loop, ocr_det_package, request_bytes
+from testkit.overload import (
+    Load,
+    Server,
+    aio_closed_loop,
+    closed_loop,
+    mqtt_closed_loop,
+    ocr_det_package,
+    request_bytes,
+)
 
 MODELS = {"slow": (128, 256), "fast": (32, 64)}
 
@@ -96,21 +106,137 @@ def _timed(fn: Callable[..., Load], kwargs: dict[str, Any]) -> tuple[Load, float
     return load, cpu / max(wall, 1e-9)
 
 
-class LoadGen:
-    """Runs the closed loops here or in a process of its own (spawned once, reused for every row)."""
+class Stuck(Exception):
+    """A phase that did not finish within its bound: its row says so instead of the bench hanging."""
 
-    def __init__(self, mode: str) -> None:
-        self._pool = (futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"))
-                      if mode == "process" else None)
+
+PHASE_SLACK_S = 30.0  # a load phase may run this much past its own length before it counts as stuck
+
+
+class LoadGen:
+    """Runs the closed loops here or in `procs` processes of their own (spawned once, reused for every row;
+    a row's callers are split among them). A run that does not end within its length plus `PHASE_SLACK_S`
+    raises `Stuck`: the processes are killed and fresh ones spawned for the next row."""
+
+    def __init__(self, mode: str, procs: int = 1) -> None:
+        self.mode, self.procs = mode, max(1, procs)
+        self._pool = self._spawn()
+
+    def _spawn(self) -> futures.ProcessPoolExecutor | None:
+        if self.mode != "process":
+            return None
+        return futures.ProcessPoolExecutor(self.procs, mp_context=multiprocessing.get_context("spawn"))
 
     def run(self, fn: Callable[..., Load], **kwargs: Any) -> tuple[Load, float]:
         if self._pool is None:
             return _timed(fn, kwargs)
-        return self._pool.submit(_timed, fn, kwargs).result()
+        callers = int(kwargs["callers"])
+        shares = [callers // self.procs + (i < callers % self.procs) for i in range(min(self.procs, callers))]
+        jobs = [self._pool.submit(_timed, fn, kwargs | {"callers": n}) for n in shares]
+        bound = time.monotonic() + float(kwargs["seconds"]) + PHASE_SLACK_S
+        try:
+            done = [job.result(timeout=max(0.1, bound - time.monotonic())) for job in jobs]
+        except (futures.TimeoutError, futures.process.BrokenProcessPool) as exc:
+            self._restart()
+            msg = f"the load generator did not finish within {kwargs['seconds']:g} + {PHASE_SLACK_S:g} s ({exc!r})"
+            raise Stuck(msg) from None
+        total = Load(callers, float(kwargs["seconds"]), float(kwargs["deadline_s"]))
+        for load, _ in done:
+            total.add(load)
+        return total, sum(cores for _, cores in done)
+
+    def _restart(self) -> None:
+        assert self._pool is not None
+        for proc in list(getattr(self._pool, "_processes", {}).values()):
+            with contextlib.suppress(Exception):
+                proc.kill()
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        self._pool = self._spawn()
 
     def close(self) -> None:
         if self._pool is not None:
             self._pool.shutdown()
+
+
+@dataclasses.dataclass
+class Started:
+    proc: subprocess.Popen[str]
+    address: str  # what it printed after `grpc ` ("" if nothing)
+    log: Path  # its stderr
+
+
+def _start(cmd: list[str], log: Path, *, timeout_s: float, env: dict[str, str] | None = None,
+           stdin: bool = False, group: bool = False) -> Started | str:
+    """Start `cmd`, which prints `grpc ADDRESS` (optionally) and then `ready`; wait at most `timeout_s` for it.
+    The started process, or why it did not start (with the tail of its stderr). Never blocks past the bound."""
+    err = log.open("w")
+    proc = subprocess.Popen(cmd, stdin=subprocess.PIPE if stdin else subprocess.DEVNULL, stdout=subprocess.PIPE,
+                            stderr=err, text=True, env=env, start_new_session=group)
+    err.close()
+    lines: queue.Queue[str | None] = queue.Queue()
+
+    def read() -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            lines.put(line)
+        lines.put(None)
+
+    threading.Thread(target=read, daemon=True).start()
+    address, end = "", time.monotonic() + timeout_s
+    while True:
+        try:
+            line = lines.get(timeout=max(0.01, end - time.monotonic()))
+        except queue.Empty:
+            why = f"not ready within {timeout_s:g} s"
+            break
+        if line is None:
+            why = f"exited ({proc.poll()}) before ready"
+            break
+        if line.startswith("grpc "):
+            address = line.split()[1]
+        if line.strip() == "ready":
+            return Started(proc, address, log)
+    _stop(proc, group=group)
+    tail = " / ".join(log.read_text(errors="replace").strip().splitlines()[-3:])[-300:]
+    return f"{Path(cmd[1]).name} {why}: {tail}"
+
+
+def _alive(pid: int, *, group: bool) -> bool:
+    if not group:
+        return Path(f"/proc/{pid}").exists() and "Z" not in _state(Path(f"/proc/{pid}/stat"))
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            if int(fields[2]) == pid and fields[0] != "Z":
+                return True
+    return False
+
+
+def _state(stat: Path) -> str:
+    with contextlib.suppress(OSError, IndexError):
+        return stat.read_text().rsplit(")", 1)[1].split()[0]
+    return "Z"
+
+
+def _stop(proc: subprocess.Popen[str], *, group: bool = False, grace_s: float = 20.0) -> None:
+    """End `proc` (with `group`, every process of its process group: Triton's server and its backend stubs,
+    which outlive PyTriton's own process when only it is waited for) and wait until they are gone: SIGTERM,
+    then SIGKILL after `grace_s`. Bounded."""
+    if proc.stdin is not None:
+        with contextlib.suppress(OSError):
+            proc.stdin.close()  # the echo and the refuser end when stdin closes
+    for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 10.0)):
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            if group:
+                os.killpg(proc.pid, sig)
+            elif proc.poll() is None:
+                proc.send_signal(sig)
+        end = time.monotonic() + wait_s
+        while time.monotonic() < end:
+            proc.poll()
+            if not _alive(proc.pid, group=group):
+                return
+            time.sleep(0.1)
 
 
 def _cpu_seconds(pid: int, *, group: bool = False) -> float:
@@ -132,6 +258,7 @@ class Row:
     loadgen_cores: float
     server_cores: float
     server_refusal_p99_ms: float | None = None  # receipt to refusal inside tierkit's server (its histogram)
+    stuck: str = ""  # why the row has no figures: its phase did not finish in time
 
 
 def _refusal_buckets(metrics: str, protocol: str) -> dict[float, float]:
@@ -160,7 +287,11 @@ def _p99_ms(before: dict[float, float], after: dict[float, float]) -> float | No
 def _measure(gen: LoadGen, pid: int, fn: Callable[..., Load], level: str, *, group: bool = False,
              metrics: str = "", protocol: str = "", **kwargs: Any) -> Row:
     cpu, started, refusals = _cpu_seconds(pid, group=group), time.monotonic(), _refusal_buckets(metrics, protocol)
-    load, gen_cores = gen.run(fn, **kwargs)
+    try:
+        load, gen_cores = gen.run(fn, **kwargs)
+    except Stuck as exc:
+        empty = Load(int(kwargs["callers"]), float(kwargs["seconds"]), float(kwargs["deadline_s"]))
+        return Row(level, empty, 0.0, 0.0, stuck=str(exc))
     cores = (_cpu_seconds(pid, group=group) - cpu) / max(time.monotonic() - started, 1e-9)
     return Row(level, load, gen_cores, cores, _p99_ms(refusals, _refusal_buckets(metrics, protocol)))
 
@@ -171,21 +302,32 @@ class Capacity:
     callers: int  # the fewest callers that reached 90 % of it: "1x"
 
 
-def _capacity(gen: LoadGen, fn: Callable[..., Load], args: argparse.Namespace, **kwargs: Any) -> Capacity:
+def _capacity(gen: LoadGen, fn: Callable[..., Load], args: argparse.Namespace, **kwargs: Any) -> Capacity | None:
     """Closed loops of 1, 2, 4, ... callers, briefly each, until the rate stops rising (two probes in a row
-    within 5 % of the best) or the server refuses: the best rate and the fewest callers near it."""
+    within 5 % of the best) or the server refuses: the best rate and the fewest callers near it (None when
+    even the warm-up was stuck)."""
     probe = min(1.5, args.seconds)
-    gen.run(fn, callers=1, seconds=0.5, **kwargs)  # warm up
     seen: list[tuple[int, float]] = []
     flat, callers = 0, 1
+    try:
+        gen.run(fn, callers=1, seconds=0.5, **kwargs)  # warm up
+    except Stuck as exc:
+        print(f"# capacity probe stuck in its warm-up: {exc}", flush=True)
+        return None
     while callers <= args.max_callers:
-        load, _ = gen.run(fn, callers=callers, seconds=probe, **kwargs)
+        try:
+            load, _ = gen.run(fn, callers=callers, seconds=probe, **kwargs)
+        except Stuck as exc:
+            print(f"# capacity probe stuck at {callers} callers: {exc}", flush=True)
+            break
         best = max((rate for _, rate in seen), default=0.0)
         seen.append((callers, load.goodput))
         flat = flat + 1 if load.goodput < 1.05 * best else 0
         if flat >= 2 or load.refused + load.expired > 0.05 * max(1, load.offered):
             break
         callers *= 2
+    if not seen:
+        return None
     rate = max(r for _, r in seen)
     unit = min(c for c, r in seen if r >= 0.9 * rate)
     print("# capacity probe: " + ", ".join(f"{c} callers {r:.1f}/s" for c, r in seen)
@@ -194,7 +336,10 @@ def _capacity(gen: LoadGen, fn: Callable[..., Load], args: argparse.Namespace, *
 
 
 def _levels(args: argparse.Namespace, capacity: Capacity | None) -> list[tuple[str, int]]:
-    """(level, callers) for each row: multiples of the callers at capacity, or the counts given."""
+    """(level, callers) for each row: multiples of the callers at capacity, or the counts given (none when the
+    capacity probe was stuck)."""
+    if capacity is None and not args.callers:
+        return []
     if capacity is None:
         return [("-", int(c)) for c in args.callers.split(",")]
     out = []
@@ -208,6 +353,8 @@ def _levels(args: argparse.Namespace, capacity: Capacity | None) -> list[tuple[s
 def _checks(row: Row, best: float) -> list[str]:
     """The targets `row` misses: ratio >= 0.9 of the best rate, refusal p99 <= 10 ms, no late answers."""
     load, failed = row.load, []
+    if row.stuck:
+        return [f"stuck ({row.stuck})"]
     if best and load.goodput < 0.9 * best:
         failed.append(f"ratio {load.goodput / best:.2f} < 0.9")
     if load.refusal_p(99) > 10:
@@ -219,6 +366,8 @@ def _checks(row: Row, best: float) -> list[str]:
 
 def _row(model: str, protocol: str, row: Row, best: float, *, checked: bool = True) -> str:
     load = row.load
+    if row.stuck:
+        return f"| {model} | {protocol} | {row.level} | {load.callers} | stuck: {row.stuck} |" + " |" * 12
     ratio = load.goodput / best if best else 0.0
     server = "-" if row.server_refusal_p99_ms is None else f"≤ {row.server_refusal_p99_ms:g}"
     checks = ("; ".join(_checks(row, best)) or "ok") if checked else "(floor)"
@@ -247,9 +396,15 @@ def _broker(workdir: Path) -> Iterator[Broker]:
         broker.stop()
 
 
-def _triton(args: argparse.Namespace, name: str, gen: LoadGen, page: np.ndarray, deadline_s: float) -> list[str]:
+START_S = 120.0  # a server (Triton, the echo, the refuser) not ready by then is a row saying so, not a hang
+
+
+def _triton(args: argparse.Namespace, name: str, root: Path, gen: LoadGen, page: np.ndarray,
+            deadline_s: float) -> list[str]:
     """Triton's rows for one model (gRPC, levels from its own capacity probe), its queue policy rejecting
-    what waited past the request's timeout. Triton gives no retry hint: its callers call again at once."""
+    what waited past the request's timeout. Triton gives no retry hint: its callers call again at once.
+    Its start and every row are bounded in time; its whole process group is ended before the next model's
+    Triton starts (a `tritonserver` left from the previous model kept the next one from starting)."""
     from testkit.onnx_zoo import OCR_DET
 
     env = dict(os.environ)
@@ -258,36 +413,28 @@ def _triton(args: argparse.Namespace, name: str, gen: LoadGen, page: np.ndarray,
                             timeout=60).stdout.strip()
     env["LD_LIBRARY_PATH"] = ":".join(p for p in (libdir, env.get("LD_LIBRARY_PATH", "")) if p)
     script = Path(__file__).with_name("pytriton_server.py")
-    proc = subprocess.Popen([args.pytriton_python, str(script), str(OCR_DET.path()), "ocrdet", "0",
-                             "--reject-after-us", str(int(deadline_s * 1e6))], stdout=subprocess.PIPE,
-                            stderr=subprocess.DEVNULL, text=True, env=env, start_new_session=True)
+    started = _start([args.pytriton_python, str(script), str(OCR_DET.path()), "ocrdet", "0", "--reject-after-us",
+                      str(int(deadline_s * 1e6))], root / f"triton-{name}.log", timeout_s=START_S, env=env,
+                     group=True)
+    if isinstance(started, str):
+        print(f"| {name} | triton | - | - | absent: {started} |" + " |" * 12, flush=True)
+        return [f"{name}/triton: {started}"]
     try:
-        address = ""
-        assert proc.stdout is not None
-        for line in proc.stdout:
-            if line.startswith("grpc "):
-                address = line.split()[1]
-            if line.strip() == "ready":
-                break
-        if not address:
-            print(f"| {name} | triton | - | - | absent: PyTriton's server did not start | | | | | | | | | | | | |")
-            return []
         request = pb.ModelInferRequest.FromString(request_bytes("ocrdet", page))
         request.parameters["timeout"].int64_param = int(deadline_s * 1e6)  # Triton's per-request queue timeout
-        payload = request.SerializeToString()
-        kwargs: dict[str, Any] = {"address": address, "payload": payload, "deadline_s": deadline_s}
-        capacity = None if args.callers else _capacity(gen, closed_loop, args, **kwargs)
-        rows = [_measure(gen, proc.pid, closed_loop, level, group=True, callers=n, seconds=args.seconds, **kwargs)
+        kwargs: dict[str, Any] = {"address": started.address, "payload": request.SerializeToString(),
+                                  "deadline_s": deadline_s}
+        fn = _grpc_loop(args)
+        capacity = None if args.callers else _capacity(gen, fn, args, **kwargs)
+        rows = [_measure(gen, started.proc.pid, fn, level, group=True, callers=n, seconds=args.seconds, **kwargs)
                 for level, n in _levels(args, capacity)]
         return _report(name, "triton", rows, capacity.rate if capacity else 0.0)
     finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGTERM)  # Triton's server and its Python backend stubs with it
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(10)
+        _stop(started.proc, group=True)
+
+
+def _grpc_loop(args: argparse.Namespace) -> Callable[..., Load]:
+    return aio_closed_loop if args.grpc_callers == "aio" else closed_loop
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -302,21 +449,28 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-hostile", action="store_true", help="leave out the rows of callers ignoring hints")
     parser.add_argument("--no-echo", action="store_true", help="leave out the MQTT transport's floor (echo rows)")
     parser.add_argument("--loadgen", choices=("process", "thread"), default="process",
-                        help="run the callers in a process of their own, or in this one")
+                        help="run the callers in processes of their own, or in this one")
+    parser.add_argument("--loadgen-procs", type=int, default=2,
+                        help="load generator processes (a row's callers are split among them)")
+    parser.add_argument("--grpc-callers", choices=("aio", "threads"), default="aio",
+                        help="gRPC callers as coroutines on one grpc.aio channel a process, or a thread each")
+    parser.add_argument("--no-floor", action="store_true",
+                        help="leave out the gRPC refusal's floor (a bare server refusing every call at once)")
     parser.add_argument("--serve-args", default="", help="extra `tierkit serve` flags, e.g. --no-admission")
     parser.add_argument("--pytriton-python", default="", help="a Python with nvidia-pytriton: add Triton's rows")
     args = parser.parse_args(argv)
     protocols = [p for p in args.protocols.split(",") if p]
     deadline_s = args.deadline_ms / 1000
     print(f"# bench_overload on {_cpu()} ({os.cpu_count()} CPUs), Python {sys.version.split()[0]}; deadline "
-          f"{args.deadline_ms:g} ms, {args.seconds:g} s a row; load generator: {args.loadgen}; serve args: "
+          f"{args.deadline_ms:g} ms, {args.seconds:g} s a row; load generator: {args.loadgen} x{args.loadgen_procs}, "
+          f"gRPC callers: {args.grpc_callers}; serve args: "
           f"{args.serve_args or '(defaults)'}")
     print("| model | protocol | load | callers | offered/s | in-time/s | ratio | refused | refusal p50 ms "
           "| refusal p99 ms | server refusal p99 ms | answer p50/p99 ms | late | expired | loadgen cores "
           "| server cores | checks |")
     print("| --- " * 17 + "|")
     failed: list[str] = []
-    gen = LoadGen(args.loadgen)
+    gen = LoadGen(args.loadgen, args.loadgen_procs)
     try:
         with tempfile.TemporaryDirectory(prefix="bench-overload-") as tmp:
             root = Path(tmp)
@@ -334,7 +488,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _model_rows(args: argparse.Namespace, name: str, root: Path, broker: Broker | None, gen: LoadGen,
                 protocols: list[str], deadline_s: float) -> list[str]:
-    """Every row of one model: tierkit over each protocol (the MQTT echo floor beside), then Triton."""
+    """Every row of one model: tierkit over each protocol (each transport's floor beside), then Triton."""
     height, width = MODELS[name]
     models = root / name
     page = ocr_det_package(models, height=height, width=width, name="ocrdet")
@@ -342,65 +496,96 @@ def _model_rows(args: argparse.Namespace, name: str, root: Path, broker: Broker 
     extra = ["--mqtt", broker.url] if broker is not None else []
     failed: list[str] = []
     with Server(models, "--metrics", "127.0.0.1:0", *extra, *args.serve_args.split()) as server:
-        pid = server.proc.pid
         for protocol in protocols:
+            kwargs: dict[str, Any]
             if protocol == "grpc":
-                fn, kwargs = closed_loop, {"address": server.address}
+                fn, kwargs = _grpc_loop(args), {"address": server.address}
             else:
                 assert broker is not None
                 fn, kwargs = mqtt_closed_loop, {"url": f"{broker.url}/ocrdet"}
             kwargs |= {"payload": payload, "deadline_s": deadline_s}
-            capacity = None if args.callers else _capacity(gen, fn, args, **kwargs)
-            levels = _levels(args, capacity)
-            if not args.no_hostile:
-                levels.append((f"{levels[-1][0]} hostile", levels[-1][1]))
-            rows = [_measure(gen, pid, fn, level, metrics=server.metrics, protocol=protocol, callers=n,
-                             seconds=args.seconds, honour_hints="hostile" not in level, **kwargs)
-                    for level, n in levels]
-            failed += _report(name, protocol, rows, capacity.rate if capacity else 0.0)
-            if protocol == "mqtt" and not args.no_echo:
-                top = [row for row in rows if "hostile" not in row.level][-1]
-                echo = _echo_rows(args, name, root, gen, payload, page, [levels[0], (top.level, top.load.callers)],
-                                  deadline_s)
-                if echo:
-                    print(f"# {name}: MQTT at {top.level} ({top.load.callers} callers) against its transport's floor: "
-                          f"{top.load.goodput:.1f}/s in time (echo {echo[-1].load.goodput:.1f}/s), refusal p50/p99 "
-                          f"{top.load.refusal_p(50):.1f}/{top.load.refusal_p(99):.1f} ms (echo round trip "
-                          f"{echo[-1].load.answer_p(50):.1f}/{echo[-1].load.answer_p(99):.1f} ms)", flush=True)
+            failed += _protocol_rows(args, name, root, gen, server, protocol, fn, kwargs, page)
     if args.pytriton_python:
-        failed += _triton(args, name, gen, page, deadline_s)
+        failed += _triton(args, name, root, gen, page, deadline_s)
     return failed
 
 
+def _protocol_rows(args: argparse.Namespace, name: str, root: Path, gen: LoadGen, server: Server, protocol: str,
+                   fn: Callable[..., Load], kwargs: dict[str, Any], page: np.ndarray) -> list[str]:
+    """tierkit's rows over one protocol, then that transport's floor at the top level's caller count."""
+    capacity = None if args.callers else _capacity(gen, fn, args, **kwargs)
+    levels = _levels(args, capacity)
+    if not levels:
+        print(f"| {name} | {protocol} | - | - | stuck: no capacity measured |" + " |" * 12, flush=True)
+        return [f"{name}/{protocol}: stuck in the capacity probe"]
+    if not args.no_hostile:
+        levels.append((f"{levels[-1][0]} hostile", levels[-1][1]))
+    rows = [_measure(gen, server.proc.pid, fn, level, metrics=server.metrics, protocol=protocol, callers=n,
+                     seconds=args.seconds, honour_hints="hostile" not in level, **kwargs)
+            for level, n in levels]
+    failed = _report(name, protocol, rows, capacity.rate if capacity else 0.0)
+    top = [row for row in rows if "hostile" not in row.level][-1]
+    if protocol == "mqtt" and not args.no_echo:
+        echo = _echo_rows(args, name, root, gen, kwargs["payload"], page, [levels[0], (top.level, top.load.callers)])
+        if echo:
+            print(f"# {name}: MQTT at {top.level} ({top.load.callers} callers) against its transport's floor: "
+                  f"{top.load.goodput:.1f}/s in time (echo {echo[-1].load.goodput:.1f}/s), refusal p50/p99 "
+                  f"{top.load.refusal_p(50):.1f}/{top.load.refusal_p(99):.1f} ms (echo round trip "
+                  f"{echo[-1].load.answer_p(50):.1f}/{echo[-1].load.answer_p(99):.1f} ms)", flush=True)
+    if protocol == "grpc" and not args.no_floor:
+        floor = _refuser_row(args, name, root, gen, kwargs["payload"], top)
+        if floor is not None:
+            print(f"# {name}: gRPC refusals at {top.level} ({top.load.callers} callers): tierkit p50/p99 "
+                  f"{top.load.refusal_p(50):.1f}/{top.load.refusal_p(99):.1f} ms caller-side, server-side p99 "
+                  f"≤ {top.server_refusal_p99_ms} ms; a bare server refusing at once: p50/p99 "
+                  f"{floor.load.refusal_p(50):.1f}/{floor.load.refusal_p(99):.1f} ms caller-side", flush=True)
+    return failed
+
+
+def _refuser_row(args: argparse.Namespace, name: str, root: Path, gen: LoadGen, payload: bytes,
+                 top: Row) -> Row | None:
+    """The gRPC refusal's floor: the same generator, payload and callers as tierkit's row `top`, against a bare
+    grpcio server that refuses every call at once with the median hint tierkit gave there (`grpc_refuser.py`)."""
+    hint = float(np.median(top.load.hints_ms)) if top.load.hints_ms else 1.0
+    started = _start([sys.executable, str(Path(__file__).with_name("grpc_refuser.py")), f"{hint:g}"],
+                     root / f"refuser-{name}.log", timeout_s=START_S, stdin=True)
+    if isinstance(started, str):
+        print(f"| {name} | grpc-refuser | - | - | absent: {started} |" + " |" * 12, flush=True)
+        return None
+    try:
+        kwargs: dict[str, Any] = {"address": started.address, "payload": payload, "deadline_s": top.load.deadline_s}
+        row = _measure(gen, started.proc.pid, _grpc_loop(args), f"{top.level} (hint {hint:g} ms)",
+                       callers=top.load.callers, seconds=args.seconds, **kwargs)
+    finally:
+        _stop(started.proc)
+    print(_row(name, "grpc-refuser", row, 0.0, checked=False), flush=True)
+    return row
+
+
 def _echo_rows(args: argparse.Namespace, name: str, root: Path, gen: LoadGen, payload: bytes, page: np.ndarray,
-               levels: list[tuple[str, int]], deadline_s: float) -> list[Row]:
+               levels: list[tuple[str, int]]) -> list[Row]:
     """The MQTT transport's floor: the same callers and pages against a bare echo (`mqtt_echo.py`) through a
     Mosquitto of its own (a second shared subscription on the bridge's broker would take a copy of each)."""
     reply_bytes = page.nbytes // page.shape[1]  # the detector answers one probability map a page
     with _broker(root / f"echo-broker-{name}") as broker:
-        echo = subprocess.Popen([sys.executable, str(Path(__file__).with_name("mqtt_echo.py")), broker.url,
-                                 str(reply_bytes)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        started = _start([sys.executable, str(Path(__file__).with_name("mqtt_echo.py")), broker.url,
+                          str(reply_bytes)], root / f"echo-{name}.log", timeout_s=START_S, stdin=True)
+        if isinstance(started, str):
+            print(f"| {name} | mqtt-echo | - | - | absent: {started} |" + " |" * 12, flush=True)
+            return []
         try:
-            assert echo.stdout is not None
-            if echo.stdout.readline().strip() != "ready":
-                print(f"| {name} | mqtt-echo | - | - | absent: the echo did not start | | | | | | | | | | | | |")
-                return []
-            kwargs: dict[str, Any] = {"url": f"{broker.url}/ocrdet", "payload": payload, "deadline_s": deadline_s}
-            gen.run(mqtt_closed_loop, callers=1, seconds=0.5, **kwargs)  # warm up
-            rows = [_measure(gen, echo.pid, mqtt_closed_loop, level, callers=n, seconds=args.seconds,
-                             honour_hints="hostile" not in level, **kwargs) for level, n in levels]
+            kwargs: dict[str, Any] = {"url": f"{broker.url}/ocrdet", "payload": payload,
+                                      "deadline_s": args.deadline_ms / 1000}
+            with contextlib.suppress(Stuck):
+                gen.run(mqtt_closed_loop, callers=1, seconds=0.5, **kwargs)  # warm up
+            rows = [_measure(gen, started.proc.pid, mqtt_closed_loop, level, callers=n, seconds=args.seconds,
+                             **kwargs) for level, n in levels]
         finally:
-            assert echo.stdin is not None
-            echo.stdin.close()
-            try:
-                echo.wait(30)
-            except subprocess.TimeoutExpired:
-                echo.kill()
-                echo.wait(10)
+            _stop(started.proc)
     best = max(row.load.goodput for row in rows)
     for row in rows:
         print(_row(name, "mqtt-echo", row, best, checked=False), flush=True)
-    return rows
+    return [row for row in rows if not row.stuck]
 
 
 if __name__ == "__main__":
