@@ -14,6 +14,7 @@ Exposed names (all prefixed `tierkit_`):
 | `requests_expired_total` | model | queued requests dropped before compute: deadline passed or no longer reachable |
 | `requests_refused_total` | model, reason | refused at admission: `deadline`, `queue_full`, `standing`, `waiting` |
 | `queue_seconds` | model | time each request waited in the queue (to run, or to be dropped) |
+| `answers_dropped_total` | model, protocol | answers computed after the caller's deadline, dropped before send |
 | `mqtt_garbage_total` | | MQTT payloads that were not a valid request |
 | `mqtt_duplicates_total` | | MQTT requests answered from the duplicate cache |
 | `model_loads_total` | model, outcome | loads and hot swaps: `loaded` or `refused` |
@@ -67,6 +68,9 @@ class Metrics:
                                  registry=r)
         self.expired = Counter("tierkit_requests_expired", "Requests dropped for their deadline before compute.",
                                ["model"], registry=r)
+        self.answers_dropped = Counter("tierkit_answers_dropped",
+                                       "Answers ready after the caller's deadline, dropped before send.",
+                                       ["model", "protocol"], registry=r)
         self.admission_refused = Counter("tierkit_requests_refused",
                                          "Requests refused at admission (RESOURCE_EXHAUSTED at once), by reason.",
                                          ["model", "reason"], registry=r)
@@ -96,6 +100,10 @@ class Metrics:
             self.failures.labels(model, protocol, code).inc()
             if code in _REFUSALS:
                 self.refusal_seconds.labels(model, protocol).observe(seconds)
+
+    def answer_dropped(self, model: str, protocol: str) -> None:
+        """Count one answer dropped before send: its caller's deadline had passed."""
+        self.answers_dropped.labels(model, protocol).inc()
 
     def refused(self, surface: str, reason: str) -> None:
         """Count one refusal; `reason` is one of a fixed set per surface, never request content."""

@@ -77,6 +77,16 @@ def _expiry(message: paho.MQTTMessage) -> float | None:
     return float(left) if isinstance(left, int) and left > 0 else None
 
 
+def _past_due(message: paho.MQTTMessage, request: pb.ModelInferRequest, arrived: float) -> bool:
+    """Whether the escalation's deadline has passed: its `tierkit.deadline_ms` (epoch ms) or its message's
+    expiry counted from `arrived` (`time.perf_counter()` on paho's thread)."""
+    expiry = _expiry(message)
+    if expiry is not None and time.perf_counter() > arrived + expiry:
+        return True
+    due = get_parameters(request.parameters).get(topics.PARAM_DEADLINE_MS)
+    return isinstance(due, int) and time.time() * 1000 > due
+
+
 class MqttBridge:
     """Answers escalations arriving over MQTT v5 with the server's models.
 
@@ -311,6 +321,10 @@ class MqttBridge:
                 self._limits.release(device)
         except Exception as exc:
             self._send(message, request, exc, started, label)
+            return
+        if _past_due(message, request, started):  # no reply after the deadline: the caller has given up on it
+            self.metrics.answer_dropped(label, "mqtt")
+            self.metrics.request_done(label, "mqtt", time.perf_counter() - started, code="DEADLINE_EXCEEDED")
             return
         self._send(message, request, response, started, label)
 

@@ -186,7 +186,12 @@ class InferenceServicer:
                                                (RETRY_AFTER_KEY, str(pushback))))
             context.abort(getattr(grpc.StatusCode, code), message)
             raise  # unreachable: abort raises
-        # The client went away or its deadline passed while this ran: gRPC drops the answer.
+        if timeout is not None and (context.time_remaining() or 0.0) <= 0:
+            # computed, but the caller's deadline passed: dropped here, never sent after its deadline
+            self.metrics.answer_dropped(label, "grpc")
+            self.metrics.request_done(label, "grpc", time.perf_counter() - started, code="DEADLINE_EXCEEDED")
+            context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "the answer was ready after the caller's deadline")
+        # The client went away while this ran: gRPC drops the answer.
         gone = None if context.is_active() else "CANCELLED"
         self.metrics.request_done(label, "grpc", time.perf_counter() - started, code=gone)
         return response

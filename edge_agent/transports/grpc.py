@@ -189,6 +189,10 @@ class GrpcTransport(Transport):
         started = time.perf_counter()
         try:
             response: inference_pb2.ModelInferResponse = await self._call()(request, timeout=timeout_s)
+            if time.perf_counter() - started > timeout_s:  # answered in time, but this loop resumed too late
+                msg = (f"gRPC ModelInfer on {where} was answered, but this event loop resumed after the "
+                       f"{timeout_s:.3f} s deadline; the answer is not used (the host is overloaded)")
+                raise escalation_error(CloudTimeout, msg, code="DEADLINE_EXCEEDED")
             if self.encoder is not None:
                 self.encoder.observe(wire_size(request) + response.ByteSize(), time.perf_counter() - started)
             return response

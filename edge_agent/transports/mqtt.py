@@ -152,6 +152,8 @@ class MqttTransport(Transport):
             started = time.perf_counter()
             async with asyncio.timeout_at(deadline):
                 response = await future
+            if loop.time() > deadline:  # the reply came, but this loop resumed past the deadline: too late to use
+                raise TimeoutError
             if self.encoder is not None:
                 self.encoder.observe(len(payload) + response.ByteSize(), time.perf_counter() - started)
             return response
