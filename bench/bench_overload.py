@@ -15,10 +15,16 @@ protocol, in callers: closed loops of 1, 2, 4, ... callers run briefly until the
 second stop rising (or requests start being refused); the best rate is the capacity, and the fewest
 callers that reach 90 % of it are "1x" (batching serves more callers than one: the unit is where the
 model saturates, not one caller). Level m runs m units of callers (at most `--max-callers`; a capped
-row says so in its load column). `--callers N,M` gives counts instead. The load generator runs in a
-process of its own (`--loadgen process`, the default; it still shares the cores with the server on a
-small host): its CPU use and the server's are reported per row, in cores (1.0 = one core busy for the
-whole row).
+row says so in its load column). `--callers N,M` gives counts instead. The load generator runs in
+processes of its own (`--loadgen process --loadgen-procs 2`, the default: a row's callers are split
+among them; they still share the cores with the server on a small host), its gRPC callers coroutines
+on one grpc.aio channel a process (`--grpc-callers aio`; `threads` is a thread a caller): its CPU use
+and the server's are reported per row, in cores (1.0 = one core busy for the whole row).
+
+No phase can hang the bench: a row whose callers do not finish within its length plus 30 s is printed
+as `stuck` (its generator processes are killed and respawned), a server (Triton, the echo, the refuser)
+not ready within 120 s is a row saying why with its stderr's tail, and Triton's whole process group
+(PyTriton, `tritonserver`, its backend stubs) is ended and waited for before the next one starts.
 
 Callers honour the retry hint of a refusal as a well-behaved client library does (gRPC's own retry
 machinery waits `grpc-retry-pushback-ms`; the agent holds escalations back for `tierkit.retry_after_ms`):
@@ -28,6 +34,11 @@ the highest level's callers ignoring every hint (calling again at once): goodput
 Over MQTT the transport's own floor is measured in the same run: the same callers and pages against a
 bare echo through its own Mosquitto (`bench/mqtt_echo.py`: no model, no parsing, a reply of the model's
 answer size), at 1x and the highest level; the MQTT rows are read against it ("mqtt-echo" rows).
+
+The gRPC refusal's floor, in the same run: the same generator, payload and callers as the top level's
+row against a bare grpcio server that refuses every call at once (`bench/grpc_refuser.py`, the median
+retry hint tierkit gave): the "grpc-refuser" row is what a refusal costs the callers on this host with
+no server work at all; the "server refusal p99" column is tierkit's own receipt-to-refusal time.
 
 Columns: offered (requests sent per second), in-time/s (answers within their deadline: goodput),
 ratio (in-time/s against the best rate measured at any load for that model and protocol in this run,
