@@ -14,6 +14,13 @@ Without a sidecar:
 - TorchScript keeps neither dtypes nor shapes once saved, so it cannot be loaded without a
   sidecar; the error says what to write.
 
+fp32 on CUDA: cuDNN runs fp32 convolutions in TF32 by default (10 bits of mantissa; on an H200 the
+digits CNN's logits move by 3e-3 against the CPU's, 6e-6 with TF32 off), so a CUDA session pins fp32
+convolutions and matrix products to IEEE fp32 for the length of each call and restores the process's
+setting afterwards: the same variant computes the same numbers on the CPU and on the GPU. A traced
+TorchScript file carries the flag in each `aten::_convolution` call as a constant (True unless it was
+traced with TF32 off), so a TorchScript module loaded for CUDA is frozen and those constants cleared.
+
 Threads: `torch.set_num_threads` and `torch.set_num_interop_threads` are process-wide in torch,
 so `SessionOptions` thread counts apply to every torch session in the process.
 
@@ -27,7 +34,9 @@ Example:
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Mapping
+import threading
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -62,6 +71,78 @@ def torch_device(device: str) -> torch.device:
         return torch.device("cuda:0" if low in ("gpu", "cuda") else low)
     msg = f"device {device!r} is not 'cpu', 'gpu' or 'cuda:N' (the torch backend runs on those)"
     raise ConfigError(msg)
+
+
+_PRECISION_LOCK = threading.Lock()
+_exact_calls = 0
+_saved_precision: tuple[Any, ...] = ()
+
+
+def _fp32_knobs() -> tuple[Any, ...]:
+    """The objects holding cuBLAS's and cuDNN's fp32 precision (torch >= 2.9 names it `fp32_precision`)."""
+    conv = getattr(torch.backends.cudnn, "conv", None)
+    if conv is not None and hasattr(conv, "fp32_precision"):
+        return torch.backends.cuda.matmul, conv
+    return ()
+
+
+def _read_precision() -> tuple[Any, ...]:
+    knobs = _fp32_knobs()
+    if knobs:
+        return tuple(k.fp32_precision for k in knobs)
+    return torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+
+
+def _write_precision(values: tuple[Any, ...] | None) -> None:
+    """Set the saved `values`, or IEEE fp32 everywhere for None."""
+    knobs = _fp32_knobs()
+    if knobs:
+        for knob, value in zip(knobs, values or ("ieee",) * len(knobs), strict=True):
+            knob.fp32_precision = value
+        return
+    matmul, conv = values or (False, False)
+    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = matmul, conv
+
+
+@contextmanager
+def _ieee_fp32() -> Iterator[None]:
+    """IEEE fp32 for cuBLAS and cuDNN while any CUDA session runs; the process's setting back after the last.
+
+    The flags are process-wide, so calls overlapping in several threads share one save and restore.
+    """
+    global _exact_calls, _saved_precision
+    with _PRECISION_LOCK:
+        if _exact_calls == 0:
+            _saved_precision = _read_precision()
+            _write_precision(None)
+        _exact_calls += 1
+    try:
+        yield
+    finally:
+        with _PRECISION_LOCK:
+            _exact_calls -= 1
+            if _exact_calls == 0:
+                _write_precision(_saved_precision)
+
+
+def _exact_convolutions(module: Any) -> Any:
+    """`module` frozen, with the TF32 flag traced into its convolutions cleared; `module` itself if it cannot be
+    frozen (then its convolutions keep the flag they were traced with, and a warning says so)."""
+    try:
+        frozen = torch.jit.freeze(module)
+    except Exception as exc:  # freezing refuses modules that mutate attributes in forward, among others
+        logger.warning("TorchScript module not frozen (%s): its convolutions keep the TF32 flag they were traced "
+                       "with; export with torch.export (.pt2) for exact fp32 on CUDA", exc)
+        return module
+    graph = frozen.graph
+    for node in graph.findAllNodes("aten::_convolution"):
+        args = list(node.inputs())
+        flag = args[-1]
+        if flag.node().kind() == "prim::Constant" and flag.toIValue() is True:
+            cleared = graph.insertConstant(False)
+            cleared.node().moveBefore(node)
+            node.replaceInput(len(args) - 1, cleared)
+    return frozen
 
 
 def _set_threads(options: SessionOptions) -> None:
@@ -119,6 +200,8 @@ class TorchSession(Session):
                            f"{io_sidecar_path(artifact).name!r} with runtimes.session.write_io_sidecar")
                     raise PackageError(msg)
                 self._module = torch.jit.load(str(artifact), map_location=self.device).eval()
+                if self.device.type == "cuda":
+                    self._module = _exact_convolutions(self._module)
                 inputs, outputs = sidecar
             else:
                 msg = f"the torch backend reads .pt2 (torch.export) and .pt/.ts (TorchScript), not {artifact.name!r}"
@@ -152,10 +235,13 @@ class TorchSession(Session):
                 raise self._input_error(inputs, None)
             args.append(_tensor(array))
         try:
-            if not self._on_cpu:
+            if self._on_cpu:
+                with torch.inference_mode():
+                    result = self._module(*args)
+            else:
                 args = [a.to(self.device) for a in args]
-            with torch.inference_mode():
-                result = self._module(*args)
+                with _ieee_fp32(), torch.inference_mode():
+                    result = self._module(*args)
         except Exception as exc:  # guards raise AssertionError, kernels RuntimeError: sort them out below
             raise self._input_error(inputs, exc) from exc
         results = result if isinstance(result, tuple | list) else (result,)

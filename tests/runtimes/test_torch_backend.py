@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import shutil
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -70,3 +71,52 @@ def test_corrupt_file_is_a_package_error(tmp_path: Path) -> None:
     bad.write_bytes(b"PK\x03\x04 not really a zip")
     with pytest.raises(PackageError, match=r"broken\.pt2"):
         open_session(bad)
+
+
+def test_ieee_fp32_is_held_while_any_call_runs_and_then_restored() -> None:
+    # the flags are plain process settings, so this runs without a GPU; the GPU half is in test_gpu.py
+    from runtimes import torch_backend as tb
+
+    before = tb._read_precision()
+    tf32 = ("tf32", "tf32") if tb._fp32_knobs() else (True, True)
+    tb._write_precision(tf32)
+    try:
+        inside, release = threading.Event(), threading.Event()
+        seen: list[tuple[object, ...]] = []
+
+        def overlapping() -> None:
+            with tb._ieee_fp32():
+                inside.set()
+                release.wait(5)
+                seen.append(tb._read_precision())
+
+        worker = threading.Thread(target=overlapping)
+        worker.start()
+        assert inside.wait(5)
+        with tb._ieee_fp32():
+            ieee = tb._read_precision()
+        assert tb._read_precision() == ieee, "the first call to end must not restore under a call still running"
+        release.set()
+        worker.join(5)
+        assert ieee == (("ieee", "ieee") if tb._fp32_knobs() else (False, False))
+        assert seen == [ieee]
+        assert tb._read_precision() == tf32
+    finally:
+        tb._write_precision(before)
+
+
+def test_traced_convolutions_lose_their_tf32_flag(digits_cnn_ts: Path, digits: zoo.Split) -> None:
+    # torch.jit.trace writes cuDNN's TF32 flag (on by default) into every convolution as a constant
+    from runtimes import torch_backend as tb
+
+    module = torch.jit.load(str(digits_cnn_ts)).eval()
+    graph = module.inlined_graph  # a copy: held, or its nodes die with it
+    traced = [list(n.inputs())[-1].toIValue() for n in graph.findAllNodes("aten::_convolution")]
+    assert traced
+    assert all(traced)
+    exact = tb._exact_convolutions(module)
+    assert [list(n.inputs())[-1].toIValue() for n in exact.graph.findAllNodes("aten::_convolution")] == \
+        [False] * len(traced)
+    x = torch.from_numpy(digits.x_test[:16])
+    with torch.inference_mode():
+        np.testing.assert_allclose(exact(x).numpy(), module(x).numpy(), atol=1e-5)  # freezing folds constants
