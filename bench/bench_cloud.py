@@ -18,7 +18,7 @@ a package is built in a temporary directory, and:
 - kserve (with `--kserve-python PY`): KServe's Python model server with the model as a custom
   `kserve.Model` over onnxruntime (bench/kserve_server.py, run by PY, which has kserve installed);
 - triton-python (with `--pytriton-python PY`): Triton Inference Server serving the model from a
-  Python callable through PyTriton, dynamic batching on (bench/pytriton_server.py);
+  Python callable through PyTriton, dynamic batching on (testkit/pytriton_server.py);
 - *-stream (with `--stream`): the same servers over one bidirectional stream (ModelStreamInfer; a
   stream echo for echo-threads) with `concurrency` messages in flight instead of that many calls;
 - server-request-mean / server-compute-mean: inside tierkit with batching at concurrency 1, from its
@@ -70,6 +70,8 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
+
+from testkit.pytriton import SERVER_SCRIPT  # noqa: E402
 
 THROUGHPUT_TARGET, LATENCY_TARGET = 0.70, 1.5
 BATCH_SIZES = (1, 8, 16, 32, 64)
@@ -349,7 +351,7 @@ def drive_servers(model: Model, models_dir: Path, session: Any, *, levels: tuple
         ("tierkit-nobatch", [*serve, "--no-batching"], infer),
     ]
     for path, python, script in others:  # other Python servers, each under a Python that has its package
-        argv = [python, str(Path(__file__).with_name(script)), str(model.onnx), model.name, str(threads)]
+        argv = [python, str(Path(__file__).parent / script), str(model.onnx), model.name, str(threads)]
         servers.append((path, argv, infer))
     rows: list[Row] = []
     compute: dict[str, list[float]] = {"compute": [], "compute-paced": []}
@@ -547,7 +549,7 @@ def main(argv: list[str] | None = None) -> int:
     builders = [digits_cnn] if args.quick else [known[m] for m in wanted]
     others = tuple((path, python, script) for path, python, script in
                    (("kserve", args.kserve_python, "kserve_server.py"),
-                    ("triton-python", args.pytriton_python, "pytriton_server.py")) if python)
+                    ("triton-python", args.pytriton_python, str(SERVER_SCRIPT))) if python)
     rows: list[Row] = []
     with tempfile.TemporaryDirectory(prefix="bench-cloud-") as tmp:
         work = Path(tmp)

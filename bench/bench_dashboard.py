@@ -39,11 +39,10 @@ sys.path.insert(0, str(ROOT))
 from cloud_service.fleet import bands  # noqa: E402
 from cloud_service.fleet.store import FleetStore  # noqa: E402
 from testkit import postgres  # noqa: E402
+from testkit.chromium import CHROMIUM, FLAGS  # noqa: E402
 from testkit.fleet_process import FleetProcess  # noqa: E402
 from testkit.fleet_seed import FleetShape, seed, touch  # noqa: E402
 
-CHROMIUM = "/usr/bin/chromium"
-FLAGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--no-first-run"]
 TARGET_S = 2.0
 FIRST_PAINT = "performance.getEntriesByName('tierkit-first-paint').length > 0"
 

@@ -47,6 +47,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.bench_cloud import digits_cnn
 from bench.bench_escalation import start_mosquitto
 from cloud_service.protocol import encode_request, topics
+from testkit.pytriton import SERVER_SCRIPT
 
 TARGET = 0.9
 PATHS = ("bridge", "bridge-stream", "relay", "stream-relay")  # the MQTT paths, each with a broker of its own
@@ -192,7 +193,7 @@ def main() -> int:
         libdir = subprocess.run([args.pytriton_python, "-c", probe], capture_output=True, text=True,
                                 check=True).stdout.strip()
         env["LD_LIBRARY_PATH"] = ":".join(p for p in (libdir, env.get("LD_LIBRARY_PATH", "")) if p)
-        triton_proc = _start([args.pytriton_python, str(Path(__file__).with_name("pytriton_server.py")),
+        triton_proc = _start([args.pytriton_python, str(SERVER_SCRIPT),
                               str(model.onnx), "digits", "1"], work / "triton.log", env)
         procs: list[subprocess.Popen[str]] = [triton_proc]
         try:

@@ -52,7 +52,7 @@ after its deadline.
 
 Triton, with `--pytriton-python PY` (a Python with `nvidia-pytriton` and onnxruntime, in a virtual
 environment of its own: FACTS.md): Triton serving the same detector from a Python callable through
-PyTriton (bench/pytriton_server.py), dynamic batching on, with its queue policy set as its docs advise
+PyTriton (testkit/pytriton_server.py), dynamic batching on, with its queue policy set as its docs advise
 for overload (`REJECT` after the request's timeout, `allow_timeout_override`, a bounded queue); each
 request carries the deadline as its `timeout` parameter. gRPC only. Without it the table says so.
 
@@ -96,6 +96,7 @@ from testkit.overload import (
     ocr_det_package,
     request_bytes,
 )
+from testkit.pytriton import SERVER_SCRIPT
 
 MODELS = {"slow": (128, 256), "fast": (32, 64)}
 
@@ -423,7 +424,7 @@ def _triton(args: argparse.Namespace, name: str, root: Path, gen: LoadGen, page:
     libdir = subprocess.run([args.pytriton_python, "-c", probe], capture_output=True, text=True, check=True,
                             timeout=60).stdout.strip()
     env["LD_LIBRARY_PATH"] = ":".join(p for p in (libdir, env.get("LD_LIBRARY_PATH", "")) if p)
-    script = Path(__file__).with_name("pytriton_server.py")
+    script = SERVER_SCRIPT
     started = _start([args.pytriton_python, str(script), str(OCR_DET.path()), "ocrdet", "0", "--reject-after-us",
                       str(int(deadline_s * 1e6))], root / f"triton-{name}.log", timeout_s=START_S, env=env,
                      group=True)

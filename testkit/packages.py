@@ -11,6 +11,8 @@ from compilers.manifest import Manifest
 from compilers.package import ModelPackage, write_package
 from compilers.variants import VariantEntry, VariantSet
 from runtimes.registry import open_session
+from runtimes.spec import TensorSpec
+from testkit.zoo import Split
 
 
 def energy_stats(logits: np.ndarray, temperature: float = 1.0) -> dict[str, float]:
@@ -51,6 +53,25 @@ def make_variant_set(directory: Path, models: dict[str, Path], *, name: str, x_v
     vs = VariantSet(directory, name, "x86", tuple(entries))
     vs.write()
     return vs
+
+
+def profiled_package(directory: Path, onnx: Path, split: Split, *, validation: bool = True,
+                     p50_ms: float = 0.2, energy_mj: float = 1.5) -> ModelPackage:
+    """A digits package holding the ONNX model, its outputs on the validation split (unless `validation` is
+    false), and the latency and energy a controller profiles it by."""
+    directory.mkdir(parents=True)
+    shutil.copy(onnx, directory / "model.onnx")
+    with open_session(directory / "model.onnx", backend="onnxruntime") as session:
+        logits = session.run({"x": split.x_val})["logits"]
+    if validation:
+        np.savez(directory / "validation.npz", logits=logits, labels=split.y_val, reference_logits=logits)
+    manifest = Manifest(name="digits", version="1", target="x86", precision="fp32", runtime="onnxruntime",
+                        artifact="model.onnx", inputs=(TensorSpec("x", "float32", ("batch", 1, 8, 8)),),
+                        outputs=(TensorSpec("logits", "float32", ("batch", 10)),),
+                        latency_ms={"batch_1": {"p50": p50_ms, "p95": 1.5 * p50_ms}},
+                        energy={"mj": energy_mj, "label": "modeled:test-cpu"},
+                        calibration={"temperature": 1.0, "validation_file": "validation.npz"})
+    return write_package(directory, manifest)
 
 
 _COMPILED: dict[tuple[str, str], Path] = {}

@@ -97,8 +97,10 @@ def test_the_wire_contract_needs_no_transport_library() -> None:
             bad.append(f"{path.relative_to(ROOT)}:{line} imports {imported}")
     assert not bad, "the wire contract imports a library it may not:\n" + "\n".join(bad)
 
-# Tests and benchmarks share their real parts through `testkit`, which sits below both.
-APART = {"tests": {"bench"}, "bench": {"tests"}, "testkit": {"tests", "bench"}}
+# Tests and benchmarks share their real parts through `testkit`, which sits below both and above the product:
+# the wheel ships only the product packages, so none of them may import what stays behind in the repository.
+APART = {"tests": {"bench"}, "bench": {"tests"}, "testkit": {"tests", "bench"},
+         **{pkg: {"testkit", "tests", "bench"} for pkg in OWN}}
 
 
 @pytest.mark.parametrize("folder", sorted(APART))
@@ -112,19 +114,8 @@ def test_tests_and_bench_do_not_import_each_other(folder: str) -> None:
                      "testkit/:\n" + "\n".join(bad))
 
 
-# Helpers live in testkit/, not in test modules: a test module imports no other test module or conftest.
-# Left to move (their modules are being changed elsewhere): importer -> imported.
-NOT_YET_MOVED = {
-    ("tests/cloud_service/fleet/test_dashboard_refusals.py", "tests.cloud_service.fleet.test_dashboard"),
-    ("tests/cloud_service/fleet/test_dashboard_scale.py", "tests.cloud_service.fleet.test_dashboard"),
-    ("tests/compilers/test_compile.py", "tests.compilers.conftest"),
-    ("tests/compilers/test_guard.py", "tests.compilers.conftest"),
-    ("tests/compilers/test_sequence.py", "tests.compilers.conftest"),
-    ("tests/edge_agent/test_controller_bursts.py", ".test_decide"),
-    ("tests/edge_agent/test_decide_encoding.py", ".test_decide"),
-    ("tests/edge_agent/test_plan.py", "tests.edge_agent.test_profiles"),
-    ("tests/security/conftest.py", "tests.cloud_service.conftest"),  # shares that directory's fixtures
-}
+# Helpers live in testkit/, not in test modules: a test module imports no other test module or conftest
+# (fixtures shared by several folders are in the conftest.py of the folder above them all).
 
 
 def test_test_modules_take_their_helpers_from_testkit() -> None:
@@ -135,7 +126,19 @@ def test_test_modules_take_their_helpers_from_testkit() -> None:
                 found.add((str(path.relative_to(ROOT)), "." * node.level + (node.module or "")))
             elif isinstance(node, ast.Import):
                 found |= {(str(path.relative_to(ROOT)), a.name) for a in node.names if a.name.startswith("tests.")}
-    new = sorted(found - NOT_YET_MOVED)
-    assert not new, "test modules importing helpers from other test modules (move them into testkit/):\n" + \
-        "\n".join(f"{a} imports {b}" for a, b in new)
-    assert not NOT_YET_MOVED - found, f"moved already, drop from NOT_YET_MOVED: {sorted(NOT_YET_MOVED - found)}"
+    assert not found, "test modules importing helpers from other test modules (move them into testkit/):\n" + \
+        "\n".join(f"{a} imports {b}" for a, b in sorted(found))
+
+
+def test_tests_run_nothing_from_bench() -> None:
+    """A test that starts a script by its path depends on bench/ as much as one importing it: what a test runs
+    lies in testkit/ or the product (a path `ROOT / "bench" / ...` or `"bench/x.py"` in code fails here)."""
+    bad = []
+    for path in sorted((ROOT / "tests").rglob("*.py")):
+        if path == Path(__file__).resolve():  # names bench/ to check the rule
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) and \
+                    (node.value == "bench" or node.value.startswith("bench/")):
+                bad.append(f"{path.relative_to(ROOT)}:{node.lineno} names {node.value!r}")
+    assert not bad, "tests that use a file of bench/ (move it into testkit/):\n" + "\n".join(bad)

@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from compilers import PassSpec, Rung, Target, VariantSet, compile_model
+from compilers import VariantSet, compile_model
 from testkit import zoo
 
 
@@ -38,11 +37,3 @@ def digits_ladder(digits_cnn_onnx: Path, digits_calibration: dict[str, np.ndarra
                          calibration=digits_calibration, validation=digits_validation, batch_sizes=(1, 64),
                          sign_key=sign_key, progress=False)
 
-
-def ort_target(*rungs: Rung, name: str = "test-ort") -> Target:
-    """A small onnxruntime-only target: fp32 plus the given rungs (keeps a test to what it checks)."""
-    return Target(name, ("onnxruntime",), ("fp32", "int8"), (Rung("fp32", "onnxruntime"), *rungs))
-
-
-def static_rung(label: str = "static", **params: Any) -> Rung:
-    return Rung("int8", "onnxruntime", (PassSpec("quantize_ort", {"mode": "static", **params}),), label)

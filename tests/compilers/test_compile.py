@@ -11,7 +11,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from compilers import PruneConfig, VariantSet, compile_model
 from compilers.fidelity import nll
 from testkit import zoo
-from tests.compilers.conftest import ort_target, static_rung
+from testkit.rungs import ort_target, static_rung
 
 
 def test_ladder_keeps_fp32_and_both_int8_quantizers(digits_ladder: VariantSet) -> None:

@@ -9,7 +9,7 @@ import pytest
 
 from compilers import PassSpec, Rung, Target, VariantSet, compile_model
 from runtimes.errors import ConfigError, FidelityError
-from tests.compilers.conftest import ort_target, static_rung
+from testkit.rungs import ort_target, static_rung
 
 # Clipping every activation at its median: a calibration setting that destroys the model.
 ABSURD = {"method": "percentile", "percentile": 50.0}

@@ -17,7 +17,7 @@ from compilers.ladder import REUSED_NOTE
 from compilers.passes.execute import open_runner, output_axes, run_all
 from compilers.sequence import decode, edit_distance, looks_like_sequence, measure_sequences
 from runtimes.errors import ConfigError
-from tests.compilers.conftest import ort_target, static_rung
+from testkit.rungs import ort_target, static_rung
 
 
 def _one_hot(paths: list[list[int]], symbols: int = 5) -> np.ndarray:

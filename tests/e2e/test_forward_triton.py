@@ -10,6 +10,7 @@ conflict with tierkit's), named by TIERKIT_PYTRITON_PYTHON:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import os
 import re
@@ -27,10 +28,11 @@ import pytest
 from cloud_service.protocol import decode_outputs, encode_request, topics
 from edge_agent.transports import Transport, open_transport
 from runtimes.errors import EscalationError
+from testkit.pytriton import SERVER_SCRIPT
+from testkit.waiting import wait_for
 
 pytestmark = pytest.mark.slow
 
-SCRIPT = Path(__file__).resolve().parents[2] / "bench" / "pytriton_server.py"
 CONCURRENCY = 32
 _SEQ = itertools.count(1)  # unique across rounds: a repeated seq would be answered from the bridge's cache
 
@@ -48,18 +50,18 @@ def triton(digits_cnn_onnx: Path, tmp_path: Path) -> Iterator[str]:
     log = tmp_path / "triton.log"
     # the server's output goes to a file: a pipe nobody reads once it is ready would fill and stall Triton
     with log.open("w") as out:
-        proc = subprocess.Popen([python, str(SCRIPT), str(digits_cnn_onnx), "digits", "1"], stdout=out,
+        proc = subprocess.Popen([python, str(SERVER_SCRIPT), str(digits_cnn_onnx), "digits", "1"], stdout=out,
                                 stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True)
-    address = ""
-    for _ in range(900):  # up to 180 s
-        text = log.read_text(errors="replace")
-        # the server's own log lines share the file and may run into ours: search, not split
-        found = re.search(r"grpc (127\.0\.0\.1:\d+)\s", text)
-        address = found.group(1) if found else ""
-        if re.search(r"(?m)^ready", text) or proc.poll() is not None:
-            break
-        time.sleep(0.2)
-    if not address or not re.search(r"(?m)^ready", log.read_text(errors="replace")):
+
+    def ready() -> bool:  # the server's own log lines share the file and may run into ours: search, not split
+        return re.search(r"(?m)^ready", log.read_text(errors="replace")) is not None
+
+    with contextlib.suppress(AssertionError):  # the failure below shows the log
+        wait_for("PyTriton's server to be ready or to exit", lambda: ready() or proc.poll() is not None,
+                 timeout=180, interval=0.2)
+    found = re.search(r"grpc (127\.0\.0\.1:\d+)\s", log.read_text(errors="replace"))
+    address = found.group(1) if found else ""
+    if not address or not ready():
         proc.kill()
         pytest.fail(f"PyTriton's server did not become ready:\n{log.read_text(errors='replace')[-2000:]}")
     try:
@@ -101,10 +103,9 @@ def bridge(triton: str, broker, tmp_path: Path, request: pytest.FixtureRequest) 
                                  f"grpc://{triton}", "--mqtt-client-id", "bridge-triton",
                                  *(["--forward-mode", mode] if mode else [])],
                                 stdout=out, stderr=subprocess.STDOUT, text=True)
-    for _ in range(300):  # up to 60 s
-        if "ready" in log.read_text().splitlines() or proc.poll() is not None:
-            break
-        time.sleep(0.2)
+    with contextlib.suppress(AssertionError):  # the failure below shows the log
+        wait_for("tierkit serve --forward to be ready or to exit",
+                 lambda: "ready" in log.read_text().splitlines() or proc.poll() is not None, timeout=60, interval=0.2)
     if "ready" not in log.read_text().splitlines():
         proc.kill()
         pytest.fail(f"tierkit serve --forward did not start:\n{log.read_text()[-2000:]}")

@@ -17,8 +17,7 @@ import numpy as np
 from edge_agent.budget import Budget
 from edge_agent.controller import Controller, ControllerConfig
 from edge_agent.profiles import LinkProfile
-
-from .test_decide import Clock, profile, stream
+from testkit.score_stream import Clock, profile, stream
 
 REQUESTS = 1200  # 12 s at 100/s: six bursts
 

@@ -12,29 +12,9 @@ import pytest
 from edge_agent.budget import Budget
 from edge_agent.controller import Controller, ControllerConfig, choose
 from edge_agent.profiles import LinkProfile, VariantProfile
+from testkit.score_stream import Clock, N, profile, stream
 
-N = 2000
 CLOUD = 0.999
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.t = 0.0
-
-    def __call__(self) -> float:
-        return self.t
-
-
-def stream(seed: int, n: int) -> tuple[np.ndarray, np.ndarray]:
-    rng = np.random.default_rng(seed)  # 55 % scored 0.99 or more, the rest spread below (mean 0.74)
-    sure = rng.random(n) < 0.55
-    scores = np.where(sure, 0.99 + 0.01 * rng.random(n), 0.99 * rng.beta(3.0, 1.0, n))
-    return scores, rng.random(n) < scores
-
-
-def profile() -> VariantProfile:
-    scores, correct = stream(0, N)
-    return VariantProfile("lr", scores, correct, np.full(16, 1.0), 1.0, "modeled:test")
 
 
 def link(**kw: float) -> LinkProfile:

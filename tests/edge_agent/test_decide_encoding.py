@@ -1,6 +1,6 @@
 """The rule chooses the wire encoding with the variant and the threshold (synthetic measurements).
 
-The stream and the edge model are `test_decide`'s (an 89 % edge model, a cloud right on 99.9 %). The
+The stream and the edge model are `testkit.score_stream`'s (an 89 % edge model, a cloud right on 99.9 %). The
 request is an MNIST-sized one: 3,200 bytes as fp32, 1,600 as fp16.
 """
 
@@ -15,8 +15,7 @@ from edge_agent.controller import Controller, ControllerConfig, choose
 from edge_agent.encoding import WireEncoder, WireOption
 from edge_agent.fleet_sync import decision_summary
 from edge_agent.profiles import LinkProfile
-
-from .test_decide import Clock, profile
+from testkit.score_stream import Clock, profile
 
 FP32 = WireOption("fp32", 3200, 0.0, exact=True)
 FP16 = WireOption("fp16", 1600, 0.05, exact=False)

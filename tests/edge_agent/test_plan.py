@@ -18,7 +18,7 @@ from edge_agent.policy import Policy
 from edge_agent.profiles import LinkProfile
 from sdk.cli import main
 from testkit import zoo
-from tests.edge_agent.test_profiles import make_package
+from testkit.packages import profiled_package
 
 
 @pytest.fixture(scope="module")
@@ -28,7 +28,7 @@ def variants(tmp_path_factory: pytest.TempPathFactory, digits_cnn_onnx: Path, di
     root = tmp_path_factory.mktemp("ladder")
     entries = []
     for vid, onnx, p50, mj in (("linear", digits_linear_onnx, 0.5, 0.5), ("cnn", digits_cnn_onnx, 4.0, 6.0)):
-        pkg = make_package(root / vid, onnx, digits, p50_ms=p50, energy_mj=mj)
+        pkg = profiled_package(root / vid, onnx, digits, p50_ms=p50, energy_mj=mj)
         m = pkg.manifest
         entries.append(VariantEntry(vid, vid, m.precision, m.runtime, [], {}, m.latency_ms, m.size_bytes, m.energy))
     VariantSet(root, "digits", "x86", tuple(entries)).write()

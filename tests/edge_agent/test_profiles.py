@@ -3,45 +3,24 @@
 from __future__ import annotations
 
 import math
-import shutil
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from compilers.manifest import Manifest
-from compilers.package import ModelPackage, write_package
+from compilers.package import ModelPackage
 from edge_agent.budget import Budget
 from edge_agent.controller import ControllerConfig, choose
 from edge_agent.policy import Policy
 from edge_agent.profiles import LatencyWindow, LinkProfile, VariantProfile, lognormal_points
 from runtimes.errors import ConfigError, PackageError
-from runtimes.registry import open_session
-from runtimes.spec import TensorSpec
 from testkit import zoo
-
-
-def make_package(directory: Path, onnx: Path, split: zoo.Split, *, validation: bool = True,
-                 p50_ms: float = 0.2, energy_mj: float = 1.5) -> ModelPackage:
-    """A package holding the ONNX model and its outputs on the validation split."""
-    directory.mkdir(parents=True)
-    shutil.copy(onnx, directory / "model.onnx")
-    with open_session(directory / "model.onnx", backend="onnxruntime") as session:
-        logits = session.run({"x": split.x_val})["logits"]
-    if validation:
-        np.savez(directory / "validation.npz", logits=logits, labels=split.y_val, reference_logits=logits)
-    manifest = Manifest(name="digits", version="1", target="x86", precision="fp32", runtime="onnxruntime",
-                        artifact="model.onnx", inputs=(TensorSpec("x", "float32", ("batch", 1, 8, 8)),),
-                        outputs=(TensorSpec("logits", "float32", ("batch", 10)),),
-                        latency_ms={"batch_1": {"p50": p50_ms, "p95": 1.5 * p50_ms}},
-                        energy={"mj": energy_mj, "label": "modeled:test-cpu"},
-                        calibration={"temperature": 1.0, "validation_file": "validation.npz"})
-    return write_package(directory, manifest)
+from testkit.packages import profiled_package
 
 
 @pytest.fixture(scope="module")
 def package(tmp_path_factory: pytest.TempPathFactory, digits_cnn_onnx: Path, digits: zoo.Split) -> ModelPackage:
-    written = make_package(tmp_path_factory.mktemp("pkg") / "fp32", digits_cnn_onnx, digits)
+    written = profiled_package(tmp_path_factory.mktemp("pkg") / "fp32", digits_cnn_onnx, digits)
     return ModelPackage.open(written.directory)
 
 
@@ -81,7 +60,7 @@ def test_self_benchmark_replaces_the_manifest_prior(package: ModelPackage, digit
 
 
 def test_package_without_validation_is_refused(tmp_path: Path, digits_cnn_onnx: Path, digits: zoo.Split) -> None:
-    pkg = make_package(tmp_path / "bare", digits_cnn_onnx, digits, validation=False)
+    pkg = profiled_package(tmp_path / "bare", digits_cnn_onnx, digits, validation=False)
     with pytest.raises(PackageError, match="validation"):
         VariantProfile.from_package(pkg, Policy("max_prob"))
 

@@ -25,11 +25,9 @@ from cloud_service.fleet.store import FleetStore
 from cloud_service.fleet.telemetry import TelemetryLimits, TelemetryStore
 from compilers.signing import generate_keypair, load_private_key, load_public_key
 from edge_agent.fleet_sync import generate_key_and_csr
+from testkit.chromium import CHROMIUM, FLAGS
 from testkit.fleet_process import FleetProcess
 from testkit.waiting import wait_for
-
-CHROMIUM = "/usr/bin/chromium"
-FLAGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--no-first-run"]
 
 
 def _populate(data: Path, now: float) -> tuple[str, list[str], str]:

@@ -15,8 +15,8 @@ from cloud_service.fleet.registry import Registry
 from cloud_service.fleet.store import FleetStore
 from cloud_service.fleet.telemetry import TelemetryLimits, TelemetryStore
 from edge_agent.fleet_sync import generate_key_and_csr
+from testkit.chromium import CHROMIUM, FLAGS
 from testkit.fleet_process import FleetProcess
-from tests.cloud_service.fleet.test_dashboard import CHROMIUM, FLAGS
 
 
 def _populate(data: Path, now: float) -> str:

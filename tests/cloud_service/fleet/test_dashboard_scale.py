@@ -22,9 +22,9 @@ import sqlalchemy as sa
 
 from cloud_service.fleet import bands, view
 from cloud_service.fleet.fleet import Fleet, FleetConfig
+from testkit.chromium import CHROMIUM, FLAGS
 from testkit.fleet_process import FleetProcess
 from testkit.fleet_seed import FleetShape, seed, touch
-from tests.cloud_service.fleet.test_dashboard import CHROMIUM, FLAGS
 
 pytestmark = pytest.mark.slow
 SHAPE = FleetShape(devices=10_000, sites=8, windows_per_hour=1)

@@ -1,9 +1,9 @@
 """Triton Inference Server serving one ONNX model from Python, through PyTriton: the comparison
-`bench_cloud.py --pytriton-python` draws. Run it with a Python that has `nvidia-pytriton` (it pins
-numpy < 2, so it lives in a virtual environment of its own):
+`bench/bench_cloud.py --pytriton-python` draws, and the upstream of tests/e2e/test_forward_triton.py. Run it
+with a Python that has `nvidia-pytriton` (it pins numpy < 2, so it lives in a virtual environment of its own):
 
     python3.11 -m venv /tmp/pytriton-venv && /tmp/pytriton-venv/bin/pip install nvidia-pytriton onnxruntime
-    /tmp/pytriton-venv/bin/python bench/pytriton_server.py MODEL.onnx NAME [THREADS] [--reject-after-us N]
+    /tmp/pytriton-venv/bin/python testkit/pytriton_server.py MODEL.onnx NAME [THREADS] [--reject-after-us N]
 
 PyTriton starts the `tritonserver` binary its wheel ships (Triton's C++ gRPC front end and dynamic
 batcher, its Python backend) and binds a Python callable to a model: here one onnxruntime run per
