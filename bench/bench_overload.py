@@ -44,9 +44,13 @@ Columns: offered (requests sent per second), in-time/s (answers within their dea
 ratio (in-time/s against the best rate measured at any load for that model and protocol in this run,
 the capacity probe's included), refused (RESOURCE_EXHAUSTED / UNAVAILABLE answers), refusal p50/p99 (ms
 from sending to the refusal), server refusal p99 (the bucket bound of `tierkit_refusal_seconds` under
-which 99 % fell: receipt to refusal inside the server, over MQTT from paho's thread; what the callers'
-figure adds is transport and the host), answer p50/p99 (ms, answers' round trip), late (answers that arrived
-after their deadline), expired (DEADLINE_EXCEEDED: no answer in time), checks (the targets a row misses).
+which 99 % fell: receipt to refusal inside the server, over MQTT from paho's thread, for refusals at
+admission; then the count and p99 of those shed after queueing, `stage="queued"`; what the callers'
+figure adds is transport and the host), answer p50/p99 (ms, answers' round trip), late (answers whose
+caller saw them after their deadline; in brackets the answers the server dropped before send because the
+deadline had passed, `tierkit_answers_dropped_total`: gRPC itself ends a call at its deadline, so a late
+answer on the caller's side was in time on the wire and is the caller's own delay), expired
+(DEADLINE_EXCEEDED: no answer in time), checks (the targets a row misses).
 Targets (issue), checked on every row but the echo's: ratio >= 0.9, refusal p99 <= 10 ms, no answer
 after its deadline.
 
@@ -269,43 +273,65 @@ class Row:
     load: Load
     loadgen_cores: float
     server_cores: float
-    server_refusal_p99_ms: float | None = None  # receipt to refusal inside tierkit's server (its histogram)
+    server_refusal_p99_ms: float | None = None  # receipt to refusal inside tierkit's server, at admission
+    shed: tuple[float, float] | None = None  # refusals after queueing (shed as hopeless): (p99 bucket ms, count)
+    dropped: int = 0  # answers the server dropped before send, their caller's deadline passed
+    server: bool = False  # whether the server's own figures were read (tierkit's rows)
     stuck: str = ""  # why the row has no figures: its phase did not finish in time
 
 
-def _refusal_buckets(metrics: str, protocol: str) -> dict[float, float]:
-    """Cumulative counts of `tierkit_refusal_seconds` by bucket bound, for one protocol (all models)."""
+@dataclasses.dataclass
+class ServerCounts:
+    """What tierkit's own metrics say, read before and after a row (one protocol, all models)."""
+
+    refusals: dict[str, dict[float, float]]  # stage ("admission", "queued") -> cumulative count by bucket bound
+    dropped: float  # answers ready after their caller's deadline, dropped before send
+
+
+def _server_counts(metrics: str, protocol: str) -> ServerCounts:
     if not metrics:
-        return {}
+        return ServerCounts({}, 0.0)
     with urllib.request.urlopen(f"http://{metrics}/metrics", timeout=10) as reply:
         text = reply.read().decode()
-    out: dict[float, float] = {}
+    out = ServerCounts({}, 0.0)
     for line in text.splitlines():
-        if line.startswith("tierkit_refusal_seconds_bucket{") and f'protocol="{protocol}"' in line:
-            bound = line.split('le="', 1)[1].split('"', 1)[0]
-            out[float(bound)] = out.get(float(bound), 0.0) + float(line.rsplit(" ", 1)[1])
+        if f'protocol="{protocol}"' not in line:
+            continue
+        if line.startswith("tierkit_refusal_seconds_bucket{"):
+            stage = line.split('stage="', 1)[1].split('"', 1)[0] if 'stage="' in line else "admission"
+            bound = float(line.split('le="', 1)[1].split('"', 1)[0])
+            buckets = out.refusals.setdefault(stage, {})
+            buckets[bound] = buckets.get(bound, 0.0) + float(line.rsplit(" ", 1)[1])
+        elif line.startswith("tierkit_answers_dropped_total{"):
+            out.dropped += float(line.rsplit(" ", 1)[1])
     return out
 
 
-def _p99_ms(before: dict[float, float], after: dict[float, float]) -> float | None:
-    """The bucket bound (ms) under which 99 % of the refusals between two reads fell; None without refusals."""
+def _p99_ms(before: dict[float, float], after: dict[float, float]) -> tuple[float, float] | None:
+    """(the bucket bound in ms under which 99 % of the refusals between two reads fell, their count); None
+    without refusals."""
     counts = sorted((bound, after[bound] - before.get(bound, 0.0)) for bound in after)
     total = counts[-1][1] if counts else 0.0
     if total <= 0:
         return None
-    return next(bound * 1000 for bound, n in counts if n >= 0.99 * total)
+    return next(bound * 1000 for bound, n in counts if n >= 0.99 * total), total
 
 
 def _measure(gen: LoadGen, pid: int, fn: Callable[..., Load], level: str, *, group: bool = False,
              metrics: str = "", protocol: str = "", **kwargs: Any) -> Row:
-    cpu, started, refusals = _cpu_seconds(pid, group=group), time.monotonic(), _refusal_buckets(metrics, protocol)
+    cpu, started, before = _cpu_seconds(pid, group=group), time.monotonic(), _server_counts(metrics, protocol)
     try:
         load, gen_cores = gen.run(fn, **kwargs)
     except Stuck as exc:
         empty = Load(int(kwargs["callers"]), float(kwargs["seconds"]), float(kwargs["deadline_s"]))
         return Row(level, empty, 0.0, 0.0, stuck=str(exc))
     cores = (_cpu_seconds(pid, group=group) - cpu) / max(time.monotonic() - started, 1e-9)
-    return Row(level, load, gen_cores, cores, _p99_ms(refusals, _refusal_buckets(metrics, protocol)))
+    after = _server_counts(metrics, protocol)
+    stages = {stage: _p99_ms(before.refusals.get(stage, {}), buckets) for stage, buckets in after.refusals.items()}
+    admission, queued = stages.get("admission"), stages.get("queued")
+    return Row(level, load, gen_cores, cores, None if admission is None else admission[0],
+               shed=None if queued is None else queued, dropped=int(after.dropped - before.dropped),
+               server=bool(metrics))
 
 
 @dataclasses.dataclass
@@ -382,10 +408,13 @@ def _row(model: str, protocol: str, row: Row, best: float, *, checked: bool = Tr
         return f"| {model} | {protocol} | {row.level} | {load.callers} | stuck: {row.stuck} |" + " |" * 12
     ratio = load.goodput / best if best else 0.0
     server = "-" if row.server_refusal_p99_ms is None else f"≤ {row.server_refusal_p99_ms:g}"
+    if row.shed is not None:
+        server += f"; {row.shed[1]:.0f} shed after queueing ≤ {row.shed[0]:g}"
+    late = f"{load.late} ({row.dropped} dropped)" if row.server else f"{load.late}"
     checks = ("; ".join(_checks(row, best)) or "ok") if checked else "(floor)"
     return (f"| {model} | {protocol} | {row.level} | {load.callers} | {load.offered / load.seconds:.1f} | "
             f"{load.goodput:.1f} | {ratio:.2f} | {load.refused} | {load.refusal_p(50):.1f} | {load.refusal_p(99):.1f} "
-            f"| {server} | {load.answer_p(50):.1f}/{load.answer_p(99):.1f} | {load.late} | {load.expired} "
+            f"| {server} | {load.answer_p(50):.1f}/{load.answer_p(99):.1f} | {late} | {load.expired} "
             f"| {row.loadgen_cores:.2f} | {row.server_cores:.2f} | {checks} |")
 
 
@@ -478,8 +507,8 @@ def main(argv: list[str] | None = None) -> int:
           f"gRPC callers: {args.grpc_callers}; serve args: "
           f"{args.serve_args or '(defaults)'}")
     print("| model | protocol | load | callers | offered/s | in-time/s | ratio | refused | refusal p50 ms "
-          "| refusal p99 ms | server refusal p99 ms | answer p50/p99 ms | late | expired | loadgen cores "
-          "| server cores | checks |")
+          "| refusal p99 ms | server refusal p99 ms | answer p50/p99 ms | late (server dropped) | expired "
+          "| loadgen cores | server cores | checks |")
     print("| --- " * 17 + "|")
     failed: list[str] = []
     gen = LoadGen(args.loadgen, args.loadgen_procs)

@@ -210,13 +210,13 @@ class DeadlineQueue:
             wait = min(max(end - now, (end - start) / 2) for start, end in spans)
         return wait + self.times.drain_seconds(ahead_rows + rows, self.instances)
 
-    def busy(self, why: str, over_s: float) -> ServerBusy:
+    def busy(self, why: str, over_s: float, queued_s: float = 0.0) -> ServerBusy:
         """The refusal (the lock held): why, and a hint of when to retry: no sooner than the queue is
         shorter by the excess, and spread by the refusal pressure (`admission.RetryHints`)."""
         floor = max(over_s, self.times.batch_seconds(1), 0.001)
         hint = self._hints.hint_s(time.monotonic(), floor, self.times.rows_per_s(self.instances))
         msg = f"model {self.name!r} is overloaded: {why}; not queued, retry after the hinted delay or add replicas"
-        return ServerBusy(msg, retry_after_ms=min(5000, math.ceil(hint * 1000)))
+        return ServerBusy(msg, retry_after_ms=min(5000, math.ceil(hint * 1000)), queued_s=queued_s)
 
     def expired(self, request: Request, now: float) -> Outcome:
         waited = (now - request.enqueued) * 1000
@@ -243,7 +243,7 @@ class DeadlineQueue:
                     outcome = self.expired(request, now) if now >= request.deadline else self.busy(
                         f"queued {(now - request.enqueued) * 1000:.1f} ms, the queue ahead and the model's run time "
                         f"need {done * 1000:.1f} ms more, its deadline leaves {(request.deadline - now) * 1000:.1f} ms",
-                        now + done - request.deadline)
+                        now + done - request.deadline, now - request.enqueued)
                     shed.append((request, outcome))
                     continue
             kept.append(request)
@@ -267,10 +267,11 @@ class DeadlineQueue:
             need = self.times.batch_seconds(request.rows)
             if now + need > request.deadline:
                 return self.busy(f"queued {(now - request.enqueued) * 1000:.1f} ms, its deadline can no longer "
-                                  f"be met by a {need * 1000:.1f} ms run", need - (request.deadline - now))
+                                  f"be met by a {need * 1000:.1f} ms run", need - (request.deadline - now),
+                                  now - request.enqueued)
         elif self.standing.standing and now - request.enqueued > self.standing.interval_s:
             return self.busy(f"queued {(now - request.enqueued) * 1000:.1f} ms without a deadline while the queue "
-                              "is standing", self.standing.interval_s)
+                              "is standing", self.standing.interval_s, now - request.enqueued)
         return None
 
     def ready_rows(self, head: Request) -> int:

@@ -40,10 +40,13 @@ class ServerBusy(InferenceError):
     Attributes:
         retry_after_ms: a hint for when a retry is likely to find room (the gRPC
             `grpc-retry-pushback-ms` trailer carries it).
+        queued_s: 0 for a refusal at admission; else how long the request waited in the queue before it
+            was shed as hopeless (the metrics time the two apart).
     """
 
     grpc_status: ClassVar[str] = "RESOURCE_EXHAUSTED"
 
-    def __init__(self, msg: str, *, retry_after_ms: int = 10) -> None:
+    def __init__(self, msg: str, *, retry_after_ms: int = 10, queued_s: float = 0.0) -> None:
         super().__init__(msg)
         self.retry_after_ms = int(retry_after_ms)
+        self.queued_s = float(queued_s)  # > 0: admitted, queued this long, then found hopeless (shed)

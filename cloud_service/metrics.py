@@ -7,7 +7,8 @@ Exposed names (all prefixed `tierkit_`):
 | `requests_total` | model, protocol | inference requests received |
 | `request_failures_total` | model, protocol, code | requests answered with an error, by gRPC status name |
 | `request_latency_seconds` | model, protocol | receipt to answer |
-| `refusal_seconds` | model, protocol | receipt to refusal (RESOURCE_EXHAUSTED, UNAVAILABLE): a no must come at once |
+| `refusal_seconds` | model, protocol, stage | receipt to refusal (RESOURCE_EXHAUSTED or UNAVAILABLE): `admission` |
+| | | (refused on receipt: must come at once) or `queued` (admitted, queued, then shed as hopeless) |
 | `batch_size` | model | rows per executed batch |
 | `batch_run_seconds` | model | run time of one batch |
 | `queue_depth` | model | requests waiting |
@@ -59,7 +60,7 @@ class Metrics:
                                  buckets=_LATENCY_BUCKETS, registry=r)
         self.refusal_seconds = Histogram("tierkit_refusal_seconds",
                                          "Receipt to refusal (RESOURCE_EXHAUSTED, UNAVAILABLE) of refused requests.",
-                                         ["model", "protocol"], buckets=_LATENCY_BUCKETS, registry=r)
+                                         ["model", "protocol", "stage"], buckets=_LATENCY_BUCKETS, registry=r)
         self.batch_size = Histogram("tierkit_batch_size", "Rows per executed batch.", ["model"],
                                     buckets=_BATCH_BUCKETS, registry=r)
         self.batch_seconds = Histogram("tierkit_batch_run_seconds", "Run time of one batch.", ["model"],
@@ -88,8 +89,10 @@ class Metrics:
         self._http: WSGIServer | None = None
         self._children: dict[tuple[str, str], tuple[Any, Any]] = {}
 
-    def request_done(self, model: str, protocol: str, seconds: float, *, code: str | None) -> None:
-        """Count one answered request; `code` is the gRPC status name of a failure, None on success."""
+    def request_done(self, model: str, protocol: str, seconds: float, *, code: str | None,
+                     shed: bool = False) -> None:
+        """Count one answered request; `code` is the gRPC status name of a failure, None on success; `shed`: a
+        refusal of a request that was admitted and queued first (timed apart from refusals at admission)."""
         children = self._children.get((model, protocol))
         if children is None:  # labels() takes a lock and builds a key: do it once per (model, protocol)
             children = self.requests.labels(model, protocol), self.latency.labels(model, protocol)
@@ -99,7 +102,7 @@ class Metrics:
         if code is not None:
             self.failures.labels(model, protocol, code).inc()
             if code in _REFUSALS:
-                self.refusal_seconds.labels(model, protocol).observe(seconds)
+                self.refusal_seconds.labels(model, protocol, "queued" if shed else "admission").observe(seconds)
 
     def answer_dropped(self, model: str, protocol: str) -> None:
         """Count one answer dropped before send: its caller's deadline had passed."""

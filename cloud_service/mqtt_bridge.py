@@ -357,7 +357,8 @@ class MqttBridge:
             log.debug("MQTT escalation on %s failed: %s %s", clip(message.topic, 200), code, text)
         else:
             response = outcome
-        self.metrics.request_done(label, "mqtt", time.perf_counter() - started, code=code)
+        shed = isinstance(outcome, Exception) and getattr(outcome, "queued_s", 0.0) > 0
+        self.metrics.request_done(label, "mqtt", time.perf_counter() - started, code=code, shed=shed)
         reply_to = self._reply_topic(message)
         if reply_to is None:
             return

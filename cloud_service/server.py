@@ -179,7 +179,8 @@ class InferenceServicer:
                 self.duplicates.put(key, response)
         except Exception as exc:
             code, message = status_of(exc)
-            self.metrics.request_done(label, "grpc", time.perf_counter() - started, code=code)
+            self.metrics.request_done(label, "grpc", time.perf_counter() - started, code=code,
+                                      shed=getattr(exc, "queued_s", 0.0) > 0)
             pushback = getattr(exc, "retry_after_ms", None)
             if pushback is not None:  # gRPC's own retry pushback trailer, and a plain one any client can read
                 context.set_trailing_metadata((("grpc-retry-pushback-ms", str(pushback)),
