@@ -92,6 +92,7 @@ def test_a_request_whose_deadline_cannot_be_met_is_refused_at_once_with_a_hint()
             assert refused.value.retry_after_ms >= 20
             assert "overloaded" in str(refused.value)
             assert "deadline leaves" in str(refused.value)
+            assert refused.value.queued_s == 0.0  # refused at admission: timed as such (stage="admission")
             gate.set()
             await asyncio.gather(*queued, return_exceptions=True)
 
@@ -245,6 +246,8 @@ def test_a_queued_request_that_became_hopeless_is_refused_when_the_estimate_move
             with pytest.raises(ServerBusy) as refused:
                 await hopeless
             assert refused.value.retry_after_ms >= 1
+            # admitted, then shed: it says how long it waited, so its refusal is timed apart (stage="queued")
+            assert refused.value.queued_s >= 0.05, refused.value.queued_s
 
     asyncio.run(main())
     blocker_end = next(end for value, _, end in model.spans if value == 1.0)
