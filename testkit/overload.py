@@ -260,6 +260,37 @@ def aio_closed_loop(address: str, payload: bytes, *, callers: int, seconds: floa
                                     honour_hints=honour_hints))
 
 
+class HostStall:
+    """How late this host wakes a thread that sleeps `tick_s` at a time, measured while a load runs (a context
+    manager): the scheduling delay every thread of the callers, the broker and the server also sees. Timing
+    bounds of a test add it, so other runs loading the cores move the bounds by what they measurably cost,
+    and on a quiet host (stall ~0) the bounds are the stated ones."""
+
+    def __init__(self, tick_s: float = 0.005) -> None:
+        self.tick_s = tick_s
+        self.late_s: list[float] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            asked = time.monotonic()
+            time.sleep(self.tick_s)
+            self.late_s.append(max(0.0, time.monotonic() - asked - self.tick_s))
+
+    def p(self, q: float) -> float:
+        """The q-th percentile of the wake-up lateness, in seconds (0 before any tick)."""
+        return float(np.percentile(self.late_s, q)) if self.late_s else 0.0
+
+    def __enter__(self) -> HostStall:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(5)
+
+
 def best_of(loads: Sequence[Load]) -> float:
     return max((load.goodput for load in loads), default=0.0)
 

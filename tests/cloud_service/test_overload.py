@@ -16,13 +16,15 @@ from pathlib import Path
 import pytest
 
 from testkit.cloud_helpers import metric_value
-from testkit.overload import Server, closed_loop, mqtt_closed_loop, ocr_det_package, request_bytes
+from testkit.overload import HostStall, Server, closed_loop, mqtt_closed_loop, ocr_det_package, request_bytes
 
 DEADLINE_S = 0.1
 CALLERS = 12  # each could keep the model busy alone: 12x its capacity offered
 # a page is ~400 KB: through the broker twice, read by paho in Python; a loaded host's stalls would decide a
 # 100 ms budget over MQTT, which is not what this measures (bench/bench_overload.py runs 100 ms)
 MQTT_DEADLINE_S = 0.3
+# the server's refusal histogram's bucket bounds (cloud_service.metrics)
+_BUCKETS = (0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0)
 
 
 @pytest.fixture(scope="module")
@@ -47,14 +49,16 @@ def test_goodput_holds_at_capacity_and_the_excess_is_refused_at_once(ocr_models:
         # a closed loop of N callers queues N requests: past two deadlines' worth of the measured
         # capacity it is overload whatever this host's speed (a fast, quiet host needs more than CALLERS)
         callers = min(48, max(CALLERS, math.ceil(2 * DEADLINE_S * alone.goodput)))
-        crowd = closed_loop(server.address, payload, callers=callers, seconds=4.0, deadline_s=DEADLINE_S)
+        with HostStall() as stall:  # what other runs loading the cores cost the callers' threads
+            crowd = closed_loop(server.address, payload, callers=callers, seconds=4.0, deadline_s=DEADLINE_S)
         after = closed_loop(server.address, payload, callers=1, seconds=1.0, deadline_s=DEADLINE_S)
         with urllib.request.urlopen(f"http://{server.metrics}/metrics", timeout=10) as reply:
             metrics = reply.read().decode()
     summary = (f"alone {alone.goodput:.1f}/s; {callers} callers {crowd.goodput:.1f}/s in time, {crowd.refused} "
                f"refused (p50 {crowd.refusal_p(50):.1f} ms, p75 {crowd.refusal_p(75):.1f} ms, p90 "
                f"{crowd.refusal_p(90):.1f} ms; server: {_refused_within(metrics, 'grpc', 0.01):.2f} within 10 ms), "
-               f"{crowd.expired} past deadline, {crowd.late} late, other {crowd.other}; after {after.goodput:.1f}/s")
+               f"{crowd.expired} past deadline, {crowd.late} late, other {crowd.other}; after {after.goodput:.1f}/s; "
+               f"host stall p90 {stall.p(90) * 1000:.1f} ms")
     assert alone.in_time >= 10, summary
     # Measured on a quiet 2-core AMD EPYC (AVX2) with the callers on the same cores: 0.48x of one caller's
     # rate at twice capacity when callers waited 50 ms at most after a refusal (about 750 refusals/s took CPU
@@ -71,9 +75,11 @@ def test_goodput_holds_at_capacity_and_the_excess_is_refused_at_once(ocr_models:
     # the ones found hopeless after queueing weigh more): caller-side p50 2.5-22.7 ms, p75 8-24 ms, p90 30-88 ms
     # (the tail is the host's scheduling and requests refused after queueing when a run overshot its plan);
     # inside the server, receipt to refusal, 0.84-0.96 within 10 ms. Bounds: about twice the worst measured, below
-    # what the collapse gives.
-    assert crowd.refusal_p(50) <= 0.4 * DEADLINE_S * 1000, summary
-    assert crowd.refusal_p(75) <= 0.5 * DEADLINE_S * 1000, summary
+    # what the collapse gives. The callers' figures add the host's measured scheduling delay (p90 of a 5 ms
+    # sleeper's lateness during the crowd; ~0 on a quiet host): one run beside other test runs saw p75 84 ms
+    # caller-side while the server refused all within 10 ms. The server's own figure has no such term.
+    assert crowd.refusal_p(50) <= (0.4 * DEADLINE_S + stall.p(90)) * 1000, summary
+    assert crowd.refusal_p(75) <= (0.5 * DEADLINE_S + stall.p(90)) * 1000, summary
     assert _refused_within(metrics, "grpc", 0.01) >= 0.7, summary
     # admitted requests mostly made it (on a loaded host a run planned to fit sometimes does not; before: 30x)
     assert crowd.expired + crowd.late <= crowd.in_time, summary
@@ -84,9 +90,11 @@ def test_goodput_holds_at_capacity_and_the_excess_is_refused_at_once(ocr_models:
 
 
 def _refused_within(metrics: str, protocol: str, seconds: float) -> float:
-    """The share of the server's refusals that took at most `seconds` from receipt (its histogram)."""
+    """The share of the server's refusals that took at most `seconds` from receipt (its histogram: the first
+    bucket bound at or above `seconds`)."""
     count = metric_value(metrics, "tierkit_refusal_seconds_count", model="ocrdet", protocol=protocol)
-    within = metric_value(metrics, "tierkit_refusal_seconds_bucket", model="ocrdet", protocol=protocol, le=str(seconds))
+    bound = min((b for b in _BUCKETS if b >= seconds - 1e-9), default=_BUCKETS[-1])
+    within = metric_value(metrics, "tierkit_refusal_seconds_bucket", model="ocrdet", protocol=protocol, le=str(bound))
     return within / count if count else 0.0
 
 
@@ -99,26 +107,41 @@ def test_mqtt_escalations_past_capacity_are_refused_on_arrival(ocr_models: tuple
     with Server(models, "--metrics", "127.0.0.1:0", "--mqtt", broker.url) as server:
         mqtt_closed_loop(url, payload, callers=1, seconds=0.5, deadline_s=deadline_s)  # warm up
         alone = mqtt_closed_loop(url, payload, callers=1, seconds=2.0, deadline_s=deadline_s)
+        if alone.in_time < 5:  # a host so loaded that a lone page takes most of its deadline: measure longer
+            alone = mqtt_closed_loop(url, payload, callers=1, seconds=6.0, deadline_s=deadline_s)
         callers = min(32, max(8, math.ceil(2 * deadline_s * alone.goodput)))
-        crowd = mqtt_closed_loop(url, payload, callers=callers, seconds=4.0, deadline_s=deadline_s)
+        with HostStall() as stall:  # what other runs loading the cores cost every thread here
+            crowd = mqtt_closed_loop(url, payload, callers=callers, seconds=4.0, deadline_s=deadline_s)
         with urllib.request.urlopen(f"http://{server.metrics}/metrics", timeout=10) as reply:
             metrics = reply.read().decode()
+    # Timing bounds add the host's measured scheduling delay (p90 of a 5 ms sleeper's lateness during the crowd):
+    # ~0 on a quiet host, where the bounds are the stated ones. Measured in 8 runs with two busy loops beside
+    # other test runs (load average 15-23 on 2 cores): stall p90 10-50 ms (p99 23-204 ms); lone rate 1.5-9/s;
+    # crowd refusal p50 12-129 ms; server: 0.94-1.00 of refusals within (10 ms + stall). 7 passed; one failed
+    # before the crowd, its lone phase answering 3 pages in 2 s (now measured longer). Without the stall
+    # term, 1 of 4 such runs failed on time (0.72 of refusals within 100 ms); another on expiries (11 against 7
+    # answered, at a lone rate of 3/s), which the stall does not excuse and this test still checks.
+    slack = stall.p(90)
     summary = (f"alone {alone.goodput:.1f}/s; {callers} callers {crowd.goodput:.1f}/s in time, {crowd.refused} "
                f"refused (p50 {crowd.refusal_p(50):.1f} ms, p90 {crowd.refusal_p(90):.1f} ms), "
                f"{crowd.expired} past deadline, {crowd.late} late, other {crowd.other}; server: "
-               f"{_refused_within(metrics, 'mqtt', 0.01):.2f} of refusals within 10 ms")
+               f"{_refused_within(metrics, 'mqtt', 0.01 + slack):.2f} of refusals within 10 ms + stall, "
+               f"{_refused_within(metrics, 'mqtt', 0.1 + slack):.2f} within 100 ms + stall; host stall p50/p90/p99 "
+               f"{stall.p(50) * 1000:.1f}/{slack * 1000:.1f}/{stall.p(99) * 1000:.1f} ms")
+    print(summary)
     assert alone.in_time >= 5, summary
     assert crowd.goodput >= 0.3 * alone.goodput, summary
     assert crowd.refused >= 0.1 * crowd.in_time, summary
     assert crowd.expired + crowd.late <= crowd.in_time + crowd.refused // 4, summary
-    assert crowd.refusal_p(50) <= 0.5 * deadline_s * 1000, summary  # well before the deadline, through a broker
+    # well before the deadline, through a broker
+    assert crowd.refusal_p(50) <= (0.5 * deadline_s + slack) * 1000, summary
     # from paho's thread to the refusal's publish: most at once (refused on arrival, before decoding); the
     # rest were admitted and refused when queued behind an event loop that a loaded host starves
-    assert _refused_within(metrics, "mqtt", 0.01) >= 0.5, summary
+    assert _refused_within(metrics, "mqtt", 0.01 + slack) >= 0.5, summary
     # callers honouring the hints make refusals few (17 in one run at a load average of 14): a share of 95 % would
-    # hang on one refusal, so at most 5 % or two were slower than 100 ms
+    # hang on one refusal, so at most 5 % or two were slower than 100 ms (plus the host's stall)
     count = metric_value(metrics, "tierkit_refusal_seconds_count", model="ocrdet", protocol="mqtt")
-    assert (1 - _refused_within(metrics, "mqtt", 0.1)) * count <= max(2.0, 0.05 * count), summary
+    assert (1 - _refused_within(metrics, "mqtt", 0.1 + slack)) * count <= max(2.0, 0.05 * count), summary
     refused = metric_value(metrics, "tierkit_requests_refused_total", model="ocrdet")
     assert refused > 0, summary
 
