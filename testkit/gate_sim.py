@@ -181,20 +181,27 @@ class Outcome:
     wave_inferences: list[int]  # per wave, inferences on the release when it was decided
     looks: int
     old_soak_inferences: list[int] = field(default_factory=list)  # per wave, under the old fixed soak (below)
+    wave_windows: list[int] = field(default_factory=list)  # per wave, the windows it soaked before it was decided
 
 
 def run_rollout(fleet: Fleet, *, waves: tuple[str, ...] = ("1", "5%", "25%", "100%"),
                 margins: Margins | None = None, evidence: Evidence | None = None, baseline_windows: int = 60,
                 max_soak_windows: int = 60, control_max: int | None = None, holdback: int | None = None,
-                look_every: int = 2, audit_rate: float | None = None, audit_devices: int | None = None) -> Outcome:
+                look_every: int = 2, audit_rate: float | None = None, audit_devices: int | None = None,
+                earlier_waves: bool = True) -> Outcome:
     """One rollout over the simulated fleet: waves judged by `gates.evaluate` every window, as the engine does;
-    a wave of at most `audit_devices` devices audits at `audit_rate` while it soaks (the rollout's defaults)."""
+    a wave of at most `audit_devices` devices audits at `audit_rate` while it soaks (the rollout's defaults).
+
+    The control, as the engine's: the devices still on the previous release and (`earlier_waves`) the devices
+    of earlier waves, each against its own windows on the release before the wave past its swap's warm-up. The
+    last wave keeps `holdback` devices back (default: the engine's, `holdback` of the fleet and at least 2) only
+    where fewer than 2 devices of earlier waves can be its control (always, with `earlier_waves` False)."""
     margins, evidence = margins or Margins(), evidence or Evidence()
     defaults = RolloutOptions()
     audit_rate = defaults.audit_rate if audit_rate is None else audit_rate
     audit_devices = defaults.audit_devices if audit_devices is None else audit_devices
     control_max = defaults.control_max if control_max is None else control_max
-    holdback = max(1, math.ceil(defaults.holdback * fleet.n)) if holdback is None else holdback  # as the engine
+    held_back = max(2, math.ceil(defaults.holdback * fleet.n)) if holdback is None else holdback  # as the engine
     ws = fleet.model.window_s
     sizes = wave_sizes(waves, fleet.n)
     order = list(fleet.rng.permutation(fleet.n))
@@ -206,27 +213,33 @@ def run_rollout(fleet: Fleet, *, waves: tuple[str, ...] = ("1", "5%", "25%", "10
         for i, x in enumerate(fleet.windows(t, np.zeros(fleet.n, dtype=bool), base_rate)):
             history[i].append(x)
     treated: set[int] = set()
+    warm: dict[int, float] = {}  # device -> when its windows on the release count (past its swap's warm-up)
     per_wave: list[int] = []
+    windows: list[int] = []
     looks = 0
     for w, size in enumerate(sizes):
         last = w == len(sizes) - 1
         new = [i for i in order[:size] if i not in treated]
-        if last:  # the last wave keeps a control back until it has passed
-            new = new[:max(1, len(new) - holdback)]
+        promoted = [i for i in order if i in treated] if earlier_waves else []
+        if last and len(promoted) < 2:  # the last wave keeps a control back until it has passed
+            new = new[:max(1, len(new) - held_back)]
         start = t
         treated |= set(new)
+        warm.update(dict.fromkeys(new, start + (evidence.warmup_windows + 1) * ws))
         raised = set(new) if len(new) <= audit_devices else set()
-        control = [i for i in order if i not in treated][:control_max]
+        waiting = [i for i in order if i not in treated]
+        control = (waiting + promoted)[:control_max]
         pre_wave = [x for i in new for x in history[i] if start - evidence.baseline_s <= x["ts"] <= start]
-        pre_control = [x for i in control for x in history[i] if start - evidence.baseline_s <= x["ts"] <= start]
+        pre_control = [x for i in control for x in history[i]
+                       if max(start - evidence.baseline_s, warm.get(i, -math.inf)) <= x["ts"] <= start]
         cache: dict[Any, Any] = {}
-        for _step in range(max_soak_windows):
+        for step in range(max_soak_windows):
             t += ws
             on = np.isin(np.arange(fleet.n), list(treated))
             rates = np.where(np.isin(np.arange(fleet.n), list(raised)), audit_rate, fleet.model.audit_rate)
             for i, x in enumerate(fleet.windows(t, on, rates)):
                 history[i].append(x)
-            if (_step + 1) % look_every and _step + 1 < max_soak_windows:
+            if (step + 1) % look_every and step + 1 < max_soak_windows:
                 continue
             arms = Arms(pre_wave, [x for i in new for x in history[i] if x["ts"] > start],
                         pre_control, [x for i in control for x in history[i] if x["ts"] > start])
@@ -237,15 +250,19 @@ def run_rollout(fleet: Fleet, *, waves: tuple[str, ...] = ("1", "5%", "25%", "10
             done = sum(int(x["requests"]) for x in arms.post_wave)
             if failed(gates):
                 per_wave.append(done)
-                return Outcome("rolled_back", w, failed(gates), per_wave[0], per_wave, looks)
+                windows.append(step + 1)
+                return Outcome("rolled_back", w, failed(gates), per_wave[0], per_wave, looks, wave_windows=windows)
             if not open_gates(gates, audited=bool(raised)) and done >= margins.min_requests:
                 break
         else:
             per_wave.append(done)
-            return Outcome("held", w, open_gates(gates, audited=bool(raised)), per_wave[0], per_wave, looks)
+            windows.append(max_soak_windows)
+            return Outcome("held", w, open_gates(gates, audited=bool(raised)), per_wave[0], per_wave, looks,
+                           wave_windows=windows)
         per_wave.append(done)
+        windows.append(step + 1)
     return Outcome("succeeded", len(sizes) - 1, [], per_wave[0], per_wave, looks,
-                   [old_soak(fleet, ws_new) for ws_new in _wave_devices(order, sizes)])
+                   [old_soak(fleet, ws_new) for ws_new in _wave_devices(order, sizes)], windows)
 
 
 OLD_SOAK = 200  # requests per device: the fixed soak before the gates were sequential

@@ -36,7 +36,7 @@ class DeployRequest(BaseModel):
     waves: str = Field(default=WAVES_TEXT, max_length=200)
     soak: str = Field(default=ROLLOUT_SOAK, max_length=32, examples=["500", "10m"])
     max_soak: str = Field(default=ROLLOUT_MAX_SOAK, max_length=32, examples=["30m", "20000"])
-    on_inconclusive: str = Field(default="hold", max_length=16, examples=["hold", "extend", "rollback"])
+    on_inconclusive: str = Field(default="hold", max_length=16, examples=["hold", "extend", "rollback", "promote"])
     holdback: float = Field(default=0.05, ge=0, lt=1)
     audit_rate: float = Field(default=0.5, ge=0, le=1)
     audit_devices: int = Field(default=10, ge=0)

@@ -58,15 +58,17 @@ def add_parsers(sub: Any, common: argparse.ArgumentParser, fleet: Any) -> None:
                    help="requests (500) or time (10m) a device runs the release at least")
     d.add_argument("--max-soak", default=ROLLOUT_MAX_SOAK,
                    help="a wave still inconclusive this long (or requests per device)...")
-    d.add_argument("--on-inconclusive", default="hold", choices=("hold", "extend", "rollback"),
-                   help="...is held for the operator, soaks on, or is rolled back")
+    d.add_argument("--on-inconclusive", default="hold", choices=("hold", "extend", "rollback", "promote"),
+                   help="...is held for the operator, soaks on, is rolled back, or (after the canary) passes on "
+                   "the evidence of the waves before it")
     d.add_argument("--alpha", type=float, help=f"false-rollback rate per rollout (default {Evidence().alpha})")
     d.add_argument("--beta", type=float, help=f"per gate and wave, chance a full-margin regression passes "
                    f"(default {Evidence().beta})")
     d.add_argument("--bucket", type=float, metavar="S", help="compare with control over buckets this long "
                    f"(default {Evidence().bucket_s:g} s: the agents' telemetry interval)")
     d.add_argument("--holdback", type=float, default=0.05,
-                   help="share of devices the last wave keeps back as its control until its gates pass")
+                   help="share of devices (at least 2) the last wave keeps back as its control until its gates "
+                   "pass, where fewer than 2 devices of earlier waves can serve as its control")
     d.add_argument("--audit-rate", type=float, default=0.5, metavar="SHARE",
                    help="share of confident answers a small wave's devices audit while it soaks (0: their own)")
     d.add_argument("--audit-devices", type=int, default=10, metavar="N",

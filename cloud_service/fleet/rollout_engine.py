@@ -11,10 +11,12 @@ fenced by it. A step, for each running rollout:
 3. moves assigned devices that show no progress for `stall_after_s` to the catch-up set;
 4. fails the wave at once on a device failure (refused, golden inputs not reproduced, a device-side
    rollback, a crash); otherwise, once every device of the wave soaked on the release, compares the
-   wave's telemetry on the release with a control cohort on the previous release over the same
-   window (devices not yet in a wave; after the last wave, the same devices before the wave) and
-   passes or fails it (gates.py). A failure rolls every device that was given the release back to
-   the release it ran before (`{"release": previous, "rollback": true}`) in the same transaction.
+   wave's telemetry on the release with a control over the same window (devices not yet in a wave, and
+   the devices of earlier waves, whose release does not change during this one; a last wave with fewer
+   than 2 of those keeps `holdback` devices back) and passes or fails it (gates.py); a wave still open at
+   its maximum soak follows `on_inconclusive` (hold, extend, rollback, promote). A failure rolls every
+   device that was given the release back to the release it ran before (`{"release": previous,
+   "rollback": true}`) in the same transaction.
 
 For every rollout it also gives returning catch-up devices the rollout's current outcome, and marks
 rolled-back devices restored once they report the previous release again.
@@ -184,6 +186,7 @@ class RolloutEngine:
             extended = conn.execute(sa.select(sa.func.max(t.rollout_decisions.c.at)).where(
                 t.rollout_decisions.c.rollout_id == row.id, t.rollout_decisions.c.wave == row.wave,
                 t.rollout_decisions.c.kind.in_(("resume", "inconclusive")))).scalar()
+            released = _decided(conn, row.id, row.wave, "control_released")
         w = waves[row.wave]
         wave_updates: dict[str, Any] = {}
         if w["state"] == "pending":
@@ -196,13 +199,15 @@ class RolloutEngine:
                    and v["assigned_at"] is not None and v["state"] != "catch_up"]
         current = [d for d in members if ctx.devs[d]["wave"] == w["idx"]]
         fails, crashes = self._failures(ctx, members)
-        figures = self._figures(ctx, w, current)
+        # once the held-back control took the release, the wave was judged: its soak alone finishes it
+        figures = self._figures(ctx, w, current, judged=bool(released))
         gates = evaluate(figures["arms"], margins=opts.margins, evidence=opts.evidence, waves=len(waves),
                          budget_ms=self._budget(row.release), device_failures=fails, crashes=crashes,
                          fleet_request_rate=figures["request_rate"],
                          cloud_capacity_rps=opts.cloud_capacity_rps or self.cloud_capacity_rps)
         record_figures = {"wave": figures["wave"].as_dict(), "control": figures["control"].as_dict(),
                           "control_kind": figures["control_kind"], "request_rate": figures["request_rate"],
+                          "control_devices": figures["control_devices"],
                           "alpha": opts.evidence.alpha, "alpha_gate": opts.evidence.alpha_gate(len(waves)),
                           "gates": gates}
         hard = failed(gates, HARD_GATES)
@@ -237,7 +242,11 @@ class RolloutEngine:
                 self._pass(conn, ctx, w, len(waves), current, record_figures, audit=self._audited(ctx, waves, w))
                 wave_updates = {**wave_updates, "state": "passed", "ended_at": now}
             elif still and self._past_max_soak(ctx, w, figures["wave"].requests / max(1, len(current)), extended):
-                if self._inconclusive(conn, ctx, w, record_figures, still):
+                verdict = self._inconclusive(conn, ctx, w, record_figures, still)
+                if verdict == "promote":
+                    wave_updates = {**wave_updates, **self._promote(conn, ctx, w, waves, current, controls, changes,
+                                                                    record_figures, still)}
+                elif verdict == "rollback":
                     self._write(conn, ctx, changes, assign, w["idx"],
                                 {**wave_updates, "state": "failed", "ended_at": now})
                     self._roll_back_in(conn, ctx, "inconclusive", record_figures,
@@ -250,17 +259,37 @@ class RolloutEngine:
                        f"open: {', '.join(still) or 'none'}", self.holder, now=now)
             self._write(conn, ctx, changes, assign, w["idx"], wave_updates)
 
+    def _promote(self, conn: Any, ctx: _Ctx, w: dict[str, Any], waves: list[dict[str, Any]], current: list[str],
+                 controls: list[str], changes: dict[str, dict[str, Any]], figures: dict[str, Any],
+                 still: list[str]) -> dict[str, Any]:
+        """A wave open at its maximum soak under `promote`: it passes on the earlier waves' evidence (a held-back
+        control takes the release first, and the wave's soak finishes it). Returns the wave's updates."""
+        if not controls:
+            self._pass(conn, ctx, w, len(waves), current, figures, audit=self._audited(ctx, waves, w), promoted=still)
+            return {"state": "passed", "ended_at": ctx.now}
+        for dev in controls:
+            changes.setdefault(dev, {}).update({"state": "pending", "detail": "control released",
+                                                "updated_at": ctx.now})
+        record(conn, ctx.row.id, w["idx"], "control_released", {**figures, "promoted": still},
+               f"wave {w['idx']}: promoted at its maximum soak on the evidence of the waves before it "
+               f"({', '.join(still)} open, none failed); {len(controls)} held-back device(s) take the release now",
+               self.holder, now=ctx.now)
+        return {}
+
     def _pass(self, conn: Any, ctx: _Ctx, w: dict[str, Any], n_waves: int, current: list[str],
-              figures: dict[str, Any], *, audit: bool = False) -> None:
+              figures: dict[str, Any], *, audit: bool = False, promoted: list[str] | None = None) -> None:
         row, now = ctx.row, ctx.now
         last = w["idx"] == n_waves - 1
         conn.execute(t.rollouts.update().where(t.rollouts.c.id == row.id).values(
             wave=w["idx"] if last else w["idx"] + 1, state="succeeded" if last else "running", updated_at=now))
         note = (f"wave {w['idx']} ({w['spec']}) passed: {len(current)} device(s) soaked" if current else
                 f"wave {w['idx']} ({w['spec']}) passed: no device of its own online to judge")
+        if promoted:
+            note += (f"; promoted at its maximum soak on the evidence of waves 0-{w['idx'] - 1}, which passed "
+                     f"(open here, none failed: {', '.join(promoted)})")
         if audit and current:  # decided: its devices audit at their own rate again (a layer without "audit_rate")
             self.desired.assign({d: self._layer(ctx, audit=False) for d in current}, conn=conn)
-        record(conn, row.id, w["idx"], "pass", figures, note, self.holder, now=now)
+        record(conn, row.id, w["idx"], "pass", {**figures, "promoted": promoted or []}, note, self.holder, now=now)
         if last:
             record(conn, row.id, w["idx"], "done", {}, "every wave passed", self.holder, now=now)
 
@@ -271,18 +300,26 @@ class RolloutEngine:
                     or ("requests" in cap and per_device >= cap["requests"] and extended is None))
 
     def _inconclusive(self, conn: Any, ctx: _Ctx, w: dict[str, Any], figures: dict[str, Any],
-                      still: list[str]) -> bool:
-        """The policy for a wave still open at its maximum soak; True: roll back."""
+                      still: list[str]) -> str | None:
+        """The policy for a wave still open at its maximum soak (no gate failed): "rollback", "promote" (the
+        caller passes the wave), or None (held, or soaking on; recorded here).
+
+        `promote` passes a wave after the canary on the evidence of the waves before it, which passed on the
+        same gates: it adds no false rollback, and it gives up only what this wave alone would have shown (a
+        regression too small for the earlier waves to tell). A canary has no earlier wave: it is held."""
         policy = ctx.opts.on_inconclusive
         if policy == "rollback":
-            return True
+            return "rollback"
+        if policy == "promote" and w["idx"] > 0:
+            return "promote"
         note = f"wave {w['idx']} inconclusive at its maximum soak {ctx.opts.max_soak}: {', '.join(still)} open"
-        if policy == "hold":
+        held = policy in {"hold", "promote"}
+        if held:
             conn.execute(t.rollouts.update().where(t.rollouts.c.id == ctx.row.id).values(
                 state="paused", reason=note + "; held for the operator (resume to soak on)", updated_at=ctx.now))
         record(conn, ctx.row.id, w["idx"], "inconclusive", figures,
-               note + ("; held" if policy == "hold" else "; soaking on"), self.holder, now=ctx.now)
-        return False
+               note + ("; held" if held else "; soaking on"), self.holder, now=ctx.now)
+        return None
 
     def _soaked(self, ctx: _Ctx, device: str, opts: RolloutOptions) -> bool:
         d = ctx.devs[device]
@@ -339,15 +376,29 @@ class RolloutEngine:
         return assign
 
     def _holdback(self, ctx: _Ctx, pending: list[str]) -> set[str]:
-        """The last wave would leave no control: its last online pending devices (in the rollout's order) stay
-        on the previous release until the wave's statistical gates pass. Only when the wave starts (no device
-        of the wave assigned yet) and one device at least goes ahead."""
+        """The last wave's control where the devices of earlier waves cannot be one (fewer than 2 online on the
+        release: a one-wave rollout, a small fleet): its last online pending devices (in the rollout's order),
+        `holdback` of the fleet and at least 2, stay on the previous release until the wave's statistical gates
+        pass. Only when the wave starts (no device of the wave assigned yet) and one device at least goes ahead.
+        A single held-back device leaves the wave's p95 and energy against one device's own swings, which on a
+        shared host takes minutes to tell from the margin."""
+        last = len(ctx.opts.waves) - 1
         if ctx.opts.holdback <= 0 or any(v["state"] == "control" for v in ctx.devs.values()) or any(
-                v["wave"] == len(ctx.opts.waves) - 1 and v["assigned_at"] is not None for v in ctx.devs.values()):
+                v["wave"] == last and v["assigned_at"] is not None for v in ctx.devs.values()):
+            return set()
+        if len(self._promoted(ctx, last)) >= 2:
             return set()
         online = [d for d in pending if self._online(ctx, d)]
-        k = min(max(1, math.ceil(ctx.opts.holdback * len(ctx.devs))), len(online) - 1)
+        k = min(max(2, math.ceil(ctx.opts.holdback * len(ctx.devs))), len(online) - 1)
         return set(online[-k:]) if k > 0 else set()
+
+    def _promoted(self, ctx: _Ctx, wave: int) -> list[str]:
+        """Online devices of the waves before `wave` running the release: during `wave` their release does not
+        change, so they are a control for it beside the devices still on the previous release (each against its
+        own windows on the release before the wave: shared load that moves both cancels)."""
+        return sorted((d for d, v in ctx.devs.items() if v["wave"] is not None and v["wave"] < wave
+                       and v["assigned_at"] is not None and v["state"] in RAN_STATES and self._online(ctx, d)),
+                      key=lambda d: order_key(ctx.row.id, d))
 
     def _stall(self, ctx: _Ctx, changes: dict[str, dict[str, Any]], opts: RolloutOptions) -> None:
         for dev, d in ctx.devs.items():
@@ -383,14 +434,18 @@ class RolloutEngine:
             changes.setdefault(dev, {}).update(values)
             d.update(values)
 
-    def _figures(self, ctx: _Ctx, w: dict[str, Any], current: list[str]) -> dict[str, Any]:
-        """The wave's own devices against the control (devices still on the previous release, at most
-        `control_max` of them), each with its baseline: its windows on the previous release before the wave."""
+    def _figures(self, ctx: _Ctx, w: dict[str, Any], current: list[str], *, judged: bool = False) -> dict[str, Any]:
+        """The wave's own devices against the control, each with its baseline: the devices still on the previous
+        release (their windows on it before the wave) and the devices of earlier waves (`_promoted`: their windows
+        on the release before the wave, past their own swap's warm-up), at most `control_max` in all. `judged`:
+        the statistical gates have decided already (no arms)."""
         start = float(w["started_at"] or ctx.now)
         ev = ctx.opts.evidence
         release = ctx.row.release
-        control = sorted((d for d, v in ctx.devs.items() if v["state"] in ("pending", "control")
-                          and self._online(ctx, d)), key=lambda d: order_key(ctx.row.id, d))[:ctx.opts.control_max]
+        waiting = sorted((d for d, v in ctx.devs.items() if v["state"] in ("pending", "control")
+                          and self._online(ctx, d)), key=lambda d: order_key(ctx.row.id, d))
+        promoted = self._promoted(ctx, w["idx"])
+        control = (waiting + promoted)[:ctx.opts.control_max]
         wins = self._windows(sorted(set(current) | set(control)), min(start - ev.baseline_s, ctx.now - RATE_LOOKBACK_S))
         by: dict[str, list[dict[str, Any]]] = {}
         for x in wins:
@@ -398,9 +453,12 @@ class RolloutEngine:
 
         def pre(devs: list[str]) -> list[dict[str, Any]]:
             """Each device's windows before the wave, on the release it ran before this rollout where it sent
-            any (else on whatever it ran: windows that name no release)."""
+            any (else on whatever it ran: windows that name no release); a promoted device's on the release."""
             out = []
             for d in devs:
+                if d in on_release:
+                    out += [x for x in on_release[d] if start - ev.baseline_s <= x["server_ts"] < start]
+                    continue
                 before = [x for x in by.get(d, []) if x["release"] != release
                           and start - ev.baseline_s <= x["server_ts"] < start]
                 on_previous = [x for x in before if x["release"] == ctx.devs[d]["previous"]]
@@ -412,9 +470,14 @@ class RolloutEngine:
                           key=lambda x: x["server_ts"]) for d in current}
         post_wave = [x for d in current for x in mine[d][ev.warmup_windows:]]
         warm = {d: float(ws[0]["server_ts"]) + ev.warmup_s for d, ws in mine.items() if ws}
-        post_control = [x for d in control for x in by.get(d, []) if x["release"] != release
-                        and x["server_ts"] >= start]
-        arms = Arms(pre(current), post_wave, pre(control), post_control, warm) if control and current else None
+        on_release = {d: _warm(sorted((x for x in by.get(d, []) if x["release"] == release
+                                       and x["server_ts"] >= (ctx.devs[d]["assigned_at"] or ctx.now)),
+                                      key=lambda x: x["server_ts"]), ev.warmup_windows, ev.warmup_s)
+                      for d in promoted if d in control}
+        post_control = [x for d in control for x in (on_release[d] if d in on_release else by.get(d, []))
+                        if x["server_ts"] >= start and (x["release"] == release) == (d in on_release)]
+        arms = (Arms(pre(current), post_wave, pre(control), post_control, warm)
+                if control and current and not judged else None)
         rates: dict[str, list[float]] = {}
         for x in wins:
             if x["server_ts"] >= ctx.now - RATE_LOOKBACK_S and x["window_s"] > 0:
@@ -423,8 +486,12 @@ class RolloutEngine:
         if rate is not None and control:  # the control is a sample: scale to every targeted device
             rate *= len(ctx.devs) / max(1, len(rates))
         held = any(v["state"] == "control" for v in ctx.devs.values())
+        kind = ("held back" if held else "cohort") if len(on_release) < len(control) else "earlier waves"
+        if on_release and len(on_release) < len(control):
+            kind += " and earlier waves"
         return {"arms": arms, "wave": cohort(post_wave), "control": cohort(post_control),
-                "control_kind": ("held back" if held else "cohort") if arms else None, "request_rate": rate}
+                "control_kind": kind if arms else None, "request_rate": rate,
+                "control_devices": {"previous": len(control) - len(on_release), "earlier_waves": len(on_release)}}
 
     def _windows(self, devices: list[str], since: float) -> list[dict[str, Any]]:
         if not devices:
@@ -510,3 +577,19 @@ class RolloutEngine:
         conn.execute(t.rollouts.update().where(t.rollouts.c.id == ctx.row.id).values(
             state="rolled_back", reason=note, updated_at=ctx.now))
         record(conn, ctx.row.id, wave, kind, {**figures, "sent_back": len(back)}, note, self.holder, now=ctx.now)
+
+
+def _warm(windows: list[dict[str, Any]], skip: int, warmup_s: float) -> list[dict[str, Any]]:
+    """A device's windows on a release (in time order) past its swap's warm-up: the first `skip` windows and
+    those within `warmup_s` of its first one (as a wave device's are for p95 and energy)."""
+    if not windows:
+        return []
+    since = float(windows[0]["server_ts"]) + warmup_s
+    return [x for x in windows[skip:] if float(x["server_ts"]) >= since]
+
+
+def _decided(conn: Any, rollout_id: int, wave: int, kind: str) -> bool:
+    """Whether the wave has a decision of this kind."""
+    dc = t.rollout_decisions.c
+    return bool(conn.execute(sa.select(sa.func.count()).where(
+        dc.rollout_id == rollout_id, dc.wave == wave, dc.kind == kind)).scalar())

@@ -96,7 +96,7 @@ def parse_soak(text: str) -> dict[str, Any]:
     return {"seconds": float(m.group(1)) * {"s": 1, "m": 60, "h": 3600}[m.group(2)]}
 
 
-INCONCLUSIVE = ("hold", "extend", "rollback")
+INCONCLUSIVE = ("hold", "extend", "rollback", "promote")
 
 
 @dataclass(frozen=True)
@@ -109,10 +109,12 @@ class RolloutOptions:
     evidence: the false-rollback rate over the whole rollout, the pass-side error, buckets, baselines
         (gates.Evidence).
     max_soak: a wave still inconclusive this long (time, or requests per device) after it started...
-    on_inconclusive: ...is held for the operator (`hold`, the rollout pauses), soaks on (`extend`), or is
-        rolled back (`rollback`).
-    holdback: share of the targeted devices (at least one) the last wave keeps on the previous release as
-        its control until its statistical gates pass.
+    on_inconclusive: ...is held for the operator (`hold`, the rollout pauses), soaks on (`extend`), is
+        rolled back (`rollback`), or, after the canary, passes on the evidence of the waves before it (`promote`;
+        a canary is held).
+    holdback: share of the targeted devices (at least 2) the last wave keeps on the previous release as its
+        control until its statistical gates pass, where fewer than 2 devices of earlier waves (on the release,
+        whose release does not change during the wave) can serve as its control.
     control_max: the control cohort is at most this many devices (in the rollout's order).
     cloud_capacity_rps: escalations/s the cloud tier sustains (measured, e.g. bench/bench_cloud.py); None: not gated.
     audit_rate: while a small wave (at most `audit_devices` devices) soaks, its devices audit this share of their

@@ -1,0 +1,186 @@
+"""The last wave's control and the inconclusive policy, in-process on a simulated clock: six devices publish a
+window a second into the real telemetry store and the engine steps once a second.
+
+- The last wave is judged against the devices of the earlier waves (their release does not change during it),
+  not against one device held back: it is decided as soon as the earlier waves' are.
+- A wave that is still open at its maximum soak passes on the earlier waves' evidence under `promote` (stated
+  in the decision record); a canary under `promote` is held (it has no earlier wave).
+- A one-wave rollout keeps at least two devices back as its control.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import sqlalchemy as sa
+
+from cloud_service.fleet import schema as t
+from cloud_service.fleet.ca import FleetCA
+from cloud_service.fleet.desired import DesiredState
+from cloud_service.fleet.registry import Registry
+from cloud_service.fleet.releases import ReleaseRegistry
+from cloud_service.fleet.rollout_engine import RolloutEngine
+from cloud_service.fleet.rollouts import Rollouts, make_options
+from cloud_service.fleet.store import FleetStore
+from cloud_service.fleet.telemetry import TelemetryStore
+from compilers.signing import generate_keypair, load_private_key, load_public_key
+from edge_agent.fleet_sync import generate_key_and_csr
+from testkit.rollout_harness import tiny_variant_set
+
+T0 = 1_800_000_000.0
+BASELINE_S = 120
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> Any:
+    """SQLite only: the engine's decisions do not depend on the database (test_rollout_engine.py runs both)."""
+    s = FleetStore.open(f"sqlite:///{tmp_path / 'fleet.db'}")
+    try:
+        yield s
+    finally:
+        s.close()
+
+
+class _Sim:
+    """Six devices on `first`, each taking whatever release its effective desired document names at once.
+    Windows: 50 inferences, escalation 0.2, p95 5 ms x a device level x noise; `noisy(wave)`: the p95 noise
+    (log sd) while the rollout is at that wave."""
+
+    def __init__(self, store: FleetStore, tmp: Path, n: int = 6) -> None:
+        self.reg = Registry(store, FleetCA.load_or_create(tmp))
+        self.devices = [self.reg.enroll(self.reg.create_token({"kind": "cam"}), generate_key_and_csr()[1]).device_id
+                        for _ in range(n)]
+        self.desired = DesiredState(store)
+        key, pub = generate_keypair(tmp / "ops")
+        self.releases = ReleaseRegistry(store, tmp / "data", [load_public_key(pub)])
+        variants, policy = tiny_variant_set(tmp / "model"), tmp / "p.yaml"
+        digests = []
+        for v in ("1", "2"):
+            policy.write_text(f"version: '{v}'\n")
+            digests.append(self.releases.create(variants, policy, sign_key=load_private_key(key))["digest"])
+        self.first, self.second = digests
+        self.store, self.tel, self.rollouts = store, TelemetryStore(store), Rollouts(store, self.releases)
+        self.running = dict.fromkeys(self.devices, self.first)
+        self.level = dict(zip(self.devices, np.exp(np.random.default_rng(1).normal(0, 0.2, n)).tolist(), strict=True))
+        self.rng, self.seq, self.now = np.random.default_rng(7), 0, T0
+        self.switched: dict[str, float] = {}
+        self.quiet = 50  # inferences a window of the devices `run` singles out
+        for d in self.devices:
+            self.desired.record_reported(d, {"release": self.first}, now=self.now)
+        for _ in range(BASELINE_S):
+            self.tick(0.02)
+
+    def tick(self, sd: float, *, shift: float = 0.0, since: float = math.inf) -> None:
+        """One window a device; those that took a release at `since` or later: `quiet` inferences, p95 noise `sd`,
+        shifted by `shift` (log)."""
+        self.now += 1.0
+        self.seq += 1
+        batch = []
+        for d in self.devices:
+            eff = self.desired.effective(self.reg.device(d))
+            want = (eff or {}).get("document", {}).get("release") or self.first
+            if want != self.running[d]:
+                self.running[d], self.switched[d] = want, self.now
+                self.desired.record_reported(d, {"release": want}, now=self.now)
+            hit = self.switched.get(d, -math.inf) >= since
+            p95 = 5.0 * self.level[d] * math.exp(float(self.rng.normal(shift if hit else 0.0, sd if hit else 0.02)))
+            n = self.quiet if hit else 50
+            esc = int(self.rng.binomial(n, 0.2))
+            batch.append((d, json.dumps({
+                "device": d, "boot_id": "b", "seq": self.seq, "ts": self.now, "window_s": 1.0, "requests": n,
+                "edge": n - esc, "cloud": esc, "compared": esc, "escalation_rate": esc / n, "agreement": 0.9,
+                "p95_ms": p95, "p50_ms": p95 / 2, "energy_mj_per_request": 2.0 * self.level[d],
+                "release": self.running[d]}).encode(), self.now))
+        assert self.tel.ingest(batch).stored == len(batch)
+
+    def run(self, rid: int, engine: RolloutEngine, seconds: int, *, wave: int = -1, sd: float = 0.02,
+            shift: float = 0.0) -> dict[str, Any]:
+        """Step the engine once a simulated second; the devices of `wave` draw their p95 with noise `sd` (log)
+        shifted by `shift` (the others with 0.02, unshifted)."""
+        since = math.inf
+        for _ in range(seconds):
+            row = self.rollouts.get(rid)
+            if row["state"] != "running":
+                break
+            if int(row["wave"]) == wave and since == math.inf:
+                since = self.now
+            self.tick(sd, shift=shift, since=since)
+            engine.step(now=self.now)
+        return self.rollouts.show(rid)
+
+    def states(self, rid: int) -> dict[str, str]:
+        rd = t.rollout_devices.c
+        with self.store.begin() as conn:
+            return {r.device_id: r.state for r in conn.execute(
+                sa.select(rd.device_id, rd.state).where(rd.rollout_id == rid))}
+
+
+def _deploy(sim: _Sim, waves: str, **options: Any) -> tuple[int, RolloutEngine]:
+    opts = make_options(waves=waves, soak="20", margins={"min_requests": 20},
+                        evidence={"bucket_s": 1.0, "warmup_windows": 1, "warmup_s": 2.0, "plan": 0.2}, **options)
+    rid = sim.rollouts.deploy(sim.second, {}, opts)
+    return rid, RolloutEngine(sim.store, sim.desired, sim.releases, holder="e", online_after_s=30)
+
+
+def test_the_last_wave_is_judged_against_the_earlier_waves_and_decided(store: FleetStore, tmp_path: Path) -> None:
+    sim = _Sim(store, tmp_path)
+    rid, engine = _deploy(sim, "1,50%,100%")
+    shown = sim.run(rid, engine, 600)
+    assert shown["state"] == "succeeded", (shown["reason"], shown["waves"])
+    last = shown["waves"][2]
+    # its control is the three devices of the earlier waves; none held back on the previous release
+    assert last["figures"]["control_kind"] == "earlier waves"
+    assert not any(d["kind"] == "control_released" for d in shown["decisions"])
+    passed = next(d for d in shown["decisions"] if d["wave"] == 2 and d["kind"] == "pass")
+    assert passed["figures"]["control_devices"] == {"previous": 0, "earlier_waves": 3}
+    assert passed["figures"]["promoted"] == []
+    assert {g["gate"]: g["decision"] for g in passed["figures"]["gates"]}["p95_vs_control"] == "pass"
+    # decided by its gates within a minute of soak, as the earlier waves were
+    span = float(last["ended_at"]) - float(last["started_at"])
+    assert span < 60, span
+
+
+def test_a_wave_open_at_its_maximum_soak_is_promoted_on_the_earlier_waves(store: FleetStore,
+                                                                          tmp_path: Path) -> None:
+    sim = _Sim(store, tmp_path)
+    rid, engine = _deploy(sim, "1,50%,100%", max_soak="90s", on_inconclusive="promote")
+    # the last wave's devices serve 3 inferences a window, too few for a window's p95 (a quiet hour): its p95 gate
+    # has no evidence, and its rates too little to pass within 90 s
+    sim.quiet = 3
+    shown = sim.run(rid, engine, 600, wave=2)
+    assert shown["state"] == "succeeded", (shown["reason"], shown["waves"])
+    last = shown["waves"][2]
+    assert 90 <= float(last["ended_at"]) - float(last["started_at"]) < 100  # bounded by the maximum soak
+    passed = next(d for d in shown["decisions"] if d["wave"] == 2 and d["kind"] == "pass")
+    assert passed["figures"]["promoted"], passed  # the open gates, stated in the record
+    assert "promoted at its maximum soak on the evidence of waves 0-1" in passed["note"]
+    assert not [g for g in passed["figures"]["gates"] if g["ok"] is False]  # promoted, not over a failed gate
+    assert all(not d["figures"].get("promoted") for d in shown["decisions"] if d["wave"] in (0, 1))
+
+
+def test_a_canary_open_at_its_maximum_soak_is_held_under_promote(store: FleetStore, tmp_path: Path) -> None:
+    sim = _Sim(store, tmp_path)
+    rid, engine = _deploy(sim, "1,50%,100%", max_soak="60s", on_inconclusive="promote")
+    sim.quiet = 3
+    shown = sim.run(rid, engine, 200, wave=0)
+    assert shown["state"] == "paused", (shown["reason"], shown["waves"])
+    assert "wave 0 inconclusive at its maximum soak" in shown["reason"]
+    assert shown["waves"][0]["state"] == "soaking"
+
+
+def test_a_one_wave_rollout_keeps_two_devices_back_until_its_gates_pass(store: FleetStore, tmp_path: Path) -> None:
+    sim = _Sim(store, tmp_path)
+    rid, engine = _deploy(sim, "100%")
+    for _ in range(3):
+        sim.tick(0.02)
+        engine.step(now=sim.now)
+    assert sorted(sim.states(rid).values()).count("control") == 2  # one held-back device is too few
+    shown = sim.run(rid, engine, 600)
+    assert shown["state"] == "succeeded", (shown["reason"], shown["waves"])
+    assert any(d["kind"] == "control_released" for d in shown["decisions"])
+    assert shown["states"] == {"committed": 6}
