@@ -188,7 +188,10 @@ def test_dashboard_shows_devices_plots_and_drift(dashboard: tuple[FleetProcess, 
             estimate = float(gate.locator("td").nth(3).inner_text())
             assert 0.09 < estimate < 0.13  # the canary's change against control's: +11 points
             test_lines = page.locator(".plot[data-test-gate='escalation_rate'] polyline.series")
-            assert test_lines.count() == 3  # estimate and its confidence bounds over time
+            # estimate, its confidence bounds, the pass-side bound, the margin and the threshold over time
+            assert test_lines.count() == 6
+            title = page.locator(".plot[data-test-gate='escalation_rate']").inner_text()
+            assert "evidence" in title and "planned" in title, title
             for metric in ("escalation_rate", "p95_ms"):
                 lines = page.locator(f".plot[data-rollout-metric='{metric}'] polyline.series")
                 assert lines.count() == 2, metric  # wave and control
