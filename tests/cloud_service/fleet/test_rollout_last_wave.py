@@ -148,14 +148,14 @@ def test_the_last_wave_is_judged_against_the_earlier_waves_and_decided(store: Fl
 def test_a_wave_open_at_its_maximum_soak_is_promoted_on_the_earlier_waves(store: FleetStore,
                                                                           tmp_path: Path) -> None:
     sim = _Sim(store, tmp_path)
-    rid, engine = _deploy(sim, "1,50%,100%", max_soak="90s", on_inconclusive="promote")
+    rid, engine = _deploy(sim, "1,50%,100%", max_soak="40s", on_inconclusive="promote")
     # the last wave's devices serve 3 inferences a window, too few for a window's p95 (a quiet hour): its p95 gate
-    # has no evidence, and its rates too little to pass within 90 s
+    # has no evidence: open until its maximum soak
     sim.quiet = 3
     shown = sim.run(rid, engine, 600, wave=2)
     assert shown["state"] == "succeeded", (shown["reason"], shown["waves"])
     last = shown["waves"][2]
-    assert 90 <= float(last["ended_at"]) - float(last["started_at"]) < 100  # bounded by the maximum soak
+    assert 40 <= float(last["ended_at"]) - float(last["started_at"]) < 50  # bounded by the maximum soak
     passed = next(d for d in shown["decisions"] if d["wave"] == 2 and d["kind"] == "pass")
     assert passed["figures"]["promoted"], passed  # the open gates, stated in the record
     assert "promoted at its maximum soak on the evidence of waves 0-1" in passed["note"]
@@ -165,9 +165,9 @@ def test_a_wave_open_at_its_maximum_soak_is_promoted_on_the_earlier_waves(store:
 
 def test_a_canary_open_at_its_maximum_soak_is_held_under_promote(store: FleetStore, tmp_path: Path) -> None:
     sim = _Sim(store, tmp_path)
-    rid, engine = _deploy(sim, "1,50%,100%", max_soak="60s", on_inconclusive="promote")
+    rid, engine = _deploy(sim, "1,50%,100%", max_soak="30s", on_inconclusive="promote")
     sim.quiet = 3
-    shown = sim.run(rid, engine, 200, wave=0)
+    shown = sim.run(rid, engine, 100, wave=0)
     assert shown["state"] == "paused", (shown["reason"], shown["waves"])
     assert "wave 0 inconclusive at its maximum soak" in shown["reason"]
     assert shown["waves"][0]["state"] == "soaking"
