@@ -191,7 +191,8 @@ def test_dashboard_shows_devices_plots_and_drift(dashboard: tuple[FleetProcess, 
             # estimate, its confidence bounds, the pass-side bound, the margin and the threshold over time
             assert test_lines.count() == 6
             title = page.locator(".plot[data-test-gate='escalation_rate']").inner_text()
-            assert "evidence" in title and "planned" in title, title
+            assert "evidence" in title, title
+            assert "planned" in title, title
             for metric in ("escalation_rate", "p95_ms"):
                 lines = page.locator(f".plot[data-rollout-metric='{metric}'] polyline.series")
                 assert lines.count() == 2, metric  # wave and control
