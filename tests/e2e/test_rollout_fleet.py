@@ -233,6 +233,11 @@ def _scenario(run: _Run, *, bad: tuple[str, ...], offline: bool) -> None:
     shown = run.roll_out(r1, "100%", 600)
     assert shown["states"] == {"committed": n}
     assert run.on(r1)
+    # each device's baseline for the next rollout: windows on r1 (the held-back agents just took it; a wave
+    # device with no baseline cannot be judged)
+    done = time.time()
+    fleet.wait("windows on r1", lambda: len([w for w in fleet.api("GET", f"/v1/telemetry?since={done}")["windows"]
+                                            if w.get("requests")]) >= 15 * n, timeout=60)
 
     r2 = run.release("good", "11", [r1])
     # the last wave's control is the agents of the earlier waves (their release does not change during it), each
