@@ -20,11 +20,15 @@ import socket
 import sys
 from typing import Any
 
-import numpy as np
-import onnxruntime as ort
-from pytriton.decorators import batch
-from pytriton.model_config import DynamicBatcher, ModelConfig, Tensor
-from pytriton.triton import Triton, TritonConfig
+# Run by path, this file's folder (testkit/) is first on sys.path, and testkit/pytriton.py would shadow the
+# `pytriton` package: take the folder off before importing it.
+sys.path[:] = [p for p in sys.path if os.path.realpath(p or ".") != os.path.dirname(os.path.realpath(__file__))]
+
+import numpy as np  # noqa: E402
+import onnxruntime as ort  # noqa: E402
+from pytriton.decorators import batch  # noqa: E402
+from pytriton.model_config import DynamicBatcher, ModelConfig, Tensor  # noqa: E402
+from pytriton.triton import Triton, TritonConfig  # noqa: E402
 
 _DTYPES = {"tensor(float)": np.float32, "tensor(float16)": np.float16, "tensor(int64)": np.int64,
            "tensor(int32)": np.int32, "tensor(uint8)": np.uint8}
