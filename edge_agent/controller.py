@@ -53,7 +53,7 @@ from edge_agent.decide import (
 )
 from edge_agent.encoding import WireEncoder, WireOption
 from edge_agent.plan import Conditions
-from edge_agent.profiles import LinkProfile, VariantProfile
+from edge_agent.profiles import LinkProfile, LinkState, VariantProfile
 from runtimes.errors import ConfigError
 
 __all__ = ["Conditions", "Controller", "ControllerConfig", "Decision", "accuracy_margin", "candidate_thresholds",
@@ -242,7 +242,8 @@ class Controller:
 
     def _calibrate_energy(self, energy_mj: float) -> None:
         """The energy plan's calibration: the observed mean over the predicted one, over the last two
-        thousand requests. Only a move of 1 % or more re-decides (the plan's grid is about that fine)."""
+        thousand requests. Only a move of 1 % or more, and beyond one standard error of the
+        observed mean (`_calibration_noise`), re-decides: the calibration follows the energy, not its noise."""
         self._energy.append((energy_mj, self.current.predicted_energy_mj))
         self._energy_sums = (self._energy_sums[0] + energy_mj, self._energy_sums[1] + self.current.predicted_energy_mj)
         if len(self._energy) == self._energy.maxlen:
@@ -252,7 +253,7 @@ class Controller:
             return
         observed, predicted = self._energy_sums
         scale = min(max(predicted / max(observed, 1e-12), 0.5), 1.5)
-        if abs(scale / self._energy_scale - 1) > 0.01:
+        if abs(scale / self._energy_scale - 1) > max(0.01, self._calibration_noise()):
             self._energy_scale = scale
             self._flag("observed energy vs plan")
 
@@ -378,15 +379,18 @@ class Controller:
         link = self.link.state() if self.link is not None else None
         cond = self.conditions()
         self._audits_planned = cond.audit_rate
-        cand = choose(self.profiles, link, self.budget, self.config, conditions=cond, wires=self._wires)
+        # the plan keeps the energy estimate's noise below the target; the current point is judged
+        # against the target itself: a band of that width, so the estimate's noise moves nothing
+        plan = replace(cond, energy_scale=cond.energy_scale * (1 - self._energy_noise(self.current, link)))
+        cand = choose(self.profiles, link, self.budget, self.config, conditions=plan, wires=self._wires)
         cur = evaluate(self._by_id[self.current.variant], self.current.threshold, link, self.budget, self.config,
                        conditions=cond, wire=self._wire(self.current.encoding))
         why = self._switch_reason(cur, cand)
         if not why and cand.feasible and cand.key != cur.key and not spare(cand, self.config):
             # the rule's choice is too close to a budget to move to for accuracy: the best point that
             # leaves the spare room may still beat the current one
-            tight = replace(cond, latency_scale=cond.latency_scale * (1 - self.config.switch_headroom),
-                            energy_scale=cond.energy_scale * (1 - self.config.energy_switch_headroom))
+            tight = replace(plan, latency_scale=cond.latency_scale * (1 - self.config.switch_headroom),
+                            energy_scale=plan.energy_scale * (1 - self.config.energy_switch_headroom))
             alt = choose(self.profiles, link, self.budget, self.config, conditions=tight, wires=self._wires)
             alt = replace(evaluate(self._by_id[alt.variant], alt.threshold, link, self.budget, self.config,
                                    conditions=cond, wire=self._wire(alt.encoding)), binding=cand.binding)
@@ -413,18 +417,50 @@ class Controller:
         # while the link is down the breaker skips the escalations, whatever share is wanted: what the plan
         # says they would cost then is no reason to move (the floor still is)
         up = link is None or link.up
-        return switch_reason(cur, cand, self.config, noise=self._cloud_noise(cur, cand),
+        noise = self._cloud_noise(cur, cand) + self.config.gain_z * self._gain_stderr(cur, cand)
+        return switch_reason(cur, cand, self.config, noise=noise,
                              energy_evidence=settled and up and self._energy_evidence(cur.variant, cand.variant),
                              floor=floor, tie=self._tie(cur, cand))
 
     def _tie(self, cur: Decision, cand: Decision) -> float:
         """How much less accurate `cand` may be predicted than `cur` and still tie with it (`decide.tied`):
         `tie_z` standard errors of what escalating the band between two thresholds of one variant gains."""
+        return self.config.tie_z * self._gain_stderr(cur, cand)
+
+    def _energy_noise(self, cur: Decision, link: LinkState | None) -> float:
+        """`energy_noise_z` relative standard errors of the current point's planned energy, with an energy budget
+        (else 0): the mean round trip of the window prices each escalation's waiting energy (its standard
+        error times the waiting power, over the escalations planned), and the calibration's observed mean
+        (the spread of the energies it averaged over their count)."""
+        if self.budget.energy_mj is None or cur.predicted_energy_mj <= 0:
+            return 0.0
+        rel = 0.0
+        if link is not None and link.up:
+            answered = link.rtt_samples[np.isfinite(link.rtt_samples)]
+            if answered.size >= 2:
+                se_ms = float(np.std(answered, ddof=1)) / math.sqrt(answered.size)
+                rel = se_ms * link.wait_power_w * cur.predicted_escalation_rate / cur.predicted_energy_mj
+        settled = self._calibration_noise(full=True)  # what it settles to, not what it is yet: no late moves
+        return min(self.config.energy_noise_z * math.hypot(rel, settled), 0.25)
+
+    def _calibration_noise(self, *, full: bool = False) -> float:
+        """The relative standard error of the observed mean energy the calibration divides by (0 before it
+        has 200 requests); `full`: of a full window (2000 requests), what it settles to."""
+        if len(self._energy) < 200:
+            return 0.0
+        observed = np.fromiter((e for e, _ in self._energy), dtype=float, count=len(self._energy))
+        n = (self._energy.maxlen or observed.size) if full else observed.size
+        return float(np.std(observed)) / max(float(np.mean(observed)), 1e-12) / math.sqrt(n)
+
+    def _gain_stderr(self, cur: Decision, cand: Decision) -> float:
+        """The standard error of the predicted accuracy difference between two thresholds of one variant:
+        the validation sampling error of the edge's correctness over the band of inputs one escalates
+        and the other does not, times the share of escalations answered (0 across variants)."""
         if cand.variant != cur.variant:
             return 0.0
         var = self._by_id[cur.variant].escalated_variance(np.array([cur.threshold, cand.threshold]))
         answered = float(cand.inputs.get("escalations_answered") or 0.0)
-        return self.config.tie_z * answered * math.sqrt(abs(float(var[0] - var[1])))
+        return answered * math.sqrt(abs(float(var[0] - var[1])))
 
     def _energy_evidence(self, current: str, other: str) -> bool:
         if current == other:

@@ -41,8 +41,10 @@ closest to them (smallest summed relative excess).
 only when (1) the current point breaks a budget by more than `violation_tolerance`, or breaks one at
 all and the choice is as accurate; or (2) the choice is more accurate by more than the accuracy
 margin plus the noise of the fitted cloud accuracy (`accuracy_z` standard errors over the escalations
-the move adds) and it fits the latency target with `switch_headroom` and the energy target with
-`energy_switch_headroom` to spare; or (3) the choice is as accurate (a tie, as above, between the two
+the move adds) plus `gain_z` standard errors of the gain's validation estimate (the edge's correctness
+over the band of inputs between two thresholds of one variant: what `tied` judges ties by), and it fits
+the latency target with `switch_headroom` and the energy target with `energy_switch_headroom` to spare
+(near a flat optimum, the first decision after a change stands); or (3) the choice is as accurate (a tie, as above, between the two
 points) and spends `energy_margin` less energy (across variants, on measured figures only; not within
 `link_settle_s` of a move of the round trip, so that a loss burst does not move it; nor while the
 link is down, when the breaker skips the escalations whatever share is wanted); or (4) the current
@@ -51,6 +53,11 @@ accurate, does not; or (5) the choice differs only in its encoding, as accurate,
 with the spare room of (2). Nothing else moves
 it: the same rule runs when the link goes down or comes back, when the round trip moves, and when a
 budget changes.
+
+**The energy estimate's noise.** With an energy budget the controller plans for the target less
+`energy_noise_z` relative standard errors of the current point's energy estimate and judges the current
+point against the target itself (`Controller._energy_noise`), so the estimate's noise, narrower than
+that band, moves nothing.
 
 **The binding constraint** of a decision is the budget the next more accurate point breaks
 ("latency", "energy", "escalations"), or "none" when the choice is the most accurate point there is.
@@ -101,7 +108,13 @@ class ControllerConfig:
         energy_switch_headroom: ...and its mean energy this share under the energy target.
         energy_margin: a move between points as accurate (`tied`) needs this share less energy.
         accuracy_z: ...and its gain to beat this many standard errors of the fitted cloud accuracy
-            over the escalations it adds.
+            over the escalations it adds...
+        gain_z: ...plus this many standard errors of the gain's validation estimate (the sampling error
+            of the edge's correctness over the band of inputs between two thresholds of one variant):
+            a difference noise could make is no reason to move, so a flat optimum does not churn.
+        energy_noise_z: with an energy budget, the plan keeps this many relative standard errors of its
+            energy estimate below the energy target, and the current point is judged against the target
+            itself (`Controller._energy_noise`): a band the estimate's noise does not cross.
         probe_escalation_rate, down_probe_escalation_rate: the least share escalated while the link is
             up, and while it is down (live escalations keep measuring it).
         min_observations: requests (or samples) before a measured rate or latency is trusted.
@@ -133,6 +146,8 @@ class ControllerConfig:
     energy_switch_headroom: float = 0.01
     energy_margin: float = 0.1
     accuracy_z: float = 2.0
+    gain_z: float = 2.0
+    energy_noise_z: float = 1.0
     probe_escalation_rate: float = 0.03
     down_probe_escalation_rate: float = 0.1
     min_observations: int = 20
@@ -157,8 +172,10 @@ class ControllerConfig:
             msg = (f"ControllerConfig latency_headroom and energy_headroom must be in (0, 1], got "
                    f"{self.latency_headroom!r}, {self.energy_headroom!r}")
             raise ConfigError(msg)
-        if not (self.window_s > 0 and self.energy_z >= 0 and self.accuracy_z >= 0 and self.accuracy_margin_rel >= 0):
-            msg = "ControllerConfig window_s must be > 0, energy_z, accuracy_z and accuracy_margin_rel >= 0"
+        if not (self.window_s > 0 and self.energy_z >= 0 and self.accuracy_z >= 0 and self.accuracy_margin_rel >= 0
+                and self.gain_z >= 0 and self.energy_noise_z >= 0):
+            msg = ("ControllerConfig window_s must be > 0, energy_z, accuracy_z, gain_z, energy_noise_z and "
+                   "accuracy_margin_rel >= 0")
             raise ConfigError(msg)
         if not (0 <= self.switch_headroom < 1 and 0 <= self.energy_switch_headroom < 1):
             msg = (f"ControllerConfig switch_headroom and energy_switch_headroom must be in [0, 1), got "

@@ -52,6 +52,8 @@ __all__ = ["Bandwidth", "Link", "LinkEstimate", "LinkView", "RoundTrips", "Timeo
 
 _Z95 = 1.6449
 
+DRIFT_SAMPLES = 16  # answered round trips whose median is the level that drift is judged by
+
 
 def lognormal_points(p50: float, p95: float | None = None, n: int = 64) -> np.ndarray:
     """`n` evenly spaced quantiles of the log-normal with this median and 95th percentile (sorted)."""
@@ -264,6 +266,16 @@ class RoundTrips:
             self.ewma = value if fresh else self.ewma + self._alpha * (value - self.ewma)
             self._ewma_at = now
 
+    def last_answered(self, k: int) -> list[float]:
+        """The last `k` answered round trips (fewer if the window holds fewer), newest first."""
+        out: list[float] = []
+        for _, v, ok in reversed(self._window):
+            if ok:
+                out.append(v)
+                if len(out) >= k:
+                    break
+        return out
+
     def recent(self, *, waits: bool = False) -> np.ndarray:
         horizon = self._clock() - self.horizon_s
         w = self._window
@@ -332,7 +344,8 @@ class Link:
             requests a second, a 0.3-s loss burst is thirty timeouts in a row, news by count, but a burst,
             not a partition (the link is "slower" meanwhile, and the controller waits `link_settle_s`,
             as long, before it gives the escalations up). Longer spells are down within 0.5 s.
-        drift, drift_abs_ms: a move of the answered round trips' EWMA by this share of the reference
+        drift, drift_abs_ms: a move of the answered round trips' level (`_level`: the median of the last
+            `DRIFT_SAMPLES`) by this share of the reference
             and this many milliseconds is an event ("slower", "faster"): the older samples are dropped
             but the last `rebase_keep` (so that one load spike among them does not read as a slow
             link), and `epoch` moves.
@@ -399,7 +412,7 @@ class Link:
                 self.rtt.rebase(self.up_after)  # the answers that brought it back describe it now
                 self.rtt.drop_infinite()
                 self._bump("up")
-                self._ref_ms = self.rtt.ewma
+                self._ref_ms = self._level()
                 return
             self.availability += self._alpha * (1.0 - self.availability)
             self._drift(probe)
@@ -496,10 +509,19 @@ class Link:
         self.epoch += 1
         self.event = event
 
+    def _level(self) -> float:
+        """The round trip's level that drift is judged by: the median of the last `DRIFT_SAMPLES` answered
+        round trips (the EWMA before any). On a loaded host one round trip in twenty is a spike of several
+        times the median: it moves an EWMA past the drift threshold, and each such false "slower" cut the
+        window to `rebase_keep` samples, so the estimates planned from it swung; a median of sixteen moves
+        only when half of them did, a few escalations after a real change."""
+        recent = self.rtt.last_answered(DRIFT_SAMPLES)
+        return float(np.median(recent)) if recent else self.rtt.ewma
+
     def _drift(self, probe: bool) -> None:
-        ewma, ref = self.rtt.ewma, self._ref_ms
-        if probe or abs(ewma - ref) > max(self.drift * ref, self.drift_abs_ms):
+        level, ref = self._level(), self._ref_ms
+        if probe or abs(level - ref) > max(self.drift * ref, self.drift_abs_ms):
             if not probe:
                 self.rtt.rebase(self.rebase_keep)
-            self._bump("faster" if probe or ewma < ref else "slower")
-            self._ref_ms = ewma
+            self._bump("faster" if probe or level < ref else "slower")
+            self._ref_ms = level

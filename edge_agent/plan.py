@@ -7,7 +7,8 @@ variant at each threshold it predicts
   inputs take the edge latency; escalations answered in time take edge + RTT (the link's recent
   round trips, so a few escalations sit in the tail and many shift the body); the others end at
   the budget's deadline (timeouts) or after the failure latency (cloud down, fast fail);
-- the mean energy per request: inference plus, per escalation, radio bytes and waiting power;
+- the mean energy per request: inference plus, per escalation, radio bytes and waiting power (for the
+  mean round trip of the window's answered escalations: a mean over many, as the budget is);
 - for a wire encoding (`encoding.WireOption`), escalations whose round trips move by its bytes'
   difference over the link's measured bandwidth plus its encode time's difference, against the
   encoding the round trips were measured with (`Conditions.wire_ref_bytes`), and whose radio energy
@@ -163,7 +164,10 @@ def predict(profile: VariantProfile, thresholds: np.ndarray, link: LinkState | N
         ok_rtt = in_time if in_time.size else np.array([min(max(link.rtt_high_ms + shift, 0.0), deadline)])
         if ok_rtt.size > _RTT_POINTS:  # sorted: evenly spaced quantiles stand for them
             ok_rtt = ok_rtt[((np.arange(_RTT_POINTS) + 0.5) / _RTT_POINTS * ok_rtt.size).astype(np.intp)]
-        rtt_mean = (min(max(link.rtt_ms + shift, 0.0), deadline) if math.isfinite(link.rtt_ms)
+        # the mean of the answered round trips in the window, not the EWMA: the energy budget is a mean
+        # over many requests, and an EWMA of a few recent ones on a loaded host swings by half
+        rtt_mean = (float(np.mean(in_time)) if in_time.size
+                    else min(max(link.rtt_ms + shift, 0.0), deadline) if math.isfinite(link.rtt_ms)
                     else float(np.mean(ok_rtt)))
         radio = (link.bytes_per_escalation if wire is None else wire.nbytes) * link.energy_per_byte_mj
 
