@@ -37,22 +37,21 @@ point it allows and, of those within `tie_tolerance`, the one escalating most, s
 spent (an energy budget names what accuracy is worth). When no point keeps every budget, the one
 closest to them (smallest summed relative excess).
 
-**Hysteresis** (`switch_reason`): the controller moves from its current point to the rule's choice
-only when (1) the current point breaks a budget by more than `violation_tolerance`, or breaks one at
-all and the choice is as accurate; or (2) the choice is more accurate by more than the accuracy
-margin plus the noise of the fitted cloud accuracy (`accuracy_z` standard errors over the escalations
-the move adds) plus `gain_z` standard errors of the gain's validation estimate (the edge's correctness
-over the band of inputs between two thresholds of one variant: what `tied` judges ties by), and it fits
-the latency target with `switch_headroom` and the energy target with `energy_switch_headroom` to spare
-(near a flat optimum, the first decision after a change stands); or (3) the choice is as accurate (a tie, as above, between the two
-points) and spends `energy_margin` less energy (across variants, on measured figures only; not within
-`link_settle_s` of a move of the round trip, so that a loss burst does not move it; nor while the
-link is down, when the breaker skips the escalations whatever share is wanted); or (4) the current
-point escalates clearly less than the probe floor (under three quarters of it) and the choice, as
-accurate, does not; or (5) the choice differs only in its encoding, as accurate, more faithful and
-with the spare room of (2). Nothing else moves
-it: the same rule runs when the link goes down or comes back, when the round trip moves, and when a
-budget changes.
+**Hysteresis** (`switch_reason`): the controller moves from its current point to the rule's choice only
+when (1) the current point breaks a budget by more than `violation_tolerance`, or breaks one at all and
+the choice is as accurate; or (2) the choice is more accurate by more than the accuracy margin plus the
+noise of the fitted cloud accuracy (`accuracy_z` standard errors over the escalations the move adds)
+plus `gain_z` standard errors of the gain's validation estimate (the edge's correctness over the band of
+inputs between two thresholds of one variant: what `tied` judges ties by), and it fits the latency
+target with `switch_headroom` and the energy target with `energy_switch_headroom` to spare (near a flat
+optimum, the first decision after a change stands); or (3) the choice is as accurate (a tie, as above,
+between the two points) and spends `energy_margin` less energy (across variants, on measured figures
+only; not within `link_settle_s` of a move of the round trip, so that a loss burst does not move it; nor
+while the link is down, when the breaker skips the escalations whatever share is wanted); or (4) the
+current point escalates clearly less than the probe floor (under three quarters of it) and the choice,
+as accurate, does not; or (5) the choice differs only in its encoding, as accurate, more faithful and
+with the spare room of (2). Nothing else moves it: the same rule runs when the link goes down or comes
+back, when the round trip moves, and when a budget changes.
 
 **The energy estimate's noise.** With an energy budget the controller plans for the target less
 `energy_noise_z` relative standard errors of the current point's energy estimate and judges the current
