@@ -40,6 +40,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import re
 import socket
 import subprocess
 import sys
@@ -243,6 +244,7 @@ def main(argv: list[str] | None = None) -> int:
     results = {k: metrics(records[k], plan, adaptive=k == "controller") for k in order}
     labels = {k: records[k]["energy_label"] for k in order}
     print(table(results, plan, labels))
+    check_energy_profile(labels)
     print(f"\ncontroller: {records['controller']['redecisions']} re-decisions, "
           f"{len(records['controller']['decisions'])} recorded decisions")
     print_encodings(records["controller"], plan)
@@ -280,6 +282,17 @@ def print_encodings(rec: dict[str, Any], plan: list[Phase]) -> None:
                                       zip(*np.unique(rec["encoding"][rec["phase"] == pi], return_counts=True),
                                           strict=True))
         for pi, phase in enumerate(plan)))
+
+
+def check_energy_profile(labels: dict[str, str]) -> None:
+    """Every agent of the run models energy with this machine's probed profile (`tierkit doctor`'s, the
+    compiler's): one label for the same device."""
+    from runtimes.hardware import machine_power_profile
+
+    probed = machine_power_profile().label
+    agents = {m for label in labels.values() for m in re.findall(r"(?:modeled|measured):[\w.-]+", label)}
+    ok = all(a == probed or a.startswith("measured:") for a in agents)
+    print(f"energy profile: probed {probed}; the agents' {', '.join(sorted(agents))}  {'ok' if ok else 'MISMATCH'}")
 
 
 def meets(row: dict[str, Any], phase: Phase) -> bool:
