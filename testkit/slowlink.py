@@ -59,6 +59,11 @@ class SlowLink:
     def restore(self) -> None:
         self.is_cut = False
 
+    def idle(self) -> bool:
+        """Whether every byte read so far has been delivered in both directions (a transfer the caller gave up on
+        no longer holds the link)."""
+        return max(self._free.values()) + self.delay_s <= asyncio.get_running_loop().time()
+
     async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         if self.is_cut:
             _reset(writer)

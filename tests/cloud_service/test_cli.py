@@ -6,7 +6,6 @@ import argparse
 import signal
 import subprocess
 import sys
-import time
 import urllib.request
 from pathlib import Path
 
@@ -19,6 +18,7 @@ from cloud_service.protocol import encode_request
 from cloud_service.protocol import inference_pb2_grpc as pbg
 from runtimes.errors import ConfigError
 from testkit.cloud_helpers import ServeProcess
+from testkit.waiting import wait_for
 
 
 def _parse(*argv: str) -> argparse.Namespace:
@@ -114,10 +114,8 @@ def test_sighup_rescans_the_models_directory(tmp_path: Path, digits_cnn_onnx: Pa
         server.proc.send_signal(signal.SIGHUP)
         with grpc.insecure_channel(server.addresses["grpc"]) as channel:
             stub = pbg.GRPCInferenceServiceStub(channel)
-            deadline = time.monotonic() + 30
-            while not stub.ModelReady(pb.ModelReadyRequest(name="digits"), timeout=5).ready:
-                assert time.monotonic() < deadline, "SIGHUP did not load the new package"
-                time.sleep(0.1)
+            wait_for("SIGHUP to load the new package",
+                     lambda: stub.ModelReady(pb.ModelReadyRequest(name="digits"), timeout=5).ready, timeout=30)
     finally:
         code, _, err = server.stop()
     assert code == 0, err

@@ -22,6 +22,7 @@ from edge_agent.transports import open_transport
 from runtimes.errors import CloudTimeout, ConfigError, EscalationError
 from testkit.cloud_helpers import ServerThread, metric_value
 from testkit.upstream_double import SLOW_S, UpstreamDouble
+from testkit.waiting import until
 
 
 def _request(x: np.ndarray, seq: int, encoding: str = "") -> pb.ModelInferRequest:
@@ -237,16 +238,15 @@ def test_stream_forward_to_tierkit_serve_matches_direct_and_survives_a_restart(
                 await backend.infer(_request(rows[0], 1), deadline=None)
             assert down.value.grpc_status == "UNAVAILABLE"
             serve(models_dir, grpc_address=f"127.0.0.1:{port}", metrics_address=None)
-            loop = asyncio.get_running_loop()
-            give_up = loop.time() + 10
-            while True:  # the channel reconnects with backoff; a new stream opens for the next request
+
+            async def answered() -> pb.ModelInferResponse | None:
                 try:
-                    answer = await backend.infer(_request(rows[0], 1), deadline=None)
-                    break
+                    return await backend.infer(_request(rows[0], 1), deadline=None)
                 except UpstreamError:
-                    if loop.time() > give_up:
-                        raise
-                    await asyncio.sleep(0.2)
+                    return None
+
+            # the channel reconnects with backoff; a new stream opens for the next request
+            answer = await until("an answer through the upstream that came back", answered, timeout=10, interval=0.2)
             np.testing.assert_allclose(decode_outputs(answer)["logits"], want[0], rtol=1e-6)
             assert backend.streaming
         finally:
@@ -274,7 +274,7 @@ def test_an_upstream_refusal_passes_its_hint_on_and_holds_forwarding_back_until_
                 await backend.infer(_named("m", "2"), deadline=None)
             assert 0 < held.value.retry_after_ms <= BUSY_HINT_MS
             assert upstream.ids.count("") == 1  # the second never reached the upstream
-            await asyncio.sleep(BUSY_HINT_MS / 1000 + 0.05)
+            await asyncio.sleep(BUSY_HINT_MS / 1000 + 0.05)  # the pause the upstream asked for: what is tested
             assert (await backend.infer(_named("m", "3"), deadline=None)).model_version == "3"
         finally:
             await backend.aclose()

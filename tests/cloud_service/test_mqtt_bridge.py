@@ -15,6 +15,7 @@ from cloud_service.protocol import decode_outputs, encode_request, get_parameter
 from cloud_service.protocol import inference_pb2 as pb
 from compilers.package import ModelPackage
 from testkit.cloud_helpers import Device, ServerThread, metric_value
+from testkit.waiting import wait_for
 
 pytestmark = pytest.mark.mqtt
 
@@ -112,8 +113,11 @@ def test_reply_topic_outside_the_devices_subtree_is_not_used(server: ServerThrea
     try:
         payload = encode_request("digits", {"x": digits_x[:1]}).SerializeToString()
         attacker.send(payload, b"x", reply_to=topics.reply_topic("cam-2"))
-        time.sleep(0.5)
-        assert victim.replies.empty()
+        wait_for("the server to refuse the attacker's request", lambda: metric_value(
+            server.metrics_text, "tierkit_request_failures_total", code="INVALID_ARGUMENT") >= 1, timeout=10)
+        # the victim's own request is a barrier: a reply sent to it for the attacker's request would come first
+        victim.send(payload, b"own")
+        assert victim.replies.get(timeout=10).properties.CorrelationData == b"own"
         assert metric_value(server.metrics_text, "tierkit_request_failures_total", code="INVALID_ARGUMENT") == 1
     finally:
         victim.close()

@@ -21,15 +21,18 @@ def test_answers_leave_in_request_order_though_later_ones_finish_first() -> None
     finished: list[int] = []
     running = [0, 0]  # now, most at once
     lock = threading.Lock()
+    done = [threading.Event() for _ in range(8)]
 
     def answer(i: int) -> int:
         with lock:
             running[0] += 1
             running[1] = max(running[1], running[0])
-        time.sleep(0.05 if i % 2 == 0 else 0.0)  # odd requests finish first
+        if i % 2 == 0:  # odd requests finish first: an even one waits for the next (in vain, run one at a time)
+            done[i + 1].wait(5)
         with lock:
             running[0] -= 1
             finished.append(i)
+        done[i].set()
         return i * 10
 
     try:

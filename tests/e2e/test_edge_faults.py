@@ -208,7 +208,7 @@ def test_broker_restart(edge: ModelPackage, cloud_models: Path, digits: zoo.Spli
                     pred, ms = timed(model, x)
                     results.append((pred, ms))
                     recovered = recovered + 1 if pred.tier == "cloud" else 0
-                time.sleep(0.05)
+                time.sleep(0.05)  # pacing between rounds of requests while the broker comes back
     finally:
         cloud.stop()
     assert all(p.tier == "cloud" for p, _ in results[:20])

@@ -147,7 +147,7 @@ def _through_fault(model: sdk.TieredModel, digits: zoo.Split, n: int, fault: Fau
     fault.down()
     went = time.monotonic()
     assert all(issue(i).degraded for i in range(10, n))
-    time.sleep(max(0.0, went + fault.down_s - time.monotonic()))
+    time.sleep(max(0.0, went + fault.down_s - time.monotonic()))  # the fault lasts down_s: the behaviour under test
     journal = agent.journal
     assert journal is not None
     assert n - 10 <= journal.count() <= n - 10 + missed
@@ -163,13 +163,13 @@ def _through_fault(model: sdk.TieredModel, digits: zoo.Split, n: int, fault: Fau
         if not journal.count():
             empty = now - back
             break
-        time.sleep(0.005)
+        time.sleep(0.005)  # a poll that times the replay (first answer, journal empty), bounded by settle_s
     assert not journal.count(), f"{journal.count()} escalations still journaled {settle_s} s after the fault"
     return issued, float("nan") if first is None else first, empty
 
 
 def _check(rig: Rig, issued: set[tuple[str, str, int]], name: str, first: float, empty: float) -> None:
-    time.sleep(0.5)  # room for a duplicate to show up
+    time.sleep(0.5)  # room for a duplicate to show up (nothing to wait for: it must not come)
     keys, computed = rig.ledger()
     print(f"\nfault={name} issued={len(issued)} computed={computed} "
           f"first_replay_answered_s={first:.2f} journal_empty_s={empty:.2f}")
@@ -297,7 +297,7 @@ def test_agent_kill_9_at_random_instants(rig: Rig, edge: ModelPackage, n: int, k
     assert proc.wait(120) == 0
     assert proc.stdout is not None
     proc.stdout.close()
-    time.sleep(0.5)
+    time.sleep(0.5)  # room for a duplicate to show up (nothing to wait for: it must not come)
     keys, computed = rig.ledger()
     print(f"\nfault=agent-kill-9-x{kills} acked={len(acked)} computed={computed} in_flight_at_kill={len(keys - acked)}")
     assert acked <= keys, sorted(acked - keys)[:5]  # every answer the app got was computed by the cloud

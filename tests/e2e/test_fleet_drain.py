@@ -71,7 +71,7 @@ class Device:
     async def replay(self, until: float) -> None:
         while self.journal.count() and time.monotonic() < until:
             if (wait := self.pushback.remaining_s()) > 0:
-                await asyncio.sleep(wait)
+                await asyncio.sleep(wait)  # the device honours the cloud's retry hint: the behaviour under test
             await drain(self.journal, self.send, window=4, pace=self.pace)
             if self.journal.count() and not self.pushback.active():
                 await asyncio.sleep(0.05)  # a failure that was not a refusal: the agent's drain interval

@@ -25,6 +25,7 @@ from runtimes.errors import CloudTimeout
 from testkit.cloud_helpers import ServerThread
 from testkit.frames import PREPROCESS, photo_frame, pool_package
 from testkit.slowlink import SlowLink
+from testkit.waiting import until
 
 pytestmark = pytest.mark.slow
 
@@ -104,7 +105,7 @@ def test_auto_encoding_switches_when_the_rate_steps_down(server: ServerThread) -
                     ok = False
                 used = encoder.last.encoding if encoder.last is not None else "fp32"
                 picks.append((rate, used, ok))
-                await asyncio.sleep(0.2)  # let a timed-out transfer drain from the link
+                await until("a timed-out transfer to drain from the link", link.idle, timeout=30)
                 return used
 
             for _ in range(8):

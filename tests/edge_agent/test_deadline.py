@@ -87,7 +87,7 @@ def test_no_predict_ends_later_than_the_budget_plus_a_few_ms(edge_package: Model
             t = time.perf_counter()
             preds.append(model.predict(x[i]))
             walls.append((time.perf_counter() - t) * 1e3)
-            time.sleep(0.005)
+            time.sleep(0.005)  # an app's gap between requests (pacing, not waiting for anything)
         agent = model.agent
         stats = model.stats()
     walls_ms = np.array(walls)

@@ -188,17 +188,18 @@ def test_drain_honours_stop_event_and_refuses_a_second_concurrent_drain(tmp_path
             _append(journal, seq)
 
         async def main() -> tuple[int, int]:
-            stop = asyncio.Event()
+            stop, sending = asyncio.Event(), asyncio.Event()
             delivered: list[int] = []
 
             async def send(entry: JournalEntry) -> None:
-                await asyncio.sleep(0.01)
+                sending.set()
+                await asyncio.sleep(0.01)  # a send takes a while: the second drain comes while one is under way
                 delivered.append(entry.seq)
                 if len(delivered) == 4:
                     stop.set()
 
             first = asyncio.create_task(drain(journal, send, stop_event=stop))
-            await asyncio.sleep(0)
+            await sending.wait()  # the first drain is under way
             second = await drain(journal, send)
             return await first, second
 

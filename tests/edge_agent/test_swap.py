@@ -65,7 +65,7 @@ async def settle(daemon: AgentDaemon, stub: Any, x: np.ndarray, digest: str, sta
     while not await done():
         assert time.monotonic() < deadline, f"timed out waiting for {digest} {state}: {swap_state(daemon)}"
         await infer(stub, x)
-        await asyncio.sleep(0.01)
+        await asyncio.sleep(0.01)  # pacing: the soak counts these requests
 
 
 @pytest.mark.mqtt
@@ -105,7 +105,7 @@ def test_swap_reports_every_state_and_rolls_back_by_pointer_flip(kit: Kit, digit
                         seen.add(await infer(stub, x))
                     except Exception as exc:
                         errors.append(exc)
-                    await asyncio.sleep(0.002)
+                    await asyncio.sleep(0.002)  # pacing of the load, not a wait
 
             loader = asyncio.create_task(load())
             t0 = time.perf_counter()
@@ -254,9 +254,14 @@ def test_the_new_agent_keeps_the_cloud_link_request_numbering_and_desired_overri
             tiers.append((await daemon.agent.infer(digits.x_test[0])).tier)
             desire(daemon, release=kit.digests["r1"], soak={"requests": 2}, version=2)
             await until("r1 active", lambda: daemon.release is not None)
-            while swap_state(daemon).get("state") != "committed":
+
+            async def committed() -> bool:  # requests go on while the swap soaks (it counts them)
+                if swap_state(daemon).get("state") == "committed":
+                    return True
                 tiers.append((await daemon.agent.infer(digits.x_test[0])).tier)
-                await asyncio.sleep(0.01)
+                return False
+
+            await until("r1 committed", committed, timeout=30, interval=0.01)
             assert daemon.agent.transport is link  # one connection across the swap, still open
             assert daemon.agent.threshold == 1.0  # the desired threshold overrides the release's 0.5
             tiers.append((await daemon.agent.infer(digits.x_test[0])).tier)

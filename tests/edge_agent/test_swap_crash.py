@@ -97,7 +97,7 @@ def _commit_r1(config: Path, kit: Kit, x: Any) -> None:
                 assert time.monotonic() < deadline, daemon.slots.state.swap
                 if daemon.release is not None:
                     await daemon.agent.infer(x)
-                await asyncio.sleep(0.02)
+                await asyncio.sleep(0.02)  # pacing: the soak counts these requests
 
     asyncio.run(main())
 
@@ -168,7 +168,7 @@ def _crash_at(state: str, kit: Kit, server: ReleaseServer, broker: Any, digits: 
                 assert seen[-1]["swap"]["error"] == RESTARTED
                 assert seen[-1]["swap"]["target"] == kit.digests["r2"]
                 assert infer(port, x) == "lin"
-                time.sleep(0.5)  # the retained desired state does not make it take r2 again
+                time.sleep(0.5)  # room to take r2 again from the retained desired state (it must not)
                 assert json.loads(journal.read_text())["active"] == "A"
             else:
                 assert infer(port, x) == "lin2"

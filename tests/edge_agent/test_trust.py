@@ -130,7 +130,7 @@ def test_journal_count_never_waits_for_an_append(tmp_path: Path) -> None:
         def slow_append() -> None:  # holds the journal's lock the way an append holds it through fsync
             with journal._lock:
                 held.set()
-                time.sleep(1.0)
+                time.sleep(1.0)  # the slow fsync itself (the behaviour under test)
 
         thread = threading.Thread(target=slow_append)
         thread.start()
@@ -180,7 +180,7 @@ def test_the_loop_never_stalls_under_load(cnn: ModelPackage, digits: zoo.Split, 
                 nonlocal stall, stall_cpu
                 last, last_cpu = time.perf_counter(), time.thread_time()
                 while not stop.is_set():
-                    await asyncio.sleep(0.001)
+                    await asyncio.sleep(0.001)  # the ticker's turn: a gap between two is a stall of the loop
                     now, cpu = time.perf_counter(), time.thread_time()
                     stall, last = max(stall, now - last), now
                     stall_cpu, last_cpu = max(stall_cpu, cpu - last_cpu), cpu
@@ -214,9 +214,9 @@ def test_an_idle_agent_sleeps(package: ModelPackage) -> None:
 
     async def main() -> tuple[int, float]:
         async with EdgeAgent(package, policy=Policy("max_prob", threshold=NEVER)):
-            await asyncio.sleep(0.1)
+            await asyncio.sleep(0.1)  # past the start's own wakeups
             before, started = wakeups[0], time.monotonic()
-            await asyncio.sleep(2.0)
+            await asyncio.sleep(2.0)  # the idle window counted (the behaviour under test)
             return wakeups[0] - before, time.monotonic() - started
 
     try:
@@ -236,8 +236,14 @@ def test_predict_never_waits_for_a_wedged_loop(package: ModelPackage, digits: zo
                   policy=Policy("max_prob", threshold=ALWAYS),
                   options=AgentOptions(breaker=BreakerConfig(failure_threshold=100))) as model:
         assert model.predict(digits.x_test[0]).tier == "cloud"
-        model._loop.loop.call_soon_threadsafe(time.sleep, 2.0)  # something blocks the agent's loop
-        time.sleep(0.05)
+        wedged = threading.Event()
+
+        def wedge() -> None:
+            wedged.set()
+            time.sleep(2.0)  # something blocks the agent's loop for 2 s (the behaviour under test)
+
+        model._loop.loop.call_soon_threadsafe(wedge)
+        assert wedged.wait(5)
         t = time.perf_counter()
         pred = model.predict(digits.x_test[1])
         waited_ms = (time.perf_counter() - t) * 1e3

@@ -11,7 +11,6 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -20,6 +19,7 @@ import pytest
 
 from testkit.deploy_broker import dynsec_plugin, need_mosquitto
 from testkit.fleet_process import ROOT
+from testkit.waiting import wait_for
 
 pytestmark = pytest.mark.mqtt
 
@@ -92,7 +92,5 @@ def test_the_fleet_quickstart_rolls_out_and_back_and_leaves_nothing_behind(tmp_p
     assert re.search(r"succeeded: \{'committed': 2\}", text), text
     assert "rolled back: wave 0 failed: device_verifies" in text, text
     assert "stopped: every process the demo started has exited" in text
-    deadline = time.monotonic() + 10
-    while _processes_under(work) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert _processes_under(work) == []
+    wait_for("every process the demo started to be gone", lambda: not _processes_under(work), timeout=10,
+             interval=0.2)

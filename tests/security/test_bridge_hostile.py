@@ -18,6 +18,7 @@ from cloud_service.config import BatchingConfig, ModelOptions, MqttConfig
 from cloud_service.protocol import decode_outputs, encode_request, topics
 from cloud_service.protocol import inference_pb2 as pb
 from testkit.cloud_helpers import Device, ServerThread, metric_value
+from testkit.waiting import wait_for
 
 pytestmark = pytest.mark.mqtt
 WINDOW = 8  # the replica's receive_maximum: hostile messages past it would stall an unacknowledging bridge
@@ -52,13 +53,10 @@ def _honest_answered(honest: Device, x: np.ndarray, tag: bytes) -> None:
     assert decode_outputs(pb.ModelInferResponse.FromString(reply.payload))["logits"].shape == (1, 10)
 
 
-def _wait_for(server: ServerThread, name: str, want: float, timeout: float = 10.0, **labels: str) -> float:
-    deadline = time.monotonic() + timeout
-    value = metric_value(server.metrics_text, name, **labels)
-    while value < want and time.monotonic() < deadline:
-        time.sleep(0.05)
-        value = metric_value(server.metrics_text, name, **labels)
-    return value
+def _metric_at_least(server: ServerThread, name: str, want: float, timeout: float = 10.0, **labels: str) -> float:
+    wait_for(f"{name}{labels} to reach {want:g}", lambda: metric_value(server.metrics_text, name, **labels) >= want,
+             timeout, interval=0.05)
+    return metric_value(server.metrics_text, name, **labels)
 
 
 BAD_REPLY_TOPICS = ("tierkit/v1/cam-evil/#", "tierkit/v1/cam-evil/+/x", "tierkit/v1/cam-good/reply",
@@ -73,7 +71,7 @@ def test_invalid_response_topics_are_refused_counted_and_acknowledged(
     for i in range(sent):
         hostile.send(payload, b"%d" % i, reply_to=BAD_REPLY_TOPICS[i % len(BAD_REPLY_TOPICS)])
     _honest_answered(honest, digits_x[:1], b"after")
-    assert _wait_for(server, "tierkit_refusals_total", sent, surface="mqtt", reason="bad_reply_topic") == sent
+    assert _metric_at_least(server, "tierkit_refusals_total", sent, surface="mqtt", reason="bad_reply_topic") == sent
     assert honest.replies.empty()  # the hostile device's replies never reached another device
 
 
@@ -90,7 +88,7 @@ def test_an_error_reply_too_large_for_mqtt_is_bounded_and_acknowledged(
     assert code == "NOT_FOUND"
     assert len(text) < 2048
     assert "more characters" in text
-    assert _wait_for(server, "tierkit_request_failures_total", 2 * WINDOW + 1, protocol="mqtt",
+    assert _metric_at_least(server, "tierkit_request_failures_total", 2 * WINDOW + 1, protocol="mqtt",
                      code="NOT_FOUND") == 2 * WINDOW + 1
 
 
@@ -130,7 +128,7 @@ def test_per_device_in_flight_limit(broker, serve: Callable[..., ServerThread], 
         payload = encode_request("digits", {"x": digits_x[:1]}).SerializeToString()
         for i in range(12):
             hostile.send(payload, b"%d" % i)
-        assert _wait_for(server, "tierkit_refusals_total", 1, surface="mqtt", reason="device_inflight") >= 1
+        assert _metric_at_least(server, "tierkit_refusals_total", 1, surface="mqtt", reason="device_inflight") >= 1
         replies = [hostile.replies.get(timeout=DEADLINE_S) for _ in range(12)]
         statuses = [_status(r) for r in replies]
         assert any(code == "" for code, _ in statuses)

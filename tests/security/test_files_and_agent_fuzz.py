@@ -125,8 +125,7 @@ def agent_port(digits_linear_onnx: Path, digits: zoo.Split, tmp_path_factory: py
         async with AgentDaemon(config) as daemon:
             ready["port"] = daemon.port
             started.set()
-            while not stop.is_set():
-                await asyncio.sleep(0.05)
+            await asyncio.to_thread(stop.wait)  # serve until the module's tests are done
 
     thread = threading.Thread(target=asyncio.run, args=(main(),), daemon=True)
     thread.start()

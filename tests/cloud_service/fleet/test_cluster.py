@@ -82,7 +82,7 @@ def test_two_fleet_processes_store_every_window_once(postgres: Postgres, tmp_pat
             tel = TelemetryStore(store)
             expected = DEVICES * WINDOWS
             wait_for("every window stored", lambda: len(tel.windows(devices)) >= expected, timeout=60)
-            time.sleep(0.5)  # let any late duplicate arrive: it must not be stored
+            time.sleep(0.5)  # room for a late duplicate to be stored (nothing to wait for: it must not come)
             rows = tel.windows(devices)
             keys = [(r["device_id"], r["boot_id"], r["seq"]) for r in rows]
             assert len(keys) == len(set(keys)) == expected
