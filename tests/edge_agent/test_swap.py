@@ -32,8 +32,8 @@ def kit(digits_linear_onnx: Path, digits: zoo.Split, tmp_path_factory: pytest.Te
     return build_kit(tmp_path_factory.mktemp("releases"), digits_linear_onnx, digits)
 
 
-async def until(what: str, check: Callable[[], Any], timeout: float = 30.0) -> Any:
-    return await waiting.until(what, check, timeout)
+async def until(what: str, check: Callable[[], Any], timeout: float = 30.0, *, interval: float = 0.02) -> Any:
+    return await waiting.until(what, check, timeout, interval=interval)
 
 
 def swap_state(daemon: AgentDaemon) -> dict[str, Any]:
