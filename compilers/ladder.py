@@ -370,8 +370,10 @@ class Ladder:
             self._reused = True
             run = None
         else:
+            # validation: the dynamic model (a fixed-shape compile per validation batch shape costs more
+            # than the few calls save; the two differ by rounding)
             runner = open_runner(artifact, runtime, threads=self.threads, device=self._device(runtime),
-                                 precision=precision)
+                                 precision=precision, static_shapes=0)
             try:
                 executed = str(getattr(runner, "precision", precision))
                 run = run_validation(runner, self.validation.batches(self._eval_batch()), self.out_axes,

@@ -82,6 +82,7 @@ def time_runners(runners: Mapping[str, Runner], inputs: Mapping[int, Mapping[str
     for batch_size, feed in inputs.items():
         per_call = {}
         for vid in ids:
+            runners[vid].run(feed)  # a first call apart: OpenVINO compiles a fixed-shape copy on it
             t0 = time.perf_counter()
             for _ in range(plan.warmup):
                 runners[vid].run(feed)

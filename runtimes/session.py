@@ -71,6 +71,10 @@ class SessionOptions:
             fp32 and int8, bf16 for bf16, f16 for fp16), so that a variant computes the same on a
             CPU whose default is bf16 as on one without; onnxruntime and torch run the graph as it is.
         max_batch: the largest batch a GPU engine's shape profile covers (onnxruntime's TensorRT provider).
+        static_shapes: OpenVINO, for a model with dynamic dimensions: how many distinct input shapes get
+            a model compiled at that fixed shape, on the first call with each (0 = always run the dynamic
+            model). A fixed-shape model runs at `benchmark_app`'s speed; the dynamic one was 10-25 %
+            slower on CNNs here. Each costs one compile (tenths of a second) on its first call, and memory.
     """
 
     intra_op_threads: int = 0
@@ -80,11 +84,15 @@ class SessionOptions:
     performance_hint: str = "LATENCY"
     precision: str = "fp32"
     max_batch: int = 64
+    static_shapes: int = 4
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "precision", Precision.parse(self.precision).value)
         if self.intra_op_threads < 0 or self.inter_op_threads < 0:
             msg = f"thread counts must be >= 0, got {self.intra_op_threads}/{self.inter_op_threads}"
+            raise ConfigError(msg)
+        if self.static_shapes < 0:
+            msg = f"static_shapes must be >= 0 (0 = run the dynamic model), got {self.static_shapes}"
             raise ConfigError(msg)
         if self.performance_hint not in ("LATENCY", "THROUGHPUT"):
             msg = f"performance_hint {self.performance_hint!r} is not LATENCY or THROUGHPUT"

@@ -6,6 +6,7 @@ The compiler validates and times every variant with the same sessions a device w
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -26,15 +27,19 @@ class Runner(Protocol):
 
 
 def open_runner(artifact: Path, runtime: str, *, threads: int = 0, device: str = "cpu",
-                precision: str = "fp32") -> Runner:
+                precision: str = "fp32", static_shapes: int | None = None) -> Runner:
     """A session on `artifact` with `runtime`, `threads` intra-op threads (0 = the backend's default).
 
     `precision` is the variant's declared precision, pinned in the session exactly as a device pins it
     (`SessionOptions.precision`), so that validation and timing measure what will run there.
+    `static_shapes` overrides `SessionOptions.static_shapes` (OpenVINO's fixed-shape copies; 0 where a
+    session runs a few calls of changing shapes and a compile per shape would cost more than it saves).
     """
     from runtimes.registry import open_session
 
     options = SessionOptions(intra_op_threads=threads, device=device, precision=precision)
+    if static_shapes is not None:
+        options = replace(options, static_shapes=static_shapes)
     return open_session(artifact, backend=runtime, options=options)
 
 
