@@ -64,13 +64,15 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[
                    help="sequences: least share of rows whose decoded sequence is unchanged (default 0.99)")
     p.add_argument("--max-char-error", type=float, metavar="RATE",
                    help="sequences: most character error rate against the fp32 decoding (default: unbounded)")
+    p.add_argument("--min-map-iou", type=float, metavar="IOU",
+                   help="segmentation maps: least IoU of the regions against fp32, on every image (default 0.92)")
     p.add_argument("--max-time", type=float, metavar="SECONDS",
                    help="end the rung search after SECONDS with the best rung found so far (the report says so)")
     p.add_argument("--repair-budget", type=float, metavar="SECONDS",
                    help="seconds one rung's repair search may take (default 60); a rung still failing is refused")
     p.add_argument("--repair-all", action="store_true",
                    help="repair every rung that fails the guard, even one slower than fp32 before repair")
-    p.add_argument("--task", choices=("classification", "embedding", "regression", "sequence"),
+    p.add_argument("--task", choices=("classification", "embedding", "regression", "sequence", "segmentation"),
                    help="how fidelity is measured (default: inferred)")
     p.add_argument("--name", help="model name (default: the file stem)")
     p.add_argument("--version", dest="model_version", default="1", help="model version (default: 1)")
@@ -162,7 +164,7 @@ def run(args: argparse.Namespace) -> int:
     if args.max_drop is not None:
         kwargs["max_drop"] = args.max_drop
     for name in ("max_slice_error", "metric", "max_metric_drop", "decoder", "min_rows_unchanged", "max_char_error",
-                 "max_time", "repair_budget"):
+                 "min_map_iou", "max_time", "repair_budget"):
         if getattr(args, name) is not None:
             kwargs[name] = getattr(args, name)
     # Libraries underneath may print to stdout; keep it for the report (JSON must stay parseable).

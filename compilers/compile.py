@@ -35,6 +35,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from compilers.calibration import LABELS, CalibrationData, sample_axes
 from compilers.fidelity import DEFAULT_MAX_SLICE_ERROR, Guard
 from compilers.ladder import Ladder
+from compilers.maps import DEFAULT_MIN_MAP_IOU
 from compilers.package import sha256_file
 from compilers.recipes import PruneConfig, Target, get_target
 from compilers.sequence import DEFAULT_DECODER, DEFAULT_MIN_ROWS_UNCHANGED, check_decoder
@@ -75,7 +76,8 @@ def compile_model(model: Any, *, output: str | Path, target: str | Target | Path
                   version: str = "1", batch_sizes: Sequence[int] = (1,), task: str | None = None,
                   strict: bool = False, progress: bool = True, threads: int | None = None,
                   decoder: str | None = None, min_rows_unchanged: float = DEFAULT_MIN_ROWS_UNCHANGED,
-                  max_char_error: float | None = None, max_time: float | None = None,
+                  max_char_error: float | None = None, min_map_iou: float = DEFAULT_MIN_MAP_IOU,
+                  max_time: float | None = None,
                   repair_all: bool = False, repair_budget: float | None = DEFAULT_REPAIR_BUDGET) -> VariantSet:
     """Compile `model` into a ladder of variants for `target`, each checked against the fp32 reference.
 
@@ -104,14 +106,17 @@ def compile_model(model: Any, *, output: str | Path, target: str | Target | Path
         name: model name (default: the file stem or class name).
         version: model version recorded in every manifest.
         batch_sizes: batch sizes to time; the first is the default the recommendation is made for.
-        task: "classification", "embedding", "regression" or "sequence" (default: inferred; an `[N, T, C]`
-            output of per-step probabilities is a sequence).
+        task: "classification", "embedding", "regression", "sequence" or "segmentation" (default:
+            inferred; an `[N, T, C]` output of per-step probabilities is a sequence, an `[N, C, H, W]` map a
+            segmentation).
         decoder: how a sequence output is read ("ctc-greedy", the default, or "argmax"; see
             `compilers.sequence`); giving one makes the task a sequence.
         min_rows_unchanged: sequences: least share of validation rows whose decoded sequence must equal
             the reference's (default 0.99).
         max_char_error: sequences: most character error rate against the reference (default: unbounded
             beyond `min_rows_unchanged`).
+        min_map_iou: segmentation maps: least IoU of the regions against the fp32 reference's, on every
+            validation image (`compilers.maps`).
         max_time: seconds the rung search may take: once spent (and one rung kept), the rungs not yet
             built are refused ("cut short"), repair searches stop, and the best rung found so far is
             recommended; timing and writing follow.
@@ -145,7 +150,7 @@ def compile_model(model: Any, *, output: str | Path, target: str | Target | Path
         rungs = spec.rungs_for(wanted)
     guard = Guard(max_drop=max_drop, min_cosine=min_cosine, max_slice_error=max_slice_error,
                   max_metric_drop=max_metric_drop, min_rows_unchanged=min_rows_unchanged,
-                  max_char_error=max_char_error)
+                  max_char_error=max_char_error, min_map_iou=min_map_iou)
     if decoder is not None:
         check_decoder(decoder)
         task = task or Task.SEQUENCE.value

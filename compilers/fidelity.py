@@ -6,6 +6,8 @@ Figures (all measured on the same validation inputs):
   labels exist, and the drop in points (accuracy drop with labels, disagreement without);
 - sequences (`[N, T, C]` read through a decoder, `compilers.sequence`): the share of rows whose decoded
   sequence is unchanged and the character error rate;
+- segmentation maps (`[N, C, H, W]`, `compilers.maps`): per image, the IoU of the regions (a one-channel
+  probability map thresholded, a class map's argmax) against the reference's, the worst and the mean;
 - every task: cosine similarity per sample (mean and min) and max abs error;
 - every output, not only the first (`measure_outputs`): the max error relative to that output's
   scale (max |reference|), which is what an fp32 rung is held to (`FP32_BOUND`), and the worst
@@ -35,6 +37,7 @@ from typing import Any
 
 import numpy as np
 
+from compilers.maps import DEFAULT_MAP_MIN_COSINE, DEFAULT_MIN_MAP_IOU, measure_maps
 from compilers.sequence import DEFAULT_DECODER, DEFAULT_MIN_ROWS_UNCHANGED, measure_sequences
 from runtimes.errors import ConfigError
 from runtimes.spec import Task
@@ -199,6 +202,8 @@ def measure(reference: np.ndarray, outputs: np.ndarray, labels: np.ndarray | Non
             fid["drop_points"] = 100.0 * (fid["reference_accuracy"] - fid["accuracy"])
     if task == Task.SEQUENCE and ref_in.ndim == 3:
         fid.update(measure_sequences(ref_in, out_in, decoder))
+    if task == Task.SEGMENTATION and ref_in.ndim == 4:
+        fid.update(measure_maps(ref_in, out_in))
     return fid
 
 
@@ -228,6 +233,9 @@ class Guard:
         min_rows_unchanged: sequences: least share of rows whose decoded sequence equals the reference's.
         max_char_error: sequences: most character error rate against the reference's decoded sequences
             (None: not bounded beyond `min_rows_unchanged`).
+        min_map_iou: segmentation maps: least IoU of the regions against the reference's, on every image
+            (`compilers.maps`); the judged map is held to this and a loose mean cosine
+            (`DEFAULT_MAP_MIN_COSINE`, or `min_cosine`), not to the slice check.
     """
 
     max_drop: float = 1.0
@@ -237,6 +245,7 @@ class Guard:
     max_metric_drop: float = 0.01
     min_rows_unchanged: float = DEFAULT_MIN_ROWS_UNCHANGED
     max_char_error: float | None = None
+    min_map_iou: float = DEFAULT_MIN_MAP_IOU
 
     def __post_init__(self) -> None:
         if not 0 <= self.max_drop <= 100:
@@ -253,6 +262,9 @@ class Guard:
         if not 0 <= self.min_rows_unchanged <= 1 or (self.max_char_error is not None and self.max_char_error < 0):
             msg = (f"min_rows_unchanged {self.min_rows_unchanged!r} must be in [0, 1] and max_char_error "
                    f"{self.max_char_error!r} >= 0")
+            raise ConfigError(msg)
+        if not 0 <= self.min_map_iou <= 1:
+            msg = f"min_map_iou {self.min_map_iou!r} must be in [0, 1]"
             raise ConfigError(msg)
 
     def required(self, task: str, *, numeric: bool = False) -> dict[str, float]:
@@ -273,6 +285,9 @@ class Guard:
                 req["max_char_error_rate"] = self.max_char_error
             if self.min_cosine is not None:
                 req["min_cosine_mean"] = self.min_cosine
+        elif task == Task.SEGMENTATION:
+            req = {"min_map_iou": self.min_map_iou,
+                   "min_cosine_mean": self.min_cosine if self.min_cosine is not None else DEFAULT_MAP_MIN_COSINE}
         else:
             req = {"min_cosine_mean": self.min_cosine if self.min_cosine is not None else DEFAULT_MIN_COSINE}
         req["max_slice_error"] = self.max_slice_error
@@ -291,6 +306,10 @@ class Guard:
         if "min_cosine_mean" in req and fid["cosine_mean"] < req["min_cosine_mean"]:
             problems.append(f"mean cosine {fid['cosine_mean']:.4f} < {req['min_cosine_mean']:g} required")
         problems += _sequence_problems(fid, req)
+        if "min_map_iou" in req and fid.get("map_iou_min", 0.0) < req["min_map_iou"] - 1e-12:
+            problems.append(f"map regions moved: IoU {fid.get('map_iou_min', 0.0):.3f} on the worst of "
+                            f"{int(fid.get('map_images', 0))} images (mean {fid.get('map_iou_mean', 0.0):.3f}) "
+                            f"< {req['min_map_iou']:g} required")
         if "max_slice_error" in req and fid.get("slice_error_max", 0.0) > req["max_slice_error"]:
             at = f" at {where}" if where else ""
             problems.append(f"slice error {fid['slice_error_max']:.3f}{at} > {req['max_slice_error']:g} allowed "

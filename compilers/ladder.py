@@ -27,6 +27,7 @@ from compilers import report
 from compilers.calibration import CalibrationData
 from compilers.fidelity import Guard, Verdict, classifier_calibration, measure, measure_outputs
 from compilers.golden import GOLDEN_SAMPLES
+from compilers.maps import looks_like_map
 from compilers.measure import TimingPlan, latency_record, modeled_energy, time_runners
 from compilers.passes import PassContext, PassResult, PassSkipped, run_pass
 from compilers.passes.execute import Runner, open_runner, output_axes, run_all, samples_first, take_samples
@@ -277,6 +278,10 @@ class Ladder:
             logger.info("task inferred as sequence from the output shape %s (per-step probabilities; read with %s, "
                         "pass task= to override)", list(ref.shape), self.decoder)
             return Task.SEQUENCE.value
+        if looks_like_map(ref):
+            logger.info("task inferred as segmentation from the output shape %s (maps read as regions; pass task= "
+                        "to override)", list(ref.shape))
+            return Task.SEGMENTATION.value
         normalised = ref.ndim == 2 and bool(np.allclose(np.linalg.norm(ref, axis=1), 1.0, atol=1e-3))
         if self.validation.labels is not None or (ref.ndim == 2 and 2 <= ref.shape[1] <= 1000 and not normalised):
             task = Task.CLASSIFICATION.value
@@ -394,7 +399,8 @@ class Ladder:
         if run is not None and run.stopped:
             return self._stopped_verdict(values, outputs, run.samples, run.note, numeric)
         fid = measure(self.ref_val, values, self.validation.labels, task=str(self.task), decoder=self.decoder)
-        classified = first if self.task == Task.CLASSIFICATION and self.ref_val.ndim == 2 else None
+        classified = first if (self.task == Task.CLASSIFICATION and self.ref_val.ndim == 2) or \
+            (self.task == Task.SEGMENTATION and self.ref_val.ndim == 4) else None
         numeric_fid, where = measure_outputs(self.ref_outputs, outputs, judged_by_task=classified,
                                              sample_axes=self.out_axes)
         fid.update(numeric_fid)

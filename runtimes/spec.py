@@ -36,6 +36,7 @@ class Task(StrEnum):
     EMBEDDING = "embedding"
     REGRESSION = "regression"
     SEQUENCE = "sequence"  # [N, T, C] per-step scores read through a decoder (compilers.sequence)
+    SEGMENTATION = "segmentation"  # [N, C, H, W] maps read as regions (compilers.maps)
 
 
 Dim = int | str
