@@ -3,11 +3,12 @@
 For each graph the compiler builds its x86-avx512 fp32+int8 ladder (batch sizes 1 and the graph's
 declared batch); then every kept rung is timed interleaved beside onnxruntime fp32 on the original
 file (the 1.00x baseline, in the same run) at batch 1 and at the declared batch. Fidelity is given
-twice: the guard's own figure from the compile, and the worst relative error over the graph's float
-outputs measured here on fresh inputs against the original (max abs error / the output's max abs
-value); for the detector also over its class-score rows alone, where a collapse hides from a
-whole-tensor measure. Refused rungs get a row with their one-line reason; a compile that fails as a
-whole gets one row with its error.
+twice: the guard's own figure from the compile (for a segmentation map also its regions' IoU on the
+worst validation image), and the worst relative error over the graph's float outputs measured here on
+fresh inputs against the original (max abs error / the output's max abs value: near 1 for a map whose
+region edges moved by a pixel, which is why a map is judged by its regions); for the detector also
+over its class-score rows alone, where a collapse hides from a whole-tensor measure. Refused rungs get
+a row with their one-line reason; a compile that fails as a whole gets one row with its error.
 
 Compile time: each graph's wall seconds and the compiler's own split (reference, rungs, timing, write),
 and per rung its build, validation and timing seconds. Floors (bench/runtime_floor.py), measured in the
@@ -113,6 +114,8 @@ def _brief(fid: dict[str, float]) -> str:
     parts = [f"cos {fid['cosine_mean']:.4f}"] if "cosine_mean" in fid else []
     if "drop_points" in fid:
         parts.append(f"drop {fid['drop_points']:+.2f}pt")
+    if "map_iou_min" in fid:  # a segmentation map: its regions' IoU on the worst validation image
+        parts.append(f"map IoU {fid['map_iou_min']:.3f}")
     return " ".join(parts) or "-"
 
 
