@@ -6,7 +6,9 @@ escalation and confident-error rate, per-device noise, uneven traffic (log-norma
 p95 and energy: 0.1 sd on the log with 30 s correlation, `--swing-sd 0.35` for agents sharing two cores),
 audits at the agent's default 1 %
 (the canary at the rollout's raised `audit_rate` while it soaks), an hour of windows before the rollout
-(the default baseline), and the engine's control cohort and hold-back. Releases: the same model (A/A), or
+(the default baseline), and the engine's control: the devices not yet on the release and those of earlier
+waves (each against its own windows on the release before the wave), with the hold-back of at least 2 devices
+only where fewer than 2 of earlier waves can be the last wave's control. Releases: the same model (A/A), or
 one with a known regression (A/B): 2 points less accurate at the same escalation rate, one class flipped
 (confident errors, mostly seen only by audits), +30 % p95, +10 % energy.
 
