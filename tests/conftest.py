@@ -4,6 +4,7 @@ cloud service's real packages, servers and CA (used by tests/cloud_service and t
 from __future__ import annotations
 
 import gc
+import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -15,6 +16,14 @@ from cloud_service.config import ServerConfig
 from runtimes.registry import register_backend
 from testkit import zoo
 from testkit.cloud_helpers import Pki, ServerThread, make_package, write_pki
+
+# torch's OpenMP threads spin while they wait for work; on a 2-core host other processes load, the spinning
+# starves everything else. Measured at load average ~13: training the digits linear model took 50-58 s wall
+# (10.6-12.4 s CPU) spinning, 7.2 s (1.8 s CPU) passive; the digits CNN 250 s (31.7 s CPU) spinning, past
+# pytest's 300 s timeout in loaded runs, and 1.0 s passive. The thread count is unchanged, and a passive run's
+# weights differ from a spinning one's no more than two spinning runs' do (training is not bit-reproducible
+# across runs either way: 0.24 and 0.26 at most). Set before anything imports torch; subprocesses inherit it.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 # The fake backend is a test double: the product does not ship it, the suite plugs it in.
 register_backend("fake", "testkit.fake_backend:FakeBackend")

@@ -29,6 +29,11 @@ from testkit.packages import make_package
 from testkit.waiting import until
 
 ALWAYS, NEVER = 2.0, -1.0  # thresholds: every score is in [0, 1]
+# How far past its budget an abandoned escalation may return: the agent's timer fires at the deadline, and a
+# loaded host runs it late. Measured +17.7 ms at most (100 ms budget) with two runs of these tests beside
+# each other at load average ~9, where a bound of +15 failed; the slow clouds below answer 100+ ms after
+# the budget or never, so a request that waited for them still fails.
+LATE_MS = 50.0
 
 
 @pytest.fixture(scope="module")
@@ -181,7 +186,7 @@ def test_hung_cloud_costs_at_most_the_deadline(package: ModelPackage, digits: zo
     for p in preds:
         assert p.degraded
         assert p.reason in {"timeout", "rtt"}
-        assert p.latency_ms < budget.latency_ms + 15, p.latency_ms
+        assert p.latency_ms < budget.latency_ms + LATE_MS, p.latency_ms
 
 
 def test_slow_link_is_skipped_then_probed(package: ModelPackage, digits: zoo.Split) -> None:
@@ -360,7 +365,7 @@ def test_with_a_controller_a_slow_link_is_not_second_guessed(package: ModelPacka
     # the round trips seen so far end near the deadline: not clearly too long, so the controller's choice stands
     assert [p.reason for p in preds] == ["timeout"] * 3
     assert len(fake.requests) == 3
-    assert all(p.latency_ms < budget.latency_ms + 15 for p in preds), [p.latency_ms for p in preds]  # the deadline
+    assert all(p.latency_ms < budget.latency_ms + LATE_MS for p in preds), [p.latency_ms for p in preds]  # the deadline
     assert ctl.attempted == [True] * 3
 
 
