@@ -9,7 +9,9 @@
   A queue that merely absorbs a burst drains below the target within the interval and never counts.
 - `RetryHints` sizes a refusal's retry hint from the refusal pressure: callers that honour it come back,
   all of them together, at about half the model's capacity however many they are, so that refusals
-  stay cheap beside the answers instead of outnumbering them.
+  stay cheap beside the answers instead of outnumbering them. The estimate fades with time as well as with
+  refusals (time-constant `RetryHints.tau_s`, 1 s): once refusals stop for `RetryHints.quiet_s` (1.33 s with
+  the defaults), the next hint is one refusal's worth again, however large the overload's hints were.
 
 Both are plain state guarded by the batcher's lock; no threads, no clocks of their own.
 
@@ -30,6 +32,7 @@ from dataclasses import dataclass, field
 _HINT_SHARE = 0.5  # refused callers honouring their hints return at this share of the capacity, in all
 _MAX_HINT_S = 5.0  # a hint is at most this (what the agent honours at most, `edge_agent.pushback.MAX_HINT_S`)
 _HINT_JITTER = 0.25  # each hint is drawn within this share either side, so a burst refused together spreads
+_HINT_TAU_S = 1.0  # time-constant of the remembered hint size's decay while no refusal comes
 _ALPHA = 0.2  # weight of a new measurement in the moving averages
 _WINDOW = 32  # recent runs per bucket the planning quantile is taken over
 PLAN_QUANTILE = 0.9  # runs are planned to take this quantile of the recent ones
@@ -181,30 +184,58 @@ class RetryHints:
     callers refused in one burst do not return in one. Callers that ignore hints cannot raise the
     rate of answers they get; they lengthen the hints others get, up to `max_s`.
 
+    The remembered size (the window refusals are counted over) decays as exp(-gap / `tau_s`) over the gap
+    since the previous refusal. Under sustained overload refusals come every 1 / (share x capacity) (20-70 ms
+    for models answering 30-100/s), so it shrinks by 2-7 % and the next refusals restore it (the returning
+    callers settle a few percent above `share`); once the load has gone, a refusal after a quiet of `quiet_s`
+    counts no refusal of the overload (its window is shorter than the quiet), so its hint is one refusal's
+    worth: at most (1 + jitter) x max(floor_s, 1 / (share x capacity)) for a `floor_s` below `quiet_s`.
+    Without the decay the window stayed as long as the overload's last hint, and a lone caller refused
+    seconds after the crowd left was told to wait seconds more, counted among the crowd's refusals.
+
     Args:
         share: the returning callers' rate, as a share of the model's capacity.
         max_s: the longest hint.
         jitter: the spread of each hint, as a share of its size.
+        tau_s: the time-constant of the remembered size's decay between refusals.
         seed: the jitter's random seed.
     """
 
     share: float = _HINT_SHARE
     max_s: float = _MAX_HINT_S
     jitter: float = _HINT_JITTER
+    tau_s: float = _HINT_TAU_S
     seed: int | None = None
     _given: deque[float] = field(default_factory=lambda: deque(maxlen=100_000))
     _size: float = 0.0
+    _last: float | None = None
     _rng: random.Random = field(default_factory=random.Random)
 
     def __post_init__(self) -> None:
+        if not self.tau_s > 0:
+            msg = f"RetryHints: tau_s must be > 0 seconds (the decay's time-constant), got {self.tau_s!r}"
+            raise ValueError(msg)
         if self.seed is not None:
             self._rng.seed(self.seed)
+
+    @property
+    def quiet_s(self) -> float:
+        """The quiet after which the next hint is one refusal's worth: the shortest T with
+        max_s x exp(-T / tau_s) < T (a window decayed from the longest hint no longer reaches back T)."""
+        low, high = 0.0, self.max_s
+        for _ in range(50):
+            mid = (low + high) / 2
+            low, high = (mid, high) if self.max_s * math.exp(-mid / self.tau_s) >= mid else (low, mid)
+        return high
 
     def hint_s(self, now: float, floor_s: float, capacity_per_s: float) -> float:
         """The hint for one refusal at `now` (it is counted): at least `floor_s` (when the queue has
         room again), sized by the refusals of the last hint against `capacity_per_s` (0: unknown)."""
         given = self._given
         given.append(now)
+        if self._last is not None:
+            self._size *= math.exp(-max(0.0, now - self._last) / self.tau_s)
+        self._last = now
         window = max(self._size, floor_s)
         while given and given[0] < now - window:
             given.popleft()

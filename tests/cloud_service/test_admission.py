@@ -302,6 +302,31 @@ def test_a_fixed_hint_lets_refusals_grow_with_the_callers_and_the_sizing_does_no
     assert hints.hint_s(10_000.0, 0.005, 200.0) <= 0.01 * 1.25
 
 
+@pytest.mark.parametrize("quiet_s", [None, 2.0, 3.0])
+def test_hints_fall_back_within_the_stated_quiet_once_refusals_stop(quiet_s: float | None) -> None:
+    """The stale-hint defect: an overload's pressure outliving it, so that a lone caller refused just after the
+    crowd left is told to wait seconds (seen: 2.7 s). The clock is the `now` passed in (simulated time)."""
+    hints = RetryHints(seed=1)
+    capacity, floor = 200.0, 0.005
+    for i in range(1000):  # a crowd ignoring hints: 1,000 refusals in 1 s, hints at the cap
+        burst = hints.hint_s(i * 0.001, floor, capacity)
+    assert burst == pytest.approx(hints.max_s, rel=hints.jitter)
+    last = 0.999 + (quiet_s if quiet_s is not None else hints.quiet_s)
+    one_refusal = max(floor, 1 / (hints.share * capacity))  # 10 ms
+    assert hints.hint_s(last, floor, capacity) <= (1 + hints.jitter) * one_refusal
+    assert 1.0 < hints.quiet_s < 1.5  # the stated bound with the defaults (tau 1 s, cap 5 s)
+    # the decay is by time, not only by requests: a short pause keeps the overload's pressure
+    paused = RetryHints(seed=1)
+    for i in range(1000):
+        paused.hint_s(i * 0.001, floor, capacity)
+    assert paused.hint_s(1.1, floor, capacity) > 1.0
+
+
+def test_a_retry_hint_decay_without_a_time_constant_is_refused() -> None:
+    with pytest.raises(ValueError, match="tau_s must be > 0"):
+        RetryHints(tau_s=0.0)
+
+
 def test_callers_ignoring_hints_get_no_more_answers_and_lengthen_the_hints_up_to_the_cap() -> None:
     hints = RetryHints(seed=1)
     refused, answered = _refusals_per_s(100, hints=hints, honour=False, seconds=1.0)
