@@ -30,6 +30,7 @@ from testkit import zoo
 from testkit.grpc_cloud import GrpcCloud
 from testkit.packages import make_package
 from testkit.ports import free_port
+from testkit.waiting import wait_for
 
 ALWAYS = 2.0  # max_prob never reaches it: every request escalates
 NEVER = 0.0
@@ -235,7 +236,8 @@ def test_predict_never_waits_for_a_wedged_loop(package: ModelPackage, digits: zo
     with sdk.load(package, cloud=cloud.url(), budget=sdk.Budget(latency_ms=budget_ms),
                   policy=Policy("max_prob", threshold=ALWAYS),
                   options=AgentOptions(breaker=BreakerConfig(failure_threshold=100))) as model:
-        assert model.predict(digits.x_test[0]).tier == "cloud"
+        # the link works (the first call also opens the channel, which a loaded host may not do in 100 ms)
+        wait_for("an answer from the cloud", lambda: model.predict(digits.x_test[0]).tier == "cloud", timeout=30)
         wedged = threading.Event()
 
         def wedge() -> None:
