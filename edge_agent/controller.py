@@ -11,7 +11,8 @@ module feeds that rule with measurements and says when to apply it.
 from the encodings the encoder measured, and sets the encoder's `planned` encoding. It re-decides
 when one of these drifts or the round trip moves by half (at most every `redecide_gap_s`), at once
 when the link goes down or comes up (the link's `epoch`) or a budget changes, and at least every
-`redecide_interval_s`.
+`redecide_interval_s`. What a measured difference must exceed to move it (the energy calibration and
+the estimates' noise) is `edge_agent.evidence`.
 
 Thread ownership: one thread owns a controller's state, the one that calls `observe_*`,
 `maybe_redecide` and `set_budget` (the agent folds observations in a worker thread under its fold
@@ -52,6 +53,15 @@ from edge_agent.decide import (
     switch_reason,
 )
 from edge_agent.encoding import WireEncoder, WireOption
+from edge_agent.evidence import (
+    EnergyCalibration,
+    cloud_noise,
+    energy_evidence,
+    energy_noise,
+    gain_stderr,
+    measured,
+    outside,
+)
 from edge_agent.plan import Conditions
 from edge_agent.profiles import LinkProfile, LinkState, VariantProfile
 from runtimes.errors import ConfigError
@@ -98,10 +108,7 @@ class Controller:
         self._ratios: deque[float] = deque(maxlen=32)
         self._overheads: deque[float] = deque(maxlen=64)
         self._arrivals: deque[float] = deque(maxlen=256)
-        # observed and predicted energy per request: their ratio calibrates the energy plan
-        self._energy: deque[tuple[float, float]] = deque(maxlen=2001)
-        self._energy_sums = (0.0, 0.0)
-        self._energy_scale = 1.0
+        self._energy = EnergyCalibration()  # observed over predicted energy per request calibrates the energy plan
         self._last_inference_ms: float | None = None
         self._redecided_at, self.redecisions = -math.inf, 0
         self._epoch = link.link.epoch if link is not None else 0
@@ -158,7 +165,7 @@ class Controller:
             p.latency.rebase(len(self._ratios))
         # a modeled figure is the measured latency times a fixed power: the latency checks cover it,
         # and its noise is no evidence that the energy moved
-        if (_measured(p.energy_label)
+        if (measured(p.energy_label)
                 and abs(p.energy_mj / max(self._ref["energy"], 1e-12) - 1) > self.config.energy_drift):
             self._flag("inference energy")
 
@@ -216,8 +223,9 @@ class Controller:
                 self._cut = (now, before) if self.latency_windows.scale < before else None
                 self._flag("observed p95 over budget" if self.latency_windows.scale < self._deadline_scale
                            else "observed p95 back under budget")
-        if energy_mj is not None and math.isfinite(energy_mj) and self.budget.energy_mj is not None:
-            self._calibrate_energy(energy_mj)
+        if (energy_mj is not None and math.isfinite(energy_mj) and self.budget.energy_mj is not None
+                and self._energy.add(energy_mj, self.current.predicted_energy_mj)):
+            self._flag("observed energy vs plan")
         if not escalated and self._last_inference_ms is not None:
             self._overheads.append(max(0.0, total_latency_ms - self._last_inference_ms))
         owner = variant if variant is not None and variant in self._by_id else self.current.variant
@@ -235,27 +243,10 @@ class Controller:
             self._n_agree += 1
             self._k_agree += bool(agreed)
         m, z = self._min_obs, self.config.escalation_z
-        if self._n >= m and _outside(self._n_esc, self._n, self.current.predicted_escalation_rate, z):
+        if self._n >= m and outside(self._n_esc, self._n, self.current.predicted_escalation_rate, z):
             self._flag("escalation rate")
-        if self._n_agree >= m and _outside(self._k_agree, self._n_agree, self._ref["agreement"], z):
+        if self._n_agree >= m and outside(self._k_agree, self._n_agree, self._ref["agreement"], z):
             self._flag("agreement")
-
-    def _calibrate_energy(self, energy_mj: float) -> None:
-        """The energy plan's calibration: the observed mean over the predicted one, over the last two
-        thousand requests. Only a move of 1 % or more, and beyond one standard error of the
-        observed mean (`_calibration_noise`), re-decides: the calibration follows the energy, not its noise."""
-        self._energy.append((energy_mj, self.current.predicted_energy_mj))
-        self._energy_sums = (self._energy_sums[0] + energy_mj, self._energy_sums[1] + self.current.predicted_energy_mj)
-        if len(self._energy) == self._energy.maxlen:
-            old = self._energy.popleft()
-            self._energy_sums = (self._energy_sums[0] - old[0], self._energy_sums[1] - old[1])
-        if len(self._energy) < 200:
-            return
-        observed, predicted = self._energy_sums
-        scale = min(max(predicted / max(observed, 1e-12), 0.5), 1.5)
-        if abs(scale / self._energy_scale - 1) > max(0.01, self._calibration_noise()):
-            self._energy_scale = scale
-            self._flag("observed energy vs plan")
 
     # -- decisions -------------------------------------------------------------------------------
     def set_budget(self, budget: Budget) -> Decision | None:
@@ -328,7 +319,7 @@ class Controller:
         return Conditions(request_rate=rate, edge_overhead_ms=overhead, slowdown=slowdown,
                           current_variant=current.variant if current is not None else None,
                           shift_error_scale=shift, latency_scale=self.latency_windows.scale,
-                          energy_scale=self._energy_scale, deadline_guard_ms=self.deadline_guard_ms(),
+                          energy_scale=self._energy.scale, deadline_guard_ms=self.deadline_guard_ms(),
                           wire_ref_bytes=None if ref is None else ref.nbytes,
                           wire_ref_encode_ms=0.0 if ref is None else ref.encode_ms,
                           audit_rate=min(max(float(self._audit_rate()), 0.0), 1.0))
@@ -381,7 +372,7 @@ class Controller:
         self._audits_planned = cond.audit_rate
         # the plan keeps the energy estimate's noise below the target; the current point is judged
         # against the target itself: a band of that width, so the estimate's noise moves nothing
-        plan = replace(cond, energy_scale=cond.energy_scale * (1 - self._energy_noise(self.current, link)))
+        plan = replace(cond, energy_scale=cond.energy_scale * (1 - self._energy_noise(link)))
         cand = choose(self.profiles, link, self.budget, self.config, conditions=plan, wires=self._wires)
         cur = evaluate(self._by_id[self.current.variant], self.current.threshold, link, self.budget, self.config,
                        conditions=cond, wire=self._wire(self.current.encoding))
@@ -417,75 +408,26 @@ class Controller:
         # while the link is down the breaker skips the escalations, whatever share is wanted: what the plan
         # says they would cost then is no reason to move (the floor still is)
         up = link is None or link.up
-        noise = self._cloud_noise(cur, cand) + self.config.gain_z * self._gain_stderr(cur, cand)
-        return switch_reason(cur, cand, self.config, noise=noise,
-                             energy_evidence=settled and up and self._energy_evidence(cur.variant, cand.variant),
-                             floor=floor, tie=self._tie(cur, cand))
+        stderr = gain_stderr(self._by_id[cur.variant], cur, cand)
+        evidence = energy_evidence(self._by_id[cur.variant], self._by_id[cand.variant], self.config.energy_z)
+        return switch_reason(cur, cand, self.config, noise=self._cloud_noise(cur, cand) + self.config.gain_z * stderr,
+                             energy_evidence=settled and up and evidence,
+                             floor=floor, tie=self.config.tie_z * stderr)
 
-    def _tie(self, cur: Decision, cand: Decision) -> float:
-        """How much less accurate `cand` may be predicted than `cur` and still tie with it (`decide.tied`):
-        `tie_z` standard errors of what escalating the band between two thresholds of one variant gains."""
-        return self.config.tie_z * self._gain_stderr(cur, cand)
-
-    def _energy_noise(self, cur: Decision, link: LinkState | None) -> float:
-        """`energy_noise_z` relative standard errors of the current point's planned energy, with an energy budget
-        (else 0): the mean round trip of the window prices each escalation's waiting energy (its standard
-        error times the waiting power, over the escalations planned), and the calibration's observed mean
-        (the spread of the energies it averaged over their count)."""
-        if self.budget.energy_mj is None or cur.predicted_energy_mj <= 0:
+    def _energy_noise(self, link: LinkState | None) -> float:
+        """The share of the energy target the plan keeps free for the estimate's noise (`evidence.energy_noise`):
+        0 without an energy budget."""
+        if self.budget.energy_mj is None:
             return 0.0
-        rel = 0.0
-        if link is not None and link.up:
-            answered = link.rtt_samples[np.isfinite(link.rtt_samples)]
-            if answered.size >= 2:
-                se_ms = float(np.std(answered, ddof=1)) / math.sqrt(answered.size)
-                rel = se_ms * link.wait_power_w * cur.predicted_escalation_rate / cur.predicted_energy_mj
-        settled = self._calibration_noise(full=True)  # what it settles to, not what it is yet: no late moves
-        return min(self.config.energy_noise_z * math.hypot(rel, settled), 0.25)
-
-    def _calibration_noise(self, *, full: bool = False) -> float:
-        """The relative standard error of the observed mean energy the calibration divides by (0 before it
-        has 200 requests); `full`: of a full window (2000 requests), what it settles to."""
-        if len(self._energy) < 200:
-            return 0.0
-        observed = np.fromiter((e for e, _ in self._energy), dtype=float, count=len(self._energy))
-        n = (self._energy.maxlen or observed.size) if full else observed.size
-        return float(np.std(observed)) / max(float(np.mean(observed)), 1e-12) / math.sqrt(n)
-
-    def _gain_stderr(self, cur: Decision, cand: Decision) -> float:
-        """The standard error of the predicted accuracy difference between two thresholds of one variant:
-        the validation sampling error of the edge's correctness over the band of inputs one escalates
-        and the other does not, times the share of escalations answered (0 across variants)."""
-        if cand.variant != cur.variant:
-            return 0.0
-        var = self._by_id[cur.variant].escalated_variance(np.array([cur.threshold, cand.threshold]))
-        answered = float(cand.inputs.get("escalations_answered") or 0.0)
-        return answered * math.sqrt(abs(float(var[0] - var[1])))
-
-    def _energy_evidence(self, current: str, other: str) -> bool:
-        if current == other:
-            return True
-        a, b = self._by_id[current], self._by_id[other]
-        if not (_measured(a.energy_label) and _measured(b.energy_label)):
-            return False
-        se = math.hypot(a.energy_stderr(), b.energy_stderr())
-        return math.isfinite(se) and abs(a.energy_mj - b.energy_mj) > self.config.energy_z * se
+        return energy_noise(self.current, link, self._energy, self.config.energy_noise_z)
 
     def _cloud_noise(self, cur: Decision, cand: Decision) -> float:
         """How much two points of one variant may differ in predicted accuracy by the fitted cloud
-        accuracy's own uncertainty alone. A threshold move gains the edge's error on the inputs it
-        moves times (1 - rho), rho the cloud's error over the edge's (`plan._cloud_accuracy`): its
-        uncertainty is the gain times sd(rho) / (1 - rho), sd(rho) from the cloud accuracy's binomial
-        spread over its agreements and prior; `accuracy_z` of those."""
-        link = cand.inputs.get("link")
-        if cand.variant != cur.variant or self.link is None or not link:
+        accuracy's uncertainty alone (`evidence.cloud_noise`); 0 for an edge-only device."""
+        if self.link is None:
             return 0.0
-        c, n = float(link["cloud_accuracy"]), float(link["agreement_n"]) + self.link.cloud_prior_strength
-        ref = link.get("cloud_reference_accuracy")
-        edge_error = max(1 - float(ref if ref is not None else self._by_id[cand.variant].accuracy), 1e-3)
-        rho, sd = (1 - c) / edge_error, math.sqrt(c * (1 - c) / max(n, 1.0)) / edge_error
-        gain = abs(cand.predicted_accuracy - cur.predicted_accuracy)
-        return self.config.accuracy_z * gain * sd / max(1 - rho, 0.05)
+        return cloud_noise(cur, cand, self._by_id[cand.variant], self.link.cloud_prior_strength,
+                           self.config.accuracy_z)
 
     def _commit(self, decision: Decision, trigger: str, *, record: bool = True) -> Decision:
         decision = replace(decision, trigger=trigger, at=self._clock())
@@ -508,12 +450,3 @@ class Controller:
                      * (1 - (1 - decision.edge_accuracy_escalated) * float(link.get("edge_error_scale") or 1))}
         return decision
 
-
-def _outside(k: int, n: int, p: float, z: float) -> bool:
-    """Whether k successes in n trials are further than z binomial standard deviations from rate p."""
-    p = min(max(p, 0.0), 1.0)
-    return abs(k / n - p) > z * math.sqrt(max(p * (1 - p), 0.25 / n) / n) + 0.5 / n
-
-
-def _measured(label: str) -> bool:
-    return str(label).startswith("measured")

@@ -1,0 +1,131 @@
+"""How much of a measured difference is noise: the statistics that guard the controller's switches.
+
+`Controller` (edge_agent/controller.py) moves the operating point only on evidence. This module holds
+the estimates it weighs a move against: the energy plan's calibration (observed over predicted energy)
+and its standard error, the noise band of the planned energy, the standard error of what a threshold
+move gains, the cloud accuracy's own uncertainty, whether two variants' energies differ beyond their
+errors, and whether an observed rate left its prediction's binomial band.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+
+import numpy as np
+
+from edge_agent.decide import Decision
+from edge_agent.profiles import LinkState, VariantProfile
+
+__all__ = ["EnergyCalibration", "cloud_noise", "energy_evidence", "energy_noise", "gain_stderr", "measured",
+           "outside"]
+
+
+class EnergyCalibration:
+    """The energy plan's calibration: the observed mean energy per request over the predicted one, over
+    the last `window` requests, clamped to [0.5, 1.5]. It moves only by 1 % or more and beyond one
+    standard error of the observed mean (`noise`): the calibration follows the energy, not its noise.
+
+    Example:
+        >>> cal = EnergyCalibration()
+        >>> if cal.add(observed_mj=2.1, predicted_mj=2.0):
+        ...     replan(energy_scale=cal.scale)
+    """
+
+    def __init__(self, window: int = 2000, min_requests: int = 200) -> None:
+        self._pairs: deque[tuple[float, float]] = deque(maxlen=window + 1)
+        self._sums = (0.0, 0.0)
+        self._min = min_requests
+        self.scale = 1.0
+
+    def add(self, observed_mj: float, predicted_mj: float) -> bool:
+        """One request's observed and predicted energy; True when the scale moved (re-plan)."""
+        self._pairs.append((observed_mj, predicted_mj))
+        self._sums = (self._sums[0] + observed_mj, self._sums[1] + predicted_mj)
+        if len(self._pairs) == self._pairs.maxlen:
+            old = self._pairs.popleft()
+            self._sums = (self._sums[0] - old[0], self._sums[1] - old[1])
+        if len(self._pairs) < self._min:
+            return False
+        observed, predicted = self._sums
+        scale = min(max(predicted / max(observed, 1e-12), 0.5), 1.5)
+        if abs(scale / self.scale - 1) > max(0.01, self.noise()):
+            self.scale = scale
+            return True
+        return False
+
+    def noise(self, *, full: bool = False) -> float:
+        """The relative standard error of the observed mean energy the calibration divides by (0 before
+        `min_requests`); `full`: of a full window, what it settles to."""
+        if len(self._pairs) < self._min:
+            return 0.0
+        observed = np.fromiter((e for e, _ in self._pairs), dtype=float, count=len(self._pairs))
+        n = (self._pairs.maxlen or observed.size) if full else observed.size
+        return float(np.std(observed)) / max(float(np.mean(observed)), 1e-12) / math.sqrt(n)
+
+
+def energy_noise(cur: Decision, link: LinkState | None, calibration: EnergyCalibration, z: float) -> float:
+    """`z` relative standard errors of the current point's planned energy (call it with an energy budget):
+    the mean round trip of the window prices each escalation's waiting energy (its standard error times
+    the waiting power, over the escalations planned), and the calibration's observed mean (the spread of
+    the energies it averaged over their count). At most 0.25."""
+    if cur.predicted_energy_mj <= 0:
+        return 0.0
+    rel = 0.0
+    if link is not None and link.up:
+        answered = link.rtt_samples[np.isfinite(link.rtt_samples)]
+        if answered.size >= 2:
+            se_ms = float(np.std(answered, ddof=1)) / math.sqrt(answered.size)
+            rel = se_ms * link.wait_power_w * cur.predicted_escalation_rate / cur.predicted_energy_mj
+    settled = calibration.noise(full=True)  # what it settles to, not what it is yet: no late moves
+    return min(z * math.hypot(rel, settled), 0.25)
+
+
+def gain_stderr(profile: VariantProfile, cur: Decision, cand: Decision) -> float:
+    """The standard error of the predicted accuracy difference between two thresholds of one variant
+    (`profile`'s): the validation sampling error of the edge's correctness over the band of inputs one
+    escalates and the other does not, times the share of escalations answered (0 across variants)."""
+    if cand.variant != cur.variant:
+        return 0.0
+    var = profile.escalated_variance(np.array([cur.threshold, cand.threshold]))
+    answered = float(cand.inputs.get("escalations_answered") or 0.0)
+    return answered * math.sqrt(abs(float(var[0] - var[1])))
+
+
+def cloud_noise(cur: Decision, cand: Decision, profile: VariantProfile, prior_strength: float, z: float) -> float:
+    """How much two points of one variant (`profile`'s) may differ in predicted accuracy by the fitted
+    cloud accuracy's own uncertainty alone. A threshold move gains the edge's error on the inputs it
+    moves times (1 - rho), rho the cloud's error over the edge's (`plan._cloud_accuracy`): its
+    uncertainty is the gain times sd(rho) / (1 - rho), sd(rho) from the cloud accuracy's binomial
+    spread over its agreements and prior (`prior_strength`); `z` of those."""
+    link = cand.inputs.get("link")
+    if cand.variant != cur.variant or not link:
+        return 0.0
+    c, n = float(link["cloud_accuracy"]), float(link["agreement_n"]) + prior_strength
+    ref = link.get("cloud_reference_accuracy")
+    edge_error = max(1 - float(ref if ref is not None else profile.accuracy), 1e-3)
+    rho, sd = (1 - c) / edge_error, math.sqrt(c * (1 - c) / max(n, 1.0)) / edge_error
+    gain = abs(cand.predicted_accuracy - cur.predicted_accuracy)
+    return z * gain * sd / max(1 - rho, 0.05)
+
+
+def energy_evidence(a: VariantProfile, b: VariantProfile, z: float) -> bool:
+    """Whether two variants' measured energies differ by more than `z` standard errors (a modeled figure
+    is no evidence); a variant against itself always is."""
+    if a.id == b.id:
+        return True
+    if not (measured(a.energy_label) and measured(b.energy_label)):
+        return False
+    se = math.hypot(a.energy_stderr(), b.energy_stderr())
+    return math.isfinite(se) and abs(a.energy_mj - b.energy_mj) > z * se
+
+
+def outside(k: int, n: int, p: float, z: float) -> bool:
+    """Whether k successes in n trials are further than z binomial standard deviations from rate p."""
+    p = min(max(p, 0.0), 1.0)
+    return abs(k / n - p) > z * math.sqrt(max(p * (1 - p), 0.25 / n) / n) + 0.5 / n
+
+
+def measured(label: str) -> bool:
+    """Whether an energy label names a measurement (not a model)."""
+    return str(label).startswith("measured")
