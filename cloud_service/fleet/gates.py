@@ -305,10 +305,12 @@ def _estimate(spec: _Spec, arms: Arms, evidence: Evidence,
               block_s=evidence.block_s)
     if est is not None:
         return est, True
-    # it holds the wave wherever both arms have devices with a baseline, windows since or not (a canary's first
-    # seconds, p95 within its warm-up: not judged yet is not passed); the audits only where the wave sent some
-    # (a fleet that does not audit is not held by them)
-    return None, bool(base.wave) and bool(base.control) and (spec.name != "audit_agreement" or bool(qw))
+    # it holds the wave wherever the control has devices with a baseline and the wave has either devices with a
+    # baseline or windows on the release (a canary's first seconds, p95 within its warm-up, a wave whose devices
+    # all swapped too recently to have a baseline: not judged yet is not passed; a wave left open so follows its
+    # on_inconclusive policy at its maximum soak); the audits only where the wave sent some (a fleet that does
+    # not audit is not held by them)
+    return None, (bool(base.wave) or bool(qw)) and bool(base.control) and (spec.name != "audit_agreement" or bool(qw))
 
 
 def judge(spec: _Spec, arms: Arms, *, margins: Margins, evidence: Evidence, alpha_gate: float,

@@ -188,3 +188,21 @@ def test_a_wave_with_no_windows_yet_is_held_not_passed() -> None:
     decisions = {g["gate"]: g["decision"] for g in gates if g["gate"] in SPEC}
     assert decisions == {**dict.fromkeys(SPEC, "open"), "audit_agreement": None}, decisions
     assert open_gates(gates) == [g for g in SPEC if g != "audit_agreement"]
+
+
+def test_a_wave_whose_devices_have_no_baseline_is_held_not_passed() -> None:
+    """Every device of the wave took the previous release too recently to have a baseline on it (fewer windows
+    than a baseline needs): the wave's windows on the release cannot be judged against anything, so each
+    statistical gate is open and the wave follows its on_inconclusive policy at its maximum soak, instead of
+    passing on its soak alone."""
+    fleet = Fleet(6, 3)
+    canary = fleet.ids[0]
+    pre = [fleet.window(i, 10.0 * (k + 1), False) for k in range(20) for i in range(6)]
+    post = [fleet.window(i, 200.0 + 10.0 * (k + 1), i == 0) for k in range(30) for i in range(6)]
+    arms = Arms([w for w in pre if w["device_id"] == canary][-2:], [w for w in post if w["device_id"] == canary],
+                [w for w in pre if w["device_id"] != canary], [w for w in post if w["device_id"] != canary])
+    gates = evaluate(arms, margins=Margins(), evidence=Evidence(), waves=4, budget_ms=None, device_failures={},
+                     crashes=0, fleet_request_rate=None, cloud_capacity_rps=None)
+    decisions = {g["gate"]: g["decision"] for g in gates if g["gate"] in SPEC}
+    assert set(decisions.values()) == {"open"}, decisions
+    assert set(open_gates(gates)) == set(SPEC) - {"audit_agreement"}  # audits hold only an audited wave
