@@ -142,6 +142,14 @@ class Load:
         if hint_ms is not None:
             self.hints_ms.append(hint_ms)
 
+    @classmethod
+    def summed(cls, parts: list[Load], callers: int, seconds: float, deadline_s: float) -> Load:
+        """One load of `callers` from the per-caller `parts`."""
+        total = cls(callers, seconds, deadline_s)
+        for part in parts:
+            total.add(part)
+        return total
+
     def add(self, other: Load) -> None:
         self.in_time += other.in_time
         self.late += other.late
@@ -213,10 +221,7 @@ def closed_loop(address: str, payload: bytes, *, callers: int, seconds: float, d
     for t in threads:
         t.join(seconds + 10 * deadline_s + 10)
     channel.close()
-    total = Load(callers, seconds, deadline_s)
-    for r in results:
-        total.add(r)
-    return total
+    return Load.summed(results, callers, seconds, deadline_s)
 
 
 async def _aio_callers(address: str, payload: bytes, *, callers: int, seconds: float, deadline_s: float,
@@ -246,10 +251,7 @@ async def _aio_callers(address: str, payload: bytes, *, callers: int, seconds: f
                 mine.answered(time.monotonic() - sent)
 
         await asyncio.wait_for(asyncio.gather(*(caller(r) for r in results)), seconds + 10 * deadline_s + 10)
-    total = Load(callers, seconds, deadline_s)
-    for r in results:
-        total.add(r)
-    return total
+    return Load.summed(results, callers, seconds, deadline_s)
 
 
 def aio_closed_loop(address: str, payload: bytes, *, callers: int, seconds: float, deadline_s: float,
@@ -335,10 +337,7 @@ async def _mqtt_callers(url: str, payload: bytes, *, callers: int, seconds: floa
                 mine.answered(time.monotonic() - sent)
 
         await asyncio.gather(*(caller(t, r) for t, r in zip(transports, results, strict=True)))
-    total = Load(callers, seconds, deadline_s)
-    for r in results:
-        total.add(r)
-    return total
+    return Load.summed(results, callers, seconds, deadline_s)
 
 
 def mqtt_closed_loop(url: str, payload: bytes, *, callers: int, seconds: float, deadline_s: float,
