@@ -195,10 +195,14 @@ def test_slow_link_is_skipped_then_probed(package: ModelPackage, digits: zoo.Spl
         return cloud_answer()(request)
 
     opts = AgentOptions(rtt_probe_s=60)
-    preds, _, fake = run(package, digits.x_test[0], handler=slow, budget=Budget(latency_ms=20), n=4, options=opts)
+    preds, _, fake = run(package, digits.x_test[0], handler=slow, budget=Budget(latency_ms=20), n=5, options=opts)
     assert preds[0].reason == "timeout"
-    assert [p.reason for p in preds[1:]] == ["rtt"] * 3  # the observed round trip does not fit
-    assert len(fake.requests) == 1
+    # a timeout is a censored round trip (longer than the wait): on a quiet host the first one already says the
+    # link does not fit; with another test run loading both cores the edge's own part of the budget grows, the
+    # agent waits less before it gives up, and a second timeout was once needed to tell (2 sent of 5)
+    assert {p.reason for p in preds} <= {"timeout", "rtt"}
+    assert [p.reason for p in preds[-3:]] == ["rtt"] * 3  # the observed round trip does not fit
+    assert len(fake.requests) <= 2
 
 
 def test_wrong_input_fails_before_anything_runs(package: ModelPackage, digits: zoo.Split) -> None:
