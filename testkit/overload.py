@@ -142,6 +142,20 @@ class Load:
         if hint_ms is not None:
             self.hints_ms.append(hint_ms)
 
+    def grpc_failure(self, exc: grpc.RpcError, took_s: float) -> tuple[bool, float | None]:
+        """Count a failed gRPC call: a refusal (with its retry hint), an expiry, or another status.
+        Returns whether it was a refusal, and its hint in ms."""
+        code = exc.code()  # type: ignore[attr-defined]
+        if code in (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNAVAILABLE):
+            hint = _hint_ms(exc)
+            self.refusal(took_s, hint)
+            return True, hint
+        if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+            self.expired += 1
+        else:
+            self.other[code.name] = self.other.get(code.name, 0) + 1
+        return False, None
+
     @classmethod
     def summed(cls, parts: list[Load], callers: int, seconds: float, deadline_s: float) -> Load:
         """One load of `callers` from the per-caller `parts`."""
@@ -200,16 +214,9 @@ def closed_loop(address: str, payload: bytes, *, callers: int, seconds: float, d
             try:
                 call(payload, timeout=deadline_s)
             except grpc.RpcError as exc:
-                took = time.monotonic() - sent
-                code = exc.code()  # type: ignore[attr-defined]
-                if code in (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNAVAILABLE):
-                    hint = _hint_ms(exc)
-                    mine.refusal(took, hint)
+                refused, hint = mine.grpc_failure(exc, time.monotonic() - sent)
+                if refused:
                     time.sleep(_backoff_s(hint, end_at[0], honour_hints=honour_hints))
-                elif code == grpc.StatusCode.DEADLINE_EXCEEDED:
-                    mine.expired += 1
-                else:
-                    mine.other[code.name] = mine.other.get(code.name, 0) + 1
                 continue
             mine.answered(time.monotonic() - sent)
 
@@ -238,15 +245,9 @@ async def _aio_callers(address: str, payload: bytes, *, callers: int, seconds: f
                 try:
                     await call(payload, timeout=deadline_s)
                 except grpc.aio.AioRpcError as exc:
-                    took, code = time.monotonic() - sent, exc.code()
-                    if code in (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNAVAILABLE):
-                        hint = _hint_ms(exc)
-                        mine.refusal(took, hint)
+                    refused, hint = mine.grpc_failure(exc, time.monotonic() - sent)
+                    if refused:
                         await asyncio.sleep(_backoff_s(hint, end, honour_hints=honour_hints))
-                    elif code == grpc.StatusCode.DEADLINE_EXCEEDED:
-                        mine.expired += 1
-                    else:
-                        mine.other[code.name] = mine.other.get(code.name, 0) + 1
                     continue
                 mine.answered(time.monotonic() - sent)
 
