@@ -308,9 +308,13 @@ def _estimate(spec: _Spec, arms: Arms, evidence: Evidence,
     # it holds the wave wherever the control has devices with a baseline and the wave has either devices with a
     # baseline or windows on the release (a canary's first seconds, p95 within its warm-up, a wave whose devices
     # all swapped too recently to have a baseline: not judged yet is not passed; a wave left open so follows its
-    # on_inconclusive policy at its maximum soak); the audits only where the wave sent some (a fleet that does
-    # not audit is not held by them)
-    return None, (bool(base.wave) or bool(qw)) and bool(base.control) and (spec.name != "audit_agreement" or bool(qw))
+    # on_inconclusive policy at its maximum soak); the audits only where the wave sent some and its devices have
+    # an audit baseline (a fleet that does not audit is not held by them, nor is a wave whose devices audited too
+    # few windows before it: at the agent's 1 % a device needs minutes of traffic for five audited windows, and
+    # a wave held on audits it can never be judged on only waits for its maximum soak)
+    if spec.name == "audit_agreement":
+        return None, bool(base.wave) and bool(base.control) and bool(qw)
+    return None, (bool(base.wave) or bool(qw)) and bool(base.control)
 
 
 def judge(spec: _Spec, arms: Arms, *, margins: Margins, evidence: Evidence, alpha_gate: float,
