@@ -48,6 +48,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from cloud_service.fleet.gates import Evidence  # noqa: E402
 from testkit.gate_sim import OLD_SOAK, REGRESSIONS, Fleet, Model, Outcome, model_devices, run_rollout, summary  # noqa: E402
 
 WAVES = ("1", "5%", "25%", "100%")
@@ -160,6 +161,9 @@ def main() -> int:
     aa = stats["none"]
     out["checks"] = {
         "aa_false_rollback_rate": aa["rolled_back"] / max(1, aa["runs"]),
+        "aa_false_rollback_rate_ci95": aa["rolled_back_ci95"],
+        # the design: alpha split evenly over every statistical gate and wave, each valid over every look
+        "aa_design_alpha": Evidence().alpha, "aa_design_alpha_per_gate_and_wave": Evidence().alpha_gate(len(WAVES)),
         "aa_false_rollback_ok": aa["rolled_back"] <= max(1, aa["runs"] // 100),
         **{f"{r}_stopped_at_canary": stats[r]["stopped_at_canary"] / max(1, stats[r]["runs"])
            for r in REGRESSIONS if r != "none" and r in stats},
