@@ -71,7 +71,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from testkit.pytriton import SERVER_SCRIPT  # noqa: E402
+from testkit.pytriton_path import SERVER_SCRIPT  # noqa: E402
 
 THROUGHPUT_TARGET, LATENCY_TARGET = 0.70, 1.5
 BATCH_SIZES = (1, 8, 16, 32, 64)

@@ -47,7 +47,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.bench_cloud import digits_cnn
 from bench.bench_escalation import start_mosquitto
 from cloud_service.protocol import encode_request, topics
-from testkit.pytriton import SERVER_SCRIPT
+from testkit.pytriton_path import SERVER_SCRIPT
 
 TARGET = 0.9
 PATHS = ("bridge", "bridge-stream", "relay", "stream-relay")  # the MQTT paths, each with a broker of its own

@@ -100,7 +100,7 @@ from testkit.overload import (
     ocr_det_package,
     request_bytes,
 )
-from testkit.pytriton import SERVER_SCRIPT
+from testkit.pytriton_path import SERVER_SCRIPT
 
 MODELS = {"slow": (128, 256), "fast": (32, 64)}
 

@@ -20,8 +20,8 @@ import socket
 import sys
 from typing import Any
 
-# Run by path, this file's folder (testkit/) is first on sys.path, and testkit/pytriton.py would shadow the
-# `pytriton` package: take the folder off before importing it.
+# Run by path, this file's folder (testkit/) is first on sys.path, where testkit's modules would stand as
+# top-level ones (`models`, `zoo`, ...) for whatever PyTriton imports: take the folder off before importing it.
 sys.path[:] = [p for p in sys.path if os.path.realpath(p or ".") != os.path.dirname(os.path.realpath(__file__))]
 
 import numpy as np  # noqa: E402

@@ -142,3 +142,13 @@ def test_tests_run_nothing_from_bench() -> None:
                     (node.value == "bench" or node.value.startswith("bench/")):
                 bad.append(f"{path.relative_to(ROOT)}:{node.lineno} names {node.value!r}")
     assert not bad, "tests that use a file of bench/ (move it into testkit/):\n" + "\n".join(bad)
+
+
+def test_no_testkit_module_shadows_a_package_testkit_imports() -> None:
+    """A script in testkit/ run by path (pytriton_server.py) has testkit/ first on sys.path, so a module there
+    named like a package it imports (a `pytriton.py`) would be imported in that package's place."""
+    own = {path.stem for path in (ROOT / "testkit").glob("*.py")}
+    bad = [f"testkit/{path.name}:{line} imports {imported}, the name of testkit/{imported.split('.')[0]}.py"
+           for path in sorted((ROOT / "testkit").glob("*.py")) for line, imported in _imports(path)
+           if imported.split(".")[0] in own]
+    assert not bad, "testkit modules that shadow what testkit imports (rename the module):\n" + "\n".join(bad)

@@ -28,7 +28,7 @@ import pytest
 from cloud_service.protocol import decode_outputs, encode_request, topics
 from edge_agent.transports import Transport, open_transport
 from runtimes.errors import EscalationError
-from testkit.pytriton import SERVER_SCRIPT
+from testkit.pytriton_path import SERVER_SCRIPT
 from testkit.waiting import wait_for
 
 pytestmark = pytest.mark.slow
