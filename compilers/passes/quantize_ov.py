@@ -59,13 +59,26 @@ def export(artifact: Path, ctx: PassContext, *, compress_to_fp16: bool = False) 
     """Convert ONNX to OpenVINO IR in `ctx.workdir` (f16 weights when `compress_to_fp16`)."""
     out = ctx.workdir / "model.xml"
     try:
-        model = ov.convert_model(str(artifact))
+        model = _convert(artifact)
         ov.save_model(model, str(out), compress_to_fp16=compress_to_fp16)
     except (RuntimeError, OSError) as exc:
         msg = f"OpenVINO cannot convert {artifact.name}: {exc}"
         raise CompileError(msg) from exc
     return PassResult(out, {"name": "export_openvino", "compress_to_fp16": compress_to_fp16,
                             "openvino": ov.__version__})
+
+
+def _convert(artifact: Path) -> ov.Model:
+    """`ov.convert_model` puts the root logger back only when it succeeds: a failed conversion leaves it at
+    ERROR, with OpenVINO's filter and a stderr handler, and every later warning in the process is lost."""
+    root = logging.getLogger()
+    level, filters, handlers = root.level, list(root.filters), list(root.handlers)
+    try:
+        return ov.convert_model(str(artifact))
+    finally:
+        root.setLevel(level)
+        root.filters[:] = filters
+        root.handlers[:] = handlers
 
 
 def _is_transformer(model: ov.Model, task: str) -> bool:
