@@ -71,6 +71,8 @@ __all__ = ["Conditions", "Controller", "ControllerConfig", "Decision", "accuracy
 
 log = logging.getLogger(__name__)
 
+# pending reasons that are a change of the budget or the link (`_link_event`'s events, "link settled")
+_CHANGES = ("budget", "cloud ", "round trip ", "link ")
 _EVENTS = {"down": "cloud down", "up": "cloud up", "faster": "round trip faster", "slower": "round trip slower"}
 
 
@@ -364,6 +366,9 @@ class Controller:
     def _redecide(self) -> Decision | None:
         self._redecided_at, self.redecisions = self._clock(), self.redecisions + 1
         trigger = ", ".join(self._pending) or "periodic"
+        # after a change of the budget or the link the current point was chosen for other conditions:
+        # it has no claim to stand, so the gain's evidence does not hold it (`decide.switch_reason`)
+        changed_conditions = any(r.startswith(_CHANGES) for r in self._pending)
         self._pending.clear()
         if self.encoder is not None:
             self._wires = self.encoder.options()  # one tuple, replaced whole by the encoder
@@ -376,7 +381,7 @@ class Controller:
         cand = choose(self.profiles, link, self.budget, self.config, conditions=plan, wires=self._wires)
         cur = evaluate(self._by_id[self.current.variant], self.current.threshold, link, self.budget, self.config,
                        conditions=cond, wire=self._wire(self.current.encoding))
-        why = self._switch_reason(cur, cand)
+        why = self._switch_reason(cur, cand, changed_conditions)
         if not why and cand.feasible and cand.key != cur.key and not spare(cand, self.config):
             # the rule's choice is too close to a budget to move to for accuracy: the best point that
             # leaves the spare room may still beat the current one
@@ -385,7 +390,7 @@ class Controller:
             alt = choose(self.profiles, link, self.budget, self.config, conditions=tight, wires=self._wires)
             alt = replace(evaluate(self._by_id[alt.variant], alt.threshold, link, self.budget, self.config,
                                    conditions=cond, wire=self._wire(alt.encoding)), binding=cand.binding)
-            if alt.feasible and (alt_why := self._switch_reason(cur, alt)):
+            if alt.feasible and (alt_why := self._switch_reason(cur, alt, changed_conditions)):
                 cand, why = replace(alt, reason=f"the best point with room to spare (the best, "
                                                 f"{cand.variant}@{cand.threshold:.4g}, is closer)"), alt_why
         if why:
@@ -400,7 +405,9 @@ class Controller:
         self._commit(chosen, trigger, record=changed or trigger != "periodic")
         return self.current if changed else None
 
-    def _switch_reason(self, cur: Decision, cand: Decision) -> str:
+    def _switch_reason(self, cur: Decision, cand: Decision, changed_conditions: bool = False) -> str:
+        """`decide.switch_reason` with this controller's estimates of the noise; `changed_conditions`: the
+        budget or the link changed since the current point was chosen (no hold on the gain's evidence)."""
         link = self.link.state() if self.link is not None else None
         settled = self._clock() - self._epoch_at >= self.config.link_settle_s
         # a slow spell raises the floor once it has lasted (a loss burst moves nothing)
@@ -410,7 +417,8 @@ class Controller:
         up = link is None or link.up
         stderr = gain_stderr(self._by_id[cur.variant], cur, cand)
         evidence = energy_evidence(self._by_id[cur.variant], self._by_id[cand.variant], self.config.energy_z)
-        return switch_reason(cur, cand, self.config, noise=self._cloud_noise(cur, cand) + self.config.gain_z * stderr,
+        return switch_reason(cur, cand, self.config, noise=self._cloud_noise(cur, cand),
+                             gain_noise=0.0 if changed_conditions else self.config.gain_z * stderr,
                              energy_evidence=settled and up and evidence,
                              floor=floor, tie=self.config.tie_z * stderr)
 

@@ -42,16 +42,18 @@ when (1) the current point breaks a budget by more than `violation_tolerance`, o
 the choice is as accurate; or (2) the choice is more accurate by more than the accuracy margin plus the
 noise of the fitted cloud accuracy (`accuracy_z` standard errors over the escalations the move adds)
 plus `gain_z` standard errors of the gain's validation estimate (the edge's correctness over the band of
-inputs between two thresholds of one variant: what `tied` judges ties by), and it fits the latency
-target with `switch_headroom` and the energy target with `energy_switch_headroom` to spare (near a flat
-optimum, the first decision after a change stands); or (3) the choice is as accurate (a tie, as above,
-between the two points) and spends `energy_margin` less energy (across variants, on measured figures
-only; not within `link_settle_s` of a move of the round trip, so that a loss burst does not move it; nor
-while the link is down, when the breaker skips the escalations whatever share is wanted); or (4) the
-current point escalates clearly less than the probe floor (under three quarters of it) and the choice,
-as accurate, does not; or (5) the choice differs only in its encoding, as accurate, more faithful and
-with the spare room of (2). Nothing else moves it: the same rule runs when the link goes down or comes
-back, when the round trip moves, and when a budget changes.
+inputs between two thresholds of one variant: what `tied` judges ties by), the last at most
+`gain_hold_max` and none in the first re-decision after a change of the budget or the link, and it fits
+the latency target with `switch_headroom` and the energy target with `energy_switch_headroom` to spare
+(near a flat optimum, the first decision after a change stands; the gain's evidence separates only
+near-tied points, and never holds a point chosen for other conditions); or (3) the choice is as accurate
+(a tie, as above, between the two points) and spends `energy_margin` less energy (across variants, on
+measured figures only; not within `link_settle_s` of a move of the round trip, so that a loss burst does
+not move it; nor while the link is down, when the breaker skips the escalations whatever share is
+wanted); or (4) the current point escalates clearly less than the probe floor (under three quarters of
+it) and the choice, as accurate, does not; or (5) the choice differs only in its encoding, as accurate,
+more faithful and with the spare room of (2). Nothing else moves it: the same rule runs when the link
+goes down or comes back, when the round trip moves, and when a budget changes.
 
 **The energy estimate's noise.** With an energy budget the controller plans for the target less
 `energy_noise_z` relative standard errors of the current point's energy estimate and judges the current
@@ -110,7 +112,12 @@ class ControllerConfig:
             over the escalations it adds...
         gain_z: ...plus this many standard errors of the gain's validation estimate (the sampling error
             of the edge's correctness over the band of inputs between two thresholds of one variant):
-            a difference noise could make is no reason to move, so a flat optimum does not churn.
+            a difference noise could make is no reason to move, so a flat optimum does not churn. Not
+            after a change of the budget or the link (the current point was chosen for other conditions).
+        gain_hold_max: the most the gain's evidence (`gain_z`) holds a move: it separates near-tied
+            points, and a predicted gain beyond the margin, the cloud's noise and this is clear (a
+            validation set of a few hundred inputs has standard errors of several tenths of a point
+            over a wide band, which would otherwise hold the controller points away from the best).
         energy_noise_z: with an energy budget, the plan keeps this many relative standard errors of its
             energy estimate below the energy target, and the current point is judged against the target
             itself (`Controller._energy_noise`): a band the estimate's noise does not cross.
@@ -146,6 +153,7 @@ class ControllerConfig:
     energy_margin: float = 0.1
     accuracy_z: float = 2.0
     gain_z: float = 2.0
+    gain_hold_max: float = 0.002
     energy_noise_z: float = 1.0
     probe_escalation_rate: float = 0.03
     down_probe_escalation_rate: float = 0.1
@@ -172,9 +180,9 @@ class ControllerConfig:
                    f"{self.latency_headroom!r}, {self.energy_headroom!r}")
             raise ConfigError(msg)
         if not (self.window_s > 0 and self.energy_z >= 0 and self.accuracy_z >= 0 and self.accuracy_margin_rel >= 0
-                and self.gain_z >= 0 and self.energy_noise_z >= 0):
-            msg = ("ControllerConfig window_s must be > 0, energy_z, accuracy_z, gain_z, energy_noise_z and "
-                   "accuracy_margin_rel >= 0")
+                and self.gain_z >= 0 and self.gain_hold_max >= 0 and self.energy_noise_z >= 0):
+            msg = ("ControllerConfig window_s must be > 0, energy_z, accuracy_z, gain_z, gain_hold_max, "
+                   "energy_noise_z and accuracy_margin_rel >= 0")
             raise ConfigError(msg)
         if not (0 <= self.switch_headroom < 1 and 0 <= self.energy_switch_headroom < 1):
             msg = (f"ControllerConfig switch_headroom and energy_switch_headroom must be in [0, 1), got "
@@ -467,11 +475,15 @@ def accuracy_margin(cur: Decision, config: ControllerConfig) -> float:
 
 
 def switch_reason(cur: Decision, cand: Decision, config: ControllerConfig, *, noise: float = 0.0,
-                  energy_evidence: bool = True, floor: float = 0.0, tie: float = 0.0) -> str:
+                  gain_noise: float = 0.0, energy_evidence: bool = True, floor: float = 0.0,
+                  tie: float = 0.0) -> str:
     """Why to move from `cur` to `cand` (the rule's choice), or "" to stay: the hysteresis of the rule.
 
     `noise` is how much the two may differ in predicted accuracy by the fitted cloud accuracy's own
-    uncertainty (`accuracy_z` standard errors over the escalations the move adds). `energy_evidence`:
+    uncertainty (`accuracy_z` standard errors over the escalations the move adds). `gain_noise`: how much
+    they may differ by the sampling error of the gain's validation estimate (`gain_z` standard errors;
+    0 after a change of the budget or the link); it holds a move only up to `gain_hold_max`, so it keeps
+    near-tied points from churning but never holds a clear gain. `energy_evidence`:
     whether their energy difference is evidence (a threshold move always; across variants, measured
     figures that differ beyond `energy_z` standard errors: modeled noise never moves a variant).
     `floor` is the least share escalated that keeps the link measured (`probe_floor`). `tie`: how much
@@ -495,7 +507,7 @@ def switch_reason(cur: Decision, cand: Decision, config: ControllerConfig, *, no
         return f"escalate at least {floor:.0%} to probe the link"
     if not spare(cand, config):
         return ""
-    if cand.predicted_accuracy > cur.predicted_accuracy + margin + noise:
+    if cand.predicted_accuracy > cur.predicted_accuracy + margin + noise + min(gain_noise, config.gain_hold_max):
         return f"accuracy {cur.predicted_accuracy:.4f} -> {cand.predicted_accuracy:.4f}"
     if (energy_evidence and cand.predicted_accuracy >= cur.predicted_accuracy - config.tie_tolerance - tie
             and cand.predicted_energy_mj < cur.predicted_energy_mj * (1 - config.energy_margin)):
