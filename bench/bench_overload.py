@@ -74,6 +74,7 @@ import multiprocessing
 import os
 import platform
 import queue
+import re
 import resource
 import signal
 import subprocess
@@ -181,6 +182,9 @@ class Started:
     log: Path  # its stderr
 
 
+_ADDRESS = re.compile(r"(?:^|[^\w])grpc (\S+:\d+)\s*$")
+
+
 def _start(cmd: list[str], log: Path, *, timeout_s: float, env: dict[str, str] | None = None,
            stdin: bool = False, group: bool = False) -> Started | str:
     """Start `cmd`, which prints `grpc ADDRESS` (optionally) and then `ready`; wait at most `timeout_s` for it.
@@ -208,8 +212,8 @@ def _start(cmd: list[str], log: Path, *, timeout_s: float, env: dict[str, str] |
         if line is None:
             why = f"exited ({proc.poll()}) before ready"
             break
-        if line.startswith("grpc "):
-            address = line.split()[1]
+        if (found := _ADDRESS.search(line)) is not None:  # anywhere in a line: a child's log may share stdout
+            address = found.group(1)
         if line.strip() == "ready":
             return Started(proc, address, log)
     _stop(proc, group=group)
@@ -460,6 +464,9 @@ def _triton(args: argparse.Namespace, name: str, root: Path, gen: LoadGen, page:
     # the same start alone takes 7-9 s): it is given up after START_S and tried once more
     for attempt in (1, 2):
         started = _start(command, root / f"triton-{name}-{attempt}.log", timeout_s=START_S, env=env, group=True)
+        if not isinstance(started, str) and not started.address:  # `ready` read, its address lost
+            _stop(started.proc, group=True)
+            started = "printed ready without its gRPC address"
         if not isinstance(started, str):
             break
         print(f"# {name}: Triton's start {attempt} failed: {started}", flush=True)

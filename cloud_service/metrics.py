@@ -13,7 +13,8 @@ Exposed names (all prefixed `tierkit_`):
 | `batch_run_seconds` | model | run time of one batch |
 | `queue_depth` | model | requests waiting |
 | `requests_expired_total` | model | queued requests dropped before compute: deadline passed or no longer reachable |
-| `requests_refused_total` | model, reason | refused at admission: `deadline`, `queue_full`, `standing`, `waiting` |
+| `requests_refused_total` | model, reason | refused at admission: `deadline`, `queue_full`, `standing`, `waiting`, |
+| | | `ignored_hint` (gRPC: the caller called again inside its last refusal's retry hint, `callers.py`) |
 | `queue_seconds` | model | time each request waited in the queue (to run, or to be dropped) |
 | `answers_dropped_total` | model, protocol | answers computed after the caller's deadline, dropped before send |
 | `mqtt_garbage_total` | | MQTT payloads that were not a valid request |
@@ -103,6 +104,10 @@ class Metrics:
             self.failures.labels(model, protocol, code).inc()
             if code in _REFUSALS:
                 self.refusal_seconds.labels(model, protocol, "queued" if shed else "admission").observe(seconds)
+
+    def hint_ignored(self, model: str) -> None:
+        """Count one call refused because its caller called again inside its retry hint."""
+        self.admission_refused.labels(model, "ignored_hint").inc()
 
     def answer_dropped(self, model: str, protocol: str) -> None:
         """Count one answer dropped before send: its caller's deadline had passed."""

@@ -38,6 +38,7 @@ from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection, reflection_pb2
 
+from cloud_service.callers import HintIgnored, HintLedger, caller_id
 from cloud_service.duplicates import DuplicateCache, message_key
 from cloud_service.errors import MessageTooLarge
 from cloud_service.infer import clip, infer_blocking, model_label, status_of
@@ -93,6 +94,7 @@ class InferenceServicer:
         self.max_message_bytes = max_message_bytes
         self.ready = False
         self.duplicates = duplicates if duplicates is not None else DuplicateCache()
+        self.hints = HintLedger()  # per caller: a call inside its last refusal's retry hint is refused first
         self._streams = StreamRunner(workers=STREAM_WORKERS, window=STREAM_WINDOW)
 
     # -- server -----------------------------------------------------------------------------
@@ -164,9 +166,14 @@ class InferenceServicer:
     def ModelInfer(self, request: RawRequest | _Refused, context: Any) -> RawResponse:
         started = time.perf_counter()
         label = self._label(request)
+        caller: str | None = None
         try:
             if isinstance(request, _Refused):
                 raise request.error
+            caller = caller_id(request.message.parameters, context.invocation_metadata(), context.peer())
+            if (early := self.hints.refusal(caller, time.monotonic())) is not None:
+                self.metrics.hint_ignored(label)
+                raise early
             key = message_key(request.message.parameters)
             cached = None if key is None else self.duplicates.raw(key)
             if cached is not None:  # a resend of an escalation answered before (over either transport)
@@ -182,6 +189,8 @@ class InferenceServicer:
             self.metrics.request_done(label, "grpc", time.perf_counter() - started, code=code,
                                       shed=getattr(exc, "queued_s", 0.0) > 0)
             pushback = getattr(exc, "retry_after_ms", None)
+            if pushback is not None and caller is not None and not isinstance(exc, HintIgnored):
+                self.hints.refused(caller, pushback, time.monotonic())
             if pushback is not None:  # gRPC's own retry pushback trailer, and a plain one any client can read
                 context.set_trailing_metadata((("grpc-retry-pushback-ms", str(pushback)),
                                                (RETRY_AFTER_KEY, str(pushback))))

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import itertools
 import os
 import subprocess
 import sys
@@ -193,11 +194,29 @@ def _backoff_s(hint_ms: float | None, end: float, *, honour_hints: bool) -> floa
     return max(0.0, min(HINT_CAP_S, (hint_ms if hint_ms is not None else 1.0) / 1000, end - time.monotonic()))
 
 
+_LOADS = itertools.count()
+
+
+def caller_metadata(index: int, prefix: str) -> tuple[tuple[str, str], ...]:
+    """Caller `index`'s gRPC metadata: a device id of its own (`cloud_service.callers`), as each agent has; the
+    callers of one load share a channel, so the server could not tell them apart by peer address."""
+    from cloud_service.callers import DEVICE_METADATA_KEY
+
+    return ((DEVICE_METADATA_KEY, f"load-{prefix}-{index}"),)
+
+
+def _load_prefix(prefix: str) -> str:
+    """A prefix no other load of this process used (a later load's callers are other devices: a refused caller
+    of an earlier load may still be inside its retry hint)."""
+    return f"{prefix or 'load'}-{os.getpid()}-{next(_LOADS)}"
+
+
 def closed_loop(address: str, payload: bytes, *, callers: int, seconds: float, deadline_s: float,
-                max_calls: int = 100_000, honour_hints: bool = True) -> Load:
+                max_calls: int = 100_000, honour_hints: bool = True, prefix: str = "") -> Load:
     """`callers` threads, each calling ModelInfer with `deadline_s` as soon as its last call ended (after a
     refusal: after the server's retry hint unless `honour_hints` is False), for `seconds`; at most `max_calls`
-    each."""
+    each. Each caller sends a device id of its own (`caller_metadata`, named after `prefix`)."""
+    prefix = _load_prefix(prefix)
     channel = grpc.insecure_channel(address)
     call = channel.unary_unary(MODEL_INFER)
     grpc.channel_ready_future(channel).result(timeout=10)
@@ -205,14 +224,14 @@ def closed_loop(address: str, payload: bytes, *, callers: int, seconds: float, d
     start = threading.Barrier(callers + 1)
     end_at = [0.0]
 
-    def caller(mine: Load) -> None:
+    def caller(mine: Load, metadata: tuple[tuple[str, str], ...]) -> None:
         start.wait()
         for _ in range(max_calls):
             if time.monotonic() >= end_at[0]:
                 return
             sent = time.monotonic()
             try:
-                call(payload, timeout=deadline_s)
+                call(payload, timeout=deadline_s, metadata=metadata)
             except grpc.RpcError as exc:
                 refused, hint = mine.grpc_failure(exc, time.monotonic() - sent)
                 if refused:
@@ -220,7 +239,8 @@ def closed_loop(address: str, payload: bytes, *, callers: int, seconds: float, d
                 continue
             mine.answered(time.monotonic() - sent)
 
-    threads = [threading.Thread(target=caller, args=(r,), daemon=True) for r in results]
+    threads = [threading.Thread(target=caller, args=(r, caller_metadata(i, prefix)), daemon=True)
+               for i, r in enumerate(results)]
     for t in threads:
         t.start()
     end_at[0] = time.monotonic() + seconds
@@ -232,18 +252,19 @@ def closed_loop(address: str, payload: bytes, *, callers: int, seconds: float, d
 
 
 async def _aio_callers(address: str, payload: bytes, *, callers: int, seconds: float, deadline_s: float,
-                       honour_hints: bool) -> Load:
+                       honour_hints: bool, prefix: str = "") -> Load:
     results = [Load(callers, seconds, deadline_s) for _ in range(callers)]
+    prefix = _load_prefix(prefix)
     async with grpc.aio.insecure_channel(address) as channel:
         call = channel.unary_unary(MODEL_INFER)
         await asyncio.wait_for(channel.channel_ready(), 10)
         end = time.monotonic() + seconds
 
-        async def caller(mine: Load) -> None:
+        async def caller(mine: Load, metadata: tuple[tuple[str, str], ...]) -> None:
             while time.monotonic() < end:
                 sent = time.monotonic()
                 try:
-                    await call(payload, timeout=deadline_s)
+                    await call(payload, timeout=deadline_s, metadata=metadata)
                 except grpc.aio.AioRpcError as exc:
                     refused, hint = mine.grpc_failure(exc, time.monotonic() - sent)
                     if refused:
@@ -251,7 +272,8 @@ async def _aio_callers(address: str, payload: bytes, *, callers: int, seconds: f
                     continue
                 mine.answered(time.monotonic() - sent)
 
-        await asyncio.wait_for(asyncio.gather(*(caller(r) for r in results)), seconds + 10 * deadline_s + 10)
+        await asyncio.wait_for(asyncio.gather(*(caller(r, caller_metadata(i, prefix)) for i, r in enumerate(results))),
+                               seconds + 10 * deadline_s + 10)
     return Load.summed(results, callers, seconds, deadline_s)
 
 

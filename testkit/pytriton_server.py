@@ -88,7 +88,9 @@ def main(argv: list[str]) -> int:
                     config=ModelConfig(max_batch_size=64,
                                        batcher=DynamicBatcher(max_queue_delay_microseconds=0, **policy)))
         triton.run()  # starts the server and waits until the model is ready
-        print(f"grpc 127.0.0.1:{grpc_port}\nready", flush=True)
+        # `tritonserver` writes its log to the same stdout, its last line often without a newline yet: the
+        # marker starts on a line of its own, or the reader finds `ready` with no address before it
+        print(f"\ngrpc 127.0.0.1:{grpc_port}\nready", flush=True)
         triton.serve()
     return 0
 

@@ -18,7 +18,7 @@ import pytest
 
 from cloud_service.admission import RetryHints
 from testkit.cloud_helpers import metric_value
-from testkit.overload import HostStall, Server, closed_loop, mqtt_closed_loop, ocr_det_package, request_bytes
+from testkit.overload import HostStall, Load, Server, closed_loop, mqtt_closed_loop, ocr_det_package, request_bytes
 
 DEADLINE_S = 0.1
 CALLERS = 12  # each could keep the model busy alone: 12x its capacity offered
@@ -41,13 +41,35 @@ def ocr_models(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, bytes]:
     return models, request_bytes("ocrdet", page)
 
 
+def _lone(address: str, payload: bytes, seconds: float) -> Load:
+    """One caller for `seconds`; measured three times as long when a loaded host answered it fewer than 10
+    times in time (a lone page then takes most of its deadline)."""
+    alone = closed_loop(address, payload, callers=1, seconds=seconds, deadline_s=DEADLINE_S)
+    if alone.in_time < 10:
+        alone = closed_loop(address, payload, callers=1, seconds=3 * seconds, deadline_s=DEADLINE_S)
+    return alone
+
+
+def caller_bounds_ms(deadline_s: float, stall_s: float) -> tuple[float, float]:
+    """Caller-side refusal p50 and p75 bounds: at once, against the collapse's refusals at the whole deadline.
+
+    0.6 and 0.8 of the deadline plus the host's measured scheduling delay (the p90 lateness of a 5 ms
+    sleeper during the crowd: ~0 on a quiet host), never above 0.9 and 1.0 of the deadline: a refusal that
+    takes the whole deadline fails whatever the host. Measured (bench-like 2-core host, load average 6-21
+    from other runs, 20 runs with and without two busy loops beside): gRPC p50 2-52 ms, p75 6-76 ms at a
+    100 ms deadline; MQTT p50 19-128 ms at 300 ms. The collapse: p50 104 ms at 100 ms.
+    """
+    return (min(0.6 * deadline_s + stall_s, 0.9 * deadline_s) * 1000,
+            min(0.8 * deadline_s + stall_s, 1.0 * deadline_s) * 1000)
+
+
 @pytest.mark.parametrize("batching", [[], ["--no-batching"]], ids=["batching", "no-batching"])
 def test_goodput_holds_at_capacity_and_the_excess_is_refused_at_once(ocr_models: tuple[Path, bytes],
                                                                      batching: list[str]) -> None:
     models, payload = ocr_models
     with Server(models, "--metrics", "127.0.0.1:0", *batching) as server:
         closed_loop(server.address, payload, callers=1, seconds=0.5, deadline_s=DEADLINE_S)  # warm up
-        alone = closed_loop(server.address, payload, callers=1, seconds=2.0, deadline_s=DEADLINE_S)
+        alone = _lone(server.address, payload, 2.0)
         # a closed loop of N callers queues N requests: past two deadlines' worth of the measured
         # capacity it is overload whatever this host's speed (a fast, quiet host needs more than CALLERS)
         callers = min(48, max(CALLERS, math.ceil(2 * DEADLINE_S * alone.goodput)))
@@ -56,42 +78,73 @@ def test_goodput_holds_at_capacity_and_the_excess_is_refused_at_once(ocr_models:
         # the hints' stated recovery: once refusals stop for `RetryHints.quiet_s` (1.33 s), a refusal's hint is
         # one refusal's worth again (an elapsed time is the condition here, so a sleep)
         time.sleep(RetryHints().quiet_s)
-        after = closed_loop(server.address, payload, callers=1, seconds=1.0, deadline_s=DEADLINE_S)
+        after = _lone(server.address, payload, 2.0)
         with urllib.request.urlopen(f"http://{server.metrics}/metrics", timeout=10) as reply:
             metrics = reply.read().decode()
+    p50, p75 = caller_bounds_ms(DEADLINE_S, stall.p(90))
     summary = (f"alone {alone.goodput:.1f}/s; {callers} callers {crowd.goodput:.1f}/s in time, {crowd.refused} "
                f"refused (p50 {crowd.refusal_p(50):.1f} ms, p75 {crowd.refusal_p(75):.1f} ms, p90 "
-               f"{crowd.refusal_p(90):.1f} ms; server: {_refused_within(metrics, 'grpc', 0.01):.2f} within 10 ms), "
-               f"{crowd.expired} past deadline, {crowd.late} late, other {crowd.other}; after {after.goodput:.1f}/s; "
-               f"host stall p90 {stall.p(90) * 1000:.1f} ms")
-    assert alone.in_time >= 10, summary
-    # Measured on a quiet 2-core AMD EPYC (AVX2) with the callers on the same cores: 0.48x of one caller's
-    # rate at twice capacity when callers waited 50 ms at most after a refusal (about 750 refusals/s took CPU
-    # the model needs); the hints are now sized to bring refused callers back at half the capacity and the
-    # callers honour them. The 0.9x goal is a benchmark figure (bench/bench_overload.py). The collapse this
-    # guards against was 0.04x.
-    assert crowd.goodput >= 0.3 * alone.goodput, summary
+               f"{crowd.refusal_p(90):.1f} ms; bounds {p50:.0f}/{p75:.0f} ms; server: "
+               f"{_refused_within(metrics, 'grpc', 0.01):.2f} within 10 ms), {crowd.expired} past deadline, "
+               f"{crowd.late} late, other {crowd.other}; after {after.goodput:.1f}/s ({after.refused} refused, "
+               f"{after.expired} past deadline); host stall p90 {stall.p(90) * 1000:.1f} ms")
+    print(summary)
+    if alone.in_time < 10:
+        pytest.skip(f"this host is too loaded to measure overload: a lone caller got {alone.in_time} answers in "
+                    f"time in {alone.seconds:g} s ({summary})")
+    # The crowd against a lone caller before it and after it (the smaller: a host loaded by other runs moves
+    # both, and the collapse this guards against, 0.04x, left the server answering a lone caller at once).
+    # Measured on 2 cores beside other runs (load average 6-21): 0.4-2.0x; a quiet host: 1.5-2x.
+    reference = min(alone.goodput, after.goodput)
+    assert crowd.goodput >= 0.3 * reference, summary
     # the excess was refused, not queued to expire (callers wait out each retry hint, so refusals need not
     # outnumber answers; the collapse refused none)
     assert crowd.refused >= 0.1 * crowd.in_time, summary
     assert len(crowd.hints_ms) == crowd.refused, summary  # every refusal says when to retry (retry-after-ms)
-    # At once, not at the deadline (the collapse refused at p50 104 ms, p99 up to 330 ms). Measured on a 2-core
-    # host at a load average of 6-7 with the callers honouring the hints (so refusals are few, 24-130 a run, and
-    # the ones found hopeless after queueing weigh more): caller-side p50 2.5-22.7 ms, p75 8-24 ms, p90 30-88 ms
-    # (the tail is the host's scheduling and requests refused after queueing when a run overshot its plan);
-    # inside the server, receipt to refusal, 0.84-0.96 within 10 ms. Bounds: about twice the worst measured, below
-    # what the collapse gives. The callers' figures add the host's measured scheduling delay (p90 of a 5 ms
-    # sleeper's lateness during the crowd; ~0 on a quiet host): one run beside other test runs saw p75 84 ms
-    # caller-side while the server refused all within 10 ms. The server's own figure has no such term.
-    assert crowd.refusal_p(50) <= (0.4 * DEADLINE_S + stall.p(90)) * 1000, summary
-    assert crowd.refusal_p(75) <= (0.5 * DEADLINE_S + stall.p(90)) * 1000, summary
+    # At once, not at the deadline (the collapse refused at p50 104 ms, p99 up to 330 ms): `caller_bounds_ms`.
+    # Inside the server, receipt to refusal, 0.82-1.00 within 10 ms in the same runs (no host term needed).
+    assert crowd.refusal_p(50) <= p50, summary
+    assert crowd.refusal_p(75) <= p75, summary
     assert _refused_within(metrics, "grpc", 0.01) >= 0.7, summary
     # admitted requests mostly made it (on a loaded host a run planned to fit sometimes does not; before: 30x)
     assert crowd.expired + crowd.late <= crowd.in_time, summary
-    assert after.in_time >= 5, summary  # no backlog, no stale estimate left behind
+    # no backlog, no stale estimate left behind: a lone caller is answered, not refused
+    assert after.in_time >= 5, summary
     assert after.refused <= 1, summary
     assert metric_value(metrics, "tierkit_requests_refused_total", model="ocrdet", reason="deadline") > 0
     assert metric_value(metrics, "tierkit_queue_seconds_count", model="ocrdet") > 0
+
+
+def test_callers_ignoring_their_retry_hints_do_not_take_the_honest_callers_share(
+        ocr_models: tuple[Path, bytes]) -> None:
+    """Half the callers call again at once after a refusal: each caller, by its device id, is refused at once
+    while inside its last hint (`cloud_service.callers`), so the hostile half cannot poll its way into the room
+    each batch frees, and the honest half keeps a share of the answers near its share of the callers."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    models, payload = ocr_models
+    with Server(models, "--metrics", "127.0.0.1:0") as server:
+        closed_loop(server.address, payload, callers=1, seconds=0.5, deadline_s=DEADLINE_S)  # warm up
+        alone = _lone(server.address, payload, 2.0)
+        half = min(24, max(CALLERS // 2, math.ceil(DEADLINE_S * alone.goodput)))
+        with ThreadPoolExecutor(2) as pool:
+            honest_run = pool.submit(closed_loop, server.address, payload, callers=half, seconds=4.0,
+                                     deadline_s=DEADLINE_S, prefix="honest")
+            hostile_run = pool.submit(closed_loop, server.address, payload, callers=half, seconds=4.0,
+                                      deadline_s=DEADLINE_S, honour_hints=False, prefix="hostile")
+            honest, hostile = honest_run.result(), hostile_run.result()
+        with urllib.request.urlopen(f"http://{server.metrics}/metrics", timeout=10) as reply:
+            metrics = reply.read().decode()
+    ignored = metric_value(metrics, "tierkit_requests_refused_total", model="ocrdet", reason="ignored_hint")
+    summary = (f"alone {alone.goodput:.1f}/s; {half} honest callers {honest.goodput:.1f}/s in time ({honest.refused} "
+               f"refused), {half} hostile {hostile.goodput:.1f}/s ({hostile.refused} refused, {ignored:.0f} of them "
+               f"inside their hint); expired {honest.expired}+{hostile.expired}")
+    print(summary)
+    assert ignored > 0, summary
+    # Without the ledger the hostile half, polling, took the answers: honest 0.0-0.2/s against hostile 16/s (two
+    # runs, 2 cores at a load average of 20). With it both halves are admitted at most once a hint each.
+    assert honest.in_time >= 0.4 * hostile.in_time, summary
+    assert honest.in_time > 0, summary
 
 
 def _refused_within(metrics: str, protocol: str, seconds: float) -> float:
@@ -140,8 +193,9 @@ def test_mqtt_escalations_past_capacity_are_refused_on_arrival(ocr_models: tuple
     assert crowd.goodput >= 0.3 * alone.goodput, summary
     assert crowd.refused >= 0.1 * crowd.in_time, summary
     assert crowd.expired + crowd.late <= crowd.in_time + crowd.refused // 4, summary
-    # well before the deadline, through a broker
-    assert crowd.refusal_p(50) <= (0.5 * deadline_s + slack) * 1000, summary
+    # well before the deadline, through a broker (`caller_bounds_ms`: one run beside another suite saw p50 250 ms,
+    # its paho callers starved in their own process, against 0.5 of the deadline then)
+    assert crowd.refusal_p(50) <= caller_bounds_ms(deadline_s, slack)[0], summary
     # from paho's thread to the refusal's publish: most at once (refused on arrival, before decoding); the
     # rest were admitted and refused when queued behind an event loop that a loaded host starves
     assert _refused_within(metrics, "mqtt", 0.01 + slack) >= 0.5, summary
