@@ -392,12 +392,13 @@ def _levels(args: argparse.Namespace, capacity: Capacity | None) -> list[tuple[s
     return out
 
 
-def _checks(row: Row, best: float) -> list[str]:
-    """The targets `row` misses: ratio >= 0.9 of the best rate, refusal p99 <= 10 ms, no late answers."""
+def _checks(row: Row, best: float, *, judged: bool = True) -> list[str]:
+    """The targets `row` misses: ratio >= 0.9 of the best rate (`judged`: at or past saturation), refusal p99
+    <= 10 ms, no late answers."""
     load, failed = row.load, []
     if row.stuck:
         return [f"stuck ({row.stuck})"]
-    if best and load.goodput < 0.9 * best:
+    if judged and best and load.goodput < 0.9 * best:
         failed.append(f"ratio {load.goodput / best:.2f} < 0.9")
     if load.refusal_p(99) > 10:
         failed.append(f"refusal p99 {load.refusal_p(99):.1f} > 10 ms")
@@ -406,7 +407,7 @@ def _checks(row: Row, best: float) -> list[str]:
     return failed
 
 
-def _row(model: str, protocol: str, row: Row, best: float, *, checked: bool = True) -> str:
+def _row(model: str, protocol: str, row: Row, best: float, *, checked: bool = True, judged: bool = True) -> str:
     load = row.load
     if row.stuck:
         return f"| {model} | {protocol} | {row.level} | {load.callers} | stuck: {row.stuck} |" + " |" * 12
@@ -415,20 +416,36 @@ def _row(model: str, protocol: str, row: Row, best: float, *, checked: bool = Tr
     if row.shed is not None:
         server += f"; {row.shed[1]:.0f} shed after queueing ≤ {row.shed[0]:g}"
     late = f"{load.late} ({row.dropped} dropped)" if row.server else f"{load.late}"
-    checks = ("; ".join(_checks(row, best)) or "ok") if checked else "(floor)"
+    checks = ("; ".join(_checks(row, best, judged=judged)) or "ok") if checked else "(floor)"
+    if checked and not judged:
+        checks += " (below saturation: ratio not judged)"
     return (f"| {model} | {protocol} | {row.level} | {load.callers} | {load.offered / load.seconds:.1f} | "
             f"{load.goodput:.1f} | {ratio:.2f} | {load.refused} | {load.refusal_p(50):.1f} | {load.refusal_p(99):.1f} "
             f"| {server} | {load.answer_p(50):.1f}/{load.answer_p(99):.1f} | {late} | {load.expired} "
             f"| {row.loadgen_cores:.2f} | {row.server_cores:.2f} | {checks} |")
 
 
+def _saturation(rows: list[Row], best: float) -> int | None:
+    """The fewest callers at which the model was saturated: a row with refusals or expiries (over 1 % of what
+    it offered: the server said it was full) or answering at least 0.9 of the best rate. None: never."""
+    full = [row.load.callers for row in rows if not row.stuck and (
+        row.load.refused + row.load.expired > 0.01 * max(1, row.load.offered) or row.load.goodput >= 0.9 * best)]
+    return min(full, default=None)
+
+
 def _report(name: str, protocol: str, rows: list[Row], probe_best: float = 0.0) -> list[str]:
-    """Print the rows of one model and protocol; the target misses, named."""
+    """Print the rows of one model and protocol; the target misses, named. The goodput ratio is judged only
+    on rows at or past the measured saturation: a row below it is not overload, whatever its ratio."""
     best = max([probe_best, *(row.load.goodput for row in rows)])
+    saturated = _saturation(rows, best)
+    print(f"# {name}/{protocol}: saturated from {saturated} callers (refusals, or 0.9 of the best {best:.1f}/s); "
+          "rows below are not overload and their ratio is not judged", flush=True)
     failed = []
     for row in rows:
-        print(_row(name, protocol, row, best), flush=True)
-        failed += [f"{name}/{protocol}/{row.level}/{row.load.callers}: {miss}" for miss in _checks(row, best)]
+        judged = saturated is not None and row.load.callers >= saturated
+        print(_row(name, protocol, row, best, judged=judged), flush=True)
+        failed += [f"{name}/{protocol}/{row.level}/{row.load.callers}: {miss}"
+                   for miss in _checks(row, best, judged=judged)]
     return failed
 
 

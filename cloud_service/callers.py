@@ -11,10 +11,12 @@ not lengthen the honest callers' hints either). Once its window has passed the c
 anyone else: each caller is admitted at most once a hint, whatever rate it sends at.
 
 The caller's identity (`caller_id`) is the device id the agent sends (`tierkit.device_id` request
-parameter), else a `tierkit-device-id` metadata entry, else the peer's address (`context.peer()`:
-callers sharing one connection share one window). An identity is the caller's claim, not
-authenticated: a client rotating ids escapes the ledger, which bounds a misbehaving retry loop, not an
-attacker (that needs the broker's or mTLS's identity in front).
+parameter), else a `tierkit-device-id` metadata entry. A call with neither is not tracked: the peer's
+address is no identity here, since one connection often carries many callers' calls in flight at once
+(a gateway, a client library's concurrent requests), and one refusal must not refuse the calls that were
+already on their way beside it. An identity is the caller's claim, not authenticated: a client rotating
+ids escapes the ledger, which bounds a misbehaving retry loop, not an attacker (that needs the broker's
+or mTLS's identity in front).
 
 Example:
     >>> ledger = HintLedger()
@@ -37,7 +39,8 @@ from cloud_service.errors import ServerBusy
 from cloud_service.protocol import topics
 
 DEVICE_METADATA_KEY = "tierkit-device-id"
-_GRACE = 0.8  # a call after this share of the hint counts as waiting it out (clocks, scheduling, jitter)
+_GRACE = 0.95  # a call after this share of the hint counts as waiting it out (an honest caller waits the whole
+# hint from when it got the refusal, after the server gave it: the rest is rounding)
 _MAX_TRACKED = 100_000  # callers remembered at most; the oldest windows are forgotten first
 
 
@@ -54,7 +57,7 @@ class HintLedger:
             raise ValueError(msg)
         self.grace = grace
         self.max_tracked = max_tracked
-        self._until: collections.OrderedDict[str, float] = collections.OrderedDict()
+        self._until: collections.OrderedDict[str, tuple[float, float]] = collections.OrderedDict()  # (grace, end)
         self._lock = threading.Lock()
 
     def __len__(self) -> int:
@@ -62,42 +65,41 @@ class HintLedger:
 
     def refused(self, caller: str, hint_ms: int, now: float) -> None:
         """`caller` was refused at `now` (monotonic seconds) with a hint of `hint_ms`."""
-        until = now + self.grace * hint_ms / 1000
         with self._lock:
             self._until.pop(caller, None)
-            self._until[caller] = until
+            self._until[caller] = (now + self.grace * hint_ms / 1000, now + hint_ms / 1000)
             while len(self._until) > self.max_tracked:
                 self._until.popitem(last=False)
 
     def early(self, caller: str, now: float) -> int | None:
-        """The ms `caller` still has to wait at `now` (it called inside its window), or None (admit it)."""
+        """The ms left of `caller`'s hint at `now` when it called inside it (past the grace), or None (admit it)."""
         with self._lock:
-            until = self._until.get(caller)
-            if until is None:
+            window = self._until.get(caller)
+            if window is None:
                 return None
-            if now >= until:
+            if now >= window[0]:
                 del self._until[caller]
                 return None
-        return max(1, math.ceil((until - now) * 1000))
+        return max(1, math.ceil((window[1] - now) * 1000))
 
     def refusal(self, caller: str, now: float) -> HintIgnored | None:
         """The refusal of an early call (its hint: the rest of the window), or None."""
         left_ms = self.early(caller, now)
         if left_ms is None:
             return None
-        msg = (f"called again {left_ms} ms before the previous refusal's retry hint had passed; not looked at. "
+        msg = (f"called again {left_ms} ms before the previous refusal's retry hint ends; not looked at. "
                "Wait the hinted delay (grpc-retry-pushback-ms / retry-after-ms) before retrying")
         return HintIgnored(msg, retry_after_ms=left_ms)
 
 
-def caller_id(parameters: Any, metadata: Sequence[tuple[str, Any]] | None, peer: str) -> str:
+def caller_id(parameters: Any, metadata: Sequence[tuple[str, Any]] | None) -> str | None:
     """Who is calling: the request's `tierkit.device_id` parameter, else the `tierkit-device-id` metadata
-    entry, else the peer address."""
+    entry, else None (not tracked)."""
     if topics.PARAM_DEVICE in parameters:
-        device = parameters[topics.PARAM_DEVICE].string_param
+        device = str(parameters[topics.PARAM_DEVICE].string_param)
         if device:
             return "device:" + device[:128]
     for key, value in metadata or ():
         if key == DEVICE_METADATA_KEY and value:
             return "device:" + str(value)[:128]
-    return "peer:" + peer
+    return None

@@ -180,7 +180,8 @@ class DeadlineQueue:
         its plan (`ServiceTimes.headroom_s`); requests without a deadline are held to the CoDel
         interval while the queue is standing.
         """
-        if not self.items and any(span is None for span in self.running_span):
+        live = [queued for queued in self.items if _live(queued, now)]  # not abandoned, not expired
+        if not live and any(span is None for span in self.running_span):
             return None  # an idle instance takes it now: run it, and measure (see `_run_now`)
         limit = deadline
         if limit is None:
@@ -188,7 +189,7 @@ class DeadlineQueue:
                 return None
             limit = now + self.standing.interval_s
         ahead = 0
-        for queued in self.items:
+        for queued in live:  # what was left behind (callers gone, deadlines passed) is no work ahead
             if queued.order > order:
                 break
             ahead += queued.rows
@@ -343,6 +344,11 @@ def answer(request: Request, outcome: Outcome) -> None:
             future.set_exception(outcome)
         else:
             future.set_result(outcome)
+
+
+def _live(request: Request, now: float) -> bool:
+    """Whether a queued request will still be computed: its caller waits and its deadline has not passed."""
+    return not request.future.done() and (request.deadline is None or request.deadline > now)
 
 
 def _order(request: Request) -> tuple[float, int]:

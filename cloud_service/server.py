@@ -170,8 +170,8 @@ class InferenceServicer:
         try:
             if isinstance(request, _Refused):
                 raise request.error
-            caller = caller_id(request.message.parameters, context.invocation_metadata(), context.peer())
-            if (early := self.hints.refusal(caller, time.monotonic())) is not None:
+            caller = caller_id(request.message.parameters, context.invocation_metadata())
+            if caller is not None and (early := self.hints.refusal(caller, time.monotonic())) is not None:
                 self.metrics.hint_ignored(label)
                 raise early
             key = message_key(request.message.parameters)

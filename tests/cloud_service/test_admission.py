@@ -367,3 +367,30 @@ def test_a_grpc_request_the_queue_cannot_answer_is_refused_before_its_tensors_ar
             await running
 
     asyncio.run(main())
+
+
+def test_requests_left_behind_by_a_crowd_are_no_work_ahead_of_a_lone_caller() -> None:
+    """After a crowd, the queue can hold requests whose callers left at their deadlines (nothing ran since to
+    take them out): a lone caller must be admitted, not refused behind them."""
+    from cloud_service.deadline_queue import DeadlineQueue, NullObserver, Waiter
+
+    queue = DeadlineQueue("m", BatchingConfig(max_batch_size=1), batched=False, instances=1,
+                          observer=NullObserver())
+    queue.times.observe(1, 0.02)
+    now = time.monotonic()
+    left = []
+    for i in range(40):  # ~800 ms of work, each due in 0.5 s (queued as a crowd left them, not admitted now)
+        request = queue.request(one(i), 1, (), now + 0.5, Waiter())
+        queue.items.append(request)
+        left.append(request)
+    lone = (now + 0.6, 999)
+    assert isinstance(queue.refusal(1, now + 0.6, lone, now), ServerBusy)  # real work ahead
+    for request in left[:10]:  # their callers gave up
+        request.future.set(CloudTimeout("abandoned"))
+    assert isinstance(queue.refusal(1, now + 0.6, lone, now), ServerBusy)  # still 600 ms of live work
+    for request in left[10:]:
+        request.future.set(CloudTimeout("abandoned"))
+    assert queue.refusal(1, now + 0.6, lone, now) is None
+    # and requests whose deadline passed are no work either
+    queue.items[:] = [queue.request(one(i), 1, (), now + 0.5, Waiter()) for i in range(40)]
+    assert queue.refusal(1, now + 1.6, (now + 1.6, 999), now + 0.51) is None
