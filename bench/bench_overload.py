@@ -51,8 +51,11 @@ caller saw them after their deadline; in brackets the answers the server dropped
 deadline had passed, `tierkit_answers_dropped_total`: gRPC itself ends a call at its deadline, so a late
 answer on the caller's side was in time on the wire and is the caller's own delay), expired
 (DEADLINE_EXCEEDED: no answer in time), checks (the targets a row misses).
-Targets (issue), checked on every row but the echo's: ratio >= 0.9, refusal p99 <= 10 ms, no answer
-after its deadline.
+Targets (issue), checked on every row but the floors': ratio >= 0.9 (only on rows at or past the measured
+saturation, the fewest callers with refusals or expiries over 1 % or with 0.9 of the best rate: a row below
+it is not overload, and says so), refusal p99 <= 10 ms, no answer after its deadline. Each caller sends a
+device id of its own (`tierkit-device-id` metadata), as agents do: the "hostile" rows meet the server's
+per-caller ledger (`cloud_service/callers.py`).
 
 Triton, with `--pytriton-python PY` (a Python with `nvidia-pytriton` and onnxruntime, in a virtual
 environment of its own: FACTS.md): Triton serving the same detector from a Python callable through
