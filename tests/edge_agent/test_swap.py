@@ -22,6 +22,7 @@ import pytest
 from cloud_service.protocol import encode_request, get_parameters, inference_pb2_grpc, topics
 from edge_agent.config import load_config
 from edge_agent.daemon import AgentDaemon
+from edge_agent.prediction import Prediction
 from testkit import waiting, zoo
 from testkit.release_server import ReleaseServer
 from testkit.releases import DEVICE, PASSWORD, USER, Kit, build_kit, device_config
@@ -245,26 +246,26 @@ def test_the_new_agent_keeps_the_cloud_link_request_numbering_and_desired_overri
 
     cloud = GrpcCloud()
 
-    async def main(server: ReleaseServer) -> list[str]:
+    async def main(server: ReleaseServer) -> list[tuple[str, str]]:
         config = load_config(device_config(tmp_path, kit.local, server.url, [kit.pub], cloud=cloud.url()))
-        tiers = []
+        tiers: list[tuple[str, str]] = []  # (tier, reason) of every answer
         async with AgentDaemon(config) as daemon:
             link = daemon.agent.transport
             desire(daemon, threshold=1.0, version=1)  # every row escalates
-            tiers.append((await daemon.agent.infer(digits.x_test[0])).tier)
+            tiers.append(_tier(await daemon.agent.infer(digits.x_test[0])))
             desire(daemon, release=kit.digests["r1"], soak={"requests": 2}, version=2)
             await until("r1 active", lambda: daemon.release is not None)
 
             async def committed() -> bool:  # requests go on while the swap soaks (it counts them)
                 if swap_state(daemon).get("state") == "committed":
                     return True
-                tiers.append((await daemon.agent.infer(digits.x_test[0])).tier)
+                tiers.append(_tier(await daemon.agent.infer(digits.x_test[0])))
                 return False
 
             await until("r1 committed", committed, timeout=30, interval=0.01)
             assert daemon.agent.transport is link  # one connection across the swap, still open
             assert daemon.agent.threshold == 1.0  # the desired threshold overrides the release's 0.5
-            tiers.append((await daemon.agent.infer(digits.x_test[0])).tier)
+            tiers.append(_tier(await daemon.agent.infer(digits.x_test[0])))
         return tiers
 
     try:
@@ -273,10 +274,23 @@ def test_the_new_agent_keeps_the_cloud_link_request_numbering_and_desired_overri
             tiers = asyncio.run(main(server))
     finally:
         cloud.stop()
-    assert set(tiers) == {"cloud"}
+    # Every row escalates (threshold 1.0, kept across the swap): each answer is the cloud's, or on a loaded host
+    # an escalation that ran out of time (at load average ~20 one of a run's few answers was an edge one, timed
+    # out). A lost threshold would answer confident rows at the edge with no reason; a lost link, "unavailable".
+    cloud_answers = sum(tier == "cloud" for tier, _ in tiers)
+    assert cloud_answers >= 1, tiers
+    assert all(tier == "cloud" or reason in LOADED_HOST_REASONS for tier, reason in tiers), tiers
     seqs = [seq for _boot, seq in cloud.servicer.seen]
-    assert len(seqs) == len(tiers)
+    assert cloud_answers <= len(seqs) <= len(tiers)
     assert len(set(seqs)) == len(seqs)  # the new agent goes on numbering: no (boot id, seq) is sent twice
+
+
+# why an escalation gets no cloud answer on a loaded host: too slow, or skipped after slow ones
+LOADED_HOST_REASONS = {"timeout", "late", "budget", "rtt", "breaker_open"}
+
+
+def _tier(pred: Prediction) -> tuple[str, str]:
+    return pred.tier, pred.reason
 
 
 def test_a_swap_interrupted_again_and_again_before_active_is_refused(tmp_path: Path) -> None:

@@ -64,12 +64,18 @@ def _agents(n: int, stack: tuple[FleetProcess, Broker, Path, str], package: Mode
             assert not dead, f"agents exited: {dead}; see {tmp_path}/agent*/agent.log"
             return len(ds) == n and all(d["online"] for d in ds)
 
-        wait_for(f"{n} agents enrolled and reporting telemetry", all_online, timeout=60 + 4 * n)
+        # bounds against a hang, not timing claims: at load average ~20 four agents did not all report in 76 s
+        wait_for(f"{n} agents enrolled and reporting telemetry", all_online, timeout=120 + 15 * n)
         devs = devices()
         assert {d["labels"]["site"] for d in devs} == {"berlin", "paris"}
         assert all(d["hardware"].get("logical_cores") for d in devs)  # the `tierkit doctor` profile
-        windows = fleet.call("GET", "/v1/telemetry?label=kind=cam", token=admin)[1]["windows"]
-        assert {w["device_id"] for w in windows} == {d["device_id"] for d in devs}
+        ids = {d["device_id"] for d in devs}
+
+        def windows_from_all() -> bool:  # online comes with the first status; a window takes its interval more
+            windows = fleet.call("GET", "/v1/telemetry?label=kind=cam", token=admin)[1]["windows"]
+            return {w["device_id"] for w in windows} == ids
+
+        wait_for("a telemetry window from every agent, and from no one else", windows_from_all, timeout=30)
 
         status, body = fleet.call("PUT", "/v1/desired", {"selector": "site=berlin",
                                                          "document": {"threshold": 0.61, "budget": {"latency_ms": 80}}},
@@ -81,10 +87,11 @@ def _agents(n: int, stack: tuple[FleetProcess, Broker, Path, str], package: Mode
             ds = {d["device_id"]: d for d in devices()}
             return all(ds[b]["reported_version"] == body["version"] and ds[b]["threshold"] == 0.61 for b in berlin)
 
-        wait_for("berlin agents to report the change applied", applied, timeout=30 + n)
+        wait_for("berlin agents to report the change applied", applied, timeout=60 + n)
         digest = model_digest(Path(package.directory))
         # every agent reports what it runs at its first connection, desired document or not
-        wait_for("every agent's reported model", lambda: all(d["model_digest"] == digest for d in devices()))
+        wait_for("every agent's reported model", lambda: all(d["model_digest"] == digest for d in devices()),
+                 timeout=60)
         for d in devices():
             if d["device_id"] not in berlin:
                 assert d["reported_version"] is None  # no layer selects paris: nothing sent, nothing applied
