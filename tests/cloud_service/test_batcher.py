@@ -147,7 +147,8 @@ def test_a_poisonous_request_fails_alone() -> None:
 
 def test_preferred_size_waits_up_to_the_delay() -> None:
     model = Model()
-    config = _config(max_batch_size=32, preferred_batch_sizes=(8,), max_queue_delay_us=200_000)
+    # a delay the eight requests surely arrive within: at load average ~20, 5 of them came in 200 ms
+    config = _config(max_batch_size=32, preferred_batch_sizes=(8,), max_queue_delay_us=1_000_000)
 
     async def main() -> float:
         async with DynamicBatcher("m", [model], config, batched=True) as b:
@@ -162,7 +163,7 @@ def test_preferred_size_waits_up_to_the_delay() -> None:
 
     alone = asyncio.run(main())
     assert model.batches[0] == 8
-    assert 0.15 < alone < 2.0
+    assert 0.9 < alone < 4.0
 
 
 def test_batch_larger_than_max_is_refused() -> None:
