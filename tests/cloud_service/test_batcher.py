@@ -15,6 +15,7 @@ from cloud_service.batcher import DynamicBatcher
 from cloud_service.config import BatchingConfig
 from cloud_service.errors import ServerBusy
 from runtimes.errors import BackendUnavailable, CloudTimeout, InferenceError, InputError
+from testkit.waiting import until
 
 
 class Model:
@@ -24,9 +25,11 @@ class Model:
         self.batches: list[int] = []
         self.delay_s = delay_s
         self.gate = gate
+        self.entered = threading.Event()  # a run has reached the gate
 
     def __call__(self, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         if self.gate is not None:
+            self.entered.set()
             self.gate.wait(10)
         if self.delay_s:
             time.sleep(self.delay_s)
@@ -95,12 +98,14 @@ def test_full_queue_refuses_at_once_with_a_retry_hint() -> None:
         async with DynamicBatcher("m", [model], _config(max_batch_size=1, max_queue_size=4),
                                   batched=True) as b:
             first = b.submit(rows(1))
-            await asyncio.sleep(0.05)  # the worker holds `first`, blocked on the gate
+            await until("the worker holding `first`, blocked on the gate", model.entered.is_set)
             queued = [b.submit(rows(1)) for _ in range(4)]
             started = time.perf_counter()
             with pytest.raises(ServerBusy, match="queue full") as info:
                 b.submit(rows(1))
-            assert time.perf_counter() - started < 0.01
+            # at once: a submit that waited for room would wait for the gate (10 s); a loaded host may take the
+            # core away for a while (a 5 ms sleep once returned 137 ms late at load average ~20), so 1 s
+            assert time.perf_counter() - started < 1.0
             assert info.value.retry_after_ms >= 1
             assert info.value.grpc_status == "RESOURCE_EXHAUSTED"
             gate.set()
@@ -117,10 +122,10 @@ def test_expired_requests_are_dropped_before_compute() -> None:
         loop = asyncio.get_running_loop()
         async with DynamicBatcher("m", [model], _config(max_batch_size=8), batched=True) as b:
             blocker = b.submit(rows(1))
-            await asyncio.sleep(0.02)
+            await until("the worker holding the blocker, blocked on the gate", model.entered.is_set)
             late = b.submit(rows(1, 5.0), deadline=loop.time() + 0.01)
             fine = b.submit(rows(1, 6.0), deadline=loop.time() + 30)
-            await asyncio.sleep(0.05)
+            await asyncio.sleep(0.05)  # past `late`'s deadline (what is tested), not a synchronization
             gate.set()
             await blocker
             with pytest.raises(CloudTimeout, match="expired"):
@@ -315,9 +320,10 @@ def test_blocking_caller_gets_refusals_and_expiry() -> None:
         b = DynamicBatcher("m", [model], _config(max_batch_size=1, max_queue_size=2), batched=True)
         b.start()
         blocker = b.submit(rows(1))
-        await asyncio.sleep(0.02)  # the instance thread is stuck in the model
+        await until("the instance thread stuck in the model", model.entered.is_set)
         late = asyncio.ensure_future(asyncio.to_thread(b.run, rows(1), timeout=0.01))
-        await asyncio.sleep(0.05)
+        await until("the blocking caller queued", lambda: b.queue_depth == 1)
+        await asyncio.sleep(0.02)  # past the blocking caller's 10 ms deadline (what is tested: it expires queued)
         b.submit(rows(1))
         with pytest.raises(ServerBusy):
             b.run(rows(1))  # queue full: refused at once, in the caller's thread
