@@ -53,6 +53,7 @@ from typing import Any
 
 import numpy as np
 
+from cloud_service.admission import ServiceTimes
 from cloud_service.config import BatchingConfig
 from cloud_service.deadline_queue import (
     Arrays,
@@ -124,6 +125,11 @@ class DynamicBatcher:
     @property
     def queue_depth(self) -> int:
         return len(self._queue)
+
+    @property
+    def service_times(self) -> ServiceTimes:
+        """The measured run times admission plans with (read them; the batcher updates them)."""
+        return self._queue.times
 
     def start(self) -> None:
         loop = self._loop = asyncio.get_running_loop()

@@ -152,36 +152,59 @@ def test_queue_is_served_earliest_deadline_first_and_hopeless_requests_are_dropp
 
 
 def test_a_batch_is_cut_where_it_would_miss_its_earliest_deadline() -> None:
+    """Four tight requests, then four loose ones, queue behind a running one. The tight deadline comes from
+    the run time the batcher measured in this test (a loaded host measures longer runs and gets a longer
+    deadline): room for the blocker's rest, the four tight rows and admission's slack, plus one run more,
+    never for all eight rows. The batch is cut before the loose ones; the batch cap (a quarter of CoDel's
+    interval) is set out of the way so that only the deadline cuts."""
     gate = threading.Event()
     model = Slow(0.01, gate)
+    config = BatchingConfig(max_batch_size=16, queue_interval_ms=2000)
 
-    async def main() -> None:
-        async with DynamicBatcher("m", [model], BatchingConfig(max_batch_size=16), batched=True) as b:
-            gate.set()
-            for _ in range(10):  # enough runs that the gated blocker's long one is above the planning quantile
-                await b.infer(one(0))
-            gate.clear()
-            loop = asyncio.get_running_loop()
-            blocker = b.submit(one(1))
-            await asyncio.sleep(0.01)
-            # 8 rows would take ~80 ms; the earliest deadline leaves ~75 ms once the blocker ends (room for
-            # its 4 rows even when the runs planned at their p90 are half as long again on a loaded host)
-            calls = [b.submit(one(10 + i), deadline=loop.time() + 0.085 + 1.0 * (i >= 4)) for i in range(8)]
-            gate.set()
-            await blocker
-            outcomes = await asyncio.gather(*calls, return_exceptions=True)
-            # a tight one whose batch ran late on a loaded host is refused, never answered late; the loose
-            # ones (a second more: 200 ms was refused once with another test run loading both cores) are all
-            # answered
-            assert all(not isinstance(o, BaseException) or isinstance(o, ServerBusy) for o in outcomes), outcomes
-            assert not any(isinstance(o, BaseException) for o in outcomes[4:]), outcomes
-            computed.extend(float(o["y"][0, 0]) for o in outcomes if not isinstance(o, BaseException))
+    async def attempt(b: DynamicBatcher) -> tuple[list[object], list[int]] | None:
+        """One round; None when a host stall had admission refuse a tight one at submit (round void)."""
+        gate.set()
+        for _ in range(10):  # enough runs that the gated blocker's long one is above the planning quantile
+            await b.infer(one(0))
+        gate.clear()
+        times = b.service_times
+        # admission's estimate for the fourth tight one: the blocker's rest (at most one run), four rows
+        # and the slack (at most half a run); one run more for the host
+        tight = 2 * times.batch_seconds(1) + times.batch_seconds(4) + times.headroom_s()
+        assert tight < times.batch_seconds(8), (tight, times.batch_seconds(8))  # all eight never fit
+        loop = asyncio.get_running_loop()
+        first = len(model.batches)
+        blocker = b.submit(one(1))
+        await asyncio.sleep(0.01)
+        calls: list[asyncio.Future[dict[str, np.ndarray]]] = []
+        try:
+            for i in range(8):
+                calls.append(b.submit(one(10 + i), deadline=loop.time() + tight + 1.0 * (i >= 4)))
+        except ServerBusy:
+            pass
+        gate.set()
+        await blocker
+        outcomes = await asyncio.gather(*calls, return_exceptions=True)
+        if len(calls) < 8:
+            return None
+        return outcomes, [len(batch) for batch in model.batches[first:] if batch[0] >= 10]
 
-    computed: list[float] = []
-    asyncio.run(main())
-    sizes = [len(batch) for batch in model.batches[11:]]
+    async def main() -> tuple[list[object], list[int]]:
+        async with DynamicBatcher("m", [model], config, batched=True) as b:
+            for _ in range(5):
+                if (done := await attempt(b)) is not None:
+                    return done
+        pytest.fail("a tight request was refused at submit in five rounds: the host stalls past a run's plan")
+
+    outcomes, sizes = asyncio.run(main())
+    # a tight one whose batch would run late on a loaded host is refused or expires uncomputed, never
+    # answered late; the loose ones (a second more: 200 ms was refused once with another test run loading
+    # both cores) are all answered
+    assert all(not isinstance(o, BaseException) or isinstance(o, (ServerBusy, CloudTimeout))
+               for o in outcomes), outcomes
+    assert not any(isinstance(o, BaseException) for o in outcomes[4:]), outcomes
     assert max(sizes) < 8, sizes
-    assert sum(sizes) == len(computed), sizes  # nothing computed that was refused
+    assert sum(sizes) == sum(not isinstance(o, BaseException) for o in outcomes), sizes  # nothing refused computed
 
 
 def test_blocking_caller_gives_its_thread_back_at_its_deadline() -> None:
