@@ -9,6 +9,7 @@ whole deadline. Now the excess is refused at once and the answers per second sta
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 import urllib.request
@@ -151,12 +152,49 @@ def test_callers_ignoring_their_retry_hints_do_not_take_the_honest_callers_share
     assert honest.in_time > 0, summary
 
 
-def _refused_within(metrics: str, protocol: str, seconds: float) -> float:
-    """The share of the server's refusals that took at most `seconds` from receipt (its histogram: the first
-    bucket bound at or above `seconds`)."""
-    count = metric_value(metrics, "tierkit_refusal_seconds_count", model="ocrdet", protocol=protocol)
+def _scrape(address: str) -> str:
+    with urllib.request.urlopen(f"http://{address}/metrics", timeout=10) as reply:
+        text: str = reply.read().decode()
+    return text
+
+
+@dataclasses.dataclass(frozen=True)
+class _ServerSide:
+    """What the server counted over MQTT between two scrapes: where the callers' requests went."""
+
+    received: float
+    answered: float
+    refused_on_arrival: float
+    refused_queued: float
+    expired_in_queue: float
+    answers_dropped: float
+
+    @classmethod
+    def between(cls, before: str, after: str) -> _ServerSide:
+        def delta(name: str, **labels: str) -> float:
+            return metric_value(after, name, **labels) - metric_value(before, name, **labels)
+
+        received = delta("tierkit_requests_total", model="ocrdet", protocol="mqtt")
+        failed = delta("tierkit_request_failures_total", model="ocrdet", protocol="mqtt")
+        return cls(received, received - failed,
+                   delta("tierkit_refusal_seconds_count", model="ocrdet", protocol="mqtt", stage="admission"),
+                   delta("tierkit_refusal_seconds_count", model="ocrdet", protocol="mqtt", stage="queued"),
+                   delta("tierkit_requests_expired_total", model="ocrdet"),
+                   delta("tierkit_answers_dropped_total", model="ocrdet", protocol="mqtt"))
+
+    def __str__(self) -> str:
+        return (f"received {self.received:.0f}, answered {self.answered:.0f}, refused {self.refused_on_arrival:.0f} "
+                f"on arrival and {self.refused_queued:.0f} queued, {self.expired_in_queue:.0f} expired in its queue, "
+                f"{self.answers_dropped:.0f} answers dropped past their deadline")
+
+
+def _refused_within(metrics: str, protocol: str, seconds: float, **stage: str) -> float:
+    """The share of the server's refusals (of one `stage=` when given) that took at most `seconds` from receipt
+    (its histogram: the first bucket bound at or above `seconds`)."""
+    count = metric_value(metrics, "tierkit_refusal_seconds_count", model="ocrdet", protocol=protocol, **stage)
     bound = min((b for b in _BUCKETS if b >= seconds - 1e-9), default=_BUCKETS[-1])
-    within = metric_value(metrics, "tierkit_refusal_seconds_bucket", model="ocrdet", protocol=protocol, le=str(bound))
+    within = metric_value(metrics, "tierkit_refusal_seconds_bucket", model="ocrdet", protocol=protocol, le=str(bound),
+                          **stage)
     return within / count if count else 0.0
 
 
@@ -174,8 +212,10 @@ def test_mqtt_escalations_past_capacity_are_refused_on_arrival(ocr_models: tuple
         # batching serves a crowd about three times a lone caller's rate (70/s against 25/s in one run): callers for
         # twice the lone rate were once not past capacity (9 % refused), so the crowd is sized for four times it
         callers = min(32, max(8, math.ceil(4 * deadline_s * alone.goodput)))
+        before = _scrape(server.metrics)
         with HostStall() as stall:  # what other runs loading the cores cost every thread here
             crowd = mqtt_closed_loop(url, payload, callers=callers, seconds=4.0, deadline_s=deadline_s)
+        served = _ServerSide.between(before, _scrape(server.metrics))
         after = mqtt_closed_loop(url, payload, callers=1, seconds=2.0, deadline_s=deadline_s)
         with urllib.request.urlopen(f"http://{server.metrics}/metrics", timeout=10) as reply:
             metrics = reply.read().decode()
@@ -192,8 +232,12 @@ def test_mqtt_escalations_past_capacity_are_refused_on_arrival(ocr_models: tuple
                f"p90 {crowd.refusal_p(90):.1f} ms), "
                f"{crowd.expired} past deadline, {crowd.late} late, other {crowd.other}; server: "
                f"{_refused_within(metrics, 'mqtt', 0.01 + slack):.2f} of refusals within 10 ms + stall, "
-               f"{_refused_within(metrics, 'mqtt', 0.1 + slack):.2f} within 100 ms + stall; host stall p50/p90/p99 "
-               f"{stall.p(50) * 1000:.1f}/{slack * 1000:.1f}/{stall.p(99) * 1000:.1f} ms")
+               f"{_refused_within(metrics, 'mqtt', 0.1 + slack):.2f} within 100 ms + stall, "
+               f"{_refused_within(metrics, 'mqtt', 0.2):.2f} within 200 ms (on arrival: "
+               f"{_refused_within(metrics, 'mqtt', 0.1 + slack, stage='admission'):.2f} within 100 ms + stall; "
+               f"queued: {_refused_within(metrics, 'mqtt', 0.1 + slack, stage='queued'):.2f}); host stall p50/p90/p99 "
+               f"{stall.p(50) * 1000:.1f}/{slack * 1000:.1f}/{stall.p(99) * 1000:.1f} ms; in the crowd the server "
+               f"{served}")
     print(summary)
     if alone.in_time < 5:
         pytest.skip(f"this host is too loaded to measure overload: a lone caller got {alone.in_time} answers in "
@@ -204,16 +248,23 @@ def test_mqtt_escalations_past_capacity_are_refused_on_arrival(ocr_models: tuple
     assert crowd.goodput >= 0.3 * min(alone.goodput, after.goodput), summary
     assert crowd.refused >= 0.1 * crowd.in_time, summary
     assert crowd.expired + crowd.late <= crowd.in_time + crowd.refused // 4, summary
-    # well before the deadline, through a broker (`caller_bounds_ms`: one run beside another suite saw p50 250 ms,
-    # its paho callers starved in their own process, against 0.5 of the deadline then)
-    assert crowd.refusal_p(50) <= caller_bounds_ms(deadline_s, slack)[0], summary
-    # from paho's thread to the refusal's publish: most at once (refused on arrival, before decoding); the
-    # rest were admitted and refused when queued behind an event loop that a loaded host starves
-    assert _refused_within(metrics, "mqtt", 0.01 + slack) >= 0.5, summary
-    # callers honouring the hints make refusals few (17 in one run at a load average of 14): a share of 95 % would
-    # hang on one refusal, so at most 5 % or two were slower than 100 ms (plus the host's stall)
+    # well before the deadline, through a broker: 0.75 of it plus the host's stall, never above 0.9 of it (the collapse
+    # refuses at the whole deadline). The callers' side adds 32 paho clients in one process that the stall's sleeper
+    # does not see: p50 up to 209 ms at a stall p90 of 11 ms in 15 runs (load average 15-23 and quiet), while the
+    # server refused 0.86 of them within 10 ms + stall
+    assert crowd.refusal_p(50) <= min(0.75 * deadline_s + slack, 0.9 * deadline_s) * 1000, summary
+    # from paho's thread to the refusal's publish: most at once (refused on arrival, before decoding; 0.55-0.94 of all
+    # refusals in those 15 runs); the rest were admitted and refused once queued
+    assert _refused_within(metrics, "mqtt", 0.01 + slack) >= 0.4, summary
+    # refused on arrival: at most 5 % or two slower than 100 ms (plus the host's stall); every one was, in 4 runs
+    arrival = metric_value(metrics, "tierkit_refusal_seconds_count", model="ocrdet", protocol="mqtt", stage="admission")
+    late_on_arrival = 1 - _refused_within(metrics, "mqtt", 0.1 + slack, stage="admission")
+    assert late_on_arrival * arrival <= max(2.0, 0.05 * arrival), summary
+    # refused once queued (a run ahead took longer than planned): such a request waited for its turn, so some take
+    # most of the deadline (5-16 % of all refusals took over 200 ms in 7 runs at 16-32 callers, every one of them
+    # queued); the collapse refuses nearly all at the whole deadline: at most a quarter (or two) past 2/3 of it
     count = metric_value(metrics, "tierkit_refusal_seconds_count", model="ocrdet", protocol="mqtt")
-    assert (1 - _refused_within(metrics, "mqtt", 0.1 + slack)) * count <= max(2.0, 0.05 * count), summary
+    assert (1 - _refused_within(metrics, "mqtt", 2 / 3 * deadline_s)) * count <= max(2.0, 0.25 * count), summary
     refused = metric_value(metrics, "tierkit_requests_refused_total", model="ocrdet")
     assert refused > 0, summary
 
