@@ -14,13 +14,15 @@ for up to `SessionOptions.static_shapes` shapes (default 4), and runs the dynami
 beyond those, or that the model cannot take. That first call pays one compile (tenths of a second);
 later calls with the shape run the copy.
 
-Running: inputs are shared with OpenVINO (no copy in), outputs are shared and then copied once,
-because the request's output buffers are overwritten by the next call. Measured on a small CNN
-this is as fast as the default (which copies inside OpenVINO) and about 1 µs above the bare call.
+Running: a fixed-shape model (and each fixed-shape copy) runs through `runtimes.ov_request.FixedRequest`,
+whose input and output buffers are set once: a call copies small inputs in (larger ones are shared),
+runs the C++ request with no Python dispatch, and copies each output out once, because the buffers are
+overwritten by the next call. The dynamic model runs through OpenVINO's `infer` with shared inputs and
+outputs, then the same copy. A static model called with another shape is refused before OpenVINO sees it.
 
 OpenVINO converts a float64 array for a float32 input without complaint, and reuses the previous
 tensor when an input is left out; the session therefore checks input names and dtypes on every
-call (a dict lookup and a dtype comparison per input), and OpenVINO checks the shapes.
+call (a dict lookup and a dtype comparison per input), and the shapes pick the request.
 
 Example:
     >>> with OpenVinoBackend().load(Path("digits.xml"), SessionOptions(intra_op_threads=2)) as s:
@@ -39,6 +41,7 @@ import numpy as np
 import openvino as ov
 
 from runtimes.errors import BackendUnavailable, ConfigError, InferenceError, InputError, PackageError
+from runtimes.ov_request import FixedRequest
 from runtimes.session import Session, SessionOptions, axis_name
 from runtimes.spec import DTYPES, TensorSpec, input_error
 
@@ -133,6 +136,7 @@ class OpenVinoSession(Session):
         self.inputs = tuple(_spec(p, i, "x", where) for i, p in enumerate(self._compiled.inputs))
         self.outputs = tuple(_spec(p, i, "y", where) for i, p in enumerate(self._compiled.outputs))
         self._dtypes = {s.name: np.dtype(s.dtype) for s in self.inputs if s.dtype != "bfloat16"}
+        self._names = tuple(s.name for s in self.inputs)
         self._output_names = [s.name for s in self.outputs]
         self._request = self._compiled.create_infer_request()
         self._lock = threading.Lock()
@@ -140,38 +144,39 @@ class OpenVinoSession(Session):
         self._model = model if dynamic and options.static_shapes else None
         self._config = config
         self._static_left = options.static_shapes
-        self._static: dict[tuple[tuple[int, ...], ...], Any] = {}
+        # input shapes -> the request that runs them: a fixed-shape copy's, or None for the dynamic model's
+        self._static: dict[tuple[tuple[int, ...], ...], FixedRequest | None] = {}
+        self._fixed = None if dynamic else FixedRequest.build(self._compiled)
+        self._fixed_key = None if dynamic else tuple(tuple(int(d) for d in s.shape) for s in self.inputs)
 
     @property
     def static_shapes(self) -> tuple[dict[str, tuple[int, ...]], ...]:
         """The input shapes this session has compiled a fixed-shape copy for, in the order they came."""
-        names = [s.name for s in self.inputs]
-        return tuple(dict(zip(names, key, strict=True)) for key, r in self._static.items() if r is not self._request)
+        return tuple(dict(zip(self._names, key, strict=True)) for key, r in self._static.items() if r is not None)
 
-    def _request_for(self, inputs: Mapping[str, np.ndarray]) -> Any:
-        """The fixed-shape request for `inputs`' shapes: compiled on the first call with them, while the
-        budget lasts; the dynamic request otherwise. Called under the lock."""
+    def _fixed_for(self, key: tuple[tuple[int, ...], ...]) -> FixedRequest | None:
+        """The fixed-shape request for input shapes `key`: compiled on the first call with them, while the
+        budget lasts; None to run the dynamic model. Called under the lock."""
         if self._model is None:
-            return self._request
-        key = tuple(tuple(inputs[s.name].shape) for s in self.inputs)
-        request = self._static.get(key)
-        if request is not None:
-            return request
+            return self._fixed if key == self._fixed_key else None
+        if key in self._static:
+            return self._static[key]
         fits = all(len(k) == len(s.shape) and all(isinstance(d, str) or d == n for d, n in zip(s.shape, k, strict=True))
                    for s, k in zip(self.inputs, key, strict=True))
         if not fits or self._static_left <= 0:
-            return self._request  # OpenVINO names what is wrong, or runs the shape dynamically
+            return None  # OpenVINO names what is wrong, or runs the shape dynamically
         self._static_left -= 1
         model = self._model.clone()
+        fixed: FixedRequest | None = None
         try:
             model.reshape({s.name: ov.PartialShape(list(k)) for s, k in zip(self.inputs, key, strict=True)})
-            request = self._core.compile_model(model, self.device, self._config).create_infer_request()
+            compiled = self._core.compile_model(model, self.device, self._config)
+            fixed = FixedRequest.build(compiled) or FixedRequest.generic(compiled.create_infer_request())
         except RuntimeError as exc:
             logger.info("OpenVINO cannot compile %s at fixed shape %s (%s); the dynamic model runs it",
                         self.inputs, key, exc)
-            request = self._request
-        self._static[key] = request
-        return request
+        self._static[key] = fixed
+        return fixed
 
     def get_property(self, name: str) -> Any:
         """A property of the compiled model, e.g. "INFERENCE_NUM_THREADS" or "PERFORMANCE_HINT"."""
@@ -185,9 +190,17 @@ class OpenVinoSession(Session):
             if getattr(array, "dtype", None) != dtypes.get(name):
                 raise self._input_error(inputs, None)
         try:
+            arrays = [inputs[n] for n in self._names]
+            key = tuple(a.shape for a in arrays)
             with self._lock:
-                results = self._request_for(inputs).infer(inputs, share_inputs=True, share_outputs=True)
-                outputs = [a.copy() for a in results.to_tuple()]
+                fixed = self._fixed_for(key)
+                if fixed is not None:
+                    outputs = fixed.run(arrays)
+                elif self._model is None and self._fixed is not None:
+                    raise self._input_error(inputs, None)  # a fixed-shape model called with another shape
+                else:
+                    results = self._request.infer(inputs, share_inputs=True, share_outputs=True)
+                    outputs = [a.copy() for a in results.to_tuple()]
         except (RuntimeError, TypeError, ValueError) as exc:
             raise self._input_error(inputs, exc) from exc
         return dict(zip(self._output_names, outputs, strict=True))
@@ -206,6 +219,7 @@ class OpenVinoSession(Session):
 
     def _close(self) -> None:
         self._static.clear()
+        self._fixed = None
         del self._request, self._compiled, self._model
 
 

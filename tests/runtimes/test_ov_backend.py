@@ -81,3 +81,83 @@ def test_a_shape_the_model_cannot_take_is_refused_and_spends_no_budget(digits_cn
 def test_negative_static_shapes_is_a_config_error() -> None:
     with pytest.raises(ConfigError, match="static_shapes must be >= 0"):
         SessionOptions(static_shapes=-1)
+
+
+def _inputs(n: int, seed: int) -> np.ndarray:
+    return np.random.default_rng(seed).normal(size=(n, 1, 8, 8)).astype(np.float32)
+
+
+@pytest.fixture(params=["copied", "shared"])
+def input_mode(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    # small inputs are copied into the fixed-shape request's own buffers; larger ones are shared for the call
+    if request.param == "shared":
+        monkeypatch.setattr("runtimes.ov_request.COPY_IN_BYTES", 0)
+    return str(request.param)
+
+
+def test_fixed_shape_outputs_outlive_the_next_call_and_shape_changes(digits_cnn_ir: Path, input_mode: str) -> None:
+    # The fixed-shape request reuses its output buffers: what a call returned must not change when the next
+    # call (of the same or another shape) overwrites them, and each shape keeps its own buffers.
+    xs = {(n, seed): _inputs(n, seed) for n in (1, 3) for seed in (0, 1)}
+    with open_session(digits_cnn_ir, options=SessionOptions(static_shapes=0)) as plain:
+        want = {k: plain.run({"x": x})["logits"] for k, x in xs.items()}
+    with open_session(digits_cnn_ir, options=SessionOptions(static_shapes=2)) as s:
+        got = {k: s.run({"x": xs[k]})["logits"] for k in [(1, 0), (3, 0), (1, 1), (3, 1)]}
+        for k, value in got.items():
+            np.testing.assert_allclose(value, want[k], rtol=1e-5, atol=1e-5)
+        assert s.static_shapes == ({"x": (1, 1, 8, 8)}, {"x": (3, 1, 8, 8)})
+        assert s._static[((1, 1, 8, 8),)].copy_in is (input_mode == "copied")  # type: ignore[attr-defined, union-attr]
+
+
+def test_non_contiguous_and_read_only_inputs_run_as_their_contiguous_copy(digits_cnn_ir: Path,
+                                                                          input_mode: str) -> None:
+    x = _inputs(2, 3)
+    strided = np.ascontiguousarray(x.transpose(0, 1, 3, 2)).transpose(0, 1, 3, 2)  # same values, F-ordered axes
+    assert not strided.flags.c_contiguous
+    frozen = x.copy()
+    frozen.flags.writeable = False
+    with open_session(digits_cnn_ir) as s:
+        want = s.run({"x": x})["logits"]
+        np.testing.assert_array_equal(s.run({"x": strided})["logits"], want)
+        np.testing.assert_array_equal(s.run({"x": frozen})["logits"], want)
+        np.testing.assert_array_equal(x, _inputs(2, 3))  # the caller's array is left as it was
+
+
+def test_concurrent_calls_each_get_their_own_result(digits_cnn_ir: Path, input_mode: str) -> None:
+    # One session shared by threads: the lock keeps each call's copy-in, run and copy-out together.
+    import threading
+
+    xs = [_inputs(1, seed) for seed in range(4)]
+    with open_session(digits_cnn_ir) as s:
+        want = [s.run({"x": x})["logits"] for x in xs]
+        wrong: list[int] = []
+
+        def worker(i: int) -> None:
+            for _ in range(30):
+                if not np.array_equal(s.run({"x": xs[i]})["logits"], want[i]):
+                    wrong.append(i)
+
+        threads = [threading.Thread(target=worker, args=(i,)) for i in range(len(xs))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=60)
+        assert not any(t.is_alive() for t in threads)
+    assert wrong == []
+
+
+def test_a_fixed_shape_model_runs_its_shape_and_refuses_another(digits_cnn_ir: Path, tmp_path: Path) -> None:
+    ov = pytest.importorskip("openvino")
+    model = ov.Core().read_model(str(digits_cnn_ir))
+    model.reshape({"x": ov.PartialShape([2, 1, 8, 8])})
+    fixed = tmp_path / "digits_b2.xml"
+    ov.save_model(model, str(fixed), compress_to_fp16=False)
+    x = _inputs(2, 5)
+    with open_session(digits_cnn_ir, options=SessionOptions(static_shapes=0)) as plain:
+        want = plain.run({"x": x})["logits"]
+    with open_session(fixed) as s:
+        assert s._fixed is not None  # type: ignore[attr-defined]
+        np.testing.assert_allclose(s.run({"x": x})["logits"], want, rtol=1e-5, atol=1e-5)
+        with pytest.raises(InputError, match="'x'"):
+            s.run({"x": _inputs(1, 5)})
+        np.testing.assert_allclose(s.run({"x": x})["logits"], want, rtol=1e-5, atol=1e-5)
