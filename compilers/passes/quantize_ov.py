@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import io
 import logging
+import re
 import sys
 import time
 from collections.abc import Iterator
@@ -23,6 +24,7 @@ from typing import Any
 
 import nncf
 import openvino as ov
+from openvino.frontend import GeneralFailure, OpConversionFailure
 
 from compilers.passes import PassContext, PassResult, quantize_ov_repair, sensitivity
 from runtimes.errors import CompileError
@@ -61,9 +63,8 @@ def export(artifact: Path, ctx: PassContext, *, compress_to_fp16: bool = False) 
     try:
         model = _convert(artifact)
         ov.save_model(model, str(out), compress_to_fp16=compress_to_fp16)
-    except (RuntimeError, OSError) as exc:
-        msg = f"OpenVINO cannot convert {artifact.name}: {exc}"
-        raise CompileError(msg) from exc
+    except (RuntimeError, OSError, OpConversionFailure, GeneralFailure) as exc:
+        raise CompileError(conversion_failure(exc, artifact.name)) from exc
     return PassResult(out, {"name": "export_openvino", "compress_to_fp16": compress_to_fp16,
                             "openvino": ov.__version__})
 
@@ -79,6 +80,34 @@ def _convert(artifact: Path) -> ov.Model:
         root.setLevel(level)
         root.filters[:] = filters
         root.handlers[:] = handlers
+_FAILED_OPS = re.compile(r"Conversion is failed for: ([^\n]+)")
+_OP_BLOCK = re.compile(r"^-- (\S+) with a message:\n(.*?)(?=^-- |^Summary:|\Z)", re.M | re.S)
+_NODE = re.compile(r"<Node\(\w+\): ([^>]*)>")
+
+
+def conversion_failure(exc: BaseException, name: str) -> str:
+    """Why OpenVINO cannot convert model file `name`, in one line: from its conversion report, the ONNX ops
+    it failed on, the `If`/`Loop` subgraph they sit in and the last line of each op's message; any other
+    error's text without the source-file lines."""
+    version = ov.__version__.split("-")[0]
+    text = str(exc)
+    if _FAILED_OPS.search(text) is None:
+        lines = [line.strip() for line in text.splitlines() if line.strip() and not line.startswith("Exception from")]
+        return f"OpenVINO {version} cannot convert {name}: {' '.join(lines) or type(exc).__name__}"
+    ops, details, places = [], [], set()
+    for op, block in _OP_BLOCK.findall(text):
+        ops.append(op.rsplit("-", 1)[0])
+        lines = [line.strip() for line in block.splitlines() if line.strip()]
+        if lines:
+            details.append(f"{ops[-1]}: {lines[-1].rstrip('.')}")
+        for node in _NODE.findall(block):
+            if branch := re.match(r"(.+?)_(then|else)_branch_", node):
+                places.add(f"{branch.group(1)}'s {branch.group(2)} branch")
+            elif branch := re.match(r"(.+?)_body_", node):
+                places.add(f"{branch.group(1)}'s body")
+    where = f" in {', '.join(sorted(places))}" if places else ""
+    return (f"OpenVINO cannot convert ONNX {', '.join(dict.fromkeys(ops))}{where} of {name} "
+            f"({'; '.join(details)}; openvino {version})")
 
 
 def _is_transformer(model: ov.Model, task: str) -> bool:
