@@ -9,6 +9,12 @@
   same run; the fastest p50.
 
 `floor_ratio` = floor / the rung's own p50: 1.0 means the compiled rung runs as fast as the runtime can.
+
+benchmark_app reports OpenVINO's own request latency, measured inside its C++ `infer`: the time a Python
+caller spends around that call (the binding, the GIL, the scheduler waking the caller) is not in it.
+`beside_bare_request` times the rung's session interleaved with the bare request called from Python
+(inputs set once, `infer()` with no arguments), the least any Python caller of that file pays, and
+alone with it, as benchmark_app runs alone.
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ from pathlib import Path
 import numpy as np
 
 from compilers.measure import TimingPlan, time_runners
+from compilers.passes.execute import Runner
 
 _MEDIAN = re.compile(r"Median:\s+([0-9.]+)\s*(ms|us)")  # microseconds when the average is under a millisecond
 
@@ -55,6 +62,52 @@ def openvino_floor(model: Path, feed: Mapping[str, np.ndarray], threads: int, *,
         return None, f"benchmark_app failed: {last[0][:120]}"
     scale = 1e-3 if found.group(2) == "us" else 1.0
     return float(found.group(1)) * scale, "benchmark_app -hint none -nstreams 1 -nireq 1 -api sync"
+
+
+class _BareOpenVino:
+    """OpenVINO's own request on `model` at `feed`'s shapes, as benchmark_app compiles it, called from Python
+    with nothing around it: inputs written once, then `infer()` with no arguments and no outputs read."""
+
+    def __init__(self, model: Path, feed: Mapping[str, np.ndarray], threads: int, precision: str) -> None:
+        import openvino as ov
+
+        core = ov.Core()
+        graph = core.read_model(str(model))
+        graph.reshape({k: ov.PartialShape(list(v.shape)) for k, v in feed.items()})
+        hint = {"fp32": "f32", "int8": "f32", "bf16": "bf16", "fp16": "f16"}.get(precision, "f32")
+        config = {"PERFORMANCE_HINT": "LATENCY", "INFERENCE_NUM_THREADS": threads, "INFERENCE_PRECISION_HINT": hint}
+        self.request = core.compile_model(graph, "CPU", config).create_infer_request()
+        for name, value in feed.items():
+            self.request.get_tensor(name).data[...] = value
+
+    def run(self, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        self.request.infer()
+        return {}
+
+    def close(self) -> None:
+        del self.request
+
+
+def beside_bare_request(rung: Runner, model: Path, feed: Mapping[str, np.ndarray], threads: int, *,
+                        precision: str = "fp32", budget_s: float = 2.0) -> tuple[float, float | None, str]:
+    """(rung p50 ms, bare request p50 ms, how) timed interleaved at batch 1; the bare request only for an
+    OpenVINO file whose inputs are float arrays (None and why otherwise)."""
+    runners: dict[str, Runner] = {"rung": rung}
+    why = "OpenVINO InferRequest.infer() from Python, inputs set once"
+    if model.suffix == ".xml" and all(v.ndim and np.issubdtype(v.dtype, np.floating) for v in feed.values()):
+        try:
+            runners["bare"] = _BareOpenVino(model, feed, threads, precision)
+        except RuntimeError as exc:
+            why = f"bare request failed: {str(exc).splitlines()[-1][:120]}"
+    else:
+        why = "no bare request: not an OpenVINO file with float inputs"
+    try:
+        timing = time_runners(runners, {1: feed}, plan=TimingPlan(budget_s=budget_s))
+    finally:
+        if "bare" in runners:
+            runners["bare"].close()
+    bare = timing["bare"]["batch_1"]["p50"] if "bare" in timing else None
+    return timing["rung"]["batch_1"]["p50"], bare, why
 
 
 class _OrtRunner:
