@@ -80,21 +80,23 @@ def _convert(artifact: Path) -> ov.Model:
         root.setLevel(level)
         root.filters[:] = filters
         root.handlers[:] = handlers
-_FAILED_OPS = re.compile(r"Conversion is failed for: ([^\n]+)")
+
+
+_NO_RULE = re.compile(r"No conversion rule found for operations: ([^\n]+)")
 _OP_BLOCK = re.compile(r"^-- (\S+) with a message:\n(.*?)(?=^-- |^Summary:|\Z)", re.M | re.S)
 _NODE = re.compile(r"<Node\(\w+\): ([^>]*)>")
 
 
 def conversion_failure(exc: BaseException, name: str) -> str:
     """Why OpenVINO cannot convert model file `name`, in one line: from its conversion report, the ONNX ops
-    it failed on, the `If`/`Loop` subgraph they sit in and the last line of each op's message; any other
-    error's text without the source-file lines."""
+    it has no rule for or failed on, the `If`/`Loop` subgraph they sit in and the last line of each op's
+    message; any other error's text without the source-file lines."""
     version = ov.__version__.split("-")[0]
     text = str(exc)
-    if _FAILED_OPS.search(text) is None:
-        lines = [line.strip() for line in text.splitlines() if line.strip() and not line.startswith("Exception from")]
-        return f"OpenVINO {version} cannot convert {name}: {' '.join(lines) or type(exc).__name__}"
-    ops, details, places = [], [], set()
+    unknown = _NO_RULE.search(text)
+    ops = [op.strip() for op in unknown.group(1).split(",")] if unknown else []
+    details = [f"no conversion rule for {', '.join(ops)}"] if ops else []
+    places = set()
     for op, block in _OP_BLOCK.findall(text):
         ops.append(op.rsplit("-", 1)[0])
         lines = [line.strip() for line in block.splitlines() if line.strip()]
@@ -105,6 +107,10 @@ def conversion_failure(exc: BaseException, name: str) -> str:
                 places.add(f"{branch.group(1)}'s {branch.group(2)} branch")
             elif branch := re.match(r"(.+?)_body_", node):
                 places.add(f"{branch.group(1)}'s body")
+    if not ops:
+        lines = [line.strip() for line in text.splitlines()
+                 if line.strip() and not line.startswith(("Exception from", "Check '"))]
+        return f"OpenVINO {version} cannot convert {name}: {' '.join(lines) or type(exc).__name__}"
     where = f" in {', '.join(sorted(places))}" if places else ""
     return (f"OpenVINO cannot convert ONNX {', '.join(dict.fromkeys(ops))}{where} of {name} "
             f"({'; '.join(details)}; openvino {version})")
