@@ -218,6 +218,9 @@ class OpenVinoSession(Session):
         return InferenceError(f"OpenVINO failed while running: {text}")
 
     def _close(self) -> None:
+        for fixed in (self._fixed, *self._static.values()):
+            if fixed is not None:
+                fixed.close()
         self._static.clear()
         self._fixed = None
         del self._request, self._compiled, self._model

@@ -55,7 +55,8 @@ def _numpy_dtype(element_type: Any) -> np.dtype[Any] | None:
 class FixedRequest:
     """An `InferRequest` of a fixed-shape compiled model, with its buffers set once (see module doc)."""
 
-    __slots__ = ("_inputs", "_outputs", "_request", "copy_in")
+    # in this order: when the object goes, the request goes before the buffers it points into
+    __slots__ = ("_request", "_inputs", "_outputs", "copy_in")  # noqa: RUF023
 
     def __init__(self, request: Any, inputs: list[np.ndarray] | None, outputs: list[np.ndarray] | None) -> None:
         self._request = request
@@ -90,6 +91,10 @@ class FixedRequest:
     def generic(cls, request: Any) -> FixedRequest:
         """`request` run through OpenVINO's own `infer` (outputs of dynamic shape, bf16 tensors)."""
         return cls(request, None, None)
+
+    def close(self) -> None:
+        """Release the request before the buffers it points into; the object cannot run after."""
+        self._request = None
 
     @property
     def request(self) -> Any:
