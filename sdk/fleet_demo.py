@@ -14,9 +14,12 @@ It prints the dashboard's address with an operator token, and keeps everything u
 
 from __future__ import annotations
 
-import contextlib
+import faulthandler
 import json
+import logging
+import multiprocessing
 import shutil
+import signal
 import tempfile
 import threading
 import time
@@ -30,6 +33,7 @@ import numpy as np
 from runtimes.errors import TierkitError
 from sdk._demo_stack import Broker, Stack, free_port
 
+logger = logging.getLogger(__name__)
 THRESHOLD = 0.8
 LABEL = "kind=demo"
 
@@ -270,10 +274,23 @@ def run_fleet_demo(*, agents: int = 3, duration_s: float | None = None, workdir:
                     out(f"requests:  {load.answered} answered by the agents, {load.failed} failed")
                     _hold(duration_s, out)
     finally:
+        _end_children()
         if tmp is not None:
             tmp.cleanup()
     out("stopped: every process the demo started has exited")
     return figures
+
+
+def _end_children() -> None:
+    """End the worker processes a library forked in this process (multiprocessing's children): the interpreter
+    joins them at exit without a bound, and one left waiting kept the demo from ending after Ctrl-C."""
+    for child in multiprocessing.active_children():
+        logger.warning("ending %s (pid %s), a worker process left running in the demo", child.name, child.pid)
+        child.terminate()
+        child.join(5)
+        if child.is_alive():
+            child.kill()
+            child.join(5)
 
 
 def _set_name(variants: Path) -> str:
@@ -302,7 +319,16 @@ def _hold(duration_s: float | None, out: Callable[[str], None]) -> None:
     if duration_s is not None:
         time.sleep(duration_s)
         return
-    out("running: press Ctrl-C to stop")
-    with contextlib.suppress(KeyboardInterrupt):
-        while True:
-            time.sleep(1)
+    # Ctrl-C (SIGINT) or SIGTERM sets a flag the main thread waits on, so that no KeyboardInterrupt can land
+    # inside the shutdown that follows; SIGUSR1 writes every thread's stack to stderr (where a stop hangs)
+    stop = threading.Event()
+    handlers = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGINT, signal.SIGTERM)}
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
+    try:
+        out("running: press Ctrl-C to stop")
+        while not stop.wait(1):
+            pass
+    finally:
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
+    out("stopping: the load, then every process the demo started")
