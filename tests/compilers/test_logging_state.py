@@ -37,3 +37,19 @@ def test_a_failed_openvino_export_leaves_the_root_logger_as_it_was(tmp_path: Pat
     assert (root.level, list(root.filters), list(root.handlers)) == before
     logging.getLogger("compilers.compile").warning("still heard")
     assert "still heard" in caplog.text
+
+
+def test_an_openvino_export_sends_no_telemetry(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """OpenVINO's converter posts usage events from a forked process by default; offline, that process waits on
+    DNS and the interpreter joins it at exit (a compile or a demo hung after it was done)."""
+    openvino_telemetry = pytest.importorskip("openvino_telemetry")
+    sent: list[tuple[object, ...]] = []
+    monkeypatch.setattr(openvino_telemetry.Telemetry, "send_event", lambda self, *a, **k: sent.append(a))
+    monkeypatch.setattr(openvino_telemetry.Telemetry, "start_session", lambda self, *a, **k: sent.append(a))
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 4])
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 4])
+    model = helper.make_model(helper.make_graph([helper.make_node("Relu", ["x"], ["y"])], "relu", [x], [y]),
+                              opset_imports=[helper.make_opsetid("", 17)])
+    onnx.save(model, str(tmp_path / "relu.onnx"))
+    export(tmp_path / "relu.onnx", cast(PassContext, SimpleNamespace(workdir=tmp_path)))
+    assert sent == []
