@@ -144,5 +144,14 @@ class RolloutFleet:
     def show(self, rollout_id: int) -> dict[str, Any]:
         return dict(self.api("GET", f"/v1/rollouts/{rollout_id}?decisions=50"))
 
-    def wait(self, what: str, check: Callable[[], Any], timeout: float = 60.0) -> Any:
-        return wait_for(what, check, timeout, interval=0.2)
+    def wait(self, what: str, check: Callable[[], Any], timeout: float = 60.0, *, rollout: int | None = None) -> Any:
+        """`wait_for`; with `rollout`, a timeout says where that rollout stood (state, wave, its last decisions)."""
+        try:
+            return wait_for(what, check, timeout, interval=0.2)
+        except AssertionError as exc:
+            if rollout is None:
+                raise
+            shown = self.show(rollout)
+            brief = {k: shown.get(k) for k in ("state", "wave", "states", "reason")}
+            msg = f"{exc}; rollout {rollout}: {brief}; last decisions: {shown.get('decisions', [])[-3:]}"
+            raise AssertionError(msg) from exc

@@ -75,7 +75,8 @@ def test_pause_resume_and_rollback_by_hand(fleet: RolloutFleet) -> None:
 def test_a_good_release_rolls_through_every_wave(fleet: RolloutFleet) -> None:
     good = fleet.release(HEALTHY)
     rid = fleet.deploy(good)
-    shown = fleet.wait("the rollout to succeed", lambda: _done(fleet, rid, "succeeded"), timeout=90)
+    shown = fleet.wait("the rollout to succeed", lambda: _done(fleet, rid, "succeeded"), timeout=90,
+                       rollout=rid)
     assert [w["state"] for w in shown["waves"]] == ["passed", "passed", "passed"]
     assert [w["size"] for w in shown["waves"]] == [1, 2, 8]
     assert shown["states"] == {"committed": 8}
@@ -108,7 +109,8 @@ def test_offline_devices_catch_up_when_they_return(fleet: RolloutFleet) -> None:
     time.sleep(2.5)  # past --online-after: the fleet sees them offline
     good = fleet.release(HEALTHY)
     rid = fleet.deploy(good, waves="1,50%,100%")
-    shown = fleet.wait("the rollout to succeed", lambda: _done(fleet, rid, "succeeded"), timeout=90)
+    shown = fleet.wait("the rollout to succeed", lambda: _done(fleet, rid, "succeeded"), timeout=90,
+                       rollout=rid)
     assert shown["states"] == {"committed": 6, "catch_up": 2}
     assert all(d.running == before for d in away)
     for d in away:
@@ -123,7 +125,8 @@ def test_twenty_devices_every_wave_then_a_bad_release(tmp_path: Path, db_url: st
     with RolloutFleet(tmp_path, 20, db_url=None if db_url.startswith("sqlite") else db_url) as fleet:
         good = fleet.release(HEALTHY)
         rid = fleet.deploy(good, waves="1,5%,25%,100%")
-        shown = fleet.wait("the rollout to succeed", lambda: _done(fleet, rid, "succeeded"), timeout=180)
+        shown = fleet.wait("the rollout to succeed", lambda: _done(fleet, rid, "succeeded"), timeout=180,
+                           rollout=rid)
         assert [w["size"] for w in shown["waves"]] == [1, 2, 5, 20]  # each wave adds one device at least
         assert shown["states"] == {"committed": 20}
         for bad in (MORE_ESCALATIONS, SLOW, GOLDEN_FAILS):
