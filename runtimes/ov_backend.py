@@ -139,6 +139,7 @@ class OpenVinoSession(Session):
         self._names = tuple(s.name for s in self.inputs)
         self._output_names = [s.name for s in self.outputs]
         self._request = self._compiled.create_infer_request()
+        self._generic = FixedRequest.generic(self._request)  # the dynamic model's request, run by OpenVINO's infer
         self._lock = threading.Lock()
         dynamic = any(isinstance(d, str) for spec in self.inputs for d in spec.shape)
         self._model = model if dynamic and options.static_shapes else None
@@ -199,8 +200,7 @@ class OpenVinoSession(Session):
                 elif self._model is None and self._fixed is not None:
                     raise self._input_error(inputs, None)  # a fixed-shape model called with another shape
                 else:
-                    results = self._request.infer(inputs, share_inputs=True, share_outputs=True)
-                    outputs = [a.copy() for a in results.to_tuple()]
+                    outputs = self._generic.run(arrays)
         except (RuntimeError, TypeError, ValueError) as exc:
             raise self._input_error(inputs, exc) from exc
         return dict(zip(self._output_names, outputs, strict=True))
@@ -223,6 +223,7 @@ class OpenVinoSession(Session):
                 fixed.close()
         self._static.clear()
         self._fixed = None
+        self._generic.close()
         del self._request, self._compiled, self._model
 
 
