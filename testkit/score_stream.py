@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from edge_agent.controller import Controller
 from edge_agent.profiles import VariantProfile
 
 N = 2000  # the validation split's size
@@ -35,3 +36,24 @@ def profile() -> VariantProfile:
     """The edge model's profile from the validation stream (seed 0): 1 ms and 1 mJ a request, modeled."""
     scores, correct = stream(0, N)
     return VariantProfile("lr", scores, correct, np.full(16, 1.0), 1.0, "modeled:test")
+
+
+def serve(c: Controller, score: float, correct: bool, rng: np.random.Generator, *, rtt_ms: float,
+          lost_ms: float | None = None, lost_total_ms: float = 0.0, radio_mj: float = 0.0,
+          cloud: float = 0.999) -> bool:
+    """One request through controller `c` on a simulated link (1 ms on the edge): escalated when `score` is
+    under the threshold; answered after `rtt_ms` (right with probability `cloud`), or, with `lost_ms`, timed
+    out after it, the request taking `lost_total_ms`; energy 1 mJ plus `radio_mj` per escalation. Whether it
+    escalated."""
+    escalated = bool(score < c.current.threshold)
+    c.observe_inference("lr", 1.0, 1.0, energy_label="modeled:test")
+    agreed, total = None, 1.0
+    if escalated and lost_ms is not None:
+        c.observe_escalation(None, ok=False, elapsed_ms=lost_ms, timeout=True)
+        total = lost_total_ms
+    elif escalated:
+        c.observe_escalation(rtt_ms, ok=True, bytes_sent=1000)
+        total, agreed = rtt_ms + 1.0, bool(correct) == (rng.random() < cloud)
+    c.observe_request(escalated, agreed, total, score=float(score), energy_mj=1.0 + radio_mj * escalated)
+    c.maybe_redecide()
+    return escalated

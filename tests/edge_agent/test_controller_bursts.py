@@ -17,7 +17,7 @@ import numpy as np
 from edge_agent.budget import Budget
 from edge_agent.controller import Controller, ControllerConfig
 from edge_agent.profiles import LinkProfile
-from testkit.score_stream import Clock, profile, stream
+from testkit.score_stream import Clock, profile, serve, stream
 
 REQUESTS = 1200  # 12 s at 100/s: six bursts
 
@@ -34,18 +34,8 @@ def run(config: ControllerConfig) -> tuple[Controller, float]:
     short = outside = 0
     for s, ok in zip(scores, correct, strict=True):
         burst = clock.t % 2.0 >= 1.7
-        escalated = bool(s < c.current.threshold)
-        c.observe_inference("lr", 1.0, 1.0, energy_label="modeled:test")
-        total = 1.0
-        agreed = None
-        if escalated and burst:
-            c.observe_escalation(None, ok=False, elapsed_ms=37.0, timeout=True)
-            total = 45.0
-        elif escalated:
-            c.observe_escalation(20.0, ok=True, bytes_sent=1000)
-            total, agreed = 21.0, bool(ok) == (rng.random() < 0.999)
-        c.observe_request(escalated, agreed, total, score=float(s), energy_mj=1.0 + 7.0 * escalated)
-        c.maybe_redecide()
+        serve(c, float(s), bool(ok), rng, rtt_ms=20.0, lost_ms=37.0 if burst else None, lost_total_ms=45.0,
+              radio_mj=7.0)
         if not burst and clock.t >= 1.0:
             outside += 1
             short += c.current.threshold < 0.99

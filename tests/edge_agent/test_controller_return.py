@@ -18,7 +18,7 @@ from edge_agent.controller import Controller, ControllerConfig
 from edge_agent.decide import Decision, accuracy_margin, evaluate, switch_reason
 from edge_agent.evidence import gain_stderr
 from edge_agent.profiles import LinkProfile, VariantProfile
-from testkit.score_stream import Clock, stream
+from testkit.score_stream import Clock, serve, stream
 
 VALIDATION = 300
 
@@ -37,17 +37,7 @@ def test_a_returned_link_gets_the_rules_choice_at_once() -> None:
         slow = 1.0 <= clock.t < 2.5
         if clock.t >= 2.5 and before is None:
             before = c.current
-        escalated = bool(s < c.current.threshold)
-        c.observe_inference("lr", 1.0, 1.0, energy_label="modeled:test")
-        agreed, total = None, 1.0
-        if escalated and slow:
-            c.observe_escalation(None, ok=False, elapsed_ms=9.0, timeout=True)
-            total = 10.0
-        elif escalated:
-            c.observe_escalation(3.0, ok=True, bytes_sent=1000)
-            total, agreed = 4.0, bool(ok) == (rng.random() < 0.999)
-        c.observe_request(escalated, agreed, total, score=float(s), energy_mj=1.0 + 3.0 * escalated)
-        c.maybe_redecide()
+        serve(c, float(s), bool(ok), rng, rtt_ms=3.0, lost_ms=9.0 if slow else None, lost_total_ms=10.0, radio_mj=3.0)
         if before is not None and any("cloud up" in d.trigger for d in c.decisions if d.at > 2.5):
             break
         clock.t += 0.01
