@@ -168,7 +168,14 @@ def _crash_at(state: str, kit: Kit, server: ReleaseServer, broker: Any, digits: 
                 assert seen[-1]["swap"]["error"] == RESTARTED
                 assert seen[-1]["swap"]["target"] == kit.digests["r2"]
                 assert infer(port, x) == "lin"
-                time.sleep(0.5)  # room to take r2 again from the retained desired state (it must not)
+                # the rolled-back report can come before the retained desired document arrives: wait until a
+                # report says the restarted agent applied it, then leave it room to take r2 again (it must not)
+                wait_for("the restarted agent to apply the retained desired document (version 2)",
+                         lambda: reported() and any(r.get("desired_version") == desired["version"] for r in seen))
+                time.sleep(0.5)  # room for a swap to start (nothing to wait for: it must not come)
+                reported()
+                assert seen[-1]["release"] == kit.digests["r1"], seen[-1]
+                assert (seen[-1]["swap"] or {}).get("state") == "rolled_back", seen[-1]
                 assert json.loads(journal.read_text())["active"] == "A"
             else:
                 assert infer(port, x) == "lin2"
