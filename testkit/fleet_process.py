@@ -13,8 +13,11 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
+
+from cloud_service.fleet.telemetry import DROP_REASONS
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -23,6 +26,12 @@ def _env() -> dict[str, str]:
     env = dict(os.environ)
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
     return env
+
+
+def windows_accounted(ingest_stats: Mapping[str, int]) -> int:
+    """Telemetry windows an ingest has finished with, stored or dropped for a reason (`MqttIngest.stats`, or
+    `GET /v1/stats`'s "ingest"): once it reaches what was sent, no window can still come to be stored."""
+    return int(ingest_stats.get("stored", 0)) + sum(int(ingest_stats.get(r, 0)) for r in DROP_REASONS)
 
 
 def cli(*args: str, data_dir: Path, db: str | None = None, check: bool = True) -> subprocess.CompletedProcess[str]:
