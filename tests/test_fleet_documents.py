@@ -1,6 +1,7 @@
 """The fleet's documents are read through their types (`cloud_service.protocol.fleet_docs`), never by string key.
 
-An AST scan of `cloud_service/fleet/` and `edge_agent/` follows, within each function, the values that hold
+An AST scan of the packages that handle the documents (`cloud_service/`, its fleet included, `edge_agent/` and
+`sdk/`; the types' own module excepted) follows, within each function, the values that hold
 a document as parsed JSON: what `json.loads` / `json.load` return, parameters typed `dict[str, Any]` or
 `Mapping[str, Any]` that are named like a document (`doc`, `desired`, `reported`, `window`, ...), and
 whatever is read out of those (`swap = doc.get("swap") or {}`). Reading one of the documents' field names
@@ -20,7 +21,8 @@ import pytest
 from cloud_service.protocol import fleet_docs as fd
 
 ROOT = Path(__file__).resolve().parent.parent
-SCANNED = ("cloud_service/fleet", "edge_agent")
+SCANNED = ("cloud_service", "edge_agent", "sdk")
+TYPES_MODULE = "cloud_service/protocol/fleet_docs.py"  # the parsers: the one place that reads the JSON by key
 TYPES = (fd.Desired, fd.Soak, fd.Reported, fd.SwapReport, fd.SoakProgress, fd.GoldenReport, fd.SlotsReport,
          fd.TelemetryWindow, fd.LatencyHistogram)
 # the documents' JSON names: every field of their types, and the few spelled differently on the wire
@@ -123,7 +125,20 @@ def scan(source: str) -> list[tuple[int, str, str]]:
 
 
 def _files() -> list[Path]:
-    return [p for folder in SCANNED for p in sorted((ROOT / folder).rglob("*.py"))]
+    return [p for folder in SCANNED for p in sorted((ROOT / folder).rglob("*.py"))
+            if p.relative_to(ROOT).as_posix() != TYPES_MODULE]
+
+
+def test_the_scan_covers_every_module_that_touches_a_document() -> None:
+    """A module that names a document's topic or parser is scanned (a new home for that code is not missed)."""
+    scanned = {p.relative_to(ROOT).as_posix() for p in _files()}
+    marks = ("desired_topic", "reported_topic", "telemetry_topic", "parse_desired", "parse_reported",
+             "parse_telemetry")
+    product = [p for folder in ("cloud_service", "edge_agent", "sdk", "compilers", "runtimes")
+               for p in sorted((ROOT / folder).rglob("*.py"))]
+    touching = {p.relative_to(ROOT).as_posix() for p in product if any(m in p.read_text() for m in marks)}
+    assert touching - {TYPES_MODULE} <= scanned, sorted(touching - scanned - {TYPES_MODULE})
+    assert len(touching) >= 5, touching  # the ingest, the fleet's desired state, the telemetry store, the agent
 
 
 @pytest.mark.parametrize("path", _files(), ids=lambda p: str(p.relative_to(ROOT)))
