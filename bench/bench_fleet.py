@@ -54,7 +54,7 @@ def window(device: str, seq: int, ts: float) -> bytes:
     return json.dumps({"device": device, "boot_id": "bench", "seq": seq, "ts": ts, "window_s": 10,
                        "requests": 120, "tiers": {"edge": 100, "cloud": 20}, "p50_ms": 3.2, "p95_ms": 11.5,
                        "escalation_rate": 0.17, "agreement": 0.96, "energy_mj_per_request": 2.1,
-                       "energy_label": "modeled:cpu", "degraded": 1, "degraded_reasons": {"cloud_timeout": 1},
+                       "energy_label": "modeled:cpu", "degraded": 1, "degraded_reasons": {"timeout": 1},
                        "variant": "int8", "threshold": 0.8, "model_digest": "sha256:" + "ab" * 32}).encode()
 
 
