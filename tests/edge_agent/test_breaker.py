@@ -6,22 +6,15 @@ import pytest
 
 from edge_agent.breaker import BreakerConfig, CircuitBreaker
 from runtimes.errors import ConfigError
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
+from testkit.clock import ManualClock
 
 
 @pytest.fixture
-def clock() -> Clock:
-    return Clock()
+def clock() -> ManualClock:
+    return ManualClock()
 
 
-def test_opens_after_n_consecutive_failures(clock: Clock) -> None:
+def test_opens_after_n_consecutive_failures(clock: ManualClock) -> None:
     breaker = CircuitBreaker(BreakerConfig(failure_threshold=3, reset_timeout_s=2.0), clock=clock)
     for _ in range(2):
         assert breaker.allow()
@@ -38,7 +31,7 @@ def test_opens_after_n_consecutive_failures(clock: Clock) -> None:
     assert breaker.times_opened == 1
 
 
-def test_half_open_probe_success_closes(clock: Clock) -> None:
+def test_half_open_probe_success_closes(clock: ManualClock) -> None:
     breaker = CircuitBreaker(BreakerConfig(failure_threshold=1, reset_timeout_s=2.0), clock=clock)
     breaker.record_failure()
     clock.now += 1.9
@@ -53,7 +46,7 @@ def test_half_open_probe_success_closes(clock: Clock) -> None:
     assert breaker.consecutive_failures == 0
 
 
-def test_half_open_probe_failure_reopens_for_a_full_timeout(clock: Clock) -> None:
+def test_half_open_probe_failure_reopens_for_a_full_timeout(clock: ManualClock) -> None:
     breaker = CircuitBreaker(BreakerConfig(failure_threshold=2, reset_timeout_s=1.0), clock=clock)
     breaker.record_failure()
     breaker.record_failure()
@@ -68,7 +61,7 @@ def test_half_open_probe_failure_reopens_for_a_full_timeout(clock: Clock) -> Non
     assert breaker.times_opened == 2
 
 
-def test_half_open_allows_configured_number_of_probes(clock: Clock) -> None:
+def test_half_open_allows_configured_number_of_probes(clock: ManualClock) -> None:
     breaker = CircuitBreaker(BreakerConfig(failure_threshold=1, reset_timeout_s=1.0, half_open_max_calls=3),
                              clock=clock)
     breaker.record_failure()
@@ -76,7 +69,7 @@ def test_half_open_allows_configured_number_of_probes(clock: Clock) -> None:
     assert [breaker.allow() for _ in range(4)] == [True, True, True, False]
 
 
-def test_lost_probe_does_not_wedge_half_open(clock: Clock) -> None:
+def test_lost_probe_does_not_wedge_half_open(clock: ManualClock) -> None:
     breaker = CircuitBreaker(BreakerConfig(failure_threshold=1, reset_timeout_s=1.0), clock=clock)
     breaker.record_failure()
     clock.now += 1.0
@@ -86,7 +79,7 @@ def test_lost_probe_does_not_wedge_half_open(clock: Clock) -> None:
     assert breaker.allow()
 
 
-def test_late_outcomes_while_open_change_nothing(clock: Clock) -> None:
+def test_late_outcomes_while_open_change_nothing(clock: ManualClock) -> None:
     breaker = CircuitBreaker(BreakerConfig(failure_threshold=1, reset_timeout_s=1.0), clock=clock)
     breaker.record_failure()
     clock.now += 0.5
@@ -104,7 +97,7 @@ def test_bad_config_is_rejected(kwargs: dict[str, float]) -> None:
         BreakerConfig(**kwargs)  # type: ignore[arg-type]
 
 
-def test_deadline_timeouts_open_it_only_when_they_persist(clock: Clock) -> None:
+def test_deadline_timeouts_open_it_only_when_they_persist(clock: ManualClock) -> None:
     breaker = CircuitBreaker(BreakerConfig(failure_threshold=3, timeout_threshold=8), clock=clock)
     for _ in range(7):  # a jittered link under a tight budget: misses in a row, but not a dead cloud
         breaker.record_failure(timeout=True)
@@ -128,7 +121,7 @@ def test_deadline_timeouts_open_it_only_when_they_persist(clock: Clock) -> None:
         BreakerConfig(timeout_odds=1.0)
 
 
-def test_a_run_of_timeouts_is_judged_against_the_links_usual_misses(clock: Clock) -> None:
+def test_a_run_of_timeouts_is_judged_against_the_links_usual_misses(clock: ManualClock) -> None:
     jittered = CircuitBreaker(BreakerConfig(failure_threshold=3), clock=clock)
     for i in range(200):  # a jittered link under a tight budget: one call in four answered in time
         if i % 4 == 3:

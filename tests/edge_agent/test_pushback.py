@@ -21,6 +21,7 @@ from edge_agent.pushback import DrainPace, Pushback, retry_hint_s
 from edge_agent.transports.base import escalation_error
 from runtimes.errors import EscalationError
 from testkit import zoo
+from testkit.clock import ManualClock
 from testkit.fake_transport import FakeTransport
 from testkit.packages import make_package
 from testkit.waiting import until
@@ -31,25 +32,12 @@ def busy(hint_s: float) -> EscalationError:
                             retry_after_s=hint_s)
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.now = 100.0
-        self.slept: list[float] = []
-
-    def __call__(self) -> float:
-        return self.now
-
-    async def sleep(self, seconds: float) -> None:
-        self.slept.append(seconds)
-        self.now += seconds
-
-
 def test_only_a_refusal_with_a_hint_is_busy() -> None:
     assert retry_hint_s(busy(0.2)) == 0.2
     assert retry_hint_s(busy(60.0)) == 5.0  # capped: the agent probes again by then
     assert retry_hint_s(escalation_error(EscalationError, "x", code="NOT_FOUND", retry_after_s=0.2)) is None
     assert retry_hint_s(escalation_error(EscalationError, "x", code="RESOURCE_EXHAUSTED")) is None
-    clock = Clock()
+    clock = ManualClock()
     pushback = Pushback(clock=clock)
     assert pushback.note(busy(0.3))
     assert pushback.active()
@@ -59,7 +47,7 @@ def test_only_a_refusal_with_a_hint_is_busy() -> None:
 
 
 def test_drain_pace_halves_on_refusals_and_recovers_on_answers() -> None:
-    clock = Clock()
+    clock = ManualClock()
     pace = DrainPace(20.0, min_rate_per_s=1.0, step_per_s=1.0, clock=clock, sleep=clock.sleep)
 
     async def take(n: int) -> float:
