@@ -18,17 +18,18 @@ from cloud_service.fleet.errors import InvalidDocument
 from cloud_service.fleet.registry import insert_devices
 from cloud_service.fleet.store import FleetStore
 from cloud_service.fleet.telemetry import TelemetryLimits, TelemetryStore
+from testkit.windows import window_json
 
 DEVICES, HOURS = 30, 3
 
 
 def _window(i: int, h: int, ts: float, **over: Any) -> tuple[str, bytes, float]:
-    doc = {"device": f"d{i:02d}", "boot_id": "b", "seq": h, "ts": ts, "window_s": 3600,
-           "requests": 0 if i == 7 else 100 + 3 * i, "p95_ms": 5 + (i * 7 + h) % 11,
-           "escalation_rate": 0.1 + 0.01 * (i % 9), **({"agreement": 0.9 + 0.003 * i} if i % 4 else {}),
-           "energy_mj_per_request": 2.0 + 0.1 * (i % 5), "energy_label": "modeled", "degraded": i % 3,
-           "variant": "int8", "threshold": 0.8, **over}
-    return f"d{i:02d}", json.dumps(doc).encode(), ts
+    fields: dict[str, Any] = {
+        "window_s": 3600, "requests": 0 if i == 7 else 100 + 3 * i, "p95_ms": 5 + (i * 7 + h) % 11,
+        "escalation_rate": 0.1 + 0.01 * (i % 9), "agreement": 0.9 + 0.003 * i if i % 4 else None,
+        "energy_mj_per_request": 2.0 + 0.1 * (i % 5), "energy_label": "modeled", "degraded": i % 3,
+        "variant": "int8", "threshold": 0.8}
+    return f"d{i:02d}", window_json(f"d{i:02d}", h, ts=ts, **{**fields, **over}), ts
 
 
 def _fill(store: FleetStore, now: float) -> TelemetryStore:

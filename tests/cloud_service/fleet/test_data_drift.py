@@ -2,18 +2,17 @@
 
 from __future__ import annotations
 
-import json
 import time
 from pathlib import Path
 
 from cloud_service.fleet.fleet import Fleet, FleetConfig
 from edge_agent.fleet_sync import generate_key_and_csr
+from testkit.windows import window_json
 
 
 def _window(device: str, seq: int, *, drift: bool) -> bytes:
-    return json.dumps({"device": device, "boot_id": "b", "seq": seq, "ts": time.time(), "requests": 100,
-                       "audited": 2, "agreement_est": 0.9, "agreement_low": 0.8, "agreement_high": 0.95,
-                       "data_drift": drift}).encode()
+    return window_json(device, seq, requests=100, audited=2, agreement_est=0.9, agreement_low=0.8,
+                       agreement_high=0.95, data_drift=drift)
 
 
 def test_device_list_carries_the_latest_windows_data_drift_flag(tmp_path: Path) -> None:

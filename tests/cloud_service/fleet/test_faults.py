@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import sqlite3
 import tempfile
 import time
@@ -23,10 +22,11 @@ from testkit.fleet_process import windows_accounted
 from testkit.mqtt_device import Device
 from testkit.postgres import Postgres
 from testkit.waiting import wait_for
+from testkit.windows import window_json
 
 
 def _window(dev: str, seq: int) -> bytes:
-    return json.dumps({"device": dev, "boot_id": "b", "seq": seq, "ts": time.time(), "requests": 1}).encode()
+    return window_json(dev, seq, requests=1)
 
 
 def test_locked_sqlite_raises_store_unavailable_and_the_retry_stores_once(tmp_path: Path) -> None:

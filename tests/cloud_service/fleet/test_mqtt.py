@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import time
 from pathlib import Path
 from typing import Any
 
@@ -15,12 +14,14 @@ from testkit.broker import Broker
 from testkit.fleet_process import FleetProcess, cli
 from testkit.mqtt_device import Device
 from testkit.waiting import wait_for
+from testkit.windows import window_doc
 
 pytestmark = pytest.mark.mqtt
+
+
 def _window(dev: str, seq: int, **kw: Any) -> dict[str, Any]:
-    return {"device": dev, "boot_id": "boot1", "seq": seq, "ts": time.time(), "window_s": 10, "requests": 50,
-            "p95_ms": 5.0 + seq, "escalation_rate": 0.1, "energy_mj_per_request": 1.0, "energy_label": "modeled",
-            **kw}
+    return window_doc(dev, seq, boot_id="boot1", window_s=10, requests=50, p95_ms=5.0 + seq, escalation_rate=0.1,
+                      energy_mj_per_request=1.0, energy_label="modeled", **kw)
 
 
 def _device(broker: Broker, ident: FleetIdentity) -> Device:

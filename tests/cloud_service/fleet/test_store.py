@@ -6,6 +6,7 @@ import json
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 from cryptography import x509
@@ -17,6 +18,7 @@ from cloud_service.fleet.registry import Registry
 from cloud_service.fleet.store import FleetStore
 from cloud_service.fleet.telemetry import TelemetryLimits, TelemetryStore
 from edge_agent.fleet_sync import generate_key_and_csr
+from testkit.windows import window_json
 
 
 @pytest.fixture
@@ -166,12 +168,12 @@ def test_reported_state_and_drift(registry: Registry, store: FleetStore) -> None
         registry.revoke("dev-nope")
 
 
-def _window(device: str, seq: int, *, boot: str = "b1", ts: float | None = None, **kw: object) -> bytes:
-    doc = {"device": device, "boot_id": boot, "seq": seq, "ts": time.time() if ts is None else ts,
-           "window_s": 10, "requests": 100, "p50_ms": 2.0, "p95_ms": 9.0 + seq, "escalation_rate": 0.2,
-           "agreement": 0.95, "energy_mj_per_request": 1.5, "energy_label": "modeled", "degraded": 1,
-           "variant": "int8", "threshold": 0.8, **kw}
-    return json.dumps(doc).encode()
+def _window(device: str, seq: int, *, boot: str = "b1", ts: float | None = None, extra: dict[str, str] | None = None,
+            **kw: Any) -> bytes:
+    fields: dict[str, Any] = {"window_s": 10, "requests": 100, "p50_ms": 2.0, "p95_ms": 9.0 + seq,
+                              "escalation_rate": 0.2, "agreement": 0.95, "energy_mj_per_request": 1.5,
+                              "energy_label": "modeled", "degraded": 1, "variant": "int8", "threshold": 0.8}
+    return window_json(device, seq, boot_id=boot, ts=ts, extra=extra, **{**fields, **kw})
 
 
 def test_telemetry_dedup_drops_and_caps(registry: Registry, store: FleetStore) -> None:
@@ -182,7 +184,7 @@ def test_telemetry_dedup_drops_and_caps(registry: Registry, store: FleetStore) -
     now = time.time()
     batch = [(a, _window(a, i), now) for i in range(1, 4)]
     batch += [(a, _window(a, 1), now),                         # replayed window
-              (a, b"{not json", now), (a, _window(a, 9, seq_extra="x" * 3000), now),  # malformed, oversized
+              (a, b"{not json", now), (a, _window(a, 9, extra={"padding": "x" * 3000}), now),  # malformed, oversized
               (b, _window(a, 4), now),                         # b publishing a's window
               ("dev-ghost", _window("dev-ghost", 1), now), (revoked, _window(revoked, 1), now),
               (a, json.dumps({"device": a, "boot_id": "b1", "seq": -1, "ts": now}).encode(), now),
