@@ -97,6 +97,36 @@ def test_the_wire_contract_needs_no_transport_library() -> None:
             bad.append(f"{path.relative_to(ROOT)}:{line} imports {imported}")
     assert not bad, "the wire contract imports a library it may not:\n" + "\n".join(bad)
 
+
+# how a paho connection is set up (client, credentials, TLS, reconnect): only the one MQTT client layer does it
+MQTT_SETUP = {"username_pw_set", "tls_set", "tls_set_context", "reconnect_delay_set", "max_inflight_messages_set",
+              "max_queued_messages_set"}
+MQTT_LAYER = "cloud_service/mqtt_client.py"
+
+
+def _is_mqtt_setup(func: ast.expr) -> bool:
+    if not isinstance(func, ast.Attribute):
+        return False
+    if func.attr == "Client":  # paho.Client(...), mqtt.Client(...); not another library's Client
+        return any(word in ast.unparse(func.value) for word in ("paho", "mqtt"))
+    return func.attr in MQTT_SETUP
+
+
+def _mqtt_setup(source: str) -> list[tuple[int, str]]:
+    return [(node.lineno, ast.unparse(node.func)) for node in ast.walk(ast.parse(source))
+            if isinstance(node, ast.Call) and _is_mqtt_setup(node.func)]
+
+
+def test_one_mqtt_client_layer_sets_up_every_connection() -> None:
+    """The agent's session, the bridge, the ingest and the broker admin get their clients from
+    `cloud_service.mqtt_client.new_client` (MQTT v5, TCP_NODELAY, TLS, bounded queues, jittered reconnect):
+    a second place that builds or tunes a paho client is a second copy of those rules."""
+    bad = [f"{path.relative_to(ROOT)}:{line} {call}(...)" for _, path in _modules()
+           if path.relative_to(ROOT).as_posix() != MQTT_LAYER for line, call in _mqtt_setup(path.read_text())]
+    assert not bad, f"MQTT clients set up outside {MQTT_LAYER} (use mqtt_client.new_client/start):\n" + "\n".join(bad)
+    assert _mqtt_setup("c = paho.Client(CallbackAPIVersion.VERSION2)\nc.tls_set_context(ctx)\nhttpx.Client()") == [
+        (1, "paho.Client"), (2, "c.tls_set_context")]
+
 # Tests and benchmarks share their real parts through `testkit`, which sits below both and above the product:
 # the wheel ships only the product packages, so none of them may import what stays behind in the repository.
 APART = {"tests": {"bench"}, "bench": {"tests"}, "testkit": {"tests", "bench"},
