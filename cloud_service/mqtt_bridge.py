@@ -3,10 +3,10 @@
 - Subscribes through the shared subscription `$share/{group}/tierkit/v1/+/escalate` at QoS 1, so
   replicas in one group share escalations.
 - A payload is a serialized `ModelInferRequest`; the reply, a `ModelInferResponse`, goes to the
-  request's Response Topic with its Correlation Data, at QoS 1. An error reply carries the user
-  properties `tierkit.status` (gRPC status name) and `tierkit.error` (message). The Response Topic
-  must lie in the sender's own `tierkit/v1/{device}/` subtree, so a device cannot make the service
-  publish into another device's topics.
+  request's Response Topic with its Correlation Data, at QoS 1 (a refusal on arrival at QoS 0, see
+  below). An error reply carries the user properties `tierkit.status` (gRPC status name) and
+  `tierkit.error` (message). The Response Topic must lie in the sender's own `tierkit/v1/{device}/`
+  subtree, so a device cannot make the service publish into another device's topics.
 - Escalations are acknowledged (PUBACK) only after their reply is published: a replica that dies
   mid-request leaves the message unacknowledged in its broker session. Every message taken is
   acknowledged, whatever it holds: a Response Topic that is invalid (wildcards, another device's
@@ -25,7 +25,9 @@
   cache (`cloud_service.duplicates`, shared with the gRPC servicer), or join the computation already
   running, instead of being computed again.
 - paho's network thread hands every message it admits to the event loop with `call_soon_threadsafe`.
-  What it refuses it writes at once (`_flush`), not after paho's loop has read the escalations behind it.
+  What it refuses it writes at once (`_refuse`), not after paho's loop has read the escalations behind it,
+  and cheaply: a QoS 0 reply encoded to bytes with the escalation's PUBACK behind it, one write on paho's
+  connection (`cloud_service.mqtt_packets`), since that one thread also reads every escalation.
 - The connection (TCP_NODELAY on every socket, the persistent session, the jittered reconnect, the
   shutdown that closes paho's sockets) is the one MQTT client layer's, `cloud_service.mqtt_client`.
 - `clean_start=False` with a configurable Session Expiry Interval (default 0: see
@@ -46,7 +48,7 @@ from google.protobuf.message import DecodeError
 from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties
 
-from cloud_service import mqtt_client
+from cloud_service import mqtt_client, mqtt_packets
 from cloud_service.arrival import ArrivalGate
 from cloud_service.config import MqttConfig
 from cloud_service.device_limits import DeviceLimited, DeviceLimits
@@ -218,28 +220,32 @@ class MqttBridge:
             self._call(self._dispatch, message, request, started)
             return
         try:  # refused on arrival: answered and acknowledged here, the event loop never sees it
-            self._send(message, request, refusal, started)
+            self._refuse(client, message, request, refusal, started)
         except Exception:
             log.exception("MQTT escalation on %s: the refusal failed", clip(message.topic, 200))
-        finally:
             self._ack(message)
-            self._flush(client)
 
-    @staticmethod
-    def _flush(client: paho.Client) -> None:
-        """On paho's thread: write the queued packets (a refusal and its acknowledgement) now.
+    def _refuse(self, client: paho.Client, message: paho.MQTTMessage, request: pb.ModelInferRequest | None,
+                refusal: Exception, started: float) -> None:
+        """On paho's thread: count the refusal, and write it (QoS 0) with the escalation's PUBACK at once.
 
         paho's loop writes only after it has read what the socket holds, up to one packet per message
         it has in flight: under load, tens of ~400 KB escalations. A refusal published from `on_message`
-        would wait behind all of them; written here, it leaves at once. Safe on paho's own thread while
-        no `on_publish` is set (paho calls it, under a lock it holds during `on_message`, only for QoS 0
-        publishes, which the bridge never sends).
+        would wait behind all of them; written here, it leaves at once, encoded without paho's
+        per-message machinery (`mqtt_packets`).
         """
-        if client.on_publish is None:
-            try:
-                client.loop_write()
-            except Exception:  # a connection being torn down: paho's loop handles it
-                log.debug("MQTT: writing a refusal at once failed; paho's loop writes it", exc_info=True)
+        payload, user = self._outcome(request, refusal, started, self._label(request))
+        reply_to = self._reply_topic(message)
+        packet = b""
+        if reply_to is not None:
+            packet = mqtt_packets.publish_qos0(reply_to, payload, correlation=self._correlation(message),
+                                                 user=user or ())
+        if message.qos == 1:
+            packet += mqtt_packets.puback(message.mid)
+        if packet and not mqtt_packets.write(client, packet):
+            log.debug("MQTT refusal on %s not sent: no connection (the broker redelivers)", clip(message.topic, 200))
+        if message.qos == 2:
+            self._ack(message)
 
     def _duplicate(self, request: pb.ModelInferRequest, topic: str) -> bool:
         """Whether `request` repeats an escalation being answered or cached (any thread: two lookups)."""
@@ -335,11 +341,11 @@ class MqttBridge:
             return self.backend.label(request.model_name)
         return model_label(self.repository, request.model_name)
 
-    def _send(self, message: paho.MQTTMessage, request: pb.ModelInferRequest | None,
-              outcome: pb.ModelInferResponse | Exception, started: float, label: str | None = None) -> None:
-        """Count the escalation and publish its reply (or error) to its Response Topic; any thread."""
+    def _outcome(self, request: pb.ModelInferRequest | None, outcome: pb.ModelInferResponse | Exception,
+                 started: float, label: str) -> tuple[bytes, list[tuple[str, str]] | None]:
+        """Count the escalation; its reply's payload, and for an error the user properties it carries."""
         code = None
-        label = self._label(request) if label is None else label
+        user = None
         if isinstance(outcome, Exception):
             exc = outcome
             code, text = status_of(exc)
@@ -349,28 +355,40 @@ class MqttBridge:
                 self.metrics.refused("forward", "busy")
             response = pb.ModelInferResponse(model_name=clip(request.model_name, 256) if request else "",
                                              id=clip(request.id, 256) if request else "")
-            error = {topics.STATUS_PROPERTY: code, topics.ERROR_PROPERTY: text}
+            user = [(topics.STATUS_PROPERTY, code), (topics.ERROR_PROPERTY, text)]
             retry_after = getattr(exc, "retry_after_ms", None)
             if isinstance(retry_after, int):
-                error[topics.RETRY_AFTER_PROPERTY] = str(retry_after)
-            set_parameters(response.parameters, dict(error))
-            log.debug("MQTT escalation on %s failed: %s %s", clip(message.topic, 200), code, text)
+                user.append((topics.RETRY_AFTER_PROPERTY, str(retry_after)))
+            set_parameters(response.parameters, dict(user))
+            log.debug("MQTT escalation failed: %s %s", code, text)
         else:
             response = outcome
         shed = isinstance(outcome, Exception) and getattr(outcome, "queued_s", 0.0) > 0
         self.metrics.request_done(label, "mqtt", time.perf_counter() - started, code=code, shed=shed)
+        return response.SerializeToString(), user
+
+    @staticmethod
+    def _correlation(message: paho.MQTTMessage) -> bytes | None:
+        correlation = getattr(message.properties, "CorrelationData", None)
+        if isinstance(correlation, bytes | bytearray) and len(correlation) <= _MAX_CORRELATION:
+            return bytes(correlation)
+        return None
+
+    def _send(self, message: paho.MQTTMessage, request: pb.ModelInferRequest | None,
+              outcome: pb.ModelInferResponse | Exception, started: float, label: str | None = None) -> None:
+        """Count the escalation and publish its reply (or error) to its Response Topic (QoS 1); any thread."""
+        payload, user = self._outcome(request, outcome, started, self._label(request) if label is None else label)
         reply_to = self._reply_topic(message)
         if reply_to is None:
             return
         out = Properties(PacketTypes.PUBLISH)  # type: ignore[no-untyped-call]
-        correlation = getattr(message.properties, "CorrelationData", None)
-        if isinstance(correlation, bytes | bytearray) and len(correlation) <= _MAX_CORRELATION:
+        correlation = self._correlation(message)
+        if correlation is not None:
             out.CorrelationData = correlation
-        if code is not None:
-            out.UserProperty = [(k, v.string_param) for k, v in response.parameters.items()
-                                if k in (topics.STATUS_PROPERTY, topics.ERROR_PROPERTY, topics.RETRY_AFTER_PROPERTY)]
+        if user is not None:
+            out.UserProperty = user
         try:
-            self._client.publish(reply_to, response.SerializeToString(), qos=1, properties=out)
+            self._client.publish(reply_to, payload, qos=1, properties=out)
         except Exception as exc:  # paho refuses what the broker would: count it, answer the rest
             self.metrics.refused("mqtt", "reply_unsendable")
             log.warning("MQTT reply to %s could not be sent: %s", clip(reply_to, 200), clip(str(exc), 200))
