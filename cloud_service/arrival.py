@@ -10,7 +10,9 @@ budget is spent. So on arrival, in paho's thread:
 - a request already past its deadline is answered DEADLINE_EXCEEDED; one whose deadline the model's
   queue cannot meet (`DynamicBatcher.admissible`) is answered RESOURCE_EXHAUSTED with the retry hint;
 - at most `max_waiting` escalations wait between paho's thread and the model's queue: past that, the
-  next is refused at once rather than queued where nothing watches its deadline;
+  next is refused at once rather than queued where nothing watches its deadline; those waiting are
+  work ahead of every arrival (their rows count as queued: under overload tens wait, all let through
+  against the same queue, and each one's admission would otherwise ignore the others);
 - the answer still has to travel back through the broker: the median of how long recent escalations
   took to arrive (their `tierkit.sent_ms` against this host's clock; each at most half its budget, so a
   skewed device clock cannot stop admission) is kept back from every deadline (`reply_margin_s`), here
@@ -88,6 +90,7 @@ class ArrivalGate:
         self._max_bytes = max_bytes
         self._on_refused = on_refused
         self._waiting = 0
+        self._waiting_rows = 0  # the rows of the escalations waiting: work ahead of every arrival
         self._lock = threading.Lock()
         self._transits: deque[float] = deque(maxlen=_TRANSITS)
         self._margin = 0.0
@@ -111,6 +114,7 @@ class ArrivalGate:
                 full = self._waiting >= self.max_waiting
                 if not full:
                     self._waiting += 1
+                    self._waiting_rows += _rows(request)
             if full:
                 self._on_refused(request.model_name if request is not None else "", "waiting")
                 msg = (f"{self.max_waiting} escalations are waiting to be queued at their models; not queued, "
@@ -120,10 +124,12 @@ class ArrivalGate:
                 return request, ServerBusy(msg, retry_after_ms=hint)
         return request, refusal
 
-    def taken(self) -> None:
-        """On the event loop: one escalation let through left the hand-off (it reached its handler)."""
+    def taken(self, request: pb.ModelInferRequest | None) -> None:
+        """On the event loop: one escalation let through (`request`, as `arrive` returned it) left the
+        hand-off (it reached its handler)."""
         with self._lock:
             self._waiting = max(0, self._waiting - 1)
+            self._waiting_rows = max(0, self._waiting_rows - _rows(request))
 
     def _observe_transit(self, request: pb.ModelInferRequest) -> float:
         """Learn how long `request` took to arrive (if it says when it was sent); the margin now."""
@@ -152,7 +158,7 @@ class ArrivalGate:
         batcher = self._batcher(request)
         if batcher is None:
             return None
-        return batcher.admissible(declared_rows(request), left)
+        return batcher.admissible(declared_rows(request), left, waiting_rows=self._waiting_rows)
 
     def _batcher(self, request: pb.ModelInferRequest | None) -> DynamicBatcher | None:
         """The batcher of the model `request` names, when it is served here and batches (not forwarding)."""
@@ -163,6 +169,10 @@ class ArrivalGate:
         except Exception:  # unknown model, bad version: the loop answers with the precise error
             return None
         return model.batcher
+
+
+def _rows(request: pb.ModelInferRequest | None) -> int:
+    return 0 if request is None else declared_rows(request)
 
 
 def _envelope(payload: bytes | bytearray) -> pb.ModelInferRequest | None:

@@ -265,11 +265,11 @@ class DynamicBatcher:
         self._observer.on_queue(len(self._queue))
         return request
 
-    def admissible(self, rows: int, timeout: float | None) -> ServerBusy | None:
+    def admissible(self, rows: int, timeout: float | None, *, waiting_rows: int = 0) -> ServerBusy | None:
         """Whether a request of `rows` rows with `timeout` seconds left would be admitted now: None, or
         the refusal it would get (counted). For a front end that refuses before decoding a request
         (the MQTT bridge on its network thread, the gRPC servicer); the request is admitted again when
-        it is queued.
+        it is queued. `waiting_rows`: rows the front end let through and has not queued yet (work ahead).
         """
         if not self.config.admission or not self._queue.times.known or self._closed:
             return None
@@ -280,7 +280,7 @@ class DynamicBatcher:
         due = None if timeout is None else now + timeout
         order = (due if due is not None else now + self._queue.standing.interval_s, -1)
         with self._ready:
-            refusal = self._queue.refusal(rows, due, order, now)
+            refusal = self._queue.refusal(rows, due, order, now, waiting_rows=waiting_rows)
         if refusal is not None:
             self._observer.on_refused("deadline" if due is not None else "standing")
         return refusal

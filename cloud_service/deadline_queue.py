@@ -171,24 +171,26 @@ class DeadlineQueue:
         held, self.items, self.rows = self.items, [], 0
         return held
 
-    def refusal(self, rows: int, deadline: float | None, order: tuple[float, int], now: float) -> ServerBusy | None:
+    def refusal(self, rows: int, deadline: float | None, order: tuple[float, int], now: float, *,
+                waiting_rows: int = 0) -> ServerBusy | None:
         """The refusal of a request of `rows` rows due at `deadline`, or None when it can be answered in
         time (the lock held).
 
         The work ahead of it is every queued request due before it (the queue is served earliest
-        deadline first) plus what the busy instances have left, with the measured slack of a run past
-        its plan (`ServiceTimes.headroom_s`); requests without a deadline are held to the CoDel
-        interval while the queue is standing.
+        deadline first), the `waiting_rows` a front end let through but has not queued yet, plus what
+        the busy instances have left, with the measured slack of a run past its plan
+        (`ServiceTimes.headroom_s`); requests without a deadline are held to the CoDel interval while
+        the queue is standing.
         """
         live = [queued for queued in self.items if _live(queued, now)]  # not abandoned, not expired
-        if not live and any(span is None for span in self.running_span):
+        if not live and not waiting_rows and any(span is None for span in self.running_span):
             return None  # an idle instance takes it now: run it, and measure (see `_run_now`)
         limit = deadline
         if limit is None:
             if not self.standing.standing:
                 return None
             limit = now + self.standing.interval_s
-        ahead = 0
+        ahead = waiting_rows
         for queued in live:  # what was left behind (callers gone, deadlines passed) is no work ahead
             if queued.order > order:
                 break

@@ -282,7 +282,7 @@ class MqttBridge:
 
     def _dispatch(self, message: paho.MQTTMessage, request: pb.ModelInferRequest | None, arrived: float) -> None:
         assert self._loop is not None
-        self._gate.taken()
+        self._gate.taken(request)
         task = self._loop.create_task(self._handle(message, request, arrived))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)

@@ -417,3 +417,19 @@ def test_requests_left_behind_by_a_crowd_are_no_work_ahead_of_a_lone_caller() ->
     # and requests whose deadline passed are no work either
     queue.items[:] = [queue.request(one(i), 1, (), now + 0.5, Waiter()) for i in range(40)]
     assert queue.refusal(1, now + 1.6, (now + 1.6, 999), now + 0.51) is None
+
+
+def test_escalations_let_through_and_not_yet_queued_are_work_ahead() -> None:
+    """The MQTT bridge lets escalations through on paho's thread before the event loop queues them: under
+    overload tens wait at once, each admitted against the same queue unless those waiting count as ahead."""
+    from cloud_service.deadline_queue import DeadlineQueue, NullObserver
+
+    queue = DeadlineQueue("m", BatchingConfig(max_batch_size=1), batched=False, instances=1,
+                          observer=NullObserver())
+    queue.times.observe(1, 0.02)
+    now = time.monotonic()
+    assert queue.refusal(1, now + 0.1, (now + 0.1, 1), now) is None  # idle: run it
+    assert queue.refusal(1, now + 0.1, (now + 0.1, 1), now, waiting_rows=2) is None  # ~60 ms of work
+    refusal = queue.refusal(1, now + 0.1, (now + 0.1, 1), now, waiting_rows=10)  # ~220 ms of work
+    assert isinstance(refusal, ServerBusy)
+    assert refusal.retry_after_ms > 0

@@ -41,7 +41,7 @@ def test_the_answers_way_back_is_kept_from_the_deadline(tmp_path: Path) -> None:
         assert request is not None
         assert request.model_name == "digits"
         assert refusal is None  # an unknown model: the event loop answers it with the precise error
-        gate.taken()
+        gate.taken(request)
     assert 0.025 < gate.reply_margin_s < 0.045
     # 20 ms left is not enough for an answer to travel back: refused on arrival, not computed
     _, refusal = gate.arrive(_message(sent_ago_s=0.03, left_s=0.02))
@@ -53,8 +53,7 @@ def test_the_answers_way_back_is_kept_from_the_deadline(tmp_path: Path) -> None:
     assert refused == [("digits", "expired"), ("digits", "expired")]
     # a skewed device clock (sent "an hour ago") counts at most half the budget
     for _ in range(200):
-        gate.arrive(_message(sent_ago_s=3600, left_s=0.1))
-        gate.taken()
+        gate.taken(gate.arrive(_message(sent_ago_s=3600, left_s=0.1))[0])
     assert gate.reply_margin_s <= 0.5 * 3600.1
 
 
@@ -65,7 +64,7 @@ def test_escalations_waiting_for_the_event_loop_are_bounded(tmp_path: Path) -> N
     _, refusal = gate.arrive(_message(sent_ago_s=0.001, left_s=1.0))
     assert isinstance(refusal, ServerBusy)
     assert refusal.retry_after_ms > 0
-    gate.taken()
+    gate.taken(None)
     assert gate.arrive(_message(sent_ago_s=0.001, left_s=1.0))[1] is None
     assert gate.waiting == 3
 
