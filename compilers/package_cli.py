@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import warnings
 from typing import Any, cast
 
 import numpy as np
@@ -25,18 +26,34 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[
     p.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(func=_inspect)
 
-    p = subparsers.add_parser("verify", help="check hashes and, with --key, the signature")
+    p = subparsers.add_parser("verify", help="check hashes and, with --trusted-key, the signature")
     p.add_argument("package")
-    p.add_argument("--key", action="append", default=[], help="trusted public key (repeatable)")
+    _add_trusted_key(p)
     p.set_defaults(func=_verify)
 
     p = subparsers.add_parser("run", help="run a package on inputs from an .npz file")
     p.add_argument("package")
     p.add_argument("--input", required=True, help=".npz with one array per model input name")
     p.add_argument("--output", help="write outputs to this .npz (default: print a summary)")
-    p.add_argument("--key", action="append", default=[], help="trusted public key (repeatable)")
+    _add_trusted_key(p)
     p.add_argument("--threads", type=int, default=0, help="intra-op threads (0 = backend default)")
     p.set_defaults(func=_run)
+
+
+class _OldKeySpelling(argparse.Action):
+    """`--key`, the old spelling of `--trusted-key` (the name `tierkit serve` uses): still accepted, with a warning."""
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
+                 option_string: str | None = None) -> None:
+        # FutureWarning: a deprecation meant for the person at the command line (shown by default)
+        warnings.warn(f"{option_string} is deprecated; use --trusted-key", FutureWarning, stacklevel=2)
+        setattr(namespace, self.dest, [*(getattr(namespace, self.dest) or []), values])
+
+
+def _add_trusted_key(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--trusted-key", action="append", default=[], metavar="PUB", dest="trusted_key",
+                   help="trusted public key (repeatable); with one, an unsigned or wrongly signed package is refused")
+    p.add_argument("--key", action=_OldKeySpelling, dest="trusted_key", help=argparse.SUPPRESS)
 
 
 def _keys(paths: list[str]) -> list[Any] | None:
@@ -87,14 +104,14 @@ def _inspect(args: argparse.Namespace) -> int:
 
 
 def _verify(args: argparse.Namespace) -> int:
-    pkg = _open(args.package, args.key)
+    pkg = _open(args.package, args.trusted_key)
     how = f"signature by key {pkg.signed_by}" if pkg.signed_by else "hashes only (no --key given)"
     print(f"OK: {pkg.name} v{pkg.manifest.version} ({pkg.manifest.precision}), {len(pkg.manifest.files)} files; {how}")
     return 0
 
 
 def _run(args: argparse.Namespace) -> int:
-    pkg = _open(args.package, args.key)
+    pkg = _open(args.package, args.trusted_key)
     try:
         with np.load(args.input) as data:
             inputs = {k: data[k] for k in data.files}

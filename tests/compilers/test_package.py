@@ -155,10 +155,15 @@ def test_cli_keygen_inspect_verify(pkg_dir: Path, keys: tuple[Path, Path], tmp_p
     assert (tmp_path / "k2.key").stat().st_mode & 0o777 == 0o600
     assert main(["inspect", str(pkg_dir), "--json"]) == 0
     assert json.loads(capsys.readouterr().out.split("\n", 2)[-1])["name"] == "digits-cnn"
-    assert main(["verify", str(pkg_dir), "--key", str(keys[1])]) == 0
+    assert main(["verify", str(pkg_dir), "--trusted-key", str(keys[1])]) == 0
     assert "signature by key" in capsys.readouterr().out
-    assert main(["verify", str(pkg_dir), "--key", str(tmp_path / "k2.pub")]) == 1
+    with pytest.warns(FutureWarning, match="--key is deprecated; use --trusted-key"):
+        # the old spelling still counts: the package is signed by another key, so it is refused
+        assert main(["verify", str(pkg_dir), "--key", str(tmp_path / "k2.pub")]) == 1
     assert "another key" in capsys.readouterr().err
+    with pytest.warns(FutureWarning):
+        # both spellings together: either trusted key may have signed it
+        assert main(["verify", str(pkg_dir), "--key", str(tmp_path / "k2.pub"), "--trusted-key", str(keys[1])]) == 0
 
 
 def test_cli_run_matches_the_reference(pkg_dir: Path, tmp_path: Path, digits, digits_cnn_reference) -> None:  # type: ignore[no-untyped-def]

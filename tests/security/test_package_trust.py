@@ -73,7 +73,7 @@ def test_tampered_variant_sets_are_refused_by_verify_and_the_loader(
     with pytest.raises(TierkitError) as info:
         VariantSet.load(directory).open(trusted_keys=[signing.load_public_key(pub)])
     assert any(word in str(info.value) for word in ("leaves the variant set", "symlink", "does not describe"))
-    assert tierkit(["verify", str(directory), "--key", str(pub)]) == 1
+    assert tierkit(["verify", str(directory), "--trusted-key", str(pub)]) == 1
     assert "tierkit: error:" in capsys.readouterr().err
 
 
