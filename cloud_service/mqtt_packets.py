@@ -9,9 +9,9 @@ Correlation Data and the user properties the wire contract names) and written wi
 PUBACK in one packet: one `send`, no state kept, nothing to read back.
 
 QoS 0 is enough for a refusal: the PUBACK follows it in the same TCP stream, so a refusal lost with
-the connection leaves its escalation unacknowledged and the broker delivers it again (a persistent
-session), to be answered again; an agent that misses it answers locally at its deadline, as it does
-when the cloud is unreachable.
+the connection leaves its escalation unacknowledged, as when a replica dies mid-request (the broker
+delivers it again where its session allows); an agent that misses a refusal answers locally at its
+deadline, as it does when the cloud is unreachable.
 
 `write` queues the bytes on paho's outgoing packet queue (a record like paho's own `_packet_queue`'s,
 so a partial write is finished by paho's loop, in order with everything else paho sends) and writes at
