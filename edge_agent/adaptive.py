@@ -25,9 +25,9 @@ from dataclasses import dataclass
 
 from edge_agent.budget import Budget
 from edge_agent.controller import Controller, ControllerConfig
-from edge_agent.ladder import Variant, zero_feed
 from edge_agent.link import Link
 from edge_agent.profiles import DEFAULT_CLOUD_ACCURACY, DEFAULT_RTT_MS, LinkProfile, VariantProfile
+from edge_agent.variants import Variant, zero_feed
 from runtimes.energy import PowerProfile
 from runtimes.errors import ConfigError
 

@@ -64,7 +64,6 @@ from edge_agent.controller import Controller
 from edge_agent.escalation import EscalationPath
 from edge_agent.frames import from_frame
 from edge_agent.journal import Journal
-from edge_agent.ladder import Variant, load_packages, open_variants
 from edge_agent.link import Link
 from edge_agent.options import AgentOptions
 from edge_agent.policy import Policy
@@ -72,6 +71,7 @@ from edge_agent.prediction import Prediction
 from edge_agent.pushback import DrainPace, Pushback
 from edge_agent.stats import Observation, Stats
 from edge_agent.transports.base import Transport, open_transport
+from edge_agent.variants import Variant, load_packages, open_variants
 from runtimes.errors import InputError, ModelClosed
 from runtimes.spec import check_inputs
 

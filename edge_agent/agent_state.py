@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from edge_agent.ladder import Variant
+from edge_agent.variants import Variant
 
 if TYPE_CHECKING:
     from cloud_service.protocol.preprocess import Preprocess

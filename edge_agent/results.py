@@ -9,9 +9,9 @@ from __future__ import annotations
 import numpy as np
 
 from edge_agent.agent_state import AgentState, Pending, perf_counter
-from edge_agent.ladder import Variant
 from edge_agent.prediction import Prediction, make_prediction
 from edge_agent.stats import Observation
+from edge_agent.variants import Variant
 
 
 class ResultAssembly(AgentState):

@@ -14,7 +14,7 @@ from compilers import signing
 from compilers.manifest import MANIFEST_FILE, Manifest
 from compilers.package import ModelPackage, write_package
 from compilers.version_floor import ROLLBACK_KEY, VersionFloor, version_key
-from edge_agent.ladder import load_packages
+from edge_agent.variants import load_packages
 from runtimes.errors import IntegrityError, SignatureError
 from testkit.cloud_helpers import ServerThread, make_package, metric_value
 
