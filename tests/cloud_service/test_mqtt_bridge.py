@@ -131,6 +131,28 @@ def test_expired_deadline_is_not_computed(server: ServerThread, device: Device, 
     assert metric_value(server.metrics_text, "tierkit_requests_expired_total", model="digits") == 1
 
 
+def test_escalations_refused_on_arrival_are_each_answered_and_acknowledged(
+        broker, serve: Callable[..., ServerThread], models_dir: Path, digits_x: np.ndarray) -> None:  # type: ignore[no-untyped-def]
+    """A refusal on arrival is written by the bridge itself, its escalation's PUBACK behind it: with the broker
+    allowed 3 unacknowledged escalations in flight, ten refusals in a row and then an answer still come back."""
+    serve(models_dir, grpc_address=None, mqtt=MqttConfig(url=broker.url, client_id="cloud-ack", receive_maximum=3))
+    device = Device(broker.host, broker.port, "cam-9")
+    try:
+        past = int(time.time() * 1000) - 1000
+        late = encode_request("digits", {"x": digits_x[:1]}, parameters={topics.PARAM_DEADLINE_MS: past})
+        for i in range(10):
+            reply = device.ask(late.SerializeToString(), f"late-{i}".encode())
+            assert reply is not None, f"refusal {i} never came back"
+            assert _status(reply)[0] == "DEADLINE_EXCEEDED"
+            assert reply.qos == 0
+            assert pb.ModelInferResponse.FromString(reply.payload).model_name == "digits"
+        answer = device.ask(encode_request("digits", {"x": digits_x[:1]}).SerializeToString(), b"fine")
+        assert answer is not None
+        assert _status(answer) == ("", "")
+    finally:
+        device.close()
+
+
 def test_qos1_round_trip_is_fast_with_tcp_nodelay(device: Device, digits_x: np.ndarray) -> None:
     payload = encode_request("digits", {"x": digits_x[:1]}).SerializeToString()
     device.ask(payload, b"warm")
