@@ -73,6 +73,7 @@ log = logging.getLogger(__name__)
 
 # pending reasons that are a change of the budget or the link (`_link_event`'s events, "link settled")
 _CHANGES = ("budget", "cloud ", "round trip ", "link ")
+KEEP_ESCALATIONS = 0.01  # a move escalating at most this share less keeps the escalations (one grid step)
 _EVENTS = {"down": "cloud down", "up": "cloud up", "faster": "round trip faster", "slower": "round trip slower"}
 
 
@@ -417,9 +418,12 @@ class Controller:
         up = link is None or link.up
         stderr = gain_stderr(self._by_id[cur.variant], cur, cand)
         evidence = energy_evidence(self._by_id[cur.variant], self._by_id[cand.variant], self.config.energy_z)
+        # the settle time keeps a burst from taking the escalations away: a move that keeps them (a smaller
+        # wire encoding, a point escalating as much) is no such move, and waits for nothing
+        keeps = cand.predicted_escalation_rate >= cur.predicted_escalation_rate - KEEP_ESCALATIONS
         return switch_reason(cur, cand, self.config, noise=self._cloud_noise(cur, cand),
                              gain_noise=0.0 if changed_conditions else self.config.gain_z * stderr,
-                             energy_evidence=settled and up and evidence,
+                             energy_evidence=(settled or keeps) and up and evidence,
                              floor=floor, tie=self.config.tie_z * stderr)
 
     def _energy_noise(self, link: LinkState | None) -> float:

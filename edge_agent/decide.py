@@ -28,7 +28,7 @@ the difference is within `tie_z` (1) standard errors of that estimate plus `tie_
 another variant or encoding ties when its best is within `tie_tolerance` of the best. The best here
 is the most accurate point every budget but the energy budget allows. Of the points that tie with
 it and keep every budget, the rule takes, where escalations are answered, the more faithful encoding
-(lossless before fp16: `encoding.FIDELITY_ORDER`), then the one spending least energy, then the one
+(an exact one, fp32 or zstd, before fp16: `encoding.EXACT`), then the one spending least energy, then the one
 escalating least; where none is answered (the link down or too slow), the one with less energy, then
 lower p95, then the more faithful encoding. So with escalation free it escalates as far as
 escalating still clearly gains (on held-out MNIST, to about fixed-0.99's share), not everything. When
@@ -48,8 +48,9 @@ the latency target with `switch_headroom` and the energy target with `energy_swi
 (near a flat optimum, the first decision after a change stands; the gain's evidence separates only
 near-tied points, and never holds a point chosen for other conditions); or (3) the choice is as accurate
 (a tie, as above, between the two points) and spends `energy_margin` less energy (across variants, on
-measured figures only; not within `link_settle_s` of a move of the round trip, so that a loss burst does
-not move it; nor while the link is down, when the breaker skips the escalations whatever share is
+measured figures only; a move that escalates less is not made within `link_settle_s` of a move of the
+round trip, so that a loss burst does not take the escalations away, while one that keeps them, a cheaper
+encoding as exact, is made at once; nor while the link is down, when the breaker skips the escalations whatever share is
 wanted); or (4) the current point escalates clearly less than the probe floor (under three quarters of
 it) and the choice, as accurate, does not; or (5) the choice differs only in its encoding, as accurate,
 more faithful and with the spare room of (2). Nothing else moves it: the same rule runs when the link
@@ -76,7 +77,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from edge_agent.budget import Budget
-from edge_agent.encoding import FIDELITY_ORDER
+from edge_agent.encoding import EXACT
 from edge_agent.plan import Conditions, Predictions, predict
 from edge_agent.profiles import LinkState, VariantProfile
 from runtimes.errors import ConfigError
@@ -124,8 +125,8 @@ class ControllerConfig:
         probe_escalation_rate, down_probe_escalation_rate: the least share escalated while the link is
             up, and while it is down (live escalations keep measuring it).
         min_observations: requests (or samples) before a measured rate or latency is trusted.
-        link_settle_s: a move that only saves energy waits this long after the link's round trip moved
-            (a loss burst shorter than this neither takes the escalations away nor waits to get them
+        link_settle_s: a move that only saves energy by escalating less waits this long after the link's
+            round trip moved (a loss burst shorter than this neither takes the escalations away nor waits to get them
             back), and is made then (a "link settled" re-decision); not after the link went down. Half
             a second: bursts of 0.3 s ride through, and a lasting change is followed within about 50
             requests at 100 a second (the link model marks a partition down after as long).
@@ -352,7 +353,9 @@ def tied(acc: np.ndarray, gain_var: np.ndarray, group: np.ndarray, pool: np.ndar
 
 
 def _fidelity(wire: WireOption | None) -> int:
-    return 0 if wire is None else wire.fidelity
+    """0 for an exact encoding (fp32, zstd: the cloud decodes the very tensor) or the requests as built,
+    1 for a lossy one: two exact encodings are as faithful, and the cheaper one wins a tie."""
+    return 0 if wire is None or wire.exact else 1
 
 
 def _distinct(wires: Sequence[WireOption], link: LinkState, budget: Budget,
@@ -519,4 +522,5 @@ def switch_reason(cur: Decision, cand: Decision, config: ControllerConfig, *, no
 
 
 def _rank(encoding: str) -> int:
-    return FIDELITY_ORDER.index(encoding) if encoding in FIDELITY_ORDER else len(FIDELITY_ORDER)
+    """As `_fidelity`, by name: exact (fp32, zstd) before lossy, and any planned encoding before none ("")."""
+    return 2 if not encoding else 0 if encoding in EXACT else 1

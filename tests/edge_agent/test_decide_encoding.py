@@ -12,8 +12,9 @@ import pytest
 from cloud_service.protocol import encode_request
 from edge_agent.budget import Budget
 from edge_agent.controller import Controller, ControllerConfig, choose
-from edge_agent.encoding import WireEncoder, WireOption
+from edge_agent.encoding import EXACT, WireEncoder, WireOption
 from edge_agent.fleet_sync import decision_summary
+from edge_agent.link import DRIFT_SAMPLES
 from edge_agent.profiles import LinkProfile
 from testkit.score_stream import Clock, profile
 
@@ -65,6 +66,20 @@ def test_on_a_fast_link_the_lossless_encoding_wins_a_tie() -> None:
     assert d.predicted_escalation_rate > 0.3
 
 
+def test_two_exact_encodings_are_as_faithful_and_the_cheaper_wins() -> None:
+    """zstd decodes to the very tensor fp32 does: on a 1 Mbit/s link its 1,200 fewer bytes save ~9.6 ms a
+    round trip and the waiting energy, so it is chosen with no budget binding (fp32 was, as "more faithful",
+    until a later move for energy); at 100 Mbit/s the bytes save less than its encode time, and fp32 stays."""
+    zstd = WireOption("zstd", 2000, 0.1, exact=True)
+    narrow = choose([profile()], narrow_link().state(), Budget(latency_ms=200), ControllerConfig(),
+                    wires=[FP32, zstd, FP16])
+    assert narrow.encoding == "zstd"
+    fast = choose([profile()], narrow_link(mbps=100.0).state(), Budget(latency_ms=200), ControllerConfig(),
+                  wires=[FP32, zstd, FP16])
+    assert fast.encoding == "fp32"
+    assert narrow.predicted_escalation_rate == pytest.approx(fast.predicted_escalation_rate, abs=0.02)
+
+
 def test_an_energy_budget_prices_each_encodings_bytes() -> None:
     """1 uJ per byte: an fp32 escalation's radio costs 3.2 mJ, fp16's 1.6 mJ. Under an energy budget that
     binds, fp16 buys more escalations for the same energy, and the record says energy binds."""
@@ -81,7 +96,8 @@ def test_an_energy_budget_prices_each_encodings_bytes() -> None:
 
 def test_the_controller_plans_the_encoders_encoding_and_telemetry_names_it() -> None:
     """A real encoder measures each encoding on a real request; the controller chooses among them and
-    sets the encoder's plan; a budget that loosens brings the lossless encoding back."""
+    sets the encoder's plan; a budget that loosens brings an exact encoding back (fp32, or zstd where its
+    fewer bytes cost less)."""
     clock = Clock()
     lp = narrow_link()
     c = Controller([profile()], Budget(latency_ms=25), link=lp, clock=clock)
@@ -103,5 +119,41 @@ def test_the_controller_plans_the_encoders_encoding_and_telemetry_names_it() -> 
     clock.t += 1.0
     loose = c.set_budget(Budget(latency_ms=200))
     assert loose is not None
-    assert loose.encoding == "fp32"
-    assert encoder.planned == "fp32"
+    assert loose.encoding in EXACT
+    assert encoder.planned == loose.encoding
+
+
+def test_a_cheaper_exact_encoding_is_taken_at_once_after_the_round_trip_moved() -> None:
+    """A cold start onto a narrow link: the first decision sends fp32 (no bandwidth measured yet, so zstd's
+    fewer bytes gain nothing known); the first transfers timed on the 1 Mbit/s link move the round trip
+    (a "round trip slower" event) and price zstd's bytes. The move to zstd keeps every escalation, so the
+    settle time after a move of the round trip (which keeps a loss burst from taking escalations away) does
+    not hold it: it is made in that re-decision, not `link_settle_s` later."""
+    clock = Clock()
+    lp = LinkProfile(rtt_ms=2.0, bytes_per_escalation=float(FP32.nbytes), energy_per_byte_mj=1e-3,
+                     wait_power_w=0.3, clock=clock)
+    c = Controller([profile()], Budget(latency_ms=200), link=lp, clock=clock)
+    encoder = WireEncoder("auto", meter=lp.link)
+    x = np.zeros((1, 1, 28, 28), dtype=np.float32)  # a digit: a stroke on a blank page, which zstd shrinks
+    x[0, 0, 8:20, 12:16] = np.random.default_rng(0).random((12, 4), dtype=np.float32)
+    encoder.prepare(encode_request("m", {"x": x}), timeout_s=1.0)
+    c.attach_encoder(encoder)
+    c.observe_request(escalated=False, agreed=None, total_latency_ms=1.0)
+    clock.t += 1.0
+    first = c.maybe_redecide() or c.current
+    assert first.encoding == "fp32"
+    trip_ms = 2.0 + FP32.nbytes * 8e-3  # 1 Mbit/s
+    lp.link.observe_transfer(100, 0.002)
+    epoch = lp.link.epoch
+    for _ in range(DRIFT_SAMPLES):
+        lp.link.observe_transfer(FP32.nbytes, trip_ms / 1e3)
+        lp.link.observe_answer(trip_ms)
+        clock.t += 0.01
+    assert lp.link.epoch > epoch
+    assert lp.link.event == "slower"
+    clock.t += ControllerConfig().redecide_gap_s
+    moved = c.maybe_redecide()
+    assert moved is not None, c.current.reason
+    assert moved.encoding == "zstd", moved.reason
+    assert "round trip slower" in moved.trigger
+    assert moved.predicted_escalation_rate >= first.predicted_escalation_rate - 0.01
