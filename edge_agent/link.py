@@ -17,8 +17,9 @@ again). A slow spell is forgotten once it is over even if nothing is sent meanwh
 Up/down has hysteresis: `down_after` refusals in a row (or a run of timeouts that is news for this
 link, `TimeoutRuns`, 1e-4 by chance, and has lasted `down_after_s`, 0.5 s) mark it down; `up_after`
 answers since then with no refusal between them mark it up. Slow and fast: a run of timeouts less
-likely than 1 % by chance on this link is "slower"; the first answer in time after it is "faster" (the
-timeouts of the run are dropped: they describe the link no more), and so is a probe's answer, and a
+likely than 1 % by chance on this link is "slower" (the run joins the window, it does not replace it); the
+first answer in time after it is "faster" (the timeouts of the run are dropped: they describe the link no
+more; the round trips before the run stay), and so is a probe's answer, and a
 move of the answered round trips' EWMA by half or more. Each such change bumps `epoch`, which the
 controller watches to re-decide at once.
 
@@ -298,6 +299,10 @@ class RoundTrips:
         """The EWMA, or the prior's median when no answer came within the horizon."""
         return self.ewma if self._clock() - self._ewma_at <= self.horizon_s else float(np.median(self._prior))
 
+    def drop_unanswered(self, since: float) -> None:
+        """Forget the escalations not answered in time from `since` on (a run of timeouts now over)."""
+        self._window = deque((x for x in self._window if x[2] or x[0] < since), maxlen=self._window.maxlen)
+
     def drop_infinite(self) -> None:
         self._window = deque((x for x in self._window if x[2]), maxlen=self._window.maxlen)
 
@@ -382,6 +387,7 @@ class Link:
         self.availability, self.failure_latency_ms = 1.0, 0.0
         self.epoch, self.event = 0, ""
         self.slow = False  # a run of timeouts unusual for this link is going on (`slow_odds`)
+        self._slow_since = math.inf  # when that run began
         self.slow_odds, self.slow_floor = 0.01, 3
         self._ref_ms = self.rtt.ewma
         self.hold_until = -math.inf  # a busy cloud's retry hint (monotonic seconds)
@@ -401,12 +407,15 @@ class Link:
             self._failing_since = math.inf
             self._oks += 1
             self.timeouts.record(timeout=False)
-            if self.slow:  # answered in time after an unusual run of timeouts: those describe the link no more
-                self.slow, probe = False, True
-                self.rtt.drop_infinite()
+            after_run = self.slow
+            if after_run:  # answered in time after an unusual run of timeouts: those describe the link no more,
+                # but the answers and timeouts before the run still do (dropping them all made every such answer
+                # read as a link that answers everything in time, and the run as one that answers nothing)
+                self.slow = False
+                self.rtt.drop_unanswered(self._slow_since)
             if probe:
                 self.rtt.rebase(0)
-            self.rtt.add(rtt_ms, restart=probe)
+            self.rtt.add(rtt_ms, restart=probe or after_run)
             if not self.up and self._oks >= self.up_after:
                 self.up, self.availability = True, 1.0
                 self.rtt.rebase(self.up_after)  # the answers that brought it back describe it now
@@ -415,7 +424,7 @@ class Link:
                 self._ref_ms = self._level()
                 return
             self.availability += self._alpha * (1.0 - self.availability)
-            self._drift(probe)
+            self._drift(probe or after_run)
 
     def observe_timeout(self, waited_ms: float | None = None) -> None:
         """No answer before the deadline: the link is slower than what was left (the round trips learn it)."""
@@ -429,8 +438,10 @@ class Link:
             if waited_ms is not None:
                 self.rtt.add(waited_ms, answered=False)
             if not self.slow and self.timeouts.unusual(self.slow_odds, self.slow_floor):
-                self.slow = True
-                self.rtt.rebase(self.timeouts.run)  # the link is this run now, not the answers before it
+                # the run joins the window of round trips, which it does not replace: a link that misses the
+                # deadline now and then reads as such, not as one that answers nothing (a plan made in a run's
+                # last moments gave the escalations up); a link gone for good is marked down
+                self.slow, self._slow_since = True, self._failing_since
                 self._bump("slower")
             if (self.up and self.failures > self.refusals and self.failures >= self.timeouts.threshold()
                     and now - self._failing_since >= self.down_after_s):

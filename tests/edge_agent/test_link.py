@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-import math
-
+import numpy as np
 import pytest
 
 from edge_agent.breaker import BreakerConfig, CircuitBreaker
@@ -47,11 +46,43 @@ def test_an_unusual_run_of_timeouts_is_slower_and_the_next_answer_faster() -> No
     assert link.epoch == epoch  # two in a row on a link that answers: not yet unusual at 1 %
     link.observe_timeout(8.0)
     assert (link.epoch, link.event, link.slow) == (epoch + 1, "slower", True)
-    assert math.isinf(link.view().rtt_high_ms)
+    assert int(np.isinf(link.view().rtt_samples).sum()) == 3  # the run joins the window of round trips
     link.observe_answer(2.5)  # the link is back: the timeouts of the run no longer describe it
     assert (link.epoch, link.event, link.slow) == (epoch + 2, "faster", False)
-    assert link.view().rtt_high_ms < 4.0  # the answer, with the prior until three are recent
+    view = link.view()
+    assert not np.isinf(view.rtt_samples).any()
+    assert view.recent == 101  # the answers before the run still do
+    assert view.rtt_high_ms < 4.0
     assert link.up
+
+
+def test_on_a_link_that_misses_now_and_then_a_run_moves_the_answered_share_by_itself_only() -> None:
+    """One escalation in four misses its deadline; then a run of timeouts unusual for that ("slower") and an
+    answer ("faster"). The share answered in time that a plan reads stays near the link's during the run and
+    after it (it read 0 during the run and 1 after it while a run replaced the window and its end wiped it)."""
+    clock = Clock()
+    link = Link(rtt_ms=4.0, clock=clock)
+    for i in range(80):
+        clock.now += 0.01
+        if i % 4 == 3:
+            link.observe_timeout(5.0)
+        else:
+            link.observe_answer(4.0)
+    epoch = link.epoch
+    run = 0
+    while link.epoch == epoch and run < 20:
+        clock.now += 0.01
+        link.observe_timeout(5.0)
+        run += 1
+    assert (link.event, link.slow) == ("slower", True)
+    during = float(np.isfinite(link.view().rtt_samples).mean())
+    assert 0.5 < during < 0.75, during  # 60 of 80 answered, then the run's timeouts
+    clock.now += 0.01
+    link.observe_answer(4.0)
+    assert link.event == "faster"
+    after = float(np.isfinite(link.view().rtt_samples).mean())
+    # the run is gone (with the last timeout of the pattern, which began it); the 19 before it stay
+    assert after == pytest.approx(61 / 80, abs=1e-9)
 
 
 def test_on_a_jittered_link_its_usual_misses_are_no_event() -> None:
