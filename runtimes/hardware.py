@@ -147,6 +147,9 @@ def _openvino_devices() -> tuple[tuple[str, ...] | None, str | None]:
     if importlib.util.find_spec("openvino") is None:
         return None, None
     try:
+        from runtimes.ov_telemetry import silence
+
+        silence()  # before openvino is imported: its import posts an event
         import openvino
 
         core = openvino.Core()

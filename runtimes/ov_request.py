@@ -27,7 +27,11 @@ from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
-import openvino as ov
+
+from runtimes.ov_telemetry import silence
+
+silence()  # before openvino is imported: its import posts an event
+import openvino as ov  # noqa: E402
 
 try:  # the C++ binding's infer: no Python dispatch of inputs, outputs returned as views
     from openvino._pyopenvino import InferRequest as _BaseRequest

@@ -20,8 +20,12 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import numpy as np
-import openvino as ov
-from openvino import opset13
+
+from runtimes.ov_telemetry import silence
+
+silence()  # before openvino is imported: its import posts an event
+import openvino as ov  # noqa: E402
+from openvino import opset13  # noqa: E402
 
 _FQ = "FakeQuantize"
 _SMOOTHING = "nncf_smooth_quant"  # SmoothQuant's activation scaling (its weights are scaled the other way)
