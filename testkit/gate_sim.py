@@ -17,7 +17,17 @@ from typing import Any
 
 import numpy as np
 
-from cloud_service.fleet.gates import STAT_GATES, Arms, Evidence, Margins, evaluate, failed, open_gates
+from cloud_service.fleet.gates import (
+    MIN_BASELINE_WINDOWS,
+    MIN_WINDOW_REQUESTS,
+    STAT_GATES,
+    Arms,
+    Evidence,
+    Margins,
+    evaluate,
+    failed,
+    open_gates,
+)
 from cloud_service.fleet.rollouts import RolloutOptions, wave_sizes
 from testkit.rollout_device import SimDevice
 
@@ -195,7 +205,8 @@ def run_rollout(fleet: Fleet, *, waves: tuple[str, ...] = ("1", "5%", "25%", "10
     The control, as the engine's: the devices still on the previous release and (`earlier_waves`) the devices
     of earlier waves, each against its own windows on the release before the wave past its swap's warm-up. The
     last wave keeps `holdback` devices back (default: the engine's, `holdback` of the fleet and at least 2) only
-    where fewer than 2 devices of earlier waves can be its control (always, with `earlier_waves` False)."""
+    where fewer than that many devices of earlier waves have a baseline to be its control (always, with
+    `earlier_waves` False)."""
     margins, evidence = margins or Margins(), evidence or Evidence()
     defaults = RolloutOptions()
     audit_rate = defaults.audit_rate if audit_rate is None else audit_rate
@@ -221,7 +232,9 @@ def run_rollout(fleet: Fleet, *, waves: tuple[str, ...] = ("1", "5%", "25%", "10
         last = w == len(sizes) - 1
         new = [i for i in order[:size] if i not in treated]
         promoted = [i for i in order if i in treated] if earlier_waves else []
-        if last and len(promoted) < 2:  # the last wave keeps a control back until it has passed
+        # the last wave keeps a control back until it has passed where too few devices of earlier waves have a
+        # baseline (windows on the release past their warm-up), as the engine's `_holdback`
+        if last and len(_baselined(promoted, history, warm, t, evidence)) < held_back:
             new = new[:max(1, len(new) - held_back)]
         start = t
         treated |= set(new)
@@ -243,7 +256,7 @@ def run_rollout(fleet: Fleet, *, waves: tuple[str, ...] = ("1", "5%", "25%", "10
                 continue
             arms = Arms(pre_wave, [x for i in new for x in history[i] if x["ts"] > start],
                         pre_control, [x for i in control for x in history[i] if x["ts"] > start])
-            gates = evaluate(arms if control else None, margins=margins, evidence=evidence, waves=len(sizes),
+            gates = evaluate(arms if control else None, margins=margins, evidence=evidence, waves=len(sizes), wave=w,
                              budget_ms=None, device_failures={}, crashes=0, fleet_request_rate=None,
                              cloud_capacity_rps=None, cache=cache)
             looks += 1
@@ -263,6 +276,16 @@ def run_rollout(fleet: Fleet, *, waves: tuple[str, ...] = ("1", "5%", "25%", "10
         windows.append(step + 1)
     return Outcome("succeeded", len(sizes) - 1, [], per_wave[0], per_wave, looks,
                    [old_soak(fleet, ws_new) for ws_new in _wave_devices(order, sizes)], windows)
+
+
+def _baselined(devices: list[int], history: dict[int, list[dict[str, Any]]], warm: dict[int, float], t: float,
+               evidence: Evidence) -> list[int]:
+    """The devices with a baseline at t (MIN_BASELINE_WINDOWS windows of MIN_WINDOW_REQUESTS inferences or more
+    within baseline_s, past their warm-up on the release): those that can be a wave's control."""
+    since = t - evidence.baseline_s
+    return [i for i in devices if sum(
+        1 for x in history[i] if max(since, warm.get(i, -math.inf)) <= x["ts"] <= t
+        and int(x["requests"]) >= MIN_WINDOW_REQUESTS) >= MIN_BASELINE_WINDOWS]
 
 
 OLD_SOAK = 200  # requests per device: the fixed soak before the gates were sequential

@@ -13,10 +13,10 @@ fenced by it. A step, for each running rollout:
    rollback, a crash); otherwise, once every device of the wave soaked on the release, compares the
    wave's telemetry on the release with a control over the same window (devices not yet in a wave, and
    the devices of earlier waves, whose release does not change during this one; a last wave with fewer
-   than 2 of those keeps `holdback` devices back) and passes or fails it (gates.py); a wave still open at
-   its maximum soak follows `on_inconclusive` (hold, extend, rollback, promote). A failure rolls every
-   device that was given the release back to the release it ran before (`{"release": previous,
-   "rollback": true}`) in the same transaction.
+   than `holdback` of the fleet (at least 2) of those with a baseline keeps that many back) and passes
+   or fails it (gates.py); a wave still open at its maximum soak follows `on_inconclusive` (hold, extend,
+   rollback, promote). A failure rolls every device that was given the release back to the release it
+   ran before (`{"release": previous, "rollback": true}`) in the same transaction.
 
 For every rollout it also gives returning catch-up devices the rollout's current outcome, and marks
 rolled-back devices restored once they report the previous release again.
@@ -38,7 +38,18 @@ import sqlalchemy as sa
 from cloud_service.fleet import schema as t
 from cloud_service.fleet.desired import DesiredState, stored_reported
 from cloud_service.fleet.errors import FleetError
-from cloud_service.fleet.gates import HARD_GATES, STAT_GATES, Arms, cohort, evaluate, failed, open_gates, window_counts
+from cloud_service.fleet.gates import (
+    HARD_GATES,
+    MIN_BASELINE_WINDOWS,
+    MIN_WINDOW_REQUESTS,
+    STAT_GATES,
+    Arms,
+    cohort,
+    evaluate,
+    failed,
+    open_gates,
+    window_counts,
+)
 from cloud_service.fleet.leases import Lease, LeaseLost
 from cloud_service.fleet.releases import ReleaseRegistry
 from cloud_service.fleet.rollouts import (
@@ -59,6 +70,7 @@ logger = logging.getLogger(__name__)
 LEASE = "rollouts"
 _NOTHING = (Reported(), 0.0)  # a device that has not reported
 RATE_LOOKBACK_S = 300.0
+PARSE_CHUNK = 2000  # window documents fetched per query (an IN list well under any database's limit)
 
 
 @dataclass
@@ -85,16 +97,23 @@ class RolloutEngine:
         self.online_after_s, self.cloud_capacity_rps = online_after_s, cloud_capacity_rps
         self.holder = holder or f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(3)}"
         self.lease = Lease(store, LEASE, holder=self.holder, ttl_s=lease_ttl_s)
+        # telemetry window (id, server_ts) -> what its document adds; the keys read during the current step
+        self._parsed: dict[tuple[int, float], dict[str, Any]] = {}
+        self._read: set[tuple[int, float]] = set()
 
     def step(self, *, now: float | None = None) -> bool:
         """One pass over open rollouts; False when another process holds the lease (nothing done)."""
         if not self.lease.acquire(now=now):
             return False
-        for rid in self._open():
-            try:
-                self._step(rid, time.time() if now is None else now)
-            except LeaseLost:
-                return False
+        self._read = set()
+        try:
+            for rid in self._open():
+                try:
+                    self._step(rid, time.time() if now is None else now)
+                except LeaseLost:
+                    return False
+        finally:  # keep the parsed windows this pass read (the next one reads them again), drop the rest
+            self._parsed = {k: v for k, v in self._parsed.items() if k in self._read}
         return True
 
     def _open(self) -> list[int]:
@@ -202,13 +221,13 @@ class RolloutEngine:
         # once the held-back control took the release, the wave was judged: its soak alone finishes it
         figures = self._figures(ctx, w, current, judged=bool(released))
         gates = evaluate(figures["arms"], margins=opts.margins, evidence=opts.evidence, waves=len(waves),
-                         budget_ms=self._budget(row.release), device_failures=fails, crashes=crashes,
+                         wave=w["idx"], budget_ms=self._budget(row.release), device_failures=fails, crashes=crashes,
                          fleet_request_rate=figures["request_rate"],
                          cloud_capacity_rps=opts.cloud_capacity_rps or self.cloud_capacity_rps)
         record_figures = {"wave": figures["wave"].as_dict(), "control": figures["control"].as_dict(),
                           "control_kind": figures["control_kind"], "request_rate": figures["request_rate"],
                           "control_devices": figures["control_devices"],
-                          "alpha": opts.evidence.alpha, "alpha_gate": opts.evidence.alpha_gate(len(waves)),
+                          "alpha": opts.evidence.alpha, "alpha_gate": opts.evidence.alpha_gate(len(waves), w["idx"]),
                           "gates": gates}
         hard = failed(gates, HARD_GATES)
         stat = failed(gates, STAT_GATES)
@@ -376,21 +395,47 @@ class RolloutEngine:
         return assign
 
     def _holdback(self, ctx: _Ctx, pending: list[str]) -> set[str]:
-        """The last wave's control where the devices of earlier waves cannot be one (fewer than 2 online on the
-        release: a one-wave rollout, a small fleet): its last online pending devices (in the rollout's order),
-        `holdback` of the fleet and at least 2, stay on the previous release until the wave's statistical gates
-        pass. Only when the wave starts (no device of the wave assigned yet) and one device at least goes ahead.
-        A single held-back device leaves the wave's p95 and energy against one device's own swings, which on a
-        shared host takes minutes to tell from the margin."""
+        """The last wave's control where the devices of earlier waves cannot be one: fewer than `holdback` of the
+        fleet (at least 2) of them have a baseline (`_baselined`: a one-wave rollout, a small fleet, or earlier
+        waves that passed moments ago, whose devices have too few windows on the release past their swap's
+        warm-up). Then that many pending devices with a baseline of their own (the last online ones, in the
+        rollout's order) stay on the previous release until the wave's statistical gates pass. Only when the
+        wave starts (no device of the wave assigned yet) and one device at least goes ahead. Counting devices
+        online, not devices with a baseline, left a last wave judged against the canary alone, one device's own
+        swings against the margin: a false rollback in simulation (bench/bench_gates.py)."""
         last = len(ctx.opts.waves) - 1
         if ctx.opts.holdback <= 0 or any(v["state"] == "control" for v in ctx.devs.values()) or any(
                 v["wave"] == last and v["assigned_at"] is not None for v in ctx.devs.values()):
             return set()
-        if len(self._promoted(ctx, last)) >= 2:
+        want = max(2, math.ceil(ctx.opts.holdback * len(ctx.devs)))
+        if len(self._baselined(ctx, self._promoted(ctx, last), on_release=True)) >= want:
             return set()
         online = [d for d in pending if self._online(ctx, d)]
-        k = min(max(2, math.ceil(ctx.opts.holdback * len(ctx.devs))), len(online) - 1)
-        return set(online[-k:]) if k > 0 else set()
+        ready = self._baselined(ctx, online, on_release=False)
+        k = min(want, len(ready), len(online) - 1)
+        return set(ready[-k:]) if k > 0 else set()
+
+    def _baselined(self, ctx: _Ctx, devices: list[str], *, on_release: bool) -> list[str]:
+        """The `devices` (in their order) that would have a baseline for every figure if a wave started now:
+        MIN_BASELINE_WINDOWS windows of MIN_WINDOW_REQUESTS inferences or more within the evidence's baseline_s
+        (as `_figures` takes them): `on_release`, a device of an earlier wave, on the release past its swap's
+        warm-up; else a device still on what it ran before, on anything but the release."""
+        ev = ctx.opts.evidence
+        by: dict[str, list[dict[str, Any]]] = {}
+        for x in self._windows(devices, ctx.now - ev.baseline_s):
+            by.setdefault(x["device_id"], []).append(x)
+        out = []
+        for d in devices:
+            mine = sorted(by.get(d, []), key=lambda x: x["server_ts"])
+            if on_release:
+                mine = _warm([x for x in mine if x["release"] == ctx.row.release
+                              and x["server_ts"] >= (ctx.devs[d]["assigned_at"] or ctx.now)],
+                             ev.warmup_windows, ev.warmup_s)
+            else:
+                mine = [x for x in mine if x["release"] != ctx.row.release]
+            if sum(int(x["requests"] or 0) >= MIN_WINDOW_REQUESTS for x in mine) >= MIN_BASELINE_WINDOWS:
+                out.append(d)
+        return out
 
     def _promoted(self, ctx: _Ctx, wave: int) -> list[str]:
         """Online devices of the waves before `wave` running the release: during `wave` their release does not
@@ -494,20 +539,31 @@ class RolloutEngine:
                 "control_devices": {"previous": len(control) - len(on_release), "earlier_waves": len(on_release)}}
 
     def _windows(self, devices: list[str], since: float) -> list[dict[str, Any]]:
+        """The devices' windows since `since`, with what their documents add (release, crashes, counts). A
+        window's document is parsed once and kept while a step still reads it (`_parsed`): a wave reads every
+        window of its devices over the baseline and the request-rate lookback at every step, and parsing them
+        all again each second grew a step to seconds on a loaded host (thousands of windows of a busy fleet)."""
         if not devices:
             return []
         c = t.telemetry.c
         with self.store.begin() as conn:
-            rows = conn.execute(sa.select(c.device_id, c.server_ts, c.window_s, c.requests, c.p95_ms,
-                                          c.escalation_rate, c.agreement, c.degraded, c.energy_mj_per_request,
-                                          c.document).where(c.device_id.in_(devices), c.server_ts >= since)).all()
+            rows = conn.execute(sa.select(c.id, c.device_id, c.server_ts, c.window_s, c.requests, c.p95_ms,
+                                          c.escalation_rate, c.agreement, c.degraded, c.energy_mj_per_request)
+                                .where(c.device_id.in_(devices), c.server_ts >= since)).all()
+            missing = [int(r.id) for r in rows if (int(r.id), float(r.server_ts)) not in self._parsed]
+            for k in range(0, len(missing), PARSE_CHUNK):
+                for r in conn.execute(sa.select(c.id, c.server_ts, c.document).where(
+                        c.id.in_(missing[k:k + PARSE_CHUNK]))):
+                    doc = stored_window(r.document)
+                    self._parsed[(int(r.id), float(r.server_ts))] = {
+                        "release": doc.release if doc is not None else None,
+                        "crashes": doc.crashes if doc is not None else 0, **window_counts(doc)}
         out = []
         for r in rows:
             w = dict(r._mapping)
-            doc = stored_window(w.pop("document"))
-            w["release"] = doc.release if doc is not None else None
-            w["crashes"] = doc.crashes if doc is not None else 0
-            w.update(window_counts(doc))
+            key = (int(w.pop("id")), float(w["server_ts"]))
+            self._read.add(key)
+            w.update(self._parsed[key])
             out.append(w)
         return out
 

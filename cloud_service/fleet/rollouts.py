@@ -113,8 +113,9 @@ class RolloutOptions:
         rolled back (`rollback`), or, after the canary, passes on the evidence of the waves before it (`promote`;
         a canary is held).
     holdback: share of the targeted devices (at least 2) the last wave keeps on the previous release as its
-        control until its statistical gates pass, where fewer than 2 devices of earlier waves (on the release,
-        whose release does not change during the wave) can serve as its control.
+        control until its statistical gates pass, where fewer than that many devices of earlier waves (on the
+        release, whose release does not change during the wave) have a baseline (enough windows on the
+        release past their swap's warm-up) to serve as its control.
     control_max: the control cohort is at most this many devices (in the rollout's order).
     cloud_capacity_rps: escalations/s the cloud tier sustains (measured, e.g. bench/bench_cloud.py); None: not gated.
     audit_rate: while a small wave (at most `audit_devices` devices) soaks, its devices audit this share of their

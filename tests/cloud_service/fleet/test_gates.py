@@ -158,6 +158,19 @@ def test_hard_gates_and_window_counts() -> None:
         Evidence(alpha=0.0)
     with pytest.raises(ConfigError, match="margin"):
         replace(Margins(), p95_ratio=-1.0)
+    with pytest.raises(ConfigError, match="canary_share"):
+        Evidence(canary_share=1.0)
+
+
+def test_alpha_is_spent_half_at_the_canary_and_never_over_the_whole_rollout() -> None:
+    ev, gates = Evidence(), len(SPECS)
+    per_wave = [ev.alpha_gate(4, w) * gates for w in range(4)]
+    assert per_wave[0] == pytest.approx(ev.alpha / 2)  # the canary, where a regression should be stopped
+    assert per_wave[1] == per_wave[2] == per_wave[3] == pytest.approx(ev.alpha / 6)
+    assert sum(per_wave) == pytest.approx(ev.alpha)  # the union bound over every gate and wave
+    assert ev.alpha_gate(1, 0) * gates == pytest.approx(ev.alpha)  # one wave spends all of it
+    assert ev.alpha_gate(4) == min(ev.alpha_gate(4, w) for w in range(4))  # no wave named: the least
+    assert Evidence(canary_share=0.25).alpha_gate(4, 0) == pytest.approx(Evidence(canary_share=0.25).alpha_gate(4, 3))
 
 
 def test_rollout_show_prints_the_capacity_the_gate_was_judged_against() -> None:

@@ -184,3 +184,32 @@ def test_a_one_wave_rollout_keeps_two_devices_back_until_its_gates_pass(store: F
     assert shown["state"] == "succeeded", (shown["reason"], shown["waves"])
     assert any(d["kind"] == "control_released" for d in shown["decisions"])
     assert shown["states"] == {"committed": 6}
+
+
+def test_a_last_wave_whose_earlier_waves_have_no_baseline_keeps_two_devices_back(store: FleetStore,
+                                                                                 tmp_path: Path) -> None:
+    """The earlier waves' devices count as the last wave's control only where they have a baseline: here the
+    second wave's serve 3 inferences a window (too few for a window's p95), so only the canary could be one, and
+    a last wave judged against one device's swings is a false rollback waiting (bench/bench_gates.py): two
+    devices still on the first release stay back until the wave's gates are decided."""
+    sim = _Sim(store, tmp_path)
+    rid, engine = _deploy(sim, "1,50%,100%", max_soak="40s", on_inconclusive="promote")
+    sim.quiet = 3
+    since = math.inf
+    for _ in range(300):
+        row = sim.rollouts.get(rid)
+        if int(row["wave"]) == 1 and since == math.inf:
+            since = sim.now
+        if int(row["wave"]) == 2:
+            break
+        sim.tick(0.02, since=since)
+        engine.step(now=sim.now)
+    for _ in range(2):
+        sim.tick(0.02, since=since)
+        engine.step(now=sim.now)
+    states = sorted(sim.states(rid).values())
+    assert states.count("control") == 2, states  # counted as online, the second wave's two made it look enough
+    shown = sim.run(rid, engine, 600)
+    assert shown["state"] == "succeeded", (shown["reason"], shown["waves"])
+    assert any(d["kind"] == "control_released" and d["wave"] == 2 for d in shown["decisions"])
+    assert shown["states"] == {"committed": 6}
