@@ -7,10 +7,10 @@ p95 and energy: 0.1 sd on the log with 30 s correlation, `--swing-sd 0.35` for a
 audits at the agent's default 1 %
 (the canary at the rollout's raised `audit_rate` while it soaks), an hour of windows before the rollout
 (the default baseline), and the engine's control: the devices not yet on the release and those of earlier
-waves (each against its own windows on the release before the wave), with the hold-back of at least 2 devices
-only where fewer than 2 of earlier waves can be the last wave's control. Releases: the same model (A/A), or
-one with a known regression (A/B): 2 points less accurate at the same escalation rate, one class flipped
-(confident errors, mostly seen only by audits), +30 % p95, +10 % energy.
+waves (each against its own windows on the release before the wave), with the hold-back of 5 % (at least 2)
+devices only where fewer than that many of earlier waves have a baseline to be the last wave's control.
+Releases: the same model (A/A), or one with a known regression (A/B): 2 points less accurate at the same
+escalation rate, one class flipped (confident errors, mostly seen only by audits), +30 % p95, +10 % energy.
 
 Two parts:
 
@@ -55,27 +55,36 @@ WAVES = ("1", "5%", "25%", "100%")
 TARGET_INFERENCES = 2000  # the canary inferences a decision should need
 
 
-def _one(job: tuple[str, int, int, int, float]) -> dict[str, Any]:
-    regression, seed, n, baseline, swing_sd = job
+def _one(job: tuple[str, int, int, int, float, float]) -> dict[str, Any]:
+    regression, seed, n, baseline, swing_sd, canary_share = job
     return asdict(run_rollout(Fleet(n, seed, Model(swing_sd=swing_sd), regression=regression), waves=WAVES,
-                              max_soak_windows=90, baseline_windows=baseline))
+                              max_soak_windows=90, baseline_windows=baseline,
+                              evidence=Evidence(canary_share=canary_share)))
 
 
 def statistics_part(n: int, runs: int, ab_runs: int, procs: int, baseline: int = 360,
-                    swing_sd: float = Model().swing_sd) -> dict[str, Any]:
-    jobs = [("none", s, n, baseline, swing_sd) for s in range(runs)]
-    jobs += [(r, 10_000 + k * 1000 + s, n, baseline, swing_sd) for k, r in enumerate(REGRESSIONS) if r != "none"
-             for s in range(ab_runs)]
+                    swing_sd: float = Model().swing_sd,
+                    canary_share: float = Evidence().canary_share) -> dict[str, Any]:
+    jobs = [("none", s, n, baseline, swing_sd, canary_share) for s in range(runs)]
+    jobs += [(r, 10_000 + k * 1000 + s, n, baseline, swing_sd, canary_share) for k, r in enumerate(REGRESSIONS)
+             if r != "none" for s in range(ab_runs)]
     t0 = time.monotonic()
     with multiprocessing.get_context("fork").Pool(procs) as pool:
         got = pool.map(_one, jobs, chunksize=2)
     out: dict[str, Any] = {"devices": n, "waves": ",".join(WAVES), "baseline_windows": baseline,
-                           "swing_sd": swing_sd, "wall_s": round(time.monotonic() - t0, 1)}
+                           "swing_sd": swing_sd, "canary_share": canary_share,
+                           "wall_s": round(time.monotonic() - t0, 1)}
+    outs_all = [Outcome(**g) for g in got]
     for regression in REGRESSIONS:
-        outs = [Outcome(**g) for (r, *_), g in zip(jobs, got, strict=True) if r == regression]
+        outs = [o for (r, *_), o in zip(jobs, outs_all, strict=True) if r == regression]
         if not outs:
             continue
         out[regression] = summary(outs)
+        seeds: dict[str, list[int]] = {}  # to rerun one: run_rollout(Fleet(n, seed, ...), ...) as `_one`
+        for (r, seed, *_), o in zip(jobs, outs_all, strict=True):
+            if r == regression and o.result != "succeeded":
+                seeds.setdefault(f"{o.result} wave {o.wave}: {','.join(o.gates)}", []).append(seed)
+        out[regression]["seeds_not_succeeded"] = seeds
         if regression == "none":
             done = [o for o in outs if o.result == "succeeded"]
             sizes = _wave_devices(n)
@@ -148,6 +157,9 @@ def main() -> int:
     ap.add_argument("--swing-sd", type=float, default=Model().swing_sd,
                     help="sd of a device's own slow swings of log p95 (30 s correlation); 0.35 is five agents on two "
                          "shared cores")
+    ap.add_argument("--canary-share", type=float, default=Evidence().canary_share,
+                    help="share of alpha the canary wave spends (the later waves split the rest); 0.25 is an even "
+                         "split over the four waves")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     wanted = [r for r in args.e2e_regressions.split(",") if r]
@@ -156,14 +168,15 @@ def main() -> int:
         print(f"unknown regression(s) {sorted(unknown)}; known: {', '.join(REGRESSIONS)}", file=sys.stderr)
         return 2
     out: dict[str, Any] = {"statistics": statistics_part(args.devices, args.runs, args.ab_runs, args.procs,
-                                                    args.baseline_windows, args.swing_sd)}
+                                                    args.baseline_windows, args.swing_sd, args.canary_share)}
     stats = out["statistics"]
     aa = stats["none"]
     out["checks"] = {
         "aa_false_rollback_rate": aa["rolled_back"] / max(1, aa["runs"]),
         "aa_false_rollback_rate_ci95": aa["rolled_back_ci95"],
-        # the design: alpha split evenly over every statistical gate and wave, each valid over every look
-        "aa_design_alpha": Evidence().alpha, "aa_design_alpha_per_gate_and_wave": Evidence().alpha_gate(len(WAVES)),
+        # the design: alpha split over the waves (the canary: --canary-share), evenly over gates, valid every look
+        "aa_design_alpha": Evidence().alpha, "aa_design_alpha_per_gate_by_wave": [
+            Evidence(canary_share=args.canary_share).alpha_gate(len(WAVES), w) for w in range(len(WAVES))],
         "aa_false_rollback_ok": aa["rolled_back"] <= max(1, aa["runs"] // 100),
         **{f"{r}_stopped_at_canary": stats[r]["stopped_at_canary"] / max(1, stats[r]["runs"])
            for r in REGRESSIONS if r != "none" and r in stats},
