@@ -3,18 +3,21 @@
 - OpenVINO: its own `benchmark_app` (shipped in the openvino wheel) in latency mode on `threads` threads,
   one stream, one synchronous request (`-hint none -nstreams 1 -nireq 1 -api sync -nthreads N`: the
   app refuses `-nthreads` beside `-hint latency`, and these are what that hint sets), f32 inference
-  precision for fp32 and int8 files (bf16 CPUs would otherwise compute them in bf16), its median.
+  precision for fp32 and int8 files (bf16 CPUs would otherwise compute them in bf16), on the very input
+  the rung is timed with (`-i` .npy files; its own random fill would be other data), its median.
 - onnxruntime: the file under a few session option sets (every graph optimization, with and without
   spinning threads, extended optimizations, sequential execution), timed interleaved with the rung in the
   same run; the fastest p50.
 
 `floor_ratio` = floor / the rung's own p50: 1.0 means the compiled rung runs as fast as the runtime can.
 
-benchmark_app reports OpenVINO's own request latency, measured inside its C++ `infer`: the time a Python
-caller spends around that call (the binding, the GIL, the scheduler waking the caller) is not in it.
-`beside_bare_request` times the rung's session interleaved with the bare request called from Python
-(inputs set once, `infer()` with no arguments), the least any Python caller of that file pays, and
-alone with it, as benchmark_app runs alone.
+benchmark_app reports OpenVINO's own request latency (`InferRequest.latency`, the median over its sync calls
+for `seconds` after one first call), measured inside the C++ `infer`: the time a Python caller spends around
+that call (the binding, the GIL, copying inputs and outputs) is not in it. `beside_bare_request` times the
+rung's session interleaved with the bare request called from Python (inputs set once, the C++ `infer` with
+no inputs and no outputs read back), the least any Python caller of that file pays, alone with it as
+benchmark_app runs alone; for each it also takes OpenVINO's own latency of every call, so a rung's wall time
+splits into the part inside OpenVINO (what benchmark_app measures) and the part around it.
 """
 
 from __future__ import annotations
@@ -23,8 +26,12 @@ import re
 import shutil
 import subprocess
 import sys
+import tempfile
+import time
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -52,24 +59,32 @@ def openvino_floor(model: Path, feed: Mapping[str, np.ndarray], threads: int, *,
     hint = {"fp32": "f32", "int8": "f32", "bf16": "bf16", "fp16": "f16"}.get(precision, "f32")
     cmd = [app, "-m", str(model), "-hint", "none", "-nstreams", "1", "-nireq", "1", "-api", "sync",
            "-nthreads", str(threads), "-t", str(seconds), "-shape", shape, "-infer_precision", hint]
-    try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=60 + 3 * seconds, check=False)
-    except subprocess.TimeoutExpired:
-        return None, "benchmark_app timed out"
+    with tempfile.TemporaryDirectory(prefix="floor-") as tmp:
+        if all(v.dtype == np.float32 for v in feed.values()):  # the same input (its -ip applies to all inputs)
+            files = {k: Path(tmp) / f"input{i}.npy" for i, k in enumerate(feed)}
+            for k, v in feed.items():
+                np.save(files[k], np.ascontiguousarray(v))
+            cmd += ["-ip", "f32", "-i", ",".join(f"{k}:{f}" for k, f in files.items())]
+        try:
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=60 + 3 * seconds, check=False)
+        except subprocess.TimeoutExpired:
+            return None, "benchmark_app timed out"
     found = _MEDIAN.search(proc.stdout)
     if proc.returncode != 0 or found is None:
         last = (proc.stdout + proc.stderr).strip().splitlines()[-1:] or ["no output"]
         return None, f"benchmark_app failed: {last[0][:120]}"
     scale = 1e-3 if found.group(2) == "us" else 1.0
-    return float(found.group(1)) * scale, "benchmark_app -hint none -nstreams 1 -nireq 1 -api sync"
+    data = "the same input" if "-i" in cmd else "its own random input"
+    return float(found.group(1)) * scale, f"benchmark_app -hint none -nstreams 1 -nireq 1 -api sync, {data}"
 
 
 class _BareOpenVino:
     """OpenVINO's own request on `model` at `feed`'s shapes, as benchmark_app compiles it, called from Python
-    with nothing around it: inputs written once, then `infer()` with no arguments and no outputs read."""
+    with nothing around it: inputs written once, then the C++ `infer` with no inputs and no outputs read."""
 
     def __init__(self, model: Path, feed: Mapping[str, np.ndarray], threads: int, precision: str) -> None:
         import openvino as ov
+        from openvino._pyopenvino import InferRequest
 
         core = ov.Core()
         graph = core.read_model(str(model))
@@ -79,24 +94,66 @@ class _BareOpenVino:
         self.request = core.compile_model(graph, "CPU", config).create_infer_request()
         for name, value in feed.items():
             self.request.get_tensor(name).data[...] = value
+        self._infer = InferRequest.infer
+        self.split: list[tuple[float, float]] = []  # per call: ms inside OpenVINO's request, ms around it
 
     def run(self, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
-        self.request.infer()
+        t0 = time.perf_counter()
+        self._infer(self.request, {}, True, True)
+        wall = (time.perf_counter() - t0) * 1e3
+        self.split.append((self.request.latency, wall - self.request.latency))
         return {}
 
     def close(self) -> None:
         del self.request
 
 
+class _Inside:
+    """A runner whose calls are split into OpenVINO's own latency (`last_latency_ms`, inside its C++ request)
+    and the rest of the call's wall time."""
+
+    def __init__(self, runner: Any) -> None:
+        self.runner = runner
+        self.split: list[tuple[float, float]] = []
+
+    def run(self, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        t0 = time.perf_counter()
+        out: dict[str, np.ndarray] = self.runner.run(inputs)
+        wall = (time.perf_counter() - t0) * 1e3
+        inside = self.runner.last_latency_ms
+        self.split.append((inside, wall - inside))
+        return out
+
+    def close(self) -> None:
+        """The wrapped runner is its caller's to close."""
+
+
+@dataclass(frozen=True)
+class BesideBare:
+    """A rung's session and the bare OpenVINO request from Python on its file, timed interleaved at batch 1 (ms).
+
+    `*_split`: medians over the calls of OpenVINO's own latency (inside the C++ request, what benchmark_app
+    reports) and of the rest of each call's wall time (around it, in Python); None where the runner is not an
+    OpenVINO one. `bare_ms` is None (and `how` says why) where there is no bare request."""
+
+    rung_ms: float
+    rung_split: tuple[float, float] | None
+    bare_ms: float | None
+    bare_split: tuple[float, float] | None
+    how: str
+
+
 def beside_bare_request(rung: Runner, model: Path, feed: Mapping[str, np.ndarray], threads: int, *,
-                        precision: str = "fp32", budget_s: float = 2.0) -> tuple[float, float | None, str]:
-    """(rung p50 ms, bare request p50 ms, how) timed interleaved at batch 1; the bare request only for an
-    OpenVINO file whose inputs are float arrays (None and why otherwise)."""
-    runners: dict[str, Runner] = {"rung": rung}
-    why = "OpenVINO InferRequest.infer() from Python, inputs set once"
+                        precision: str = "fp32", budget_s: float = 2.0) -> BesideBare:
+    """The rung timed interleaved with the bare request at batch 1, the bare request only for an OpenVINO file
+    whose inputs are float arrays."""
+    inside = _Inside(rung) if hasattr(rung, "last_latency_ms") else None
+    runners: dict[str, Runner] = {"rung": inside or rung}
+    why = "OpenVINO's C++ InferRequest.infer from Python, inputs set once, no outputs read"
+    bare = None
     if model.suffix == ".xml" and all(v.ndim and np.issubdtype(v.dtype, np.floating) for v in feed.values()):
         try:
-            runners["bare"] = _BareOpenVino(model, feed, threads, precision)
+            runners["bare"] = bare = _BareOpenVino(model, feed, threads, precision)
         except RuntimeError as exc:
             why = f"bare request failed: {str(exc).splitlines()[-1][:120]}"
     else:
@@ -104,10 +161,14 @@ def beside_bare_request(rung: Runner, model: Path, feed: Mapping[str, np.ndarray
     try:
         timing = time_runners(runners, {1: feed}, plan=TimingPlan(budget_s=budget_s))
     finally:
-        if "bare" in runners:
-            runners["bare"].close()
-    bare = timing["bare"]["batch_1"]["p50"] if "bare" in timing else None
-    return timing["rung"]["batch_1"]["p50"], bare, why
+        if bare is not None:
+            bare.close()
+
+    def medians(split: list[tuple[float, float]] | None) -> tuple[float, float] | None:
+        return (float(np.median([a for a, _ in split])), float(np.median([b for _, b in split]))) if split else None
+
+    return BesideBare(timing["rung"]["batch_1"]["p50"], medians(inside.split if inside else None),
+                      timing["bare"]["batch_1"]["p50"] if bare else None, medians(bare.split if bare else None), why)
 
 
 class _OrtRunner:

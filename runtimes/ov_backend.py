@@ -153,6 +153,7 @@ class OpenVinoSession(Session):
         self._static: dict[tuple[tuple[int, ...], ...], FixedRequest | None] = {}
         self._fixed = None if dynamic else FixedRequest.build(self._compiled)
         self._fixed_key = None if dynamic else tuple(tuple(int(d) for d in s.shape) for s in self.inputs)
+        self._last: FixedRequest | None = None  # the request the last call ran on
 
     @property
     def static_shapes(self) -> tuple[dict[str, tuple[int, ...]], ...]:
@@ -183,6 +184,14 @@ class OpenVinoSession(Session):
         self._static[key] = fixed
         return fixed
 
+    @property
+    def last_latency_ms(self) -> float | None:
+        """OpenVINO's own latency of the last call, in ms: the time inside its C++ request (`InferRequest.latency`,
+        what `benchmark_app` reports); the rest of the call's wall time is spent around it, in Python. None before
+        the first call."""
+        last = self._last
+        return None if last is None or last.request is None else float(last.request.latency)
+
     def get_property(self, name: str) -> Any:
         """A property of the compiled model, e.g. "INFERENCE_NUM_THREADS" or "PERFORMANCE_HINT"."""
         return self._compiled.get_property(name)
@@ -199,12 +208,10 @@ class OpenVinoSession(Session):
             key = tuple(a.shape for a in arrays)
             with self._lock:
                 fixed = self._fixed_for(key)
-                if fixed is not None:
-                    outputs = fixed.run(arrays)
-                elif self._model is None and self._fixed is not None:
+                if fixed is None and self._model is None and self._fixed is not None:
                     raise self._input_error(inputs, None)  # a fixed-shape model called with another shape
-                else:
-                    outputs = self._generic.run(arrays)
+                self._last = fixed = fixed or self._generic
+                outputs = fixed.run(arrays)
         except (RuntimeError, TypeError, ValueError) as exc:
             raise self._input_error(inputs, exc) from exc
         return dict(zip(self._output_names, outputs, strict=True))
@@ -226,7 +233,7 @@ class OpenVinoSession(Session):
             if fixed is not None:
                 fixed.close()
         self._static.clear()
-        self._fixed = None
+        self._fixed = self._last = None
         self._generic.close()
         del self._request, self._compiled, self._model
 

@@ -57,6 +57,23 @@ def test_other_suffix_is_a_config_error(digits_cnn_pt2: Path) -> None:
         open_session(digits_cnn_pt2, backend="openvino")
 
 
+def test_last_latency_is_openvinos_own_time_of_the_request_that_ran(digits_cnn_ir: Path) -> None:
+    # The part of a call inside OpenVINO's C++ request (what benchmark_app reports): the fixed-shape copy's
+    # for a shape it has, the dynamic model's for one past the budget; never more than the call's wall time.
+    import time
+
+    x = np.zeros((3, 1, 8, 8), np.float32)
+    with open_session(digits_cnn_ir, options=SessionOptions(static_shapes=1)) as s:
+        assert s.last_latency_ms is None
+        for n in (1, 3, 1):
+            t0 = time.perf_counter()
+            s.run({"x": x[:n]})
+            wall_ms = (time.perf_counter() - t0) * 1e3
+            assert s.last_latency_ms is not None
+            assert 0 < s.last_latency_ms <= wall_ms
+            assert s._last is (s._generic if n == 3 else s._static[((1, 1, 8, 8),)])
+
+
 def test_each_new_shape_gets_a_fixed_shape_copy_within_the_budget(digits_cnn_ir: Path) -> None:
     # The digits CNN has a dynamic batch: the first two batch sizes get fixed-shape copies, a third runs
     # the dynamic model; every one computes the same logits as the dynamic model.
