@@ -27,7 +27,9 @@ batch, with fidelity (the guard's, and the worst output's relative error measure
 
 With `--zoo`, each graph's compile seconds (per step and per rung) are recorded, the CPU is named, and the
 recommended rung is set against the fastest the runtimes themselves reach at batch 1 in the same run
-(OpenVINO's benchmark_app, onnxruntime's best session options; bench/runtime_floor.py).
+(OpenVINO's benchmark_app on the same input, onnxruntime's best session options; bench/runtime_floor.py), and an
+OpenVINO rung also against the bare OpenVINO request called from Python (Python's own per-call floor), with
+each call split into the time inside OpenVINO's request and the time around it (bench/compile_zoo.py says how).
 
 `--max-time` and `--repair-budget` pass to each zoo compile (`compile_model`'s max_time and repair_budget); each
 graph's summary names the step that took most of its compile, and its slowest rung with how much of it the

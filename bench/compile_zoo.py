@@ -18,6 +18,18 @@ ratio floor / rung p50 is what to compare (target >= 0.95x on the rung's own fil
 session timed again on a fresh session beside its runtime's bare request only (OpenVINO's request called
 from Python with its inputs set once), since benchmark_app too runs alone; the p50 among the other rungs is
 printed beside it. Inputs are made C-contiguous, as the runtimes' own buffers are.
+
+What each figure is: a rung's p50 is the median wall time of a call to its tierkit session
+(`compilers.measure.time_runners`: one call apart, 3 warm-up calls, then 5 interleaved rounds of blocks, each
+block begun with at least 2 untimed calls and 80 ms; the median over every timed call). benchmark_app's is
+the median of OpenVINO's own latency (`InferRequest.latency`, measured inside its C++ `infer`) over its sync
+calls for 4 s, on the same input: no Python caller can reach it, since every call from Python also pays the
+binding and the copies around it. So an OpenVINO rung's call is split, per call, into OpenVINO's latency and
+the time around it (medians), for the rung and for the bare request from Python (the least any Python caller
+of the file pays: "Python's floor", its own ratio judged against the same 0.95x): the inside part against
+benchmark_app says whether the compiled model itself runs as fast as OpenVINO's own (same compile config:
+LATENCY hint, one stream, `threads` threads, pinning as OpenVINO defaults); the around part against the bare
+request's is what tierkit's session adds (checks, copying inputs in and outputs out).
 """
 
 from __future__ import annotations
@@ -247,6 +259,8 @@ def _floors(summary: GraphSummary, graph: zoo.ZooGraph, artifact: Path, runtime:
         rung.close()
     summary.alone_ms, summary.alone_split = beside.rung_ms, beside.rung_split
     summary.bare_ms, summary.bare_split, summary.bare_by = beside.bare_ms, beside.bare_split, beside.how
+    if beside.config:
+        summary.notes.append(f"the rung's compile config differs from the bare request's: {beside.config}")
     ort_ms, ort_by = onnxruntime_floor(graph.path(), feed, threads)
     ov_ms, ov_by = openvino_floor(graph.path(), feed, threads)
     if ov_ms is None:

@@ -91,7 +91,8 @@ class _BareOpenVino:
         graph.reshape({k: ov.PartialShape(list(v.shape)) for k, v in feed.items()})
         hint = {"fp32": "f32", "int8": "f32", "bf16": "bf16", "fp16": "f16"}.get(precision, "f32")
         config = {"PERFORMANCE_HINT": "LATENCY", "INFERENCE_NUM_THREADS": threads, "INFERENCE_PRECISION_HINT": hint}
-        self.request = core.compile_model(graph, "CPU", config).create_infer_request()
+        self.compiled = core.compile_model(graph, "CPU", config)
+        self.request = self.compiled.create_infer_request()
         for name, value in feed.items():
             self.request.get_tensor(name).data[...] = value
         self._infer = InferRequest.infer
@@ -105,7 +106,26 @@ class _BareOpenVino:
         return {}
 
     def close(self) -> None:
-        del self.request
+        del self.request, self.compiled
+
+
+# what decides how OpenVINO's CPU plugin threads a request: the rung's session and the bare request should agree
+CONFIG = ("PERFORMANCE_HINT", "NUM_STREAMS", "INFERENCE_NUM_THREADS", "ENABLE_CPU_PINNING", "SCHEDULING_CORE_TYPE",
+          "ENABLE_HYPER_THREADING", "INFERENCE_PRECISION_HINT")
+
+
+def config_difference(rung: Any, bare: Any) -> str:
+    """The CPU plugin properties (`CONFIG`) on which the rung's compiled model and the bare request's differ,
+    as "NAME rung/bare"; "" when they agree."""
+    diffs = []
+    for name in CONFIG:
+        try:
+            mine, theirs = str(rung.get_property(name)), str(bare.get_property(name))
+        except RuntimeError:
+            continue
+        if mine != theirs:
+            diffs.append(f"{name} {mine}/{theirs}")
+    return ", ".join(diffs)
 
 
 class _Inside:
@@ -141,6 +161,7 @@ class BesideBare:
     bare_ms: float | None
     bare_split: tuple[float, float] | None
     how: str
+    config: str = ""  # where the rung's compile config differs from the bare request's (see CONFIG)
 
 
 def beside_bare_request(rung: Runner, model: Path, feed: Mapping[str, np.ndarray], threads: int, *,
@@ -158,6 +179,7 @@ def beside_bare_request(rung: Runner, model: Path, feed: Mapping[str, np.ndarray
             why = f"bare request failed: {str(exc).splitlines()[-1][:120]}"
     else:
         why = "no bare request: not an OpenVINO file with float inputs"
+    differs = config_difference(rung, bare.compiled) if bare is not None and hasattr(rung, "get_property") else ""
     try:
         timing = time_runners(runners, {1: feed}, plan=TimingPlan(budget_s=budget_s))
     finally:
@@ -168,7 +190,8 @@ def beside_bare_request(rung: Runner, model: Path, feed: Mapping[str, np.ndarray
         return (float(np.median([a for a, _ in split])), float(np.median([b for _, b in split]))) if split else None
 
     return BesideBare(timing["rung"]["batch_1"]["p50"], medians(inside.split if inside else None),
-                      timing["bare"]["batch_1"]["p50"] if bare else None, medians(bare.split if bare else None), why)
+                      timing["bare"]["batch_1"]["p50"] if bare else None, medians(bare.split if bare else None), why,
+                      differs)
 
 
 class _OrtRunner:
