@@ -61,6 +61,7 @@ from edge_agent.evidence import (
     gain_stderr,
     measured,
     outside,
+    variant_stderr,
 )
 from edge_agent.plan import Conditions
 from edge_agent.profiles import LinkProfile, LinkState, VariantProfile
@@ -417,12 +418,15 @@ class Controller:
         # says they would cost then is no reason to move (the floor still is)
         up = link is None or link.up
         stderr = gain_stderr(self._by_id[cur.variant], cur, cand)
+        # across variants, the two points' own validation error: a gain of a few hundredths of a point from
+        # another variant is noise (it moved the controller between variants and back late in a phase)
+        across = variant_stderr(self._by_id[cur.variant], self._by_id[cand.variant], cur, cand)
         evidence = energy_evidence(self._by_id[cur.variant], self._by_id[cand.variant], self.config.energy_z)
         # the settle time keeps a burst from taking the escalations away: a move that keeps them (a smaller
         # wire encoding, a point escalating as much) is no such move, and waits for nothing
         keeps = cand.predicted_escalation_rate >= cur.predicted_escalation_rate - KEEP_ESCALATIONS
         return switch_reason(cur, cand, self.config, noise=self._cloud_noise(cur, cand),
-                             gain_noise=0.0 if changed_conditions else self.config.gain_z * stderr,
+                             gain_noise=0.0 if changed_conditions else self.config.gain_z * max(stderr, across),
                              energy_evidence=(settled or keeps) and up and evidence,
                              floor=floor, tie=self.config.tie_z * stderr)
 

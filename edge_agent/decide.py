@@ -42,7 +42,8 @@ when (1) the current point breaks a budget by more than `violation_tolerance`, o
 the choice is as accurate; or (2) the choice is more accurate by more than the accuracy margin plus the
 noise of the fitted cloud accuracy (`accuracy_z` standard errors over the escalations the move adds)
 plus `gain_z` standard errors of the gain's validation estimate (the edge's correctness over the band of
-inputs between two thresholds of one variant: what `tied` judges ties by), the last at most
+inputs between two thresholds of one variant: what `tied` judges ties by; across variants, the two points'
+own validation error, `evidence.variant_stderr`), the last at most
 `gain_hold_max` and none in the first re-decision after a change of the budget or the link, and it fits
 the latency target with `switch_headroom` and the energy target with `energy_switch_headroom` to spare
 (near a flat optimum, the first decision after a change stands; the gain's evidence separates only
