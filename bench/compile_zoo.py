@@ -261,6 +261,10 @@ def _floors(summary: GraphSummary, graph: zoo.ZooGraph, artifact: Path, runtime:
     summary.bare_ms, summary.bare_split, summary.bare_by = beside.bare_ms, beside.bare_split, beside.how
     if beside.config:
         summary.notes.append(f"the rung's compile config differs from the bare request's: {beside.config}")
+    if beside.bare_ms and beside.unpinned_ms:
+        summary.notes.append(f"threads pinned to cores (OpenVINO's default, the rung's and benchmark_app's): the bare "
+                             f"request {beside.bare_ms:.3f} ms; not pinned {beside.unpinned_ms:.3f} ms "
+                             f"({beside.bare_ms / beside.unpinned_ms:.2f}x), timed beside it")
     ort_ms, ort_by = onnxruntime_floor(graph.path(), feed, threads)
     ov_ms, ov_by = openvino_floor(graph.path(), feed, threads)
     if ov_ms is None:

@@ -82,7 +82,8 @@ class _BareOpenVino:
     """OpenVINO's own request on `model` at `feed`'s shapes, as benchmark_app compiles it, called from Python
     with nothing around it: inputs written once, then the C++ `infer` with no inputs and no outputs read."""
 
-    def __init__(self, model: Path, feed: Mapping[str, np.ndarray], threads: int, precision: str) -> None:
+    def __init__(self, model: Path, feed: Mapping[str, np.ndarray], threads: int, precision: str,
+                 pinning: bool | None = None) -> None:
         import openvino as ov
         from openvino._pyopenvino import InferRequest
 
@@ -90,7 +91,10 @@ class _BareOpenVino:
         graph = core.read_model(str(model))
         graph.reshape({k: ov.PartialShape(list(v.shape)) for k, v in feed.items()})
         hint = {"fp32": "f32", "int8": "f32", "bf16": "bf16", "fp16": "f16"}.get(precision, "f32")
-        config = {"PERFORMANCE_HINT": "LATENCY", "INFERENCE_NUM_THREADS": threads, "INFERENCE_PRECISION_HINT": hint}
+        config: dict[str, Any] = {"PERFORMANCE_HINT": "LATENCY", "INFERENCE_NUM_THREADS": threads,
+                                  "INFERENCE_PRECISION_HINT": hint}
+        if pinning is not None:  # None: OpenVINO's default (pinned, with the LATENCY hint on Linux)
+            config["ENABLE_CPU_PINNING"] = pinning
         self.compiled = core.compile_model(graph, "CPU", config)
         self.request = self.compiled.create_infer_request()
         for name, value in feed.items():
@@ -162,6 +166,7 @@ class BesideBare:
     bare_split: tuple[float, float] | None
     how: str
     config: str = ""  # where the rung's compile config differs from the bare request's (see CONFIG)
+    unpinned_ms: float | None = None  # the bare request compiled with ENABLE_CPU_PINNING off, timed beside them
 
 
 def beside_bare_request(rung: Runner, model: Path, feed: Mapping[str, np.ndarray], threads: int, *,
@@ -175,23 +180,25 @@ def beside_bare_request(rung: Runner, model: Path, feed: Mapping[str, np.ndarray
     if model.suffix == ".xml" and all(v.ndim and np.issubdtype(v.dtype, np.floating) for v in feed.values()):
         try:
             runners["bare"] = bare = _BareOpenVino(model, feed, threads, precision)
+            runners["unpinned"] = _BareOpenVino(model, feed, threads, precision, pinning=False)
         except RuntimeError as exc:
             why = f"bare request failed: {str(exc).splitlines()[-1][:120]}"
     else:
         why = "no bare request: not an OpenVINO file with float inputs"
     differs = config_difference(rung, bare.compiled) if bare is not None and hasattr(rung, "get_property") else ""
     try:
-        timing = time_runners(runners, {1: feed}, plan=TimingPlan(budget_s=budget_s))
+        timing = time_runners(runners, {1: feed}, plan=TimingPlan(budget_s=budget_s * len(runners) / 2))
     finally:
-        if bare is not None:
-            bare.close()
+        for name in ("bare", "unpinned"):
+            if name in runners:
+                runners[name].close()
 
     def medians(split: list[tuple[float, float]] | None) -> tuple[float, float] | None:
         return (float(np.median([a for a, _ in split])), float(np.median([b for _, b in split]))) if split else None
 
     return BesideBare(timing["rung"]["batch_1"]["p50"], medians(inside.split if inside else None),
                       timing["bare"]["batch_1"]["p50"] if bare else None, medians(bare.split if bare else None), why,
-                      differs)
+                      differs, timing["unpinned"]["batch_1"]["p50"] if "unpinned" in timing else None)
 
 
 class _OrtRunner:
