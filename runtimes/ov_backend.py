@@ -124,6 +124,8 @@ class OpenVinoSession(Session):
                                   "INFERENCE_PRECISION_HINT": _HINTS[options.precision]}
         if options.intra_op_threads:
             config["INFERENCE_NUM_THREADS"] = options.intra_op_threads
+        if options.cpu_pinning is not None and device == "CPU":
+            config["ENABLE_CPU_PINNING"] = options.cpu_pinning
         try:
             model = self._core.read_model(str(artifact))
         except RuntimeError as exc:

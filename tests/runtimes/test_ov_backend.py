@@ -21,6 +21,16 @@ def test_threads_and_hint_reach_the_compiled_model(digits_cnn_ir: Path) -> None:
         assert s.device == "CPU"
 
 
+@pytest.mark.parametrize("pinning", [True, False])
+def test_cpu_pinning_reaches_the_compiled_model_and_its_fixed_shape_copies(digits_cnn_ir: Path, pinning: bool) -> None:
+    with open_session(digits_cnn_ir, options=SessionOptions(cpu_pinning=pinning, static_shapes=1)) as s:
+        assert s.get_property("ENABLE_CPU_PINNING") is pinning
+        s.run({"x": np.zeros((1, 1, 8, 8), np.float32)})
+        copy = s._static[((1, 1, 8, 8),)]
+        assert copy is not None
+        assert copy.request.get_compiled_model().get_property("ENABLE_CPU_PINNING") is pinning
+
+
 def test_float64_is_refused_not_converted(digits_cnn_ir: Path) -> None:
     # OpenVINO alone would cast float64 to float32 silently.
     with open_session(digits_cnn_ir) as s, pytest.raises(InputError, match="dtype float64"):
