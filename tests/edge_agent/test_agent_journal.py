@@ -89,14 +89,19 @@ def test_unkept_escalations_are_not_journaled(package: ModelPackage, digits: zoo
 
 
 def test_policy_keep_and_full_journal(package: ModelPackage, digits: zoo.Split, tmp_path: Path) -> None:
+    # A budget a loaded host's fsync fits in: with the default 100 ms, the journal-ahead of the first
+    # escalation took what was left of it in a suite run at a load average of 11-18, and the escalation,
+    # journaled, was not sent ("budget"); this test is about what the journal holds, not about time.
     async def main() -> list[str]:
         async with EdgeAgent(package, cloud=FakeTransport(FlakyCloud()), policy=Policy(threshold=2.0, keep=True),
-                             options=options(tmp_path, journal_max_bytes=700)) as agent:
+                             budget=Budget(latency_ms=5000), options=options(tmp_path, journal_max_bytes=700)) as agent:
             return [(await agent.infer(x)).reason for x in digits.x_test[:3]]
 
     reasons = asyncio.run(main())
-    assert reasons[0] in {"unavailable", "breaker_open"}
-    assert reasons[-1] == "journal_full"
+    assert reasons[0] in {"unavailable", "breaker_open"}, reasons  # journaled ahead, then sent and refused
+    assert reasons[1:] == ["journal_full", "journal_full"], reasons
+    with Journal(tmp_path / "journal.db") as journal:  # the one record that fit, kept for the drain
+        assert journal.count() == 1
 
 
 def test_corrupt_journal_is_moved_aside(package: ModelPackage, digits: zoo.Split, tmp_path: Path,
