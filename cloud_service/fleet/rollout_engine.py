@@ -63,7 +63,7 @@ from cloud_service.fleet.rollouts import (
 )
 from cloud_service.fleet.store import FleetStore
 from cloud_service.fleet.telemetry import stored_window
-from cloud_service.protocol.fleet_docs import Desired, Reported, Soak, SoakProgress
+from cloud_service.protocol.fleet_docs import Desired, Reported, Soak, SoakProgress, SwapState
 from runtimes.budget import BudgetOverride
 
 logger = logging.getLogger(__name__)
@@ -173,7 +173,7 @@ class RolloutEngine:
             elif swap is not None and swap.target == release:
                 new = swap.state.value
             elif running == release:
-                new = "committed" if swap is None else "active"
+                new = SwapState.COMMITTED if swap is None else SwapState.ACTIVE
             ran = bool(d["ran"]) or new in RAN_STATES or running == release
             detail = (swap.error or "")[:500] if swap is not None and swap.target == release else d["detail"]
             if (new, ran, detail) != (d["state"], bool(d["ran"]), d["detail"]):
@@ -187,7 +187,7 @@ class RolloutEngine:
         for dev in devices:
             d = ctx.devs[dev]
             doc, at = ctx.reported.get(dev, _NOTHING)
-            if d["state"] in ("refused", "rolled_back"):
+            if d["state"] in (SwapState.REFUSED, SwapState.ROLLED_BACK):
                 fails[dev] = f"{d['state']}: {d['detail'] or 'no reason given'}"
             golden = doc.golden
             if (at >= (d["assigned_at"] or 0) and doc.release == ctx.row.release and golden is not None
@@ -342,9 +342,9 @@ class RolloutEngine:
 
     def _soaked(self, ctx: _Ctx, device: str, opts: RolloutOptions) -> bool:
         d = ctx.devs[device]
-        if d["state"] == "committed":
+        if d["state"] == SwapState.COMMITTED:
             return True
-        if d["state"] not in ("active", "soaking"):
+        if d["state"] not in (SwapState.ACTIVE, SwapState.SOAKING):
             return False
         swap = ctx.reported.get(device, _NOTHING)[0].swap
         done = swap.soak if swap is not None and swap.soak is not None else SoakProgress()
@@ -451,8 +451,9 @@ class RolloutEngine:
                 continue
             # progress: a reported document (one at every swap state change); while it runs the release
             # (active, soaking), its telemetry too, since a long soak changes no state
+            serving = d["state"] in (SwapState.ACTIVE, SwapState.SOAKING)
             quiet_since = max(d["assigned_at"], d["updated_at"], ctx.reported.get(dev, _NOTHING)[1],
-                              (ctx.seen.get(dev) or 0.0) if d["state"] in ("active", "soaking") else 0.0)
+                              (ctx.seen.get(dev) or 0.0) if serving else 0.0)
             if ctx.now - quiet_since > opts.stall_after_s:
                 values = {"state": "catch_up", "updated_at": ctx.now,
                           "detail": f"no progress for {opts.stall_after_s:g} s"}

@@ -43,12 +43,9 @@ from cloud_service.protocol.fleet_docs import (
     ROLLOUT_SOAK,
     WAVES,
     WAVES_TEXT,
-    SwapState,
 )
 
 ACTIVE = ("running", "paused")
-# the device states a swap reports (fleet_docs.SwapState), as the plain strings the tables hold
-SWAP_STATES = tuple(s.value for s in SwapState)
 MOVING_STATES = tuple(s.value for s in IN_PROGRESS)  # a swap not yet ended
 RAN_STATES = tuple(s.value for s in RAN)
 # device states the engine still has work for (a rollout stays open while any device is in one of them)
