@@ -26,6 +26,7 @@ from typing import Any
 import paho.mqtt.client as paho
 from paho.mqtt.enums import CallbackAPIVersion
 
+from cloud_service.protocol.fleet_docs import DEFAULT_SOAK, UNSET, Soak, parse_desired
 from edge_agent.fleet_sync import FleetIdentity
 
 
@@ -69,7 +70,7 @@ class SimDevice:
     def __post_init__(self) -> None:
         self.slots: dict[str, Any] = {"A": self.running, "B": None, "active": "A" if self.running else None}
         self.swap: dict[str, Any] | None = None
-        self.soak_target: dict[str, Any] = {"requests": 200}
+        self.soak_target: Soak = DEFAULT_SOAK
         self.soaked_requests, self.soak_started = 0, 0.0
         self.crashes, self.seq, self.desired_version = 0, 0, None
         self.rng = random.Random(self.ident.device_id)
@@ -154,21 +155,22 @@ class SimDevice:
             self.soaked_requests += n
             self.swap["soak"] = {"requests": self.soaked_requests, "seconds": time.time() - self.soak_started}
             want = self.soak_target
-            if (self.soaked_requests >= want.get("requests", float("inf"))
-                    or time.time() - self.soak_started >= want.get("seconds", float("inf"))):
+            if ((want.requests is not None and self.soaked_requests >= want.requests)
+                    or (want.seconds is not None and time.time() - self.soak_started >= want.seconds)):
                 self._state("committed")
             elif self.swap["state"] == "active":
                 self._state("soaking")
 
-    def _apply(self, doc: dict[str, Any]) -> None:
-        self.desired_version = doc.get("version")
-        target = doc.get("release")
+    def _apply(self, raw: dict[str, Any]) -> None:
+        doc = parse_desired(raw)  # the agent's own parser: a document it would refuse fails here too
+        self.desired_version = doc.version
+        target = doc.release if doc.release is not UNSET else None
         if not target or target == self.running:
             self._report()
             return
-        self.soak_target = doc.get("soak") or {"requests": 200}
+        self.soak_target = doc.soak_or_default()
         other = "B" if self.slots["active"] == "A" else "A"
-        if doc.get("rollback") and self.slots.get(other) == target:  # an A/B pointer flip, no download
+        if doc.rollback and self.slots.get(other) == target:  # an A/B pointer flip, no download
             self.slots["active"], self.running = other, target
             self.swap = {"state": "committed", "target": target, "since": time.time()}
             self.flipped_back_at = time.time()
