@@ -87,6 +87,31 @@ def _serve(models: Path) -> tuple[subprocess.Popen[str], str]:
     return proc, address
 
 
+def _trace(results: list[tuple[sdk.Prediction, float]]) -> str:
+    """What each request got (tier, reason, wall ms): the message of a failed assertion."""
+    return " ".join(f"{p.tier}/{p.reason or '-'}/{ms:.0f}" for p, ms in results)
+
+
+def _warm(model: sdk.TieredModel, xs: np.ndarray, in_a_row: int = 10) -> None:
+    """Escalate until the cloud has answered `in_a_row` in a row within the budget, before anything is timed.
+
+    The first round trips to a fresh cloud (connecting, its model's first runs) are slow on a loaded host; with
+    few round trips in the link's window, one of those is its high quantile, and the agent then skips every
+    escalation as not fitting ("rtt") until a probe answers: a run of 30 requests took no cloud answer at all
+    at a load average of 11-18. Ten in a row put the cold ones past the quantile the skip rule reads.
+    """
+    row = [0]
+
+    def answered() -> bool:
+        for x in xs:
+            row[0] = row[0] + 1 if model.predict(x).tier == "cloud" else 0
+            if row[0] >= in_a_row:
+                return True
+        return False
+
+    wait_for(f"{in_a_row} cloud answers in a row", answered, timeout=30)
+
+
 def _end(proc: subprocess.Popen[str], sig: int = signal.SIGKILL) -> None:
     if proc.poll() is None:
         proc.send_signal(sig)
@@ -100,7 +125,7 @@ def test_cloud_killed_mid_stream(edge: ModelPackage, cloud_models: Path, digits:
     try:
         with sdk.load(edge.directory, cloud=f"grpc://{address}/digits-cloud", budget=sdk.Budget(latency_ms=BUDGET_MS),
                       policy=ALWAYS, options=_options()) as model:
-            model.predict(digits.x_test[0])  # connect before timing
+            _warm(model, digits.x_test[:20])  # connect, and let the link learn the cloud, before timing
             results = []
             for i, x in enumerate(digits.x_test[:60]):
                 if i == 30:
@@ -110,9 +135,9 @@ def test_cloud_killed_mid_stream(edge: ModelPackage, cloud_models: Path, digits:
     finally:
         _end(proc)
     assert len(results) == 60
-    assert all(ms <= BUDGET_MS + MARGIN_MS for _, ms in results), max(ms for _, ms in results)
-    assert sum(p.tier == "cloud" for p, _ in results[:30]) >= 28
-    assert all(p.degraded and p.tier == "edge" for p, _ in results[31:])
+    assert all(ms <= BUDGET_MS + MARGIN_MS for _, ms in results), _trace(results)
+    assert sum(p.tier == "cloud" for p, _ in results[:30]) >= 28, _trace(results)
+    assert all(p.degraded and p.tier == "edge" for p, _ in results[31:]), _trace(results)
 
 
 class _Cloud(inference_pb2_grpc.GRPCInferenceServiceServicer):
@@ -185,9 +210,14 @@ def test_hung_cloud_costs_at_most_the_deadline(edge: ModelPackage, digits: zoo.S
         if server is not None:
             server.stop(0)
         listener.close()  # type: ignore[attr-defined]
-    assert all(p.degraded for p, _ in results)
-    assert all(ms <= BUDGET_MS + MARGIN_MS for _, ms in results), max(ms for _, ms in results)
-    assert {p.reason for p, _ in results} <= {"timeout", "rtt", "breaker_open", "unavailable"}
+    assert all(p.degraded for p, _ in results), _trace(results)
+    assert all(ms <= BUDGET_MS + MARGIN_MS for _, ms in results), _trace(results)
+    # "late": the agent's loop thread did not get the CPU to end the call in time and `predict` answered
+    # locally (seen once at a load average of 11-18); a timer that does not end the call leaves every
+    # escalation hanging, and each of the 12 would be "late"
+    reasons = [p.reason for p, _ in results]
+    assert set(reasons) <= {"timeout", "rtt", "breaker_open", "unavailable", "late"}, _trace(results)
+    assert reasons.count("late") <= 1, _trace(results)
 
 
 @pytest.mark.mqtt
@@ -198,7 +228,7 @@ def test_broker_restart(edge: ModelPackage, cloud_models: Path, digits: zoo.Spli
     try:
         with sdk.load(edge.directory, cloud=f"{broker.url}/digits-cloud", budget=sdk.Budget(latency_ms=BUDGET_MS),
                       policy=ALWAYS, options=_options()) as model:
-            model.predict(digits.x_test[0])
+            _warm(model, digits.x_test[:20])
             results += [timed(model, x) for x in digits.x_test[:20]]
             broker.restart(down_s=0.5)
             deadline = time.monotonic() + 20
@@ -211,9 +241,9 @@ def test_broker_restart(edge: ModelPackage, cloud_models: Path, digits: zoo.Spli
                 time.sleep(0.05)  # pacing between rounds of requests while the broker comes back
     finally:
         cloud.stop()
-    assert all(p.tier == "cloud" for p, _ in results[:20])
-    assert recovered >= 5, "escalations did not resume after the broker came back"
-    assert all(ms <= BUDGET_MS + MARGIN_MS for _, ms in results), max(ms for _, ms in results)
+    assert all(p.tier == "cloud" for p, _ in results[:20]), _trace(results)
+    assert recovered >= 5, f"escalations did not resume after the broker came back: {_trace(results)}"
+    assert all(ms <= BUDGET_MS + MARGIN_MS for _, ms in results), _trace(results)
 
 
 def _agent(config: Path) -> tuple[subprocess.Popen[str], int]:
