@@ -68,8 +68,8 @@ class Base:
 
 
 @dataclass
-class Candidate:
-    """A rung that was built and passed the guard."""
+class BuiltVariant:
+    """The variant a rung (a recipe) built, after it passed the guard: not yet ranked or written."""
 
     id: str
     base: Base
@@ -161,7 +161,7 @@ class Ladder:
             if self.prune is not None:
                 bar.set_description(f"prune {self.prune.ratio:.0%} + recovery")
                 bases.append(self._pruned_base())
-            candidates: list[Candidate] = []
+            candidates: list[BuiltVariant] = []
             for base in bases:
                 for rung in rungs:
                     vid = "-".join(filter(None, (base.label, rung.id)))
@@ -184,7 +184,7 @@ class Ladder:
             bar.update()
         return vs
 
-    def _timed_build(self, vid: str, base: Base, rung: Rung, *, may_cut: bool) -> Candidate | None:
+    def _timed_build(self, vid: str, base: Base, rung: Rung, *, may_cut: bool) -> BuiltVariant | None:
         """`_build`, refused unbuilt once `max_time` is spent and a rung is kept (`may_cut`); records where the
         rung's seconds went."""
         entry = {"id": vid, "precision": rung.precision, "runtime": rung.runtime,
@@ -476,7 +476,7 @@ class Ladder:
     def _device(self, runtime: str) -> str:
         return "cuda" if runtime == "tensorrt" else "cpu"
 
-    def _build(self, vid: str, base: Base, rung: Rung) -> Candidate | None:
+    def _build(self, vid: str, base: Base, rung: Rung) -> BuiltVariant | None:
         ctx = PassContext(workdir=self.work, source=base.onnx, specs=self.source.inputs, calibration=self.calibration,
                           validation=self.validation, task=str(self.task), guard=self.guard, evaluate=self.evaluate,
                           threads=self.threads, batch_sizes=self.batch_sizes, torch_model=base.torch_model,
@@ -526,7 +526,7 @@ class Ladder:
             records.append({"name": "note", "text": rung.note})
         if self._reused:
             records.append({"name": "note", "text": REUSED_NOTE})
-        return Candidate(vid, base, rung, artifact, records, fid, self._outputs[str(artifact)],
+        return BuiltVariant(vid, base, rung, artifact, records, fid, self._outputs[str(artifact)],
                          executed_precision=self._executed[str(artifact)])
 
     def _run_pass(self, spec: PassSpec, artifact: Path, ctx: PassContext) -> PassResult:
@@ -560,7 +560,7 @@ class Ladder:
 
     # -- timing ---------------------------------------------------------------------------------
 
-    def _time(self, candidates: list[Candidate]) -> str:
+    def _time(self, candidates: list[BuiltVariant]) -> str:
         """Time every candidate (and the fp32 baseline) interleaved; returns the baseline's id."""
         baseline = next((c.id for c in candidates if c.rung.precision == "fp32" and not c.base.label), None)
         sizes = tuple(dict.fromkeys((1, *self.batch_sizes)))

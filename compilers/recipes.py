@@ -50,7 +50,7 @@ class PassSpec:
 
 @dataclass(frozen=True)
 class Rung:
-    """One candidate variant: precision, runtime, passes; `note` says why it may not pay."""
+    """A rung of the ladder: the recipe of one variant (precision, runtime, passes); `note` says why it may not pay."""
 
     precision: str
     runtime: str

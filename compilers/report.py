@@ -25,7 +25,7 @@ from compilers.package import write_package
 from compilers.variants import INDEX_FILE, VariantEntry, VariantSet, is_variant_set
 
 if TYPE_CHECKING:
-    from compilers.ladder import Candidate, Ladder
+    from compilers.ladder import BuiltVariant, Ladder
 
 logger = logging.getLogger(__name__)
 
@@ -71,7 +71,7 @@ def tool_versions() -> dict[str, str]:
     return out
 
 
-def _recommend(candidates: list[Candidate], baseline_latency: Mapping[str, Any], batch: int) -> str:
+def _recommend(candidates: list[BuiltVariant], baseline_latency: Mapping[str, Any], batch: int) -> str:
     key = f"batch_{batch}"
     limit = float(baseline_latency[key]["p50"])
     eligible = [c for c in candidates if c.latency[key]["p50"] <= limit]
@@ -100,7 +100,7 @@ def _copy_artifact(artifact: Path, directory: Path) -> str:
     return artifact.name
 
 
-def write(out: Path, ladder: Ladder, candidates: list[Candidate], baseline: str, *, name: str, version: str,
+def write(out: Path, ladder: Ladder, candidates: list[BuiltVariant], baseline: str, *, name: str, version: str,
           sign_key: Ed25519PrivateKey | None, arguments: dict[str, Any]) -> VariantSet:
     """Write every candidate as a package under `out`, then the index; return the `VariantSet`."""
     started = time.monotonic()
