@@ -72,21 +72,9 @@ def export(artifact: Path, ctx: PassContext, *, compress_to_fp16: bool = False) 
                             "openvino": ov.__version__})
 
 
-def _no_conversion_telemetry() -> None:
-    """Point OpenVINO's converter at its own no-op telemetry stub. Its default forks a process per conversion
-    to post usage events over HTTPS; offline (an edge box, an air-gapped build host) that process waits on DNS
-    for minutes, and the interpreter joins it at exit, so `tierkit compile` or a demo hung after it was done.
-    tierkit sends no telemetry of its own and lets no library send any from a compile."""
-    from openvino.tools.ovc import convert_impl, telemetry_stub, telemetry_utils
-
-    telemetry_utils.tm = telemetry_stub
-    convert_impl.tm = telemetry_stub
-
-
 def _convert(artifact: Path) -> ov.Model:
     """`ov.convert_model` puts the root logger back only when it succeeds: a failed conversion leaves it at
     ERROR, with OpenVINO's filter and a stderr handler, and every later warning in the process is lost."""
-    _no_conversion_telemetry()
     root = logging.getLogger()
     level, filters, handlers = root.level, list(root.filters), list(root.handlers)
     try:
