@@ -13,7 +13,14 @@
   refusals (time-constant `RetryHints.tau_s`, 1 s): once refusals stop for `RetryHints.quiet_s` (1.33 s with
   the defaults), the next hint is one refusal's worth again, however large the overload's hints were.
 
-Both are plain state guarded by the batcher's lock; no threads, no clocks of their own.
+- `AnswerLag` closes the loop on the plan: for each admitted request it learns how much later than
+  planned at admission its caller actually had the answer (the caller's thread woken, or the event loop
+  reaching the answer), and keeps a high quantile of that lag back from every later admission. What the
+  plan cannot see (a hundred handler threads contending for the interpreter, an event loop busy with other
+  work, a run slower than its measurement) shows up there as it happens, and admission shrinks until what
+  it admits is answered in time; as the lag falls (the idle instance's runs keep measuring), it widens again.
+
+All are plain state guarded by the batcher's lock; no threads, no clocks of their own.
 
 Example:
     >>> times = ServiceTimes(max_batch_size=8)
@@ -35,6 +42,9 @@ _HINT_JITTER = 0.25  # each hint is drawn within this share either side, so a bu
 _HINT_TAU_S = 1.0  # time-constant of the remembered hint size's decay while no refusal comes
 _ALPHA = 0.2  # weight of a new measurement in the moving averages
 _WINDOW = 32  # recent runs per bucket the planning quantile is taken over
+_LAG_WINDOW = 128  # recent admitted requests the answer lag's quantile is taken over
+LAG_QUANTILE = 0.9  # admission keeps this quantile of the recent answer lags back from a deadline
+_LAG_MAX_S = 1.0  # at most this is kept back (a lag of seconds is a stalled host, not a plan to correct)
 PLAN_QUANTILE = 0.9  # runs are planned to take this quantile of the recent ones
 
 
@@ -140,6 +150,54 @@ class ServiceTimes:
         full, rest = divmod(rows, self.max_batch_size)
         work = full * self.batch_seconds(self.max_batch_size) + self.batch_seconds(rest)
         return work / max(1, instances)
+
+
+@dataclass(slots=True)
+class AnswerLag:
+    """How much later than planned admitted requests are answered, as feedback for admission.
+
+    `observe(planned_s, took_s)`: a request planned at admission to be answered `planned_s` after it was
+    queued had its answer in its caller's hands after `took_s`. `margin_s` is the `quantile` of the recent
+    `window` lags (`took_s - planned_s`, none below 0), at most `max_s`: admission adds it to its plan, so a
+    request is admitted only when the plan plus what plans have recently missed by fits its deadline.
+
+    It is a feedback loop, not a constant: admitting too much lengthens the lag (every admitted request
+    shares the same contended threads), which raises the margin and admits less; a queue that drains
+    brings the lag down with it. Before the first observation the margin is 0.
+
+    Example:
+        >>> lag = AnswerLag(window=4)
+        >>> for took in (0.020, 0.030, 0.025, 0.060):
+        ...     lag.observe(planned_s=0.020, took_s=took)
+        >>> round(lag.margin_s, 3)
+        0.04
+    """
+
+    window: int = _LAG_WINDOW
+    quantile: float = LAG_QUANTILE
+    max_s: float = _LAG_MAX_S
+    _recent: deque[float] = field(default_factory=deque)
+    _margin: float | None = 0.0
+
+    def __post_init__(self) -> None:
+        if self.window < 1 or not 0 < self.quantile <= 1:
+            msg = (f"AnswerLag: window must be >= 1 and quantile in (0, 1], got window={self.window!r}, "
+                   f"quantile={self.quantile!r}")
+            raise ValueError(msg)
+        self._recent = deque(maxlen=self.window)
+
+    def observe(self, planned_s: float, took_s: float) -> None:
+        """An admitted request planned to take `planned_s` took `took_s` to reach its caller."""
+        self._recent.append(min(self.max_s, max(0.0, took_s - planned_s)))
+        self._margin = None
+
+    @property
+    def margin_s(self) -> float:
+        """Seconds admission keeps back beyond its plan (see the class doc)."""
+        if self._margin is None:
+            ordered = sorted(self._recent)
+            self._margin = ordered[max(0, math.ceil(self.quantile * len(ordered)) - 1)] if ordered else 0.0
+        return self._margin
 
 
 @dataclass(slots=True)

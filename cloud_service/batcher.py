@@ -213,9 +213,10 @@ class DynamicBatcher:
             msg = f"model {self.name!r}: request expired: no answer within its deadline (dropped unless it was running)"
             waiter.set(CloudTimeout(msg))
             outcome = waiter.outcome
+        assert outcome is not None
+        self._answered([request], [outcome])  # in the caller's own thread, woken: what the caller waited
         if isinstance(outcome, BaseException):
             raise outcome
-        assert outcome is not None
         return outcome
 
     def _run_now(self, inputs: Arrays, timeout: float | None) -> Outcome | None:
@@ -238,11 +239,14 @@ class DynamicBatcher:
                 # An idle instance runs it whatever the estimate says: refusing here would stop the
                 # measurements that correct an estimate a burst of load left too high.
                 need = self._queue.times.batch_seconds(rows)
-                started = time.perf_counter()
-                self._queue.running_span[index] = (time.monotonic(), time.monotonic() + need)
+                started, begun = time.perf_counter(), time.monotonic()
+                self._queue.running_span[index] = (begun, begun + need)
                 outcome = self._call(self._runners[index], inputs, rows)
                 self._queue.running_span[index] = None
                 self._ran(rows, 1, time.perf_counter() - started, 0.0)
+                if self.config.admission and not isinstance(outcome, BaseException):
+                    with self._ready:
+                        self._queue.lag.observe(need, time.monotonic() - begun)
             finally:
                 lock.release()
             if self._queue:  # requests that queued while this one ran: wake a thread for them
@@ -336,10 +340,22 @@ class DynamicBatcher:
 
     # -- on the event loop, called from the instance threads ------------------------------------
 
-    @staticmethod
-    def _deliver(requests: list[Request], outcomes: list[Outcome]) -> None:
+    def _deliver(self, requests: list[Request], outcomes: list[Outcome]) -> None:
         for request, outcome in zip(requests, outcomes, strict=True):
             answer(request, outcome)
+        self._answered(requests, outcomes)  # on the event loop: its own lag is part of what callers wait
+
+    def _answered(self, requests: list[Request], outcomes: list[Outcome]) -> None:
+        """Feed admission's plan back (`admission.AnswerLag`): how long after it was queued each admitted
+        request's answer reached its caller, against what admission planned. A refusal after queueing is
+        no answer; an expiry counts (its lag is at least what it shows)."""
+        now = time.monotonic()
+        seen = [(r.planned, now - r.enqueued) for r, o in zip(requests, outcomes, strict=True)
+                if r.planned is not None and not isinstance(o, ServerBusy)]
+        if seen:
+            with self._ready:
+                for planned, took in seen:
+                    self._queue.lag.observe(planned, took)
 
     # -- in the instance's thread --------------------------------------------------------------
 

@@ -27,7 +27,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from cloud_service.admission import RetryHints, ServiceTimes, StandingQueue
+from cloud_service.admission import AnswerLag, RetryHints, ServiceTimes, StandingQueue
 from cloud_service.config import BatchingConfig
 from cloud_service.errors import ServerBusy
 from runtimes.errors import CloudTimeout
@@ -108,6 +108,7 @@ class Request:
     enqueued: float  # time.monotonic()
     future: asyncio.Future[dict[str, np.ndarray]] | Waiter
     order: tuple[float, int] = (0.0, 0)  # (deadline, or arrival plus the CoDel interval; arrival number)
+    planned: float | None = None  # seconds from `enqueued` to its answer, as admission planned (None: not planned)
 
 
 class DeadlineQueue:
@@ -131,6 +132,7 @@ class DeadlineQueue:
         self.rows = 0
         self.times = ServiceTimes(config.max_batch_size if batched else 1)
         self.standing = StandingQueue(config.queue_target_ms / 1000, config.queue_interval_ms / 1000)
+        self.lag = AnswerLag()  # how much later than planned admitted requests reach their callers
         # per instance: (start, planned end) of the batch it runs, None while idle
         self.running_span: list[tuple[float, float] | None] = [None] * instances
         self._observer = observer
@@ -159,7 +161,7 @@ class DeadlineQueue:
             why = f"queue full ({self.config.max_queue_size} requests waiting)"
             raise self.busy(why, self.finish_in(now, self.rows, 0))
         if self.config.admission and self.times.known:
-            refusal = self.refusal(request.rows, request.deadline, request.order, now)
+            refusal = self.refusal(request.rows, request.deadline, request.order, now, plan=request)
             if refusal is not None:
                 self._observer.on_refused("deadline" if request.deadline is not None else "standing")
                 raise refusal
@@ -172,18 +174,20 @@ class DeadlineQueue:
         return held
 
     def refusal(self, rows: int, deadline: float | None, order: tuple[float, int], now: float, *,
-                waiting_rows: int = 0) -> ServerBusy | None:
+                waiting_rows: int = 0, plan: Request | None = None) -> ServerBusy | None:
         """The refusal of a request of `rows` rows due at `deadline`, or None when it can be answered in
-        time (the lock held).
+        time (the lock held); when admitted, `plan` (the request being queued) records what was planned.
 
         The work ahead of it is every queued request due before it (the queue is served earliest
         deadline first), the `waiting_rows` a front end let through but has not queued yet, plus what
         the busy instances have left, with the measured slack of a run past its plan
-        (`ServiceTimes.headroom_s`); requests without a deadline are held to the CoDel interval while
-        the queue is standing.
+        (`ServiceTimes.headroom_s`) and what recent plans missed their answers by (`AnswerLag`);
+        requests without a deadline are held to the CoDel interval while the queue is standing.
         """
         live = [queued for queued in self.items if _live(queued, now)]  # not abandoned, not expired
         if not live and not waiting_rows and any(span is None for span in self.running_span):
+            if plan is not None:
+                plan.planned = self.times.batch_seconds(rows)
             return None  # an idle instance takes it now: run it, and measure (see `_run_now`)
         limit = deadline
         if limit is None:
@@ -195,7 +199,11 @@ class DeadlineQueue:
             if queued.order > order:
                 break
             ahead += queued.rows
-        done = self.finish_in(now, ahead, rows) + (self.times.headroom_s() if deadline is not None else 0.0)
+        done = self.finish_in(now, ahead, rows)
+        if plan is not None:
+            plan.planned = done
+        if deadline is not None:  # what plans have missed by: a run's overshoot, or the answers' measured lag
+            done += max(self.times.headroom_s(), self.lag.margin_s)
         if now + done <= limit:
             return None
         left = max(0.0, limit - now) * 1000

@@ -95,13 +95,17 @@ def infer_blocking(repository: ModelRepository, request: RawRequest, *,
         timeout: seconds after which the request is dropped before compute (None: never).
     """
     started = time.perf_counter()
+    # The deadline is fixed now, when the caller's remaining time was read: each step below asks what is
+    # left of it. Passing `timeout` on as is restarted the clock at each step, so decoding and checking
+    # under load (tens of ms with a hundred handler threads) were time the batcher did not know was spent.
+    due = None if timeout is None else time.monotonic() + timeout
     message = request.message
     for attempt in range(_LOOKUPS):
         model = repository.get(message.model_name, message.model_version)
         try:
-            _admit_before_decoding(model, message, timeout)
+            _admit_before_decoding(model, message, _left(due))
             arrays, names = _check(model, message, request.raw or None)
-            outputs = _batcher(model).run(arrays, timeout=timeout)
+            outputs = _batcher(model).run(arrays, timeout=_left(due))
             response = raw_response(model.name, {n: outputs[n] for n in names}, version=model.version,
                                     request_id=message.id, parameters=_reply_parameters(model, message))
         except BaseException as exc:
@@ -112,6 +116,11 @@ def infer_blocking(repository: ModelRepository, request: RawRequest, *,
         model.stats.request_done(time.perf_counter() - started, ok=True)
         return response
     raise AssertionError  # unreachable: the loop returns or raises
+
+
+def _left(due: float | None) -> float | None:
+    """Seconds left before the monotonic deadline `due` (None: no deadline)."""
+    return None if due is None else due - time.monotonic()
 
 
 def _check(model: ServedModel, request: pb.ModelInferRequest, raw: Sequence[RawBytes] | None = None
