@@ -11,8 +11,11 @@ module feeds that rule with measurements and says when to apply it.
 from the encodings the encoder measured, and sets the encoder's `planned` encoding. It re-decides
 when one of these drifts or the round trip moves by half (at most every `redecide_gap_s`), at once
 when the link goes down or comes up (the link's `epoch`) or a budget changes, and at least every
-`redecide_interval_s`. What a measured difference must exceed to move it (the energy calibration and
-the estimates' noise) is `edge_agent.evidence`.
+`redecide_interval_s`. It calibrates the energy plan on every request, with or without an energy
+budget: the inference's energy against the model's inference term, and what an escalation added to
+its request against what the model charges that escalation (its bytes, its round trip), so that a
+budget set later starts calibrated. What a measured difference must exceed to move it (the energy
+calibrations and the estimates' noise) is `edge_agent.evidence`.
 
 Thread ownership: one thread owns a controller's state, the one that calls `observe_*`,
 `maybe_redecide` and `set_budget` (the agent folds observations in a worker thread under its fold
@@ -54,7 +57,7 @@ from edge_agent.decide import (
 )
 from edge_agent.encoding import WireEncoder, WireOption
 from edge_agent.evidence import (
-    EnergyCalibration,
+    PartCalibration,
     cloud_noise,
     energy_evidence,
     energy_noise,
@@ -112,8 +115,12 @@ class Controller:
         self._ratios: deque[float] = deque(maxlen=32)
         self._overheads: deque[float] = deque(maxlen=64)
         self._arrivals: deque[float] = deque(maxlen=256)
-        self._energy = EnergyCalibration()  # observed over predicted energy per request calibrates the energy plan
+        # observed over modeled energy of an inference and of what an escalation adds, fed on every request
+        # with or without an energy budget: they scale the plan's two terms (`plan.Conditions`)
+        self._inference_energy, self._escalation_energy = PartCalibration(), PartCalibration()
         self._last_inference_ms: float | None = None
+        self._last_inference_mj: tuple[str, float] | None = None  # (variant, mJ) of the inference just reported
+        self._escalation_model_mj: float | None = None  # what the model charges the escalation just reported
         self._redecided_at, self.redecisions = -math.inf, 0
         self._epoch = link.link.epoch if link is not None else 0
         self._epoch_at = -math.inf  # when the link last changed state
@@ -151,8 +158,10 @@ class Controller:
         if p is None:
             return
         p.observe_latency(latency_ms)
+        self._last_inference_mj = None
         if energy_mj is not None and math.isfinite(energy_mj):
             p.observe_energy(energy_mj, energy_label)
+            self._last_inference_mj = (variant, float(energy_mj))
         self._last_inference_ms = latency_ms
         if variant != self.current.variant:
             return
@@ -190,12 +199,18 @@ class Controller:
             fed: the link was told already (an agent feeds its link as each escalation ends): only
                 the request size is taken here.
         """
+        self._escalation_model_mj = None
         if self.link is None:
             return
         if attempted is None:
             attempted = ok or rtt_ms is not None or elapsed_ms is not None or bytes_sent > 0
         if not attempted:
             return
+        # the energy model's charge for this very escalation (its bytes, its wait): observed against it, the
+        # energy it added calibrates the model's power, not the round trip the plan expects
+        waited = rtt_ms if rtt_ms is not None else elapsed_ms
+        self._escalation_model_mj = (bytes_sent * self.link.energy_per_byte_mj
+                                     + max(waited or 0.0, 0.0) * self.link.wait_power_w)
         if fed:
             self.link.observe_bytes(bytes_sent)
         else:
@@ -227,12 +242,14 @@ class Controller:
                 self._cut = (now, before) if self.latency_windows.scale < before else None
                 self._flag("observed p95 over budget" if self.latency_windows.scale < self._deadline_scale
                            else "observed p95 back under budget")
-        if (energy_mj is not None and math.isfinite(energy_mj) and self.budget.energy_mj is not None
-                and self._energy.add(energy_mj, self.current.predicted_energy_mj)):
-            self._flag("observed energy vs plan")
+        owner = variant if variant is not None and variant in self._by_id else self.current.variant
+        if energy_mj is not None and math.isfinite(energy_mj):
+            moved = owner == self.current.variant and self._calibrate_parts(energy_mj, escalated)
+            if moved and self.budget.energy_mj is not None:
+                self._flag("observed energy vs plan")
+        self._last_inference_mj = self._escalation_model_mj = None
         if not escalated and self._last_inference_ms is not None:
             self._overheads.append(max(0.0, total_latency_ms - self._last_inference_ms))
-        owner = variant if variant is not None and variant in self._by_id else self.current.variant
         if score is not None:
             self._by_id[owner].observe_score(score)
         if owner != self.current.variant:
@@ -251,6 +268,20 @@ class Controller:
             self._flag("escalation rate")
         if self._n_agree >= m and outside(self._k_agree, self._n_agree, self._ref["agreement"], z):
             self._flag("agreement")
+
+    def _calibrate_parts(self, energy_mj: float, escalated: bool) -> bool:
+        """Feed the two part calibrations one request of the current variant: its inference's energy
+        against the model's inference term (the variant's live median), and, escalated and sent, what it
+        spent beyond that inference against what the model charges that escalation (its bytes, its
+        round trip or wait); True when either scale moved."""
+        p, last = self._by_id[self.current.variant], self._last_inference_mj
+        inference = last[1] if last is not None and last[0] == p.id else None
+        # the model's inference term for a running variant is its live median (`plan._inference_mj`)
+        moved = inference is not None and p.energy_observed and self._inference_energy.add(inference, p.energy_mj)
+        if escalated and self._escalation_model_mj is not None:
+            spent = inference if inference is not None else p.energy_mj
+            moved = self._escalation_energy.add(energy_mj - spent, self._escalation_model_mj) or moved
+        return moved
 
     # -- decisions -------------------------------------------------------------------------------
     def set_budget(self, budget: Budget) -> Decision | None:
@@ -323,7 +354,9 @@ class Controller:
         return Conditions(request_rate=rate, edge_overhead_ms=overhead, slowdown=slowdown,
                           current_variant=current.variant if current is not None else None,
                           shift_error_scale=shift, latency_scale=self.latency_windows.scale,
-                          energy_scale=self._energy.scale, deadline_guard_ms=self.deadline_guard_ms(),
+                          deadline_guard_ms=self.deadline_guard_ms(),
+                          inference_energy_scale=self._inference_energy.scale,
+                          escalation_energy_scale=self._escalation_energy.scale,
                           wire_ref_bytes=None if ref is None else ref.nbytes,
                           wire_ref_encode_ms=0.0 if ref is None else ref.encode_ms,
                           audit_rate=min(max(float(self._audit_rate()), 0.0), 1.0))
@@ -435,7 +468,8 @@ class Controller:
         0 without an energy budget."""
         if self.budget.energy_mj is None:
             return 0.0
-        return energy_noise(self.current, link, self._energy, self.config.energy_noise_z)
+        return energy_noise(self.current, link, self.config.energy_noise_z,
+                            inference=self._inference_energy, escalation=self._escalation_energy)
 
     def _cloud_noise(self, cur: Decision, cand: Decision) -> float:
         """How much two points of one variant may differ in predicted accuracy by the fitted cloud

@@ -7,10 +7,13 @@ expected accuracy (`plan.predict`) among those that keep
   the agent's timer ends at its deadline) at most `latency_headroom` x the budget x what the observed
   windows taught (`budget.BudgetWindows`: a 1-s window whose p95 went over cuts the target by 15 %).
   The p95 is held with about 95 % confidence per window (the bench measures the share of windows over);
-- the energy budget: the predicted mean energy per request, calibrated by the ratio of the observed
-  mean to the predicted one over the last 2000 requests, at most `energy_headroom` x the budget: the
-  mean is held to within about 1 % (one standard error of that calibration at 100 requests/s and
-  half the requests escalated), so it lands 1-4 % under the budget;
+- the energy budget: the predicted mean energy per request at most `energy_headroom` x the budget. The
+  plan's two terms are calibrated on every request, with or without an energy budget: its inference
+  by the observed over the modeled energy of the last 256 inferences, its escalations by what the
+  last 256 escalations added to their requests over what the model charges each (its bytes and its
+  own round trip), so a model wrong by a share of either is right at every threshold and a budget set
+  later starts calibrated (`evidence.PartCalibration`; a ratio of whole requests, learned at one
+  threshold, would not carry to another);
 - the cap on escalations per second, when one is set;
 - and, where a cloud is configured, escalating at least `probe_escalation_rate` (at least
   `down_probe_escalation_rate` while the link is down), so that live escalations keep measuring it.
@@ -58,9 +61,10 @@ more faithful and with the spare room of (2). Nothing else moves it: the same ru
 goes down or comes back, when the round trip moves, and when a budget changes.
 
 **The energy estimate's noise.** With an energy budget the controller plans for the target less
-`energy_noise_z` relative standard errors of the current point's energy estimate and judges the current
-point against the target itself (`Controller._energy_noise`), so the estimate's noise, narrower than
-that band, moves nothing.
+`energy_noise_z` relative standard errors of the current point's energy estimate (the window's mean
+round trip and the two calibrations' ratios) and judges the current point against the target itself
+(`Controller._energy_noise`), so the estimate's noise, narrower than that band, moves nothing. A
+calibration moves only by 1 % and beyond its own standard error.
 
 **The binding constraint** of a decision is the budget the next more accurate point breaks
 ("latency", "energy", "escalations"), or "none" when the choice is the most accurate point there is.
@@ -297,6 +301,8 @@ def _decision(p: Predictions, i: int, shortfall: float, violated: list[str], rea
     inputs = {"budget": asdict(budget), "latency_target_ms": latency_target, "energy_target_mj": energy_target,
               "latency_limit_ms": _latency_limit(p, budget, latency_target, conditions),
               "deadline_ms": conditions.deadline_ms(budget), "escalations_answered": p.answered,
+              # the energy model's terms before calibration (`Conditions.*_energy_scale`): what is observed against
+              "energy_model": {"inference_mj": p.inference_mj, "escalation_mj": p.escalation_mj},
               "link": link.to_json() if link is not None else None, "conditions": asdict(conditions),
               "variant": {"id": profile.id, "p50_ms": profile.latency.quantile(0.5),
                           "p95_ms": profile.latency.quantile(0.95), "energy_mj": profile.energy_mj,

@@ -1,10 +1,11 @@
 """How much of a measured difference is noise: the statistics that guard the controller's switches.
 
 `Controller` (edge_agent/controller.py) moves the operating point only on evidence. This module holds
-the estimates it weighs a move against: the energy plan's calibration (observed over predicted energy)
-and its standard error, the noise band of the planned energy, the standard error of what a threshold
-move gains, the cloud accuracy's own uncertainty, whether two variants' energies differ beyond their
-errors, and whether an observed rate left its prediction's binomial band.
+the estimates it weighs a move against: the energy plan's calibrations (observed over modeled energy of
+an inference and of what an escalation adds, fed on every request) and their standard errors, the
+noise band of the planned energy, the standard error of what a threshold move gains, the cloud
+accuracy's own uncertainty, whether two variants' energies differ beyond their errors, and whether an
+observed rate left its prediction's binomial band.
 """
 
 from __future__ import annotations
@@ -16,69 +17,97 @@ import numpy as np
 
 from edge_agent.decide import Decision
 from edge_agent.profiles import LinkState, VariantProfile
+from runtimes.errors import ConfigError
 
-__all__ = ["EnergyCalibration", "cloud_noise", "energy_evidence", "energy_noise", "gain_stderr", "measured",
+__all__ = ["PartCalibration", "cloud_noise", "energy_evidence", "energy_noise", "gain_stderr", "measured",
            "outside", "variant_stderr"]
 
 
-class EnergyCalibration:
-    """The energy plan's calibration: the observed mean energy per request over the predicted one, over
-    the last `window` requests, clamped to [0.5, 1.5]. It moves only by 1 % or more and beyond one
-    standard error of the observed mean (`noise`): the calibration follows the energy, not its noise.
+class PartCalibration:
+    """Observed over modeled energy of one part of a request (its inference, or what an escalation adds
+    to it), the ratio of their sums over the last `window` pairs, clamped to [0.25, 4]. Fed on every
+    request that has the part, with or without an energy budget, so a budget set later starts
+    calibrated; the plan scales that part's term by it (`plan.Conditions`), so a ratio learned at one
+    threshold carries to every other. It moves only by 1 % or more and beyond one standard error of
+    the ratio (`noise`), and forgets: after a change of the part's cost, the window's pairs turn over.
 
     Example:
-        >>> cal = EnergyCalibration()
-        >>> if cal.add(observed_mj=2.1, predicted_mj=2.0):
-        ...     replan(energy_scale=cal.scale)
+        >>> cal = PartCalibration()
+        >>> if cal.add(observed_mj=17.2, modeled_mj=14.7):
+        ...     replan(escalation_energy_scale=cal.scale)
     """
 
-    def __init__(self, window: int = 2000, min_requests: int = 200) -> None:
-        self._pairs: deque[tuple[float, float]] = deque(maxlen=window + 1)
+    def __init__(self, window: int = 256, min_pairs: int = 50) -> None:
+        if not 2 <= min_pairs <= window:
+            msg = f"PartCalibration needs 2 <= min_pairs <= window, got {min_pairs!r}, {window!r}"
+            raise ConfigError(msg)
+        self._pairs: deque[tuple[float, float]] = deque(maxlen=window)
         self._sums = (0.0, 0.0)
-        self._min = min_requests
+        self._min, self._added = min_pairs, 0
         self.scale = 1.0
 
-    def add(self, observed_mj: float, predicted_mj: float) -> bool:
-        """One request's observed and predicted energy; True when the scale moved (re-plan)."""
-        self._pairs.append((observed_mj, predicted_mj))
-        self._sums = (self._sums[0] + observed_mj, self._sums[1] + predicted_mj)
+    def add(self, observed_mj: float, modeled_mj: float) -> bool:
+        """One request's observed and modeled energy of the part; True when the scale moved (re-plan).
+        A part the model prices at nothing (an escalation skipped while the link is down) says nothing."""
+        if not (modeled_mj > 0 and math.isfinite(modeled_mj) and math.isfinite(observed_mj)):
+            return False
         if len(self._pairs) == self._pairs.maxlen:
-            old = self._pairs.popleft()
+            old = self._pairs[0]
             self._sums = (self._sums[0] - old[0], self._sums[1] - old[1])
+        self._pairs.append((observed_mj, modeled_mj))
+        self._sums = (self._sums[0] + observed_mj, self._sums[1] + modeled_mj)
+        self._added += 1
+        if self._added % len(self._pairs) == 0:  # once a window, summed afresh: no rounding builds up
+            self._sums = (math.fsum(o for o, _ in self._pairs), math.fsum(m for _, m in self._pairs))
         if len(self._pairs) < self._min:
             return False
-        observed, predicted = self._sums
-        scale = min(max(predicted / max(observed, 1e-12), 0.5), 1.5)
-        if abs(scale / self.scale - 1) > max(0.01, self.noise()):
+        scale = self.ratio()
+        if abs(scale / self.scale - 1) > 0.01 and abs(scale / self.scale - 1) > self.noise():
             self.scale = scale
             return True
         return False
 
-    def noise(self, *, full: bool = False) -> float:
-        """The relative standard error of the observed mean energy the calibration divides by (0 before
-        `min_requests`); `full`: of a full window, what it settles to."""
+    def ratio(self) -> float:
+        """The window's observed over modeled energy, clamped (1 before `min_pairs`)."""
         if len(self._pairs) < self._min:
+            return 1.0
+        return min(max(self._sums[0] / max(self._sums[1], 1e-12), 0.25), 4.0)
+
+    def noise(self) -> float:
+        """The relative standard error of the window's ratio (0 before `min_pairs`): the spread of each
+        pair's observed energy about the ratio times its modeled one, over the modeled mean."""
+        n = len(self._pairs)
+        if n < self._min:
             return 0.0
-        observed = np.fromiter((e for e, _ in self._pairs), dtype=float, count=len(self._pairs))
-        n = (self._pairs.maxlen or observed.size) if full else observed.size
-        return float(np.std(observed)) / max(float(np.mean(observed)), 1e-12) / math.sqrt(n)
+        pairs = np.array(self._pairs, dtype=float)
+        ratio = self._sums[0] / max(self._sums[1], 1e-12)
+        resid = pairs[:, 0] - ratio * pairs[:, 1]
+        se = math.sqrt(float(np.sum(resid * resid)) / (n * (n - 1))) / max(float(np.mean(pairs[:, 1])), 1e-12)
+        return se / max(ratio, 1e-12)
 
 
-def energy_noise(cur: Decision, link: LinkState | None, calibration: EnergyCalibration, z: float) -> float:
+def energy_noise(cur: Decision, link: LinkState | None, z: float, *, inference: PartCalibration | None = None,
+                 escalation: PartCalibration | None = None) -> float:
     """`z` relative standard errors of the current point's planned energy (call it with an energy budget):
     the mean round trip of the window prices each escalation's waiting energy (its standard error times
-    the waiting power, over the escalations planned), and the calibration's observed mean (the spread of
-    the energies it averaged over their count). At most 0.25."""
+    the waiting power, as calibrated, over the escalations planned) and the two part calibrations' ratios
+    (each over its term's share of the energy). At most 0.25."""
     if cur.predicted_energy_mj <= 0:
         return 0.0
+    model = cur.inputs.get("energy_model") or {}
+    cond = cur.inputs.get("conditions") or {}
+    inference_mj = float(model.get("inference_mj", 0.0)) * float(cond.get("inference_energy_scale", 1.0))
+    x_scale = float(cond.get("escalation_energy_scale", 1.0))
     rel = 0.0
     if link is not None and link.up:
         answered = link.rtt_samples[np.isfinite(link.rtt_samples)]
         if answered.size >= 2:
             se_ms = float(np.std(answered, ddof=1)) / math.sqrt(answered.size)
-            rel = se_ms * link.wait_power_w * cur.predicted_escalation_rate / cur.predicted_energy_mj
-    settled = calibration.noise(full=True)  # what it settles to, not what it is yet: no late moves
-    return min(z * math.hypot(rel, settled), 0.25)
+            rel = se_ms * link.wait_power_w * x_scale * cur.predicted_escalation_rate / cur.predicted_energy_mj
+    inference_share = min(inference_mj / cur.predicted_energy_mj, 1.0)
+    parts = math.hypot(inference.noise() * inference_share if inference is not None else 0.0,
+                       escalation.noise() * (1 - inference_share) if escalation is not None else 0.0)
+    return min(z * math.hypot(rel, parts), 0.25)
 
 
 def gain_stderr(profile: VariantProfile, cur: Decision, cand: Decision) -> float:

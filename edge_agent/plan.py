@@ -8,7 +8,9 @@ variant at each threshold it predicts
   round trips, so a few escalations sit in the tail and many shift the body); the others end at
   the budget's deadline (timeouts) or after the failure latency (cloud down, fast fail);
 - the mean energy per request: inference plus, per escalation, radio bytes and waiting power (for the
-  mean round trip of the window's answered escalations: a mean over many, as the budget is);
+  mean round trip of the window's answered escalations: a mean over many, as the budget is), each of
+  the two terms scaled by what the device measured against it (`Conditions.inference_energy_scale`,
+  `escalation_energy_scale`);
 - for a wire encoding (`encoding.WireOption`), escalations whose round trips move by its bytes'
   difference over the link's measured bandwidth plus its encode time's difference, against the
   encoding the round trips were measured with (`Conditions.wire_ref_bytes`), and whose radio energy
@@ -62,8 +64,9 @@ class Conditions:
         shift_error_scale: how much more (> 1) or less the current variant errs on the live
             inputs than on validation; applied to the other variants, which see no live scores,
             so that all are compared on the same inputs.
-        latency_scale, energy_scale: the share of the latency and energy budgets to plan for, below
-            1 after observed windows went over them (`budget.BudgetWindows`).
+        latency_scale, energy_scale: the share of the latency and energy budgets to plan for: below 1
+            after observed windows went over the latency budget (`budget.BudgetWindows`), and by the
+            energy estimate's noise band (`Controller._energy_noise`).
         deadline_guard_ms: None when nothing ends an escalation before the budget (a plan on paper:
             an escalation not answered in time is priced at the whole budget). A number when the
             agent's own timer abandons every escalation that long before the (scaled) budget ends,
@@ -72,9 +75,13 @@ class Conditions:
         wire_ref_bytes, wire_ref_encode_ms: the request bytes and encode time of the wire encoding the
             link's round trips were measured with (None: the link's mean request size, no encode time).
         audit_rate: the share of the answers not escalated that are also sent to the cloud to compare
-            (`edge_agent.audit`): off the latency path, but their radio bytes count in the energy plan
+            (`edge_agent.audit`): off the latency path, but their radio bytes and waiting count in the energy plan
             and they count with the escalations against `max_escalations_per_s`, of which they are
             planned to take at most `AUDIT_CAP_SHARE`.
+        inference_energy_scale, escalation_energy_scale: observed over modeled energy of an inference
+            and of what an escalation adds to a request (`evidence.PartCalibration`): the plan's two
+            terms are scaled by them, so a model wrong by a fixed share of either is right at every
+            threshold.
     """
 
     request_rate: float | None = None
@@ -88,6 +95,8 @@ class Conditions:
     wire_ref_bytes: float | None = None
     wire_ref_encode_ms: float = 0.0
     audit_rate: float = 0.0
+    inference_energy_scale: float = 1.0
+    escalation_energy_scale: float = 1.0
 
     def wire_shift_ms(self, link: LinkState, wire: WireOption | None) -> float:
         """How much longer (ms; < 0: shorter) an escalation's round trip is in `wire` than in the
@@ -124,6 +133,9 @@ class Predictions:
     wire: WireOption | None = None  # the wire encoding priced (None: the requests as the link saw them)
     # per threshold, the validation sampling variance of the accuracy escalating gains (`decide.tied`)
     gain_variance: np.ndarray | None = None
+    # the energy model's own terms, before the calibration's scales: what observed energy is compared with
+    inference_mj: float = 0.0  # one inference
+    escalation_mj: float = 0.0  # what one escalation adds to a request
 
 
 _RTT_POINTS = 64  # round-trip quantiles the answered escalations' latency is drawn from
@@ -199,12 +211,15 @@ def predict(profile: VariantProfile, thresholds: np.ndarray, link: LinkState | N
     audits_per_s = conditions.audit_rate * (1 - esc) * avail * rate
     if budget.max_escalations_per_s is not None:
         audits_per_s = np.minimum(audits_per_s, AUDIT_CAP_SHARE * budget.max_escalations_per_s)
-    energy = (_inference_mj(profile, med) + esc * per_escalation
-              + audits_per_s / np.maximum(rate, 1e-9) * radio)
+    inference_mj = _inference_mj(profile, med)
+    # an audit is a round trip the device waits out as it does an answered escalation's (the agent charges it so)
+    per_audit = radio + (rtt_mean * wait if link is not None else 0.0)
+    energy = (conditions.inference_energy_scale * inference_mj + conditions.escalation_energy_scale
+              * (esc * per_escalation + audits_per_s / np.maximum(rate, 1e-9) * per_audit))
     label = profile.energy_label if link is None else f"{profile.energy_label} + radio {link.energy_label}"
     return Predictions(profile.id, label, t, esc, accuracy, p95, energy, esc * rate + audits_per_s,
                        validation_acc_esc, float(_quantiles(edge, 0.95)), float(success), wire,
-                       success ** 2 * profile.escalated_variance(t))
+                       success ** 2 * profile.escalated_variance(t), inference_mj, float(per_escalation))
 
 
 def _cloud_accuracy(profile: VariantProfile, link: LinkState | None, edge_esc: np.ndarray) -> np.ndarray:
