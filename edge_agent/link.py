@@ -54,6 +54,7 @@ __all__ = ["Bandwidth", "Link", "LinkEstimate", "LinkView", "RoundTrips", "Timeo
 _Z95 = 1.6449
 
 DRIFT_SAMPLES = 16  # answered round trips whose median is the level that drift is judged by
+COLD_RATIO = 2.0  # a first answer this many times the next one was a cold connection's (`Link.observe_answer`)
 
 
 def lognormal_points(p50: float, p95: float | None = None, n: int = 64) -> np.ndarray:
@@ -256,8 +257,9 @@ class RoundTrips:
         self._ewma_at = -math.inf
         self.count = 0
 
-    def add(self, value: float, *, restart: bool = False, answered: bool = True) -> None:
-        """A round trip, or with `answered=False` how long the edge waited for none (inf: unknown)."""
+    def add(self, value: float, *, restart: bool = False, answered: bool = True) -> float:
+        """A round trip, or with `answered=False` how long the edge waited for none (inf: unknown); the
+        time it is recorded at."""
         now = self._clock()
         self._window.append((now, float(value), answered and math.isfinite(value)))
         self.count += 1
@@ -266,6 +268,7 @@ class RoundTrips:
             fresh = restart or now - self._ewma_at > self.horizon_s
             self.ewma = value if fresh else self.ewma + self._alpha * (value - self.ewma)
             self._ewma_at = now
+        return now
 
     def last_answered(self, k: int) -> list[float]:
         """The last `k` answered round trips (fewer if the window holds fewer), newest first."""
@@ -302,6 +305,11 @@ class RoundTrips:
     def drop_unanswered(self, since: float) -> None:
         """Forget the escalations not answered in time from `since` on (a run of timeouts now over)."""
         self._window = deque((x for x in self._window if x[2] or x[0] < since), maxlen=self._window.maxlen)
+
+    def drop(self, at: float, value: float) -> None:
+        """Forget the answered round trip `value` recorded at time `at`."""
+        self._window = deque((x for x in self._window if not (x[0] == at and x[1] == value and x[2])),
+                             maxlen=self._window.maxlen)
 
     def drop_infinite(self) -> None:
         self._window = deque((x for x in self._window if x[2]), maxlen=self._window.maxlen)
@@ -392,6 +400,7 @@ class Link:
         self._ref_ms = self.rtt.ewma
         self.hold_until = -math.inf  # a busy cloud's retry hint (monotonic seconds)
         self.last_attempt = -math.inf
+        self._cold: tuple[float, float] | None = None  # (when, ms) of a first answer on an empty record
 
     # -- feeding -----------------------------------------------------------------------------
     def attempted(self) -> None:
@@ -401,12 +410,24 @@ class Link:
 
     def observe_answer(self, rtt_ms: float, *, probe: bool = False) -> None:
         """An answer within the deadline after `rtt_ms`. `probe`: sent although the view said it
-        would not fit; answered in time, the older round trips no longer describe the link."""
+        would not fit; answered in time, the older round trips no longer describe the link.
+
+        The first answer on a link up with nothing in its record (a new link, or one nothing was sent
+        on for `horizon_s`) may be a cold one: a fresh connection's first call pays its setup, several
+        times a warm round trip. Alone in the record it would be the skip rule's every quantile, and
+        escalations would wait for a probe (`rtt_probe_s`) to be sent again; so the skip rule leaves it
+        out (`quantile`), and so does the drift check, until the next answer, which drops it from the
+        record where it took more than `COLD_RATIO` times as long (and `drift_abs_ms` more)."""
         with self._lock:
             self.failures = self.refusals = 0
             self._failing_since = math.inf
             self._oks += 1
             self.timeouts.record(timeout=False)
+            cold, self._cold = self._cold, None
+            warm = cold is not None and rtt_ms * COLD_RATIO < cold[1] and cold[1] - rtt_ms > self.drift_abs_ms
+            if warm and cold is not None:
+                self.rtt.drop(*cold)  # a cold first call's setup: it describes the link no more
+            first = cold is None and self.up and not self.slow and not probe and not len(self.rtt)
             after_run = self.slow
             if after_run:  # answered in time after an unusual run of timeouts: those describe the link no more,
                 # but the answers and timeouts before the run still do (dropping them all made every such answer
@@ -415,7 +436,9 @@ class Link:
                 self.rtt.drop_unanswered(self._slow_since)
             if probe:
                 self.rtt.rebase(0)
-            self.rtt.add(rtt_ms, restart=probe or after_run)
+            at = self.rtt.add(rtt_ms, restart=probe or after_run or warm)
+            if first:
+                self._cold = (at, float(rtt_ms))
             if not self.up and self._oks >= self.up_after:
                 self.up, self.availability = True, 1.0
                 self.rtt.rebase(self.up_after)  # the answers that brought it back describe it now
@@ -424,7 +447,8 @@ class Link:
                 self._ref_ms = self._level()
                 return
             self.availability += self._alpha * (1.0 - self.availability)
-            self._drift(probe or after_run)
+            if not first:  # a level is judged once the next answer says whether the first was cold
+                self._drift(probe or after_run)
 
     def observe_timeout(self, waited_ms: float | None = None) -> None:
         """No answer before the deadline: the link is slower than what was left (the round trips learn it)."""
@@ -484,9 +508,10 @@ class Link:
 
     def quantile(self, q: float) -> float:
         """The `q` quantile of the recent round trips (a timeout at the time it waited, a lower bound), or
-        of the prior when none is recent: what the skip rule judges the next escalation by."""
+        of the prior when none is recent: what the skip rule judges the next escalation by. A first
+        answer on an empty record counts only once another came (`observe_answer`)."""
         with self._lock:
-            return self.rtt.quantile(q, min_samples=1, waits=True)
+            return self.rtt.quantile(q, min_samples=2 if self._cold is not None else 1, waits=True)
 
     def estimate(self) -> LinkEstimate | None:
         """Bandwidth and base round trip for the wire encoder (None until a large transfer was timed)."""

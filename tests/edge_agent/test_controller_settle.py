@@ -116,9 +116,9 @@ def test_an_energy_budget_set_after_a_warm_up_starts_calibrated_when_the_model_m
     calibration of the whole request, fed only under a budget, moved it at its 200th request in every
     seed and again after 360-960). The mean energy is within the budget: per run within 3 % (1.4
     standard errors of a 1,500-request mean here), over the six runs within it. Measured over seeds
-    0-5: the first move after 506-1034 requests or none (two runs); these later moves follow the noisy
+    0-5: the first move after 506-1308 requests or none (two runs); these later moves follow the noisy
     link's round trips ('round trip slower', the window's mean round trip), as they do with the model
-    right; the means 0.95-1.02 of the budget, 0.985 over the six. Seeds 6-19: first moves after 378
+    right; the means 0.95-1.02 of the budget, 0.99 over the six. Seeds 6-19: first moves after 378
     requests or more (seven runs none), means 0.92-1.02."""
     budget = Budget(latency_ms=60, energy_mj=2.2)
     means = []
