@@ -8,14 +8,19 @@ and (for small inputs) one buffer per input, so a call is a copy in, the C++ `in
 dispatch, and a copy out of each output (the buffers are overwritten by the next call, so what the
 caller keeps must be a copy).
 
-Inputs up to `COPY_IN_BYTES` in all are copied into the request's own buffers (cheaper than wrapping
-the caller's array in a new `Tensor` each call, and it takes non-contiguous arrays in one copy); larger
-ones are shared with OpenVINO for the call (no copy), as `infer(share_inputs=True)` does.
+Inputs up to `COPY_IN_BYTES` in all are copied into the request's own buffers (cheaper than wrapping the
+caller's array in a new `Tensor`). Larger ones are shared: the request's input tensor points at the caller's
+array itself (no copy), set again only when a call passes another array object than the last call did. A
+caller that refills one array between calls (a capture buffer, a preprocessing output) thus pays nothing per
+call, and OpenVINO reads the array's contents at the time of the call, as a copy would have. The request holds
+the array it points at until the next call replaces it (OpenVINO's `Tensor` does not keep it alive). A
+non-contiguous or read-only array is shared as a C-contiguous copy made for that call.
 
-Measured on the PP-OCR direction classifier (input 1x3x48x192) on a loaded 2-core AMD EPYC: the time a
-call spends outside OpenVINO's own request (wall time minus `InferRequest.latency`) went from about
-220 us (`infer(dict, share_inputs=True, share_outputs=True)` and a copy of each output) to about 100 us;
-the bare `InferRequest.infer()` with no inputs and no outputs read back is about 70-90 us there.
+Why not always copy: a copy of a 110 KB input costs 3-4 us when it is in cache, 10-15 us right after
+OpenVINO's request evicted it, and up to 45 us when the caller's array and the buffer lie a few bytes apart
+modulo 4 KiB (AMD EPYC, AVX2: the copy's loads alias its stores; which happens depends on where the allocator
+put the caller's array). Pointing the request at a new array costs about 3.5 us (a `Tensor` and
+`set_input_tensor`), whatever its size.
 
 A model whose outputs have dynamic shapes, or whose element types numpy cannot hold (bf16), is not
 eligible (`FixedRequest.build` returns None; `FixedRequest.generic` runs it through OpenVINO's own `infer`).
@@ -40,7 +45,7 @@ try:  # the C++ binding's infer: no Python dispatch of inputs, outputs returned 
 except (ImportError, AttributeError):  # pragma: no cover - another OpenVINO layout
     _INFER = None
 
-COPY_IN_BYTES = 256 * 1024
+COPY_IN_BYTES = 16 * 1024
 _NO_INPUTS: dict[int, Any] = {}
 
 
@@ -60,13 +65,16 @@ class FixedRequest:
     """An `InferRequest` of a fixed-shape compiled model, with its buffers set once (see module doc)."""
 
     # in this order: when the object goes, the request goes before the buffers it points into
-    __slots__ = ("_request", "_inputs", "_outputs", "copy_in")  # noqa: RUF023
+    __slots__ = ("_request", "_inputs", "_outputs", "_held", "copy_in")  # noqa: RUF023
 
-    def __init__(self, request: Any, inputs: list[np.ndarray] | None, outputs: list[np.ndarray] | None) -> None:
+    def __init__(self, request: Any, inputs: list[np.ndarray] | None, outputs: list[np.ndarray] | None,
+                 n_inputs: int = 0) -> None:
         self._request = request
         self._inputs = inputs
         self._outputs = outputs
         self.copy_in = inputs is not None
+        # shared inputs: the array each input tensor points at now (None: none yet)
+        self._held: list[np.ndarray | None] = [None] * n_inputs
 
     @classmethod
     def build(cls, compiled: Any) -> FixedRequest | None:
@@ -89,7 +97,7 @@ class FixedRequest:
             inputs = [np.zeros(shape, dtype) for shape, dtype in specs[:n_in]]
             for i, buffer in enumerate(inputs):
                 request.set_input_tensor(i, ov.Tensor(buffer, shared_memory=True))
-        return cls(request, inputs, outputs)
+        return cls(request, inputs, outputs, n_in)
 
     @classmethod
     def generic(cls, request: Any) -> FixedRequest:
@@ -97,8 +105,9 @@ class FixedRequest:
         return cls(request, None, None)
 
     def close(self) -> None:
-        """Release the request before the buffers it points into; the object cannot run after."""
+        """Release the request before the buffers and arrays it points into; the object cannot run after."""
         self._request = None
+        self._held = []
 
     @property
     def request(self) -> Any:
@@ -114,14 +123,18 @@ class FixedRequest:
         if self._inputs is not None:
             for buffer, array in zip(self._inputs, arrays, strict=True):
                 np.copyto(buffer, array, casting="no")
-            _INFER(self._request, _NO_INPUTS, True, True)
         else:
-            _INFER(self._request, {i: ov.Tensor(_shareable(a), shared_memory=True) for i, a in enumerate(arrays)},
-                   True, True)
+            held = self._held
+            for i, array in enumerate(arrays):
+                if array is not held[i]:
+                    self._share(i, array)
+        _INFER(self._request, _NO_INPUTS, True, True)
         return [buffer.copy() for buffer in self._outputs]
 
-
-def _shareable(array: np.ndarray) -> np.ndarray:
-    """`array` itself when OpenVINO can share it (C-contiguous, writeable), else a C-contiguous copy."""
-    flags = array.flags
-    return array if flags.c_contiguous and flags.writeable else np.array(array, order="C")
+    def _share(self, index: int, array: np.ndarray) -> None:
+        """Point input `index` at `array` (or at its C-contiguous copy), held until another array replaces it."""
+        flags = array.flags
+        if not (flags.c_contiguous and flags.writeable):
+            array = np.array(array, order="C")
+        self._request.set_input_tensor(index, ov.Tensor(array, shared_memory=True))
+        self._held[index] = array

@@ -150,6 +150,37 @@ def test_non_contiguous_and_read_only_inputs_run_as_their_contiguous_copy(digits
         np.testing.assert_array_equal(x, _inputs(2, 3))  # the caller's array is left as it was
 
 
+def test_an_array_refilled_in_place_between_calls_is_read_anew(digits_cnn_ir: Path, input_mode: str) -> None:
+    # A shared input stays pointed at the caller's array while the caller passes that same array: a call must
+    # read what it holds now, not what it held at the call that pointed the request at it.
+    xs = [_inputs(1, seed) for seed in range(3)]
+    with open_session(digits_cnn_ir, options=SessionOptions(static_shapes=0)) as plain:
+        want = [plain.run({"x": x})["logits"] for x in xs]
+    buffer = np.empty((1, 1, 8, 8), np.float32)
+    with open_session(digits_cnn_ir) as s:
+        for i in (0, 1, 2, 0):
+            buffer[...] = xs[i]
+            np.testing.assert_allclose(s.run({"x": buffer})["logits"], want[i], rtol=1e-5, atol=1e-5)
+        other = xs[1].copy()
+        np.testing.assert_allclose(s.run({"x": other})["logits"], want[1], rtol=1e-5, atol=1e-5)
+        other[...] = xs[2]  # no longer the array of the last call but one: its old contents must not come back
+        np.testing.assert_allclose(s.run({"x": buffer})["logits"], want[0], rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(s.run({"x": other})["logits"], want[2], rtol=1e-5, atol=1e-5)
+
+
+def test_a_strided_array_refilled_in_place_is_read_anew(digits_cnn_ir: Path, input_mode: str) -> None:
+    # A non-contiguous array is shared as a copy made for the call: passing the same array object again after
+    # changing it must not run the stale copy.
+    xs = [_inputs(1, seed) for seed in (4, 5)]
+    base = np.zeros((1, 1, 8, 16), np.float32)
+    strided = base[..., ::2]
+    with open_session(digits_cnn_ir) as s:
+        want = [s.run({"x": x})["logits"] for x in xs]
+        for i in (0, 1, 0):
+            strided[...] = xs[i]
+            np.testing.assert_allclose(s.run({"x": strided})["logits"], want[i], rtol=1e-6, atol=1e-6)
+
+
 def test_concurrent_calls_each_get_their_own_result(digits_cnn_ir: Path, input_mode: str) -> None:
     # One session shared by threads: the lock keeps each call's copy-in, run and copy-out together.
     import threading
