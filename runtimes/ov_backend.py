@@ -14,11 +14,11 @@ for up to `SessionOptions.static_shapes` shapes (default 4), and runs the dynami
 beyond those, or that the model cannot take. That first call pays one compile (tenths of a second);
 later calls with the shape run the copy.
 
-Running: a fixed-shape model (and each fixed-shape copy) runs through `runtimes.ov_request.FixedRequest`,
-whose input and output buffers are set once: a call copies small inputs in (larger ones are shared, and
-an array passed again needs nothing), runs the C++ request with no Python dispatch, and copies each output
-out once, because the buffers are overwritten by the next call. The dynamic model runs through OpenVINO's `infer` with shared inputs and
-outputs, then the same copy. A static model called with another shape is refused before OpenVINO sees it.
+Running: a fixed-shape model (and each fixed-shape copy) runs through `runtimes.ov_request.FixedRequest`:
+a call copies small inputs into the request's own buffers (larger ones are shared, and an array passed again
+needs nothing), runs the C++ request with no Python dispatch, and takes each output as a fresh array copied
+by the binding. The dynamic model runs through OpenVINO's `infer` with shared inputs and outputs, then a copy
+of each output. A static model called with another shape is refused before OpenVINO sees it.
 
 OpenVINO converts a float64 array for a float32 input without complaint, and reuses the previous
 tensor when an input is left out; the session therefore checks input names and dtypes on every
@@ -146,7 +146,8 @@ class OpenVinoSession(Session):
         self._dtype_list = [self._dtypes.get(n) for n in self._names]  # None: bf16, which numpy cannot hold
         self._output_names = [s.name for s in self.outputs]
         self._request = self._compiled.create_infer_request()
-        self._generic = FixedRequest.generic(self._request)  # the dynamic model's request, run by OpenVINO's infer
+        # the dynamic model's request, run by OpenVINO's infer
+        self._generic = FixedRequest.generic(self._request, self._output_names)
         self._lock = threading.Lock()
         dynamic = any(isinstance(d, str) for spec in self.inputs for d in spec.shape)
         self._model = model if dynamic and options.static_shapes else None
@@ -154,7 +155,8 @@ class OpenVinoSession(Session):
         self._static_left = options.static_shapes
         # input shapes -> the request that runs them: a fixed-shape copy's, or None for the dynamic model's
         self._static: dict[tuple[tuple[int, ...], ...], FixedRequest | None] = {}
-        self._fixed = None if dynamic else FixedRequest.build(self._compiled)
+        self._fixed = None if dynamic else FixedRequest.build(self._compiled, self._output_names)
+        # the input shapes `_fixed` runs (None: a dynamic model, whose requests `_request_for` picks)
         self._fixed_key = None if dynamic else tuple(tuple(int(d) for d in s.shape) for s in self.inputs)
         self._last: FixedRequest | None = None  # the request the last call ran on
 
@@ -180,7 +182,8 @@ class OpenVinoSession(Session):
         try:
             model.reshape({s.name: ov.PartialShape(list(k)) for s, k in zip(self.inputs, key, strict=True)})
             compiled = self._core.compile_model(model, self.device, self._config)
-            fixed = FixedRequest.build(compiled) or FixedRequest.generic(compiled.create_infer_request())
+            fixed = (FixedRequest.build(compiled, self._output_names)
+                     or FixedRequest.generic(compiled.create_infer_request(), self._output_names))
         except RuntimeError as exc:
             logger.info("OpenVINO cannot compile %s at fixed shape %s (%s); the dynamic model runs it",
                         self.inputs, key, exc)
@@ -200,30 +203,31 @@ class OpenVinoSession(Session):
         return self._compiled.get_property(name)
 
     def run(self, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
-        # the hot path: about 3 us of Python a call beyond FixedRequest.run (measured on a 2-core EPYC)
+        # the hot path: a few us of Python beyond FixedRequest.run (each step here is slower right after a request,
+        # which evicts the interpreter's data from the caches: fewer steps pay)
         try:
             arrays = [inputs[n] for n in self._names]
-            for array, dtype in zip(arrays, self._dtype_list, strict=True):
-                if array.dtype is not dtype and array.dtype != dtype:
-                    raise self._input_error(inputs, None)
             key = tuple([a.shape for a in arrays])
+            right = [a.dtype for a in arrays] == self._dtype_list  # None for bf16, which numpy cannot hold
         except (KeyError, AttributeError, TypeError):
             raise self._input_error(inputs, None) from None
-        if len(inputs) != len(arrays):
+        if not right or len(inputs) != len(arrays):
             raise self._input_error(inputs, None)
         try:
             with self._lock:
-                if self._model is None:  # a fixed-shape model: its one request, or the dynamic model's
-                    fixed = self._fixed if key == self._fixed_key else None
-                    if fixed is None and self._fixed is not None:
-                        raise self._input_error(inputs, None)  # called with another shape
-                else:
-                    fixed = self._static.get(key) or self._fixed_for(key)
-                self._last = fixed = fixed or self._generic
-                outputs = fixed.run(arrays)
+                fixed = self._fixed if key == self._fixed_key else self._request_for(key, inputs)
+                self._last = fixed
+                return fixed.run(arrays)
         except (RuntimeError, TypeError, ValueError) as exc:
             raise self._input_error(inputs, exc) from exc
-        return dict(zip(self._output_names, outputs, strict=True))
+
+    def _request_for(self, key: tuple[tuple[int, ...], ...], inputs: Mapping[str, np.ndarray]) -> FixedRequest:
+        """The request that runs input shapes `key` other than a fixed-shape model's own. Called under the lock."""
+        if self._model is None:
+            if self._fixed is not None:
+                raise self._input_error(inputs, None)  # a fixed-shape model called with another shape
+            return self._generic
+        return self._static.get(key) or self._fixed_for(key) or self._generic
 
     def _input_error(self, inputs: Mapping[str, np.ndarray], exc: Exception | None) -> InferenceError:
         precise = input_error(self.inputs, inputs)
