@@ -30,6 +30,7 @@ recommended rung is set against the fastest the runtimes themselves reach at bat
 (OpenVINO's benchmark_app on the same input, onnxruntime's best session options; bench/runtime_floor.py), and an
 OpenVINO rung also against the bare OpenVINO request called from Python (Python's own per-call floor), with
 each call split into the time inside OpenVINO's request and the time around it (bench/compile_zoo.py says how).
+benchmark_app and an OpenVINO rung take turns in 3 rounds; the ratio is the median of the rounds' ratios.
 
 `--max-time` and `--repair-budget` pass to each zoo compile (`compile_model`'s max_time and repair_budget); each
 graph's summary names the step that took most of its compile, and its slowest rung with how much of it the
@@ -37,9 +38,9 @@ repair took. `--cache DIR` keeps each compile under DIR, keyed by the graph file
 and data sizes, and the digest of the compiler's own source (compilers/, runtimes/, testkit/onnx_zoo.py): a rerun
 with nothing changed reuses it and reports the seconds of the compile it reuses, marked `[cached: ...]`; timing
 and floors are always measured anew. The recorded run uses no cache, so every compile time is real. The recorded
-zoo run, all six graphs (expected 10-12 minutes alone on 2 cores: about 7 minutes of compiles, the recognizer the
-longest at about 2, then per graph the timing at batch 1 and the declared batch and the runtimes' floors, about
-30 s):
+zoo run, all six graphs (6 min 14 s alone on 2 cores before the floors took turns in rounds, which add about
+10 s per OpenVINO rung: compiles of 7 to 74 s per graph, then per graph the timing at batch 1 and the declared
+batch and the runtimes' floors, 30 to 45 s):
     python bench/bench_compile.py --zoo --budget 2 --repair-budget 45
 A subset: `--zoo-graphs ocr-rec,detector`; a hard bound on each compile's search: `--max-time 90`.
 

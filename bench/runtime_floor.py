@@ -28,7 +28,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -156,7 +156,8 @@ class _Inside:
 class BesideBare:
     """A rung's session and the bare OpenVINO request from Python on its file, timed interleaved at batch 1 (ms).
 
-    `*_split`: medians over the calls of OpenVINO's own latency (inside the C++ request, what benchmark_app
+    `*_rounds`: each round's p50 (see `beside_bare_request`); `rung_ms` and `bare_ms` are their medians.
+    `*_split`: medians over every call of OpenVINO's own latency (inside the C++ request, what benchmark_app
     reports) and of the rest of each call's wall time (around it, in Python); None where the runner is not an
     OpenVINO one. `bare_ms` is None (and `how` says why) where there is no bare request."""
 
@@ -167,12 +168,17 @@ class BesideBare:
     how: str
     config: str = ""  # where the rung's compile config differs from the bare request's (see CONFIG)
     unpinned_ms: float | None = None  # the bare request compiled with ENABLE_CPU_PINNING off, timed beside them
+    rung_rounds: tuple[float, ...] = ()
+    bare_rounds: tuple[float, ...] = ()
 
 
 def beside_bare_request(rung: Runner, model: Path, feed: Mapping[str, np.ndarray], threads: int, *,
-                        precision: str = "fp32", budget_s: float = 2.0) -> BesideBare:
+                        precision: str = "fp32", budget_s: float = 2.0, rounds: int = 1,
+                        before_round: Callable[[int], object] | None = None) -> BesideBare:
     """The rung timed interleaved with the bare request at batch 1, the bare request only for an OpenVINO file
-    whose inputs are float arrays."""
+    whose inputs are float arrays; in `rounds` rounds of `budget_s` seconds per two runners, each begun by
+    `before_round(i)` (the caller runs benchmark_app there, so that it and the rung take turns: a ratio taken
+    round by round cancels a load that drifts over the run)."""
     inside = _Inside(rung) if hasattr(rung, "last_latency_ms") else None
     runners: dict[str, Runner] = {"rung": inside or rung}
     why = "OpenVINO's C++ InferRequest.infer from Python, inputs set once, no outputs read"
@@ -186,8 +192,14 @@ def beside_bare_request(rung: Runner, model: Path, feed: Mapping[str, np.ndarray
     else:
         why = "no bare request: not an OpenVINO file with float inputs"
     differs = config_difference(rung, bare.compiled) if bare is not None and hasattr(rung, "get_property") else ""
+    p50s: dict[str, list[float]] = {name: [] for name in runners}
     try:
-        timing = time_runners(runners, {1: feed}, plan=TimingPlan(budget_s=budget_s * len(runners) / 2))
+        for i in range(rounds):
+            if before_round is not None:
+                before_round(i)
+            timing = time_runners(runners, {1: feed}, plan=TimingPlan(budget_s=budget_s * len(runners) / 2))
+            for name in runners:
+                p50s[name].append(timing[name]["batch_1"]["p50"])
     finally:
         for name in ("bare", "unpinned"):
             if name in runners:
@@ -196,9 +208,12 @@ def beside_bare_request(rung: Runner, model: Path, feed: Mapping[str, np.ndarray
     def medians(split: list[tuple[float, float]] | None) -> tuple[float, float] | None:
         return (float(np.median([a for a, _ in split])), float(np.median([b for _, b in split]))) if split else None
 
-    return BesideBare(timing["rung"]["batch_1"]["p50"], medians(inside.split if inside else None),
-                      timing["bare"]["batch_1"]["p50"] if bare else None, medians(bare.split if bare else None), why,
-                      differs, timing["unpinned"]["batch_1"]["p50"] if "unpinned" in timing else None)
+    def p50(name: str) -> float | None:
+        return float(np.median(p50s[name])) if name in p50s else None
+
+    return BesideBare(float(np.median(p50s["rung"])), medians(inside.split if inside else None), p50("bare"),
+                      medians(bare.split if bare else None), why, differs, p50("unpinned"),
+                      tuple(p50s["rung"]), tuple(p50s.get("bare", ())))
 
 
 class _OrtRunner:
