@@ -215,7 +215,9 @@ class OpenVinoSession(Session):
             raise self._input_error(inputs, None)
         try:
             with self._lock:
-                fixed = self._fixed if key == self._fixed_key else self._request_for(key, inputs)
+                fixed = self._fixed
+                if fixed is None or key != self._fixed_key:
+                    fixed = self._request_for(key, inputs)
                 self._last = fixed
                 return fixed.run(arrays)
         except (RuntimeError, TypeError, ValueError) as exc:
