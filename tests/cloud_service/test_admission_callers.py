@@ -17,15 +17,20 @@ def test_doc_example_runs() -> None:
 
 
 def test_a_call_inside_the_hint_is_refused_with_the_rest_of_it_and_other_callers_are_not() -> None:
-    ledger = HintLedger(grace=0.8)
+    ledger = HintLedger(grace=0.8, penalty=0.25)
     ledger.refused("a", hint_ms=1000, now=0.0)  # asked to wait 1 s: calls before 0.8 s count as early
     early = ledger.refusal("a", now=0.3)
     assert isinstance(early, HintIgnored)
-    assert early.retry_after_ms == 700  # the rest of the hint itself
+    assert early.retry_after_ms == 950  # the rest of the hint, lengthened by a quarter of it for calling inside it
     assert "retry hint" in str(early)
     assert ledger.refusal("b", now=0.3) is None  # another caller is untouched
-    assert ledger.refusal("a", now=0.81) is None  # waited it out (within the grace)
+    again = ledger.refusal("a", now=0.81)  # inside the lengthened window: early again, lengthened no more
+    assert isinstance(again, HintIgnored)
+    assert again.retry_after_ms == 440
+    assert ledger.refusal("a", now=1.06) is None  # waited it out (within the grace)
     assert len(ledger) == 0  # and forgotten then
+    ledger.refused("c", hint_ms=1000, now=0.0)
+    assert ledger.refusal("c", now=0.8) is None  # an honest caller, never early, waits the hint alone
 
 
 def test_the_ledger_is_bounded_and_checks_its_grace() -> None:
