@@ -147,10 +147,7 @@ def _openvino_devices() -> tuple[tuple[str, ...] | None, str | None]:
     if importlib.util.find_spec("openvino") is None:
         return None, None
     try:
-        from runtimes.ov_telemetry import silence
-
-        silence()  # before openvino is imported: its import posts an event
-        import openvino
+        from runtimes.ov_import import openvino
 
         core = openvino.Core()
         return tuple(f"{d} ({core.get_property(d, 'FULL_DEVICE_NAME')})" for d in core.available_devices), None

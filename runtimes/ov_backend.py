@@ -39,15 +39,11 @@ from typing import Any
 
 import numpy as np
 
-from runtimes.ov_telemetry import silence
-
-silence()  # before openvino is imported: its import posts an event
-import openvino as ov  # noqa: E402
-
-from runtimes.errors import BackendUnavailable, ConfigError, InferenceError, InputError, PackageError  # noqa: E402
-from runtimes.ov_request import FixedRequest  # noqa: E402
-from runtimes.session import Session, SessionOptions, axis_name  # noqa: E402
-from runtimes.spec import DTYPES, TensorSpec, input_error  # noqa: E402
+from runtimes.errors import BackendUnavailable, ConfigError, InferenceError, InputError, PackageError
+from runtimes.ov_import import openvino as ov
+from runtimes.ov_request import FixedRequest
+from runtimes.session import Session, SessionOptions, axis_name
+from runtimes.spec import DTYPES, TensorSpec, input_error
 
 logger = logging.getLogger(__name__)
 

@@ -37,10 +37,7 @@ from typing import Any
 
 import numpy as np
 
-from runtimes.ov_telemetry import silence
-
-silence()  # before openvino is imported: its import posts an event
-import openvino as ov  # noqa: E402
+from runtimes.ov_import import openvino as ov
 
 try:  # the C++ binding's infer: no Python dispatch of inputs, outputs returned as views
     from openvino._pyopenvino import InferRequest as _BaseRequest

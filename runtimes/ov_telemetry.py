@@ -10,8 +10,9 @@ int8`, with its DNS server not answering, exited 4.5 s after writing its result 
 
 tierkit sends no telemetry of its own and lets no library in its process send any: `silence` makes
 `openvino_telemetry`'s sender drop every message (the one place every event, session and error message passes
-through). The modules that import openvino or nncf call it first, so even the import event is dropped; the
-consent file and client id that `openvino_telemetry` keeps under ~/intel are left as they are.
+through). Every tierkit module takes OpenVINO from `runtimes.ov_import`, which calls it before OpenVINO loads (and
+the one that imports NNCF imports that first), so even the import event is dropped; the consent file and client
+id that `openvino_telemetry` keeps under ~/intel are left as they are.
 """
 
 from __future__ import annotations

@@ -22,16 +22,15 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from runtimes.ov_telemetry import silence
+from runtimes.ov_import import openvino as ov  # before nncf, whose import loads OpenVINO
 
-silence()  # before nncf and openvino are imported: each posts usage events (runtimes/ov_telemetry.py)
-import nncf  # noqa: E402
-import openvino as ov  # noqa: E402
-from openvino.frontend import GeneralFailure, OpConversionFailure  # noqa: E402
+# isort: split
+import nncf
+from openvino.frontend import GeneralFailure, OpConversionFailure
 
-from compilers.passes import PassContext, PassResult, quantize_ov_repair, sensitivity  # noqa: E402
-from runtimes.errors import CompileError  # noqa: E402
-from runtimes.spec import Task  # noqa: E402
+from compilers.passes import PassContext, PassResult, quantize_ov_repair, sensitivity
+from runtimes.errors import CompileError
+from runtimes.spec import Task
 
 logger = logging.getLogger(__name__)
 

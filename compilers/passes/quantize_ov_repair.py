@@ -21,11 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
-from runtimes.ov_telemetry import silence
-
-silence()  # before openvino is imported: its import posts an event
-import openvino as ov  # noqa: E402
-from openvino import opset13  # noqa: E402
+from runtimes.ov_import import openvino as ov
 
 _FQ = "FakeQuantize"
 _SMOOTHING = "nncf_smooth_quant"  # SmoothQuant's activation scaling (its weights are scaled the other way)
@@ -198,7 +194,7 @@ def _restore_weights(op: ov.Node, twin: ov.Node | None) -> bool:
     for i, port in enumerate(op.inputs()):
         source = twin.input_value(i).get_node()
         if source.get_type_name() == "Constant" and port.get_source_output().get_node().get_type_name() != "Constant":
-            port.replace_source_output(opset13.constant(source.get_data()).output(0))
+            port.replace_source_output(ov.opset13.constant(source.get_data()).output(0))
             restored = True
     return restored
 
@@ -212,5 +208,5 @@ def _restore_bias(op: ov.Node, constants: Mapping[str, ov.Node]) -> None:
             const = port.get_source_output().get_node()
             before = constants.get(const.get_friendly_name()) if const.get_type_name() == "Constant" else None
             if before is not None and tuple(before.get_output_shape(0)) == tuple(const.get_output_shape(0)):
-                port.replace_source_output(opset13.constant(before.get_data()).output(0))
+                port.replace_source_output(ov.opset13.constant(before.get_data()).output(0))
 
