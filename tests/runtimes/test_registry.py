@@ -35,14 +35,16 @@ def test_missing_file_is_a_config_error(tmp_path: Path) -> None:
         open_session(tmp_path / "absent.onnx")
 
 
-@pytest.mark.parametrize(("backend", "module", "library", "extra"), [
-    ("openvino", "runtimes.ov_backend", "openvino", "openvino"),
-    ("torch", "runtimes.torch_backend", "torch", "torch"),
+@pytest.mark.parametrize(("backend", "modules", "library", "extra"), [
+    ("openvino", ("runtimes.ov_backend", "runtimes.ov_request", "runtimes.ov_import"), "openvino", "openvino"),
+    ("torch", ("runtimes.torch_backend",), "torch", "torch"),
 ])
-def test_missing_library_names_the_extra(monkeypatch: pytest.MonkeyPatch, backend: str, module: str,
+def test_missing_library_names_the_extra(monkeypatch: pytest.MonkeyPatch, backend: str, modules: tuple[str, ...],
                                          library: str, extra: str) -> None:
-    # None in sys.modules makes `import <library>` fail as if it were not installed.
-    monkeypatch.delitem(sys.modules, module, raising=False)
+    # None in sys.modules makes `import <library>` fail as if it were not installed; the backend's modules that
+    # import it are dropped from the cache so that they import it again.
+    for module in modules:
+        monkeypatch.delitem(sys.modules, module, raising=False)
     monkeypatch.setitem(sys.modules, library, None)
     with pytest.raises(BackendUnavailable, match=rf"needs '{library}': pip install 'tierkit\[{extra}\]'"):
         get_backend(backend)
