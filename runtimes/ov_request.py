@@ -7,19 +7,20 @@ inputs, runs the C++ `infer` with no Python dispatch, and takes the outputs it r
 (`share_outputs=False`: the binding copies each output tensor into a new array, so what a call returned is
 the caller's and the next call cannot change it).
 
-Inputs up to `COPY_IN_BYTES` in all are copied into the request's own buffers (cheaper than wrapping the
-caller's array in a new `Tensor`). Larger ones are shared: the request's input tensor points at the caller's
-array itself (no copy), set again only when a call passes another array object than the last call did. A
-caller that refills one array between calls (a capture buffer, a preprocessing output) thus pays nothing per
-call, and OpenVINO reads the array's contents at the time of the call, as a copy would have. The request holds
-the array it points at until the next call replaces it (OpenVINO's `Tensor` does not keep it alive). A
-non-contiguous or read-only array is shared as a C-contiguous copy made for that call.
+Inputs: an array passed again (the same object as the last call's) is shared: the request's input tensor
+points at the caller's array itself and stays so while calls pass that array, so a caller that refills one
+array between calls (a capture buffer, a preprocessing output) pays nothing per call, and OpenVINO reads the
+array's contents at the time of the call, as a copy would have. The request holds that array until another
+replaces it (OpenVINO's `Tensor` does not keep it alive). A new array is copied into the request's own buffer
+where the inputs total up to `COPY_IN_BYTES`, and shared for the call above that. A non-contiguous or
+read-only array is copied (into the buffer, or into a C-contiguous array that is shared).
 
-Why not always copy: a copy of a 110 KB input costs 3-4 us when it is in cache, 10-15 us right after
-OpenVINO's request evicted it, and up to 45 us when the caller's array and the buffer lie a few bytes apart
-modulo 4 KiB (AMD EPYC, AVX2: the copy's loads alias its stores; which happens depends on where the allocator
-put the caller's array). Pointing the request at a new array costs about 3.5 us (a `Tensor` and
-`set_input_tensor`), whatever its size.
+Why: a copy of a 110 KB input costs 3-4 us when it is in cache, 10-15 us right after OpenVINO's request evicted
+it, and up to 45 us when the caller's array and the buffer lie a few bytes apart modulo 4 KiB (AMD EPYC, AVX2:
+the copy's loads alias its stores; which happens depends on where the allocator put the caller's array).
+Pointing the request at a new array costs about 3.5 us in Python (a `Tensor` and `set_input_tensor`), but the
+call after it took about 14 us more around OpenVINO's request than a copy did (2-core EPYC under load), so a new
+array is copied up to `COPY_IN_BYTES`, and the same array is not copied at all.
 
 Measured on the PP-OCR direction classifier (input 1x3x48x192, 0.6 ms a call) on a 2-core AMD EPYC under load
 from other work, calls interleaved: the time a call spends outside OpenVINO's own request (wall time minus
@@ -46,7 +47,7 @@ try:  # the C++ binding's infer: no Python dispatch of inputs, outputs returned 
 except (ImportError, AttributeError):  # pragma: no cover - another OpenVINO layout
     _INFER = None
 
-COPY_IN_BYTES = 16 * 1024
+COPY_IN_BYTES = 256 * 1024
 _NO_INPUTS: dict[int, Any] = {}
 
 
@@ -66,14 +67,18 @@ class FixedRequest:
     """An `InferRequest` of a fixed-shape compiled model, called directly (see module doc)."""
 
     # in this order: when the object goes, the request goes before the buffers and arrays it points into
-    __slots__ = ("_request", "_names", "_inputs", "_held", "_fixed", "copy_in")  # noqa: RUF023
+    __slots__ = ("_request", "_names", "_inputs", "_tensors", "_held", "_seen", "_fixed", "copy_in")  # noqa: RUF023
 
     def __init__(self, request: Any, names: Sequence[str], inputs: list[np.ndarray] | None, n_inputs: int,
                  fixed: bool) -> None:
         self._request = request
         self._names = tuple(names)  # the outputs' names, in the model's order
-        self._inputs = inputs  # the request's own input buffers, where inputs are copied in
-        self._held: list[np.ndarray | None] = [None] * n_inputs  # shared inputs: the array each points at now
+        self._inputs = inputs  # the request's own input buffers, where new arrays are copied in
+        self._tensors = [ov.Tensor(b, shared_memory=True) for b in inputs] if inputs is not None else []
+        for i, tensor in enumerate(self._tensors):
+            request.set_input_tensor(i, tensor)
+        self._held: list[np.ndarray | None] = [None] * n_inputs  # the array each input points at (None: its buffer)
+        self._seen: list[np.ndarray | None] = [None] * n_inputs  # the array the last call passed
         self._fixed = fixed
         self.copy_in = inputs is not None
 
@@ -90,13 +95,10 @@ class FixedRequest:
                 return None
             specs.append((tuple(port.get_shape()), dtype))
         n_in = len(compiled.inputs)
-        request = compiled.create_infer_request()
         inputs = None
         if sum(int(np.prod(shape)) * dtype.itemsize for shape, dtype in specs[:n_in]) <= COPY_IN_BYTES:
             inputs = [np.zeros(shape, dtype) for shape, dtype in specs[:n_in]]
-            for i, buffer in enumerate(inputs):
-                request.set_input_tensor(i, ov.Tensor(buffer, shared_memory=True))
-        return cls(request, names, inputs, n_in, True)
+        return cls(compiled.create_infer_request(), names, inputs, n_in, True)
 
     @classmethod
     def generic(cls, request: Any, names: Sequence[str]) -> FixedRequest:
@@ -106,7 +108,7 @@ class FixedRequest:
     def close(self) -> None:
         """Release the request before the buffers and arrays it points into; the object cannot run after."""
         self._request = None
-        self._held = []
+        self._held = self._seen = []
 
     @property
     def request(self) -> Any:
@@ -119,21 +121,24 @@ class FixedRequest:
         if not self._fixed:
             results = self._request.infer(dict(enumerate(arrays)), share_inputs=True, share_outputs=True)
             return {n: a.copy() for n, a in zip(self._names, results.to_tuple(), strict=True)}
-        buffers = self._inputs
-        if buffers is not None:
-            for buffer, array in zip(buffers, arrays, strict=True):
-                np.copyto(buffer, array, casting="no")
-        else:
-            held = self._held
-            for i, array in enumerate(arrays):
-                if array is not held[i]:
-                    self._share(i, array)
+        held = self._held
+        for i, array in enumerate(arrays):
+            if array is not held[i]:
+                self._set(i, array)
         return dict(zip(self._names, _INFER(self._request, _NO_INPUTS, False, True).values(), strict=True))
 
-    def _share(self, index: int, array: np.ndarray) -> None:
-        """Point input `index` at `array` (or at its C-contiguous copy), held until another array replaces it."""
+    def _set(self, index: int, array: np.ndarray) -> None:
+        """Input `index` for a call that passes `array`, which the request does not point at now."""
         flags = array.flags
-        if not (flags.c_contiguous and flags.writeable):
-            array = np.array(array, order="C")
-        self._request.set_input_tensor(index, ov.Tensor(array, shared_memory=True))
-        self._held[index] = array
+        shareable = flags.c_contiguous and flags.writeable
+        if self._inputs is None or (shareable and array is self._seen[index]):
+            if not shareable:
+                array = np.array(array, order="C")
+            self._request.set_input_tensor(index, ov.Tensor(array, shared_memory=True))
+            self._held[index] = array
+        else:
+            if self._held[index] is not None:  # it pointed at the caller's array: back to the buffer
+                self._request.set_input_tensor(index, self._tensors[index])
+                self._held[index] = None
+            np.copyto(self._inputs[index], array, casting="no")
+        self._seen[index] = array

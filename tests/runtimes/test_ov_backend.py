@@ -116,7 +116,7 @@ def _inputs(n: int, seed: int) -> np.ndarray:
 
 @pytest.fixture(params=["copied", "shared"])
 def input_mode(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    # small inputs are copied into the fixed-shape request's own buffers; larger ones are shared for the call
+    # new arrays are copied into the fixed-shape request's own buffers up to COPY_IN_BYTES; above it they are shared
     if request.param == "shared":
         monkeypatch.setattr("runtimes.ov_request.COPY_IN_BYTES", 0)
     return str(request.param)
