@@ -22,12 +22,16 @@ from cloud_service.batcher import DynamicBatcher
 from cloud_service.config import BatchingConfig
 from cloud_service.errors import ServerBusy
 from runtimes.errors import CloudTimeout
+from testkit.overload import HostStall
 
 DEADLINE_S = 0.1
-BUSY_S = 0.03  # the event loop is blocked this long at a time (another task's work on the same loop)
+BUSY_S = 0.04  # the event loop is blocked this long at a time (another task's work on the same loop)
 PER_ROW_S = 0.004  # the model double's run time per row
 CALLERS = 24  # closed loops: each keeps a request queued, about 2.5 deadlines' worth of work in all
 SECONDS = 2.0
+# A host whose threads wake later than this (p90) is too loaded for the test: measured 0.1 ms on 2 cores at a load
+# average of 6, 5-11 ms with two busy loops beside, where a run with 11 ms answered 43 in time and 0.19 late
+MAX_STALL_S = 0.008
 
 
 def _model(inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -38,6 +42,7 @@ def _model(inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
 
 @dataclass
 class Tally:
+    allowance_s: float = 0.0  # lateness the host's own scheduling explains (see `_run`): counted in time
     in_time: int = 0
     late: int = 0  # answered, but the caller had the answer after its deadline
     shed: int = 0  # admitted, then refused after queueing
@@ -81,7 +86,7 @@ async def _crowd(batcher: DynamicBatcher, tally: Tally) -> None:
             except CloudTimeout:
                 tally.expired += 1
                 continue
-            if loop.time() <= deadline:
+            if loop.time() <= deadline + tally.allowance_s:
                 tally.in_time += 1
             else:
                 tally.late += 1
@@ -90,7 +95,13 @@ async def _crowd(batcher: DynamicBatcher, tally: Tally) -> None:
 
 
 def _run(batcher_config: BatchingConfig) -> Tally:
-    tally = Tally()
+    """The crowd against a batcher. An answer later than its deadline by no more than the host's scheduling
+    delay measured in a quiet moment just before (`HostStall`'s p90, ~0 on a quiet host) counts as in time:
+    a stall arriving after admission is no plan's to foresee, and on a host that other runs load it is
+    what decided this test's outcome rather than admission."""
+    with HostStall() as stall:
+        time.sleep(0.3)
+    tally = Tally(allowance_s=stall.p(90))
 
     async def main() -> None:
         async with DynamicBatcher("lagged", [_model], batcher_config, batched=True) as batcher:
@@ -104,15 +115,19 @@ def _run(batcher_config: BatchingConfig) -> Tally:
 
 
 def test_requests_admitted_behind_a_busy_event_loop_are_answered_in_time() -> None:
-    """The loop delivers answers up to 30 ms late; a batch of 4 runs 16 ms; 24 callers at 100 ms deadlines.
-    Planned on the queue alone, most admitted requests reached their callers after their deadline (measured:
-    0.60-0.63 of them late, 2 cores at a load average of 4); with the answers' lag fed back, few do
-    (0.05-0.06), and the model answers twice as many in time (462-472 in 2 s against 186-199)."""
+    """The loop delivers answers up to 40 ms late; a batch of 4 runs 16 ms; 24 callers at 100 ms deadlines.
+    Planned on the queue alone, admitted requests reached their callers after their deadline: measured on 2
+    cores at a load average of 4-6, 0.11-0.71 of them (0.11-0.16 in the runs beside the ones below). With the
+    answers' lag fed back: 0.01 in 3 runs at a load average of 6 (479-482 answered in time in the 2 s), 0.04
+    with two busy loops beside as well."""
     tally = _run(BatchingConfig(max_batch_size=4))
     summary = f"{tally}; {tally.failed_share:.2f} of the admitted not answered in time"
     print(summary)
+    if tally.allowance_s > MAX_STALL_S:
+        pytest.skip(f"this host is too loaded to measure admission's lag: a 5 ms sleeper woke "
+                    f"{tally.allowance_s * 1000:.1f} ms late (p90) before the crowd ({summary})")
     assert tally.refused > 0, summary  # the crowd is past what the model and the loop can answer in time
-    assert tally.failed_share <= 0.15, summary
+    assert tally.failed_share <= 0.1, summary
     # admission did not just refuse everything: the model answered a good part of what it could (a batch
     # of 4 in 16 ms is 250 rows/s at most; the blocked loop lets the batcher refill it part of the time)
     assert tally.in_time >= 0.2 * 250 * SECONDS, summary
