@@ -57,7 +57,7 @@ from edge_agent.decide import (
 )
 from edge_agent.encoding import WireEncoder, WireOption
 from edge_agent.evidence import (
-    PartCalibration,
+    EnergyParts,
     cloud_noise,
     energy_evidence,
     energy_noise,
@@ -117,10 +117,8 @@ class Controller:
         self._arrivals: deque[float] = deque(maxlen=256)
         # observed over modeled energy of an inference and of what an escalation adds, fed on every request
         # with or without an energy budget: they scale the plan's two terms (`plan.Conditions`)
-        self._inference_energy, self._escalation_energy = PartCalibration(), PartCalibration()
+        self._energy = EnergyParts()
         self._last_inference_ms: float | None = None
-        self._last_inference_mj: tuple[str, float] | None = None  # (variant, mJ) of the inference just reported
-        self._escalation_model_mj: float | None = None  # what the model charges the escalation just reported
         self._redecided_at, self.redecisions = -math.inf, 0
         self._epoch = link.link.epoch if link is not None else 0
         self._epoch_at = -math.inf  # when the link last changed state
@@ -158,10 +156,11 @@ class Controller:
         if p is None:
             return
         p.observe_latency(latency_ms)
-        self._last_inference_mj = None
-        if energy_mj is not None and math.isfinite(energy_mj):
+        if energy_mj is not None and not math.isfinite(energy_mj):
+            energy_mj = None
+        if energy_mj is not None:
             p.observe_energy(energy_mj, energy_label)
-            self._last_inference_mj = (variant, float(energy_mj))
+        self._energy.inferred(variant, energy_mj)
         self._last_inference_ms = latency_ms
         if variant != self.current.variant:
             return
@@ -199,7 +198,7 @@ class Controller:
             fed: the link was told already (an agent feeds its link as each escalation ends): only
                 the request size is taken here.
         """
-        self._escalation_model_mj = None
+        self._energy.charged(None)
         if self.link is None:
             return
         if attempted is None:
@@ -209,8 +208,8 @@ class Controller:
         # the energy model's charge for this very escalation (its bytes, its wait): observed against it, the
         # energy it added calibrates the model's power, not the round trip the plan expects
         waited = rtt_ms if rtt_ms is not None else elapsed_ms
-        self._escalation_model_mj = (bytes_sent * self.link.energy_per_byte_mj
-                                     + max(waited or 0.0, 0.0) * self.link.wait_power_w)
+        self._energy.charged(bytes_sent * self.link.energy_per_byte_mj
+                             + max(waited or 0.0, 0.0) * self.link.wait_power_w)
         if fed:
             self.link.observe_bytes(bytes_sent)
         else:
@@ -243,11 +242,13 @@ class Controller:
                 self._flag("observed p95 over budget" if self.latency_windows.scale < self._deadline_scale
                            else "observed p95 back under budget")
         owner = variant if variant is not None and variant in self._by_id else self.current.variant
-        if energy_mj is not None and math.isfinite(energy_mj):
-            moved = owner == self.current.variant and self._calibrate_parts(energy_mj, escalated)
-            if moved and self.budget.energy_mj is not None:
-                self._flag("observed energy vs plan")
-        self._last_inference_mj = self._escalation_model_mj = None
+        p = self._by_id[self.current.variant]
+        # the model's inference term for a running variant is its live median (`plan._inference_mj`)
+        if owner != p.id or energy_mj is None or not math.isfinite(energy_mj):
+            self._energy.forget()
+        elif (self._energy.add(energy_mj, escalated, p.id, p.energy_mj, measured=p.energy_observed)
+              and self.budget.energy_mj is not None):
+            self._flag("observed energy vs plan")
         if not escalated and self._last_inference_ms is not None:
             self._overheads.append(max(0.0, total_latency_ms - self._last_inference_ms))
         if score is not None:
@@ -268,20 +269,6 @@ class Controller:
             self._flag("escalation rate")
         if self._n_agree >= m and outside(self._k_agree, self._n_agree, self._ref["agreement"], z):
             self._flag("agreement")
-
-    def _calibrate_parts(self, energy_mj: float, escalated: bool) -> bool:
-        """Feed the two part calibrations one request of the current variant: its inference's energy
-        against the model's inference term (the variant's live median), and, escalated and sent, what it
-        spent beyond that inference against what the model charges that escalation (its bytes, its
-        round trip or wait); True when either scale moved."""
-        p, last = self._by_id[self.current.variant], self._last_inference_mj
-        inference = last[1] if last is not None and last[0] == p.id else None
-        # the model's inference term for a running variant is its live median (`plan._inference_mj`)
-        moved = inference is not None and p.energy_observed and self._inference_energy.add(inference, p.energy_mj)
-        if escalated and self._escalation_model_mj is not None:
-            spent = inference if inference is not None else p.energy_mj
-            moved = self._escalation_energy.add(energy_mj - spent, self._escalation_model_mj) or moved
-        return moved
 
     # -- decisions -------------------------------------------------------------------------------
     def set_budget(self, budget: Budget) -> Decision | None:
@@ -355,8 +342,8 @@ class Controller:
                           current_variant=current.variant if current is not None else None,
                           shift_error_scale=shift, latency_scale=self.latency_windows.scale,
                           deadline_guard_ms=self.deadline_guard_ms(),
-                          inference_energy_scale=self._inference_energy.scale,
-                          escalation_energy_scale=self._escalation_energy.scale,
+                          inference_energy_scale=self._energy.inference.scale,
+                          escalation_energy_scale=self._energy.escalation.scale,
                           wire_ref_bytes=None if ref is None else ref.nbytes,
                           wire_ref_encode_ms=0.0 if ref is None else ref.encode_ms,
                           audit_rate=min(max(float(self._audit_rate()), 0.0), 1.0))
@@ -469,7 +456,7 @@ class Controller:
         if self.budget.energy_mj is None:
             return 0.0
         return energy_noise(self.current, link, self.config.energy_noise_z,
-                            inference=self._inference_energy, escalation=self._escalation_energy)
+                            inference=self._energy.inference, escalation=self._energy.escalation)
 
     def _cloud_noise(self, cur: Decision, cand: Decision) -> float:
         """How much two points of one variant may differ in predicted accuracy by the fitted cloud

@@ -19,8 +19,8 @@ from edge_agent.decide import Decision
 from edge_agent.profiles import LinkState, VariantProfile
 from runtimes.errors import ConfigError
 
-__all__ = ["PartCalibration", "cloud_noise", "energy_evidence", "energy_noise", "gain_stderr", "measured",
-           "outside", "variant_stderr"]
+__all__ = ["EnergyParts", "PartCalibration", "cloud_noise", "energy_evidence", "energy_noise", "gain_stderr",
+           "measured", "outside", "variant_stderr"]
 
 
 class PartCalibration:
@@ -84,6 +84,50 @@ class PartCalibration:
         resid = pairs[:, 0] - ratio * pairs[:, 1]
         se = math.sqrt(float(np.sum(resid * resid)) / (n * (n - 1))) / max(float(np.mean(pairs[:, 1])), 1e-12)
         return se / max(ratio, 1e-12)
+
+
+class EnergyParts:
+    """The energy plan's two part calibrations (`PartCalibration`) and what the request being folded has
+    reported of its parts so far: `inference` (observed inference energy against the model's inference
+    term, the variant's live median) and `escalation` (what an escalation added to its request against
+    what the model charges that very escalation: its bytes, its round trip or wait).
+
+    Example:
+        >>> parts = EnergyParts()
+        >>> parts.inferred("fp32", 2.0); parts.charged(14.7)
+        >>> moved = parts.add(17.9, escalated=True, variant="fp32", modeled_inference_mj=2.0, measured=True)
+    """
+
+    def __init__(self) -> None:
+        self.inference, self.escalation = PartCalibration(), PartCalibration()
+        self._inferred: tuple[str, float] | None = None  # (variant, mJ) of the inference just reported
+        self._charged: float | None = None  # what the model charges the escalation just reported
+
+    def inferred(self, variant: str, energy_mj: float | None) -> None:
+        """The request's inference on `variant` spent `energy_mj` (None: not measured)."""
+        self._inferred = None if energy_mj is None else (variant, float(energy_mj))
+
+    def charged(self, model_mj: float | None) -> None:
+        """The model charges the request's escalation `model_mj` (None: not sent)."""
+        self._charged = model_mj
+
+    def add(self, energy_mj: float, escalated: bool, variant: str, modeled_inference_mj: float, *,
+            measured: bool) -> bool:
+        """Feed the whole request's energy on `variant` (the current one) and forget what it reported;
+        `modeled_inference_mj` is the model's inference term, `measured` whether it is the variant's live
+        median (a prior calibrates nothing). True when either scale moved."""
+        last, charge = self._inferred, self._charged
+        self._inferred = self._charged = None
+        inference = last[1] if last is not None and last[0] == variant else None
+        moved = inference is not None and measured and self.inference.add(inference, modeled_inference_mj)
+        if escalated and charge is not None:
+            spent = inference if inference is not None else modeled_inference_mj
+            moved = self.escalation.add(energy_mj - spent, charge) or moved
+        return moved
+
+    def forget(self) -> None:
+        """The request was not the current variant's: what it reported calibrates nothing."""
+        self._inferred = self._charged = None
 
 
 def energy_noise(cur: Decision, link: LinkState | None, z: float, *, inference: PartCalibration | None = None,

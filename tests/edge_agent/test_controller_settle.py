@@ -126,7 +126,7 @@ def test_an_energy_budget_set_after_a_warm_up_starts_calibrated_when_the_model_m
         moves, c, energies = run(budget, seed, extra_w=0.45)
         assert not moves or moves[0] > 3 * SETTLE, (seed, moves, [(d.trigger, d.threshold) for d in c.decisions])
         assert c.current.binding == "energy"
-        assert 1.8 < c._escalation_energy.scale < 2.0  # (1 + 0.75 W x 5 ms) / (1 + 0.3 W x 5 ms): about 1.9
+        assert 1.8 < c._energy.escalation.scale < 2.0  # (1 + 0.75 W x 5 ms) / (1 + 0.3 W x 5 ms): about 1.9
         means.append(float(energies.mean()))
         assert means[-1] <= 1.03 * 2.2, (seed, means)
     assert np.mean(means) <= 2.2, means
