@@ -83,22 +83,40 @@ def linear_classifier(in_hw: int = 8, num_classes: int = 10) -> torch.nn.Module:
     return nn.Sequential(nn.Flatten(), nn.Linear(in_hw * in_hw, num_classes))
 
 
+TRAIN_THREADS = 2  # intra-op threads while training: fixed, so that a seed fixes the weights
+
+
 def train(model: torch.nn.Module, split: Split, *, epochs: int = 15, lr: float = 3e-3,
           batch_size: int = 64, seed: int = 0, weight_decay: float = 1e-4) -> torch.nn.Module:
-    """Train with Adam and cross-entropy on the train split; return the model in eval mode."""
+    """Train with Adam and cross-entropy on the train split from weights drawn from `seed`; return the
+    model in eval mode.
+
+    The same seed gives the same weights in any process: the model's layers are initialized afresh from
+    the seed (whatever the global generator drew when it was built), and training runs on a fixed number
+    of intra-op threads (`TRAIN_THREADS`), since torch splits a reduction by its thread count, which a
+    torch session elsewhere in the process may have set."""
     import torch
 
-    torch.manual_seed(seed)
-    x, y = torch.from_numpy(split.x_train), torch.from_numpy(split.y_train)
-    opt = torch.optim.Adam(model.parameters(), lr=lr, weight_decay=weight_decay)
-    loss_fn = torch.nn.CrossEntropyLoss()
-    gen = torch.Generator().manual_seed(seed)
-    model.train()
-    for _ in range(epochs):
-        for idx in torch.randperm(len(x), generator=gen).split(batch_size):
-            opt.zero_grad()
-            loss_fn(model(x[idx]), y[idx]).backward()
-            opt.step()
+    before = torch.get_num_threads()
+    torch.set_num_threads(TRAIN_THREADS)
+    try:
+        torch.manual_seed(seed)
+        for layer in model.modules():
+            reset = getattr(layer, "reset_parameters", None)
+            if callable(reset):
+                reset()
+        x, y = torch.from_numpy(split.x_train), torch.from_numpy(split.y_train)
+        opt = torch.optim.Adam(model.parameters(), lr=lr, weight_decay=weight_decay)
+        loss_fn = torch.nn.CrossEntropyLoss()
+        gen = torch.Generator().manual_seed(seed)
+        model.train()
+        for _ in range(epochs):
+            for idx in torch.randperm(len(x), generator=gen).split(batch_size):
+                opt.zero_grad()
+                loss_fn(model(x[idx]), y[idx]).backward()
+                opt.step()
+    finally:
+        torch.set_num_threads(before)
     return model.eval()
 
 
