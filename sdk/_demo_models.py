@@ -64,23 +64,32 @@ def mnist(seed: int = 0, val: float = 0.2, test: float = 0.2, normalize: bool = 
     return _split("mnist", x.astype(np.float32), y.astype(np.int64), seed, val, test)
 
 
-def small_cnn(in_hw: int = 8, channels: tuple[int, int] = (16, 32), num_classes: int = 10) -> torch.nn.Module:
-    """A two-conv CNN (conv-bn-relu ×2, pool, linear): prunable, quantizable, fast to train."""
+def small_cnn(in_hw: int = 8, channels: tuple[int, int] = (16, 32), num_classes: int = 10, *,
+              seed: int = 0) -> torch.nn.Module:
+    """A two-conv CNN (conv-bn-relu ×2, pool, linear): prunable, quantizable, fast to train; its initial
+    weights are drawn from `seed`."""
+    import torch
     from torch import nn
 
     c1, c2 = channels
-    return nn.Sequential(
-        nn.Conv2d(1, c1, 3, padding=1), nn.BatchNorm2d(c1), nn.ReLU(),
-        nn.Conv2d(c1, c2, 3, padding=1), nn.BatchNorm2d(c2), nn.ReLU(),
-        nn.MaxPool2d(2), nn.Flatten(), nn.Linear(c2 * (in_hw // 2) ** 2, num_classes),
-    )
+    with torch.random.fork_rng(devices=[]):  # the global generator is left as it was
+        torch.manual_seed(seed)
+        return nn.Sequential(
+            nn.Conv2d(1, c1, 3, padding=1), nn.BatchNorm2d(c1), nn.ReLU(),
+            nn.Conv2d(c1, c2, 3, padding=1), nn.BatchNorm2d(c2), nn.ReLU(),
+            nn.MaxPool2d(2), nn.Flatten(), nn.Linear(c2 * (in_hw // 2) ** 2, num_classes),
+        )
 
 
-def linear_classifier(in_hw: int = 8, num_classes: int = 10) -> torch.nn.Module:
-    """Multinomial logistic regression as a torch module (the edge model of the demo)."""
+def linear_classifier(in_hw: int = 8, num_classes: int = 10, *, seed: int = 0) -> torch.nn.Module:
+    """Multinomial logistic regression as a torch module (the edge model of the demo); its initial weights
+    are drawn from `seed`."""
+    import torch
     from torch import nn
 
-    return nn.Sequential(nn.Flatten(), nn.Linear(in_hw * in_hw, num_classes))
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return nn.Sequential(nn.Flatten(), nn.Linear(in_hw * in_hw, num_classes))
 
 
 TRAIN_THREADS = 2  # intra-op threads while training: fixed, so that a seed fixes the weights
@@ -88,23 +97,18 @@ TRAIN_THREADS = 2  # intra-op threads while training: fixed, so that a seed fixe
 
 def train(model: torch.nn.Module, split: Split, *, epochs: int = 15, lr: float = 3e-3,
           batch_size: int = 64, seed: int = 0, weight_decay: float = 1e-4) -> torch.nn.Module:
-    """Train with Adam and cross-entropy on the train split from weights drawn from `seed`; return the
-    model in eval mode.
+    """Train with Adam and cross-entropy on the train split; return the model in eval mode.
 
-    The same seed gives the same weights in any process: the model's layers are initialized afresh from
-    the seed (whatever the global generator drew when it was built), and training runs on a fixed number
-    of intra-op threads (`TRAIN_THREADS`), since torch splits a reduction by its thread count, which a
-    torch session elsewhere in the process may have set."""
+    The same model and seed give the same weights in any process (the constructors above draw their
+    initial weights from a seed of their own): training runs on a fixed number of intra-op threads
+    (`TRAIN_THREADS`), since torch splits a reduction by its thread count, which a torch session elsewhere
+    in the process may have set."""
     import torch
 
     before = torch.get_num_threads()
     torch.set_num_threads(TRAIN_THREADS)
     try:
         torch.manual_seed(seed)
-        for layer in model.modules():
-            reset = getattr(layer, "reset_parameters", None)
-            if callable(reset):
-                reset()
         x, y = torch.from_numpy(split.x_train), torch.from_numpy(split.y_train)
         opt = torch.optim.Adam(model.parameters(), lr=lr, weight_decay=weight_decay)
         loss_fn = torch.nn.CrossEntropyLoss()

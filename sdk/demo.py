@@ -182,7 +182,7 @@ def build_models(dataset: str, say: Callable[[str], None]) -> Models:
     say("training the edge model (logistic regression)")
     edge = zoo.train(zoo.linear_classifier(), split, epochs=30, lr=1e-2, seed=0)
     say("training the cloud model (ensemble of 3 CNNs)")
-    members = [zoo.train(zoo.small_cnn(), split, epochs=10, seed=s) for s in range(3)]
+    members = [zoo.train(zoo.small_cnn(seed=s), split, epochs=10, seed=s) for s in range(3)]
 
     class Ensemble(torch.nn.Module):
         def __init__(self) -> None:
