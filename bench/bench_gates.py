@@ -48,7 +48,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from cloud_service.fleet.gates import ALPHA_WEIGHTS, Evidence  # noqa: E402
+from cloud_service.fleet.gates import Evidence  # noqa: E402
 from testkit.gate_sim import OLD_SOAK, REGRESSIONS, Fleet, Model, Outcome, model_devices, run_rollout, summary  # noqa: E402
 
 WAVES = ("1", "5%", "25%", "100%")
@@ -177,7 +177,6 @@ def main() -> int:
         # the design: alpha split over the waves (the canary: --canary-share), evenly over gates, valid every look
         "aa_design_alpha": Evidence().alpha, "aa_design_alpha_per_gate_by_wave": [
             Evidence(canary_share=args.canary_share).alpha_gate(len(WAVES), w) for w in range(len(WAVES))],
-        "aa_design_alpha_weights_by_gate": ALPHA_WEIGHTS,  # a wave's alpha split over its gates (mean 1)
         "aa_false_rollback_ok": aa["rolled_back"] <= max(1, aa["runs"] // 100),
         **{f"{r}_stopped_at_canary": stats[r]["stopped_at_canary"] / max(1, stats[r]["runs"])
            for r in REGRESSIONS if r != "none" and r in stats},
