@@ -100,8 +100,10 @@ from testkit.overload import (
     Server,
     aio_closed_loop,
     closed_loop,
+    cpu_list,
     mqtt_closed_loop,
     ocr_det_package,
+    pinned,
     request_bytes,
 )
 from testkit.pytriton_path import SERVER_SCRIPT
@@ -115,6 +117,10 @@ def _cpu() -> str:
             if line.startswith("model name"):
                 return line.split(":", 1)[1].strip()
     return platform.processor() or "unknown CPU"
+
+
+def _cpus(cpus: frozenset[int] | None) -> str:
+    return "any" if cpus is None else ",".join(map(str, sorted(cpus)))
 
 
 def _timed(fn: Callable[..., Load], kwargs: dict[str, Any]) -> tuple[Load, float]:
@@ -189,12 +195,12 @@ _ADDRESS = re.compile(r"(?:^|[^\w])grpc (\S+:\d+)\s*$")
 
 
 def _start(cmd: list[str], log: Path, *, timeout_s: float, env: dict[str, str] | None = None,
-           stdin: bool = False, group: bool = False) -> Started | str:
+           stdin: bool = False, group: bool = False, cpus: frozenset[int] | None = None) -> Started | str:
     """Start `cmd`, which prints `grpc ADDRESS` (optionally) and then `ready`; wait at most `timeout_s` for it.
     The started process, or why it did not start (with the tail of its stderr). Never blocks past the bound."""
     err = log.open("w")
-    proc = subprocess.Popen(cmd, stdin=subprocess.PIPE if stdin else subprocess.DEVNULL, stdout=subprocess.PIPE,
-                            stderr=err, text=True, env=env, start_new_session=group)
+    proc = subprocess.Popen([*pinned(cpus), *cmd], stdin=subprocess.PIPE if stdin else subprocess.DEVNULL,
+                            stdout=subprocess.PIPE, stderr=err, text=True, env=env, start_new_session=group)
     err.close()
     lines: queue.Queue[str | None] = queue.Queue()
 
@@ -483,7 +489,8 @@ def _triton(args: argparse.Namespace, name: str, root: Path, gen: LoadGen, page:
     # PyTriton's start now and then never reaches `ready` (seen on this host: no CPU, nothing on stderr, while
     # the same start alone takes 7-9 s): it is given up after START_S and tried once more
     for attempt in (1, 2):
-        started = _start(command, root / f"triton-{name}-{attempt}.log", timeout_s=START_S, env=env, group=True)
+        started = _start(command, root / f"triton-{name}-{attempt}.log", timeout_s=START_S, env=env, group=True,
+                         cpus=args.server_cpus)
         if not isinstance(started, str) and not started.address:  # `ready` read, its address lost
             _stop(started.proc, group=True)
             started = "printed ready without its gRPC address"
@@ -532,13 +539,20 @@ def main(argv: list[str] | None = None) -> int:
                         help="leave out the gRPC refusal's floor (a bare server refusing every call at once)")
     parser.add_argument("--serve-args", default="", help="extra `tierkit serve` flags, e.g. --no-admission")
     parser.add_argument("--pytriton-python", default="", help="a Python with nvidia-pytriton: add Triton's rows")
+    parser.add_argument("--server-cpus", type=cpu_list, default=None,
+                        help="CPUs the servers run on (tierkit, Triton, the floors), e.g. 0,1; default: any")
+    parser.add_argument("--loadgen-cpus", type=cpu_list, default=None,
+                        help="CPUs this process, the load generator and the brokers run on, e.g. 2-9; default: any")
     args = parser.parse_args(argv)
+    if args.loadgen_cpus is not None:
+        os.sched_setaffinity(0, args.loadgen_cpus)
     protocols = [p for p in args.protocols.split(",") if p]
     deadline_s = args.deadline_ms / 1000
     print(f"# bench_overload on {_cpu()} ({os.cpu_count()} CPUs), Python {sys.version.split()[0]}; deadline "
           f"{args.deadline_ms:g} ms, {args.seconds:g} s a row; load generator: {args.loadgen} x{args.loadgen_procs}, "
           f"gRPC callers: {args.grpc_callers}; serve args: "
-          f"{args.serve_args or '(defaults)'}")
+          f"{args.serve_args or '(defaults)'}; CPUs: server {_cpus(args.server_cpus)}, load generator "
+          f"{_cpus(args.loadgen_cpus)}")
     print("| model | protocol | load | callers | offered/s | in-time/s | ratio | refused | refusal p50 ms "
           "| refusal p99 ms | server refusal p99 ms | answer p50/p99 ms | late (server dropped) | expired "
           "| loadgen cores | server cores | checks |")
@@ -569,7 +583,7 @@ def _model_rows(args: argparse.Namespace, name: str, root: Path, broker: Broker 
     payload = request_bytes("ocrdet", page)
     extra = ["--mqtt", broker.url] if broker is not None else []
     failed: list[str] = []
-    with Server(models, "--metrics", "127.0.0.1:0", *extra, *args.serve_args.split()) as server:
+    with Server(models, "--metrics", "127.0.0.1:0", *extra, *args.serve_args.split(), cpus=args.server_cpus) as server:
         for protocol in protocols:
             kwargs: dict[str, Any]
             if protocol == "grpc":
@@ -622,7 +636,7 @@ def _refuser_row(args: argparse.Namespace, name: str, root: Path, gen: LoadGen, 
     grpcio server that refuses every call at once with the median hint tierkit gave there (`grpc_refuser.py`)."""
     hint = float(np.median(top.load.hints_ms)) if top.load.hints_ms else 1.0
     started = _start([sys.executable, str(Path(__file__).with_name("grpc_refuser.py")), f"{hint:g}"],
-                     root / f"refuser-{name}.log", timeout_s=START_S, stdin=True)
+                     root / f"refuser-{name}.log", timeout_s=START_S, stdin=True, cpus=args.server_cpus)
     if isinstance(started, str):
         print(f"| {name} | grpc-refuser | - | - | absent: {started} |" + " |" * 12, flush=True)
         return None
@@ -643,7 +657,8 @@ def _echo_rows(args: argparse.Namespace, name: str, root: Path, gen: LoadGen, pa
     reply_bytes = page.nbytes // page.shape[1]  # the detector answers one probability map a page
     with _broker(root / f"echo-broker-{name}") as broker:
         started = _start([sys.executable, str(Path(__file__).with_name("mqtt_echo.py")), broker.url,
-                          str(reply_bytes)], root / f"echo-{name}.log", timeout_s=START_S, stdin=True)
+                          str(reply_bytes)], root / f"echo-{name}.log", timeout_s=START_S, stdin=True,
+                         cpus=args.server_cpus)
         if isinstance(started, str):
             print(f"| {name} | mqtt-echo | - | - | absent: {started} |" + " |" * 12, flush=True)
             return []

@@ -33,7 +33,7 @@ log = logging.getLogger(__name__)
 
 _BATCH_KEYS = {"max_batch_size", "preferred_batch_sizes", "max_queue_delay_us", "max_queue_size", "admission",
                "queue_target_ms", "queue_interval_ms"}
-_MODEL_KEYS = {"instances", "intra_op_threads", "allow_non_finite"}
+_MODEL_KEYS = {"instances", "intra_op_threads", "spin", "allow_non_finite"}
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -69,6 +69,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[
                    help="queue every request until its deadline instead of refusing at once those it cannot meet")
     b.add_argument("--instances", type=int, default=1, help="model instances (worker threads) per model")
     b.add_argument("--threads", type=int, default=0, help="intra-op threads per instance (0: backend default)")
+    b.add_argument("--spin", action=argparse.BooleanOptionalAction, default=None,
+                   help="onnxruntime's compute threads busy-wait between operators (default: the backend's)")
     b.add_argument("--allow-non-finite", action="store_true", help="accept NaN/Inf inputs")
     b.add_argument("--model-config", type=Path, metavar="FILE",
                    help="YAML/JSON {defaults: {...}, models: {NAME: {...}}} with the keys above in snake_case")
@@ -139,7 +141,7 @@ def build_config(args: argparse.Namespace, env: dict[str, str]) -> ServerConfig:
                               max_queue_delay_us=args.max_queue_delay_us, max_queue_size=args.max_queue_size,
                               admission=not args.no_admission)
     defaults = ModelOptions(batching=batching, instances=args.instances, intra_op_threads=args.threads,
-                            allow_non_finite=args.allow_non_finite)
+                            spin=args.spin, allow_non_finite=args.allow_non_finite)
     models: dict[str, ModelOptions] = {}
     if args.model_config:
         defaults, models = _load_model_config(args.model_config, defaults)

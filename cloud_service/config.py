@@ -83,6 +83,8 @@ class ModelOptions:
         batching: dynamic batching; applies only where every input and output has a dynamic axis 0.
         instances: model instances, each with its own session and worker thread.
         intra_op_threads: threads per instance inside one operator (0 = the backend's default).
+        spin: onnxruntime's intra-op threads busy-wait between operators (`SessionOptions.spin`); None
+            keeps the backend's default.
         allow_non_finite: accept NaN/Inf in floating-point inputs. Off by default: a NaN that
             reaches a classifier yields an arbitrary class, so such inputs are refused with
             INVALID_ARGUMENT unless the model is known to handle them.
@@ -91,6 +93,7 @@ class ModelOptions:
     batching: BatchingConfig = field(default_factory=BatchingConfig)
     instances: int = 1
     intra_op_threads: int = 0
+    spin: bool | None = None
     allow_non_finite: bool = False
 
     def __post_init__(self) -> None:
@@ -99,6 +102,9 @@ class ModelOptions:
             raise ConfigError(msg)
         if self.intra_op_threads < 0:
             msg = f"intra_op_threads must be >= 0, got {self.intra_op_threads}"
+            raise ConfigError(msg)
+        if self.spin is not None and not isinstance(self.spin, bool):
+            msg = f"spin must be true, false or absent (the backend's default), got {self.spin!r}"
             raise ConfigError(msg)
 
 

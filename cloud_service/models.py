@@ -157,7 +157,7 @@ def open_model(path: Path, name: str, version: str, options: ModelOptions, *,
             msg = (f"package {str(path)!r} holds model {package.manifest.name[:100]!r}, not {name[:100]!r}: a variant "
                    "index may point only at its own model's packages")
             raise IntegrityError(msg)
-        session_options = SessionOptions(intra_op_threads=options.intra_op_threads)
+        session_options = SessionOptions(intra_op_threads=options.intra_op_threads, spin=options.spin)
         for _ in range(options.instances):
             try:
                 sessions.append(package.open_session(session_options))

@@ -158,6 +158,9 @@ class OrtSession(Session):
         so.inter_op_num_threads = options.inter_op_threads
         if options.inter_op_threads > 1:
             so.execution_mode = ort.ExecutionMode.ORT_PARALLEL
+        if options.spin is not None:
+            so.add_session_config_entry("session.intra_op.allow_spinning", "1" if options.spin else "0")
+            so.add_session_config_entry("session.inter_op.allow_spinning", "1" if options.spin else "0")
         providers = select_providers(options, artifact=artifact)
         try:
             self._sess = ort.InferenceSession(str(artifact), so, providers=providers)

@@ -52,13 +52,36 @@ def request_bytes(model: str, x: np.ndarray, *, input_name: str = "x") -> bytes:
     return request.SerializeToString()
 
 
+def pinned(cpus: frozenset[int] | None) -> list[str]:
+    """The prefix of a command that confines it, before it starts any thread, to `cpus` (`taskset`); none
+    for None."""
+    return [] if cpus is None else ["taskset", "-c", ",".join(map(str, sorted(cpus)))]
+
+
+def cpu_list(text: str) -> frozenset[int]:
+    """'0,1' or '2-9' or '0,4-7' as a set of CPU numbers; a clear error for anything else."""
+    cpus: set[int] = set()
+    try:
+        for part in filter(None, text.split(",")):
+            low, _, high = part.partition("-")
+            cpus.update(range(int(low), int(high or low) + 1))
+    except ValueError:
+        msg = f"a CPU list is numbers and ranges such as 0,1 or 2-9, got {text!r}"
+        raise ValueError(msg) from None
+    if not cpus:
+        msg = f"a CPU list names at least one CPU, got {text!r}"
+        raise ValueError(msg)
+    return frozenset(cpus)
+
+
 class Server:
     """`tierkit serve --models DIR --grpc 127.0.0.1:0 [args]` in its own process."""
 
-    def __init__(self, models_dir: Path, *args: str) -> None:
+    def __init__(self, models_dir: Path, *args: str, cpus: frozenset[int] | None = None) -> None:
+        """`cpus`: the CPUs the server may run on (every thread it starts inherits them); None: any."""
         env = dict(os.environ)
-        self.proc = subprocess.Popen([sys.executable, "-m", "sdk.cli", "serve", "--models", str(models_dir),
-                                      "--grpc", "127.0.0.1:0", *args], stdout=subprocess.PIPE,
+        self.proc = subprocess.Popen([*pinned(cpus), sys.executable, "-m", "sdk.cli", "serve", "--models",
+                                      str(models_dir), "--grpc", "127.0.0.1:0", *args], stdout=subprocess.PIPE,
                                      stderr=subprocess.PIPE, text=True, env=env)
         self.address = self.metrics = ""
         end = time.monotonic() + 60

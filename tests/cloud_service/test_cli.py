@@ -90,6 +90,17 @@ def test_build_config_from_flags_environment_and_model_config(tmp_path: Path) ->
     assert not build_config(_parse("--models", "m", "--no-batching"), {}).defaults.batching.max_batch_size > 1
 
 
+def test_spinning_from_a_flag_and_per_model(tmp_path: Path) -> None:
+    (tmp_path / "models.yaml").write_text("models:\n  fast:\n    spin: true\n")
+    config = build_config(_parse("--models", "m", "--no-spin", "--model-config", str(tmp_path / "models.yaml")), {})
+    assert config.defaults.spin is False
+    assert config.options_for("fast").spin is True
+    assert build_config(_parse("--models", "m"), {}).defaults.spin is None
+    (tmp_path / "bad.yaml").write_text("defaults:\n  spin: 1\n")
+    with pytest.raises(ConfigError, match="spin must be true, false or absent"):
+        build_config(_parse("--models", "m", "--model-config", str(tmp_path / "bad.yaml")), {})
+
+
 @pytest.mark.parametrize(("argv", "words"), [
     (("--grpc", "localhost"), "HOST:PORT"),
     (("--max-batch-size", "0"), "max_batch_size must be >= 1"),

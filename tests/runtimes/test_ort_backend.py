@@ -21,6 +21,18 @@ def test_thread_counts_reach_onnxruntime(digits_cnn_onnx: Path) -> None:
         assert s.providers == (CPU,)
 
 
+@pytest.mark.parametrize(("spin", "entry"), [(False, "0"), (True, "1")])
+def test_spinning_reaches_onnxruntime(digits_cnn_onnx: Path, spin: bool, entry: str) -> None:
+    with open_session(digits_cnn_onnx, options=SessionOptions(spin=spin)) as s:
+        for key in ("session.intra_op.allow_spinning", "session.inter_op.allow_spinning"):
+            assert s.session_options.get_session_config_entry(key) == entry
+
+
+def test_spinning_left_to_onnxruntime_by_default(digits_cnn_onnx: Path) -> None:
+    with open_session(digits_cnn_onnx) as s, pytest.raises(RuntimeError, match="does not have configuration"):
+        s.session_options.get_session_config_entry("session.intra_op.allow_spinning")
+
+
 @pytest.mark.parametrize(("device", "available", "expected"), [
     ("cpu", [TRT, CUDA, CPU], [CPU]),
     ("gpu", [TRT, CUDA, CPU], [(TRT, {"device_id": "0", "trt_timing_cache_enable": "True"}),
