@@ -219,3 +219,37 @@ def test_a_fixed_shape_model_runs_its_shape_and_refuses_another(digits_cnn_ir: P
         with pytest.raises(InputError, match="'x'"):
             s.run({"x": _inputs(1, 5)})
         np.testing.assert_allclose(s.run({"x": x})["logits"], want, rtol=1e-5, atol=1e-5)
+
+
+def test_calls_of_one_shape_take_the_short_path_and_return_arrays_the_next_call_leaves_alone(
+        digits_cnn_ir: Path, input_mode: str) -> None:
+    # A one-input model called again with the last call's shape and dtype skips the general checks: its results
+    # must still be the caller's to keep, and a shape change must leave the short path for the new shape.
+    xs = [_inputs(1, seed) for seed in range(3)] + [_inputs(2, 3)]
+    with open_session(digits_cnn_ir, options=SessionOptions(static_shapes=0)) as plain:
+        want = [plain.run({"x": x})["logits"] for x in xs]
+    with open_session(digits_cnn_ir) as s:
+        got = [s.run({"x": x})["logits"] for x in xs[:3]]
+        assert s._fast is not None  # type: ignore[attr-defined]
+        for value, expected in zip(got, want, strict=False):
+            np.testing.assert_allclose(value, expected, rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(s.run({"x": xs[3]})["logits"], want[3], rtol=1e-5, atol=1e-5)
+        assert s._fast[1] == (2, 1, 8, 8)  # type: ignore[attr-defined]
+        np.testing.assert_allclose(s.run({"x": xs[0]})["logits"], want[0], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize(("inputs", "match"), [
+    ({"x": np.zeros((1, 1, 8, 8))}, "dtype float64"),
+    ({"x": np.zeros((1, 1, 8, 8), np.float32), "y": np.zeros(1, np.float32)}, "'y'"),
+    ({"x": np.zeros((1, 1, 8, 8), np.float32).tolist()}, "'x'"),
+    ({}, "missing input 'x'"),
+])
+def test_bad_input_after_a_good_call_is_refused_by_name(digits_cnn_ir: Path, inputs: dict[str, object],
+                                                        match: str) -> None:
+    # The short path taken after a good call must not let a wrong dtype, an extra input or a non-array through.
+    good = _inputs(1, 7)
+    with open_session(digits_cnn_ir) as s:
+        want = s.run({"x": good})["logits"]
+        with pytest.raises(InputError, match=match):
+            s.run(inputs)  # type: ignore[arg-type]
+        np.testing.assert_array_equal(s.run({"x": good})["logits"], want)
