@@ -79,11 +79,12 @@ def openvino_floor(model: Path, feed: Mapping[str, np.ndarray], threads: int, *,
 
 
 class _BareOpenVino:
-    """OpenVINO's own request on `model` at `feed`'s shapes, as benchmark_app compiles it, called from Python
-    with nothing around it: inputs written once, then the C++ `infer` with no inputs and no outputs read."""
+    """OpenVINO's own request on `model` at `feed`'s shapes, compiled as the rung's session compiles it (threads not
+    pinned unless `pinning` says otherwise: None is OpenVINO's and benchmark_app's default, pinned), called from
+    Python with nothing around it: inputs written once, then the C++ `infer` with no inputs and no outputs read."""
 
     def __init__(self, model: Path, feed: Mapping[str, np.ndarray], threads: int, precision: str,
-                 pinning: bool | None = None) -> None:
+                 pinning: bool | None = False) -> None:
         import openvino as ov
         from openvino._pyopenvino import InferRequest
 
@@ -93,7 +94,7 @@ class _BareOpenVino:
         hint = {"fp32": "f32", "int8": "f32", "bf16": "bf16", "fp16": "f16"}.get(precision, "f32")
         config: dict[str, Any] = {"PERFORMANCE_HINT": "LATENCY", "INFERENCE_NUM_THREADS": threads,
                                   "INFERENCE_PRECISION_HINT": hint}
-        if pinning is not None:  # None: OpenVINO's default (pinned, with the LATENCY hint on Linux)
+        if pinning is not None:  # False: as tierkit's session runs; None: OpenVINO's default (pinned on Linux)
             config["ENABLE_CPU_PINNING"] = pinning
         self.compiled = core.compile_model(graph, "CPU", config)
         self.request = self.compiled.create_infer_request()
@@ -169,7 +170,7 @@ class BesideBare:
     bare_split: tuple[float, float] | None
     how: str
     config: str = ""  # where the rung's compile config differs from the bare request's (see CONFIG)
-    unpinned_ms: float | None = None  # the bare request compiled with ENABLE_CPU_PINNING off, timed beside them
+    pinned_ms: float | None = None  # the bare request compiled with OpenVINO's default pinning, timed beside them
     rung_rounds: tuple[float, ...] = ()
     bare_rounds: tuple[float, ...] = ()
 
@@ -189,7 +190,7 @@ def beside_bare_request(rung: Runner, model: Path, feed: Mapping[str, np.ndarray
         try:
             bare = _BareOpenVino(model, feed, threads, precision)
             runners["bare"] = bare_inside = _Inside(bare)
-            runners["unpinned"] = _Inside(_BareOpenVino(model, feed, threads, precision, pinning=False))
+            runners["pinned"] = _Inside(_BareOpenVino(model, feed, threads, precision, pinning=None))
         except RuntimeError as exc:
             why = f"bare request failed: {str(exc).splitlines()[-1][:120]}"
     else:
@@ -204,7 +205,7 @@ def beside_bare_request(rung: Runner, model: Path, feed: Mapping[str, np.ndarray
             for name in runners:
                 p50s[name].append(timing[name]["batch_1"]["p50"])
     finally:
-        for name in ("bare", "unpinned"):
+        for name in ("bare", "pinned"):
             if name in runners:
                 runners[name].runner.close()  # type: ignore[attr-defined]
 
@@ -215,7 +216,7 @@ def beside_bare_request(rung: Runner, model: Path, feed: Mapping[str, np.ndarray
         return float(np.median(p50s[name])) if name in p50s else None
 
     return BesideBare(float(np.median(p50s["rung"])), medians(inside.split if inside else None), p50("bare"),
-                      medians(bare_inside.split if bare_inside else None), why, differs, p50("unpinned"),
+                      medians(bare_inside.split if bare_inside else None), why, differs, p50("pinned"),
                       tuple(p50s["rung"]), tuple(p50s.get("bare", ())))
 
 

@@ -75,11 +75,14 @@ class SessionOptions:
             a model compiled at that fixed shape, on the first call with each (0 = always run the dynamic
             model). A fixed-shape model runs at `benchmark_app`'s speed; the dynamic one was 10-25 %
             slower on CNNs here. Each costs one compile (tenths of a second) on its first call, and memory.
-        cpu_pinning: OpenVINO on CPU: pin inference threads to cores (`ENABLE_CPU_PINNING`); None keeps
-            OpenVINO's default (pinned, with the LATENCY hint on Linux; `benchmark_app` runs that way). On a
-            host whose cores other work shares, pinned threads wait for their own core: the PP-OCR direction
-            classifier's request took 3.2 ms pinned against 0.75 ms not pinned, timed interleaved on a
-            2-core AMD EPYC loaded by other test runs (load average 11), and within 2 % either way at lighter load.
+        cpu_pinning: OpenVINO on CPU: pin inference threads to cores (`ENABLE_CPU_PINNING`). None: not pinned
+            with the LATENCY hint, OpenVINO's default with THROUGHPUT. OpenVINO's own default with LATENCY
+            on Linux (`benchmark_app` runs that way) pins them, and a synchronous request then sets the calling
+            thread's affinity on entry and back on exit. Not pinned costs less per call and waits for no
+            particular core: on a 2-core AMD EPYC, a request of a two-op model took 9.7 us against 12.4 us
+            pinned; the PP-OCR direction classifier's bare request 0.561 ms against 0.569 ms alone, and
+            0.75 ms against 1.0-3.2 ms on a host whose cores other work shares (pinned threads wait for
+            their own core); the PP-OCR detector and recognizer and YOLOv8n ran within 1 % either way alone.
         spin: onnxruntime: whether the intra-op threads busy-wait for the next operator's work
             (`session.intra_op.allow_spinning`); None keeps onnxruntime's default (they spin). Spinning saves
             microseconds a call to one caller, and takes the cores from every other thread of the process:

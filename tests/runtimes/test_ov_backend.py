@@ -253,3 +253,12 @@ def test_bad_input_after_a_good_call_is_refused_by_name(digits_cnn_ir: Path, inp
         with pytest.raises(InputError, match=match):
             s.run(inputs)  # type: ignore[arg-type]
         np.testing.assert_array_equal(s.run({"x": good})["logits"], want)
+
+
+def test_latency_sessions_are_not_pinned_unless_asked(digits_cnn_ir: Path) -> None:
+    # OpenVINO pins by default; tierkit's LATENCY sessions run unpinned (SessionOptions.cpu_pinning says why).
+    with open_session(digits_cnn_ir) as s:
+        assert s.get_property("ENABLE_CPU_PINNING") is False
+        s.run({"x": np.zeros((1, 1, 8, 8), np.float32)})
+        copy = s._static[((1, 1, 8, 8),)]  # type: ignore[attr-defined]
+        assert copy.request.get_compiled_model().get_property("ENABLE_CPU_PINNING") is False
