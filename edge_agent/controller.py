@@ -415,6 +415,14 @@ class Controller:
             if alt.feasible and (alt_why := self._switch_reason(cur, alt, changed_conditions)):
                 cand, why = replace(alt, reason=f"the best point with room to spare (the best, "
                                                 f"{cand.variant}@{cand.threshold:.4g}, is closer)"), alt_why
+        if not why and cand.encoding and cur.encoding and cand.encoding != cur.encoding:
+            # the rule's encoding at the current (variant, threshold): a move the bandwidth decides, which the
+            # gain's hysteresis on the rest of the choice does not hold (`decide.switch_reason`, rule 6)
+            wire = evaluate(self._by_id[cur.variant], cur.threshold, link, self.budget, self.config, conditions=cond,
+                            wire=self._wire(cand.encoding))
+            if why := self._switch_reason(cur, wire, changed_conditions):
+                cand = replace(wire, binding=cand.binding, reason=f"the rule's choice {cand.variant}@"
+                               f"{cand.threshold:.4g}/{cand.encoding} held; its encoding taken")
         if why:
             chosen = replace(cand, reason=f"{why}; {cand.reason}")
             log.info("controller: %s@%.4g/%s -> %s@%.4g/%s (%s: %s)", cur.variant, cur.threshold, cur.encoding,

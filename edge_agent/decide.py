@@ -57,8 +57,13 @@ round trip, so that a loss burst does not take the escalations away, while one t
 encoding as exact, is made at once; nor while the link is down, when the breaker skips the escalations whatever share is
 wanted); or (4) the current point escalates clearly less than the probe floor (under three quarters of
 it) and the choice, as accurate, does not; or (5) the choice differs only in its encoding, as accurate,
-more faithful and with the spare room of (2). Nothing else moves it: the same rule runs when the link
-goes down or comes back, when the round trip moves, and when a budget changes.
+more faithful and with the spare room of (2); or (6) the current (variant, threshold) in the choice's
+encoding, as faithful (fp32 and zstd are both exact) and as accurate, is predicted to take
+`encoding_margin_ms` less on the wire with no higher p95 or energy: a move made whatever else the choice
+differs in (the encoding's own evidence, the link's bandwidth, is not the gain's), and not back until the
+other way saves as much, so the encoding does not flip near the bandwidth where the two tie. Nothing
+else moves it: the same rule runs when the link goes down or comes back, when the round trip moves, and
+when a budget changes.
 
 **The energy estimate's noise.** With an energy budget the controller plans for the target less
 `energy_noise_z` relative standard errors of the current point's energy estimate (the window's mean
@@ -127,6 +132,10 @@ class ControllerConfig:
         energy_noise_z: with an energy budget, the plan keeps this many relative standard errors of its
             energy estimate below the energy target, and the current point is judged against the target
             itself (`Controller._energy_noise`): a band the estimate's noise does not cross.
+        encoding_margin_ms: a move to another encoding as faithful (fp32 and zstd are both exact) at the same
+            (variant, threshold) needs its round trip predicted this much shorter; the way back needs as
+            much the other way, so near the bandwidth where the two tie (zstd's bytes saved against its
+            encode time) the encoding does not flip with the estimate's noise.
         probe_escalation_rate, down_probe_escalation_rate: the least share escalated while the link is
             up, and while it is down (live escalations keep measuring it).
         min_observations: requests (or samples) before a measured rate or latency is trusted.
@@ -161,6 +170,7 @@ class ControllerConfig:
     gain_z: float = 2.0
     gain_hold_max: float = 0.002
     energy_noise_z: float = 1.0
+    encoding_margin_ms: float = 0.5
     probe_escalation_rate: float = 0.03
     down_probe_escalation_rate: float = 0.1
     min_observations: int = 20
@@ -186,9 +196,10 @@ class ControllerConfig:
                    f"{self.latency_headroom!r}, {self.energy_headroom!r}")
             raise ConfigError(msg)
         if not (self.window_s > 0 and self.energy_z >= 0 and self.accuracy_z >= 0 and self.accuracy_margin_rel >= 0
-                and self.gain_z >= 0 and self.gain_hold_max >= 0 and self.energy_noise_z >= 0):
+                and self.gain_z >= 0 and self.gain_hold_max >= 0 and self.energy_noise_z >= 0
+                and self.encoding_margin_ms >= 0):
             msg = ("ControllerConfig window_s must be > 0, energy_z, accuracy_z, gain_z, gain_hold_max, "
-                   "energy_noise_z and accuracy_margin_rel >= 0")
+                   "energy_noise_z, encoding_margin_ms and accuracy_margin_rel >= 0")
             raise ConfigError(msg)
         if not (0 <= self.switch_headroom < 1 and 0 <= self.energy_switch_headroom < 1):
             msg = (f"ControllerConfig switch_headroom and energy_switch_headroom must be in [0, 1), got "
@@ -515,6 +526,8 @@ def switch_reason(cur: Decision, cand: Decision, config: ControllerConfig, *, no
     if (cur.predicted_escalation_rate < 0.75 * floor - 1e-9 and cand.predicted_escalation_rate >= floor - 1e-9
             and cand.predicted_accuracy >= cur.predicted_accuracy - margin):
         return f"escalate at least {floor:.0%} to probe the link"
+    if (saved := _faster_wire(cur, cand, config)) > 0:
+        return f"as accurate and as faithful, {saved:.2g} ms less on the wire: {cur.encoding} -> {cand.encoding}"
     if not spare(cand, config):
         return ""
     if cand.predicted_accuracy > cur.predicted_accuracy + margin + noise + min(gain_noise, config.gain_hold_max):
@@ -526,6 +539,19 @@ def switch_reason(cur: Decision, cand: Decision, config: ControllerConfig, *, no
             and _rank(cand.encoding) < _rank(cur.encoding)):
         return f"as accurate, more faithful encoding {cur.encoding} -> {cand.encoding}"
     return ""
+
+
+def _faster_wire(cur: Decision, cand: Decision, config: ControllerConfig) -> float:
+    """The round trip (ms) `cand` saves over `cur` where it differs only in an encoding as faithful, as
+    accurate, with no higher p95 or energy, and saves more than `encoding_margin_ms`; else 0. A
+    decision's wire shift is against the encoding the round trips were measured with (the current one's)."""
+    if cand.key != cur.key or not cand.encoding or not cur.encoding or _rank(cand.encoding) != _rank(cur.encoding):
+        return 0.0
+    saved = -float((cand.inputs.get("wire") or {}).get("shift_ms") or 0.0)
+    no_worse = (cand.predicted_accuracy >= cur.predicted_accuracy - config.tie_tolerance
+                and cand.predicted_p95_ms <= cur.predicted_p95_ms + 1e-9
+                and cand.predicted_energy_mj <= cur.predicted_energy_mj + 1e-9)
+    return saved if no_worse and saved > config.encoding_margin_ms else 0.0
 
 
 def _rank(encoding: str) -> int:

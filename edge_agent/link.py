@@ -188,24 +188,29 @@ class TimerLateness:
 class Bandwidth:
     """Bandwidth and base round trip from timed transfers (no probes of its own).
 
-    The base round trip is the smallest recent round trip of a small message, or the intercept of
-    elapsed time against bytes over messages of different sizes. The bandwidth is the median of
-    bytes / (elapsed - base) over the last `recent` large messages; a timeout counts as a slow sample.
-    Transfers older than `max_age_s` are forgotten.
+    The base is the fastest recent small message (its bytes and round trip), or the intercept of elapsed
+    time against bytes over messages of different sizes. The bandwidth is the median, over the last
+    `recent` large messages, of the bytes each carried beyond the base's over the time it took beyond
+    the base's. A time below `resolution_s` cannot be told from none: such a message bounds the
+    bandwidth (its bytes over that resolution) instead of reading as an infinite one (a message as fast
+    as the base by the jitter of a loaded host read as 29 Gbit/s, so a smaller wire encoding looked
+    worthless). A timeout counts as a slow sample. Transfers older than
+    `max_age_s` are forgotten, but the last estimate is not: with no large message timed since (an
+    outage, or requests sent smaller), it stands, what the link was last seen to carry, until new
+    transfers replace it.
     """
 
     def __init__(self, *, window: int = 16, recent: int = 3, small_bytes: int = 2048, max_age_s: float = 30.0,
-                 clock: Callable[[], float] = time.monotonic) -> None:
-        self._small: deque[tuple[float, float]] = deque(maxlen=window)
+                 resolution_s: float = 1e-4, clock: Callable[[], float] = time.monotonic) -> None:
+        self._small: deque[tuple[float, int, float]] = deque(maxlen=window)
         self._large: deque[tuple[float, int, float]] = deque(maxlen=window)
         self.recent, self.small_bytes, self.max_age_s, self.clock = recent, small_bytes, max_age_s, clock
+        self.resolution_s = resolution_s
+        self._last: LinkEstimate | None = None
 
     def observe(self, nbytes: int, elapsed_s: float) -> None:
         """One transfer: bytes on the wire (both ways) and its round-trip seconds."""
-        if nbytes <= self.small_bytes:
-            self._small.append((self.clock(), elapsed_s))
-        else:
-            self._large.append((self.clock(), nbytes, elapsed_s))
+        (self._small if nbytes <= self.small_bytes else self._large).append((self.clock(), int(nbytes), elapsed_s))
 
     def observe_timeout(self, nbytes: int, waited_s: float) -> None:
         """No answer within `waited_s`: recorded at half the bandwidth the wait bounds it by."""
@@ -219,24 +224,44 @@ class Bandwidth:
             while q and q[0][0] < horizon:
                 q.popleft()
 
-    def rtt_s(self) -> float:
+    def _base(self) -> tuple[int, float]:
+        """The base message: (bytes, seconds) of the fastest recent small one, else (0, the intercept)."""
         self._age()
         if self._small:
-            return min(e for _, e in self._small)
+            _, nbytes, elapsed = min(self._small, key=lambda s: s[2])
+            return nbytes, elapsed
         sizes = np.array([b for _, b, _ in self._large], dtype=np.float64)
         if len(sizes) >= 2 and sizes.max() >= 1.3 * sizes.min():
             times = np.array([e for _, _, e in self._large], dtype=np.float64)
             _slope, intercept = np.polyfit(sizes, times, 1)
-            return float(np.clip(intercept, 0.0, times.min()))
-        return 0.0
+            return 0, float(np.clip(intercept, 0.0, times.min()))
+        return 0, 0.0
+
+    def rtt_s(self) -> float:
+        """The base round trip: of a message of no bytes."""
+        nbytes, elapsed = self._base()
+        if not nbytes:
+            return elapsed
+        est = self._fit(nbytes, elapsed)
+        return elapsed if est is None else max(elapsed - nbytes * 8 / est, 0.0)
+
+    def _fit(self, base_bytes: int, base_s: float) -> float | None:
+        """The median of bits beyond the base's over seconds beyond it, of the last `recent` large messages
+        that carried at least half of `small_bytes` more than the base (a message barely larger than the
+        base says nothing of the bandwidth, only of the jitter); each time at least `resolution_s`."""
+        last = [(b - base_bytes, e - base_s) for _, b, e in self._large if b - base_bytes >= self.small_bytes / 2]
+        if not last:
+            return None
+        return float(np.median([8 * b / max(e, self.resolution_s) for b, e in last[-self.recent:]]))
 
     def estimate(self) -> LinkEstimate | None:
-        """None until a large message was timed (recently)."""
-        rtt = self.rtt_s()
-        if not self._large:
-            return None
-        samples = [b * 8 / max(e - rtt, 1e-6) for _, b, e in list(self._large)[-self.recent:]]
-        return LinkEstimate(float(np.median(samples)), rtt)
+        """The bandwidth and base round trip; the last estimate while no large message was timed recently
+        (None until one ever was)."""
+        nbytes, elapsed = self._base()
+        bandwidth = self._fit(nbytes, elapsed)
+        if bandwidth is not None:
+            self._last = LinkEstimate(bandwidth, max(elapsed - nbytes * 8 / bandwidth, 0.0))
+        return self._last
 
 
 class RoundTrips:

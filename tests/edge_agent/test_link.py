@@ -204,3 +204,30 @@ def test_a_cold_first_answer_does_not_hold_the_escalations_back() -> None:
     assert link.quantile(0.5) >= 60.0
     assert link.view().recent == 2
     assert link.event == "slower"  # judged at the second answer, with both
+
+
+def test_messages_as_fast_as_the_base_bound_the_bandwidth_and_an_outage_keeps_it() -> None:
+    """A 20 ms, 10 Mbit/s link on a jittery host: requests of ~1 KB (zstd) and ~3.6 KB (fp32). Two of the
+    last three large ones came back as fast as the fastest small one: the median of per-message ratios read
+    that as 29 Gbit/s, so fp32's extra bytes looked free. Here each such message only bounds the bandwidth
+    (its extra bytes over 0.1 ms), and a message barely larger than the base counts for nothing. After an
+    outage longer than the transfers' memory the last estimate stands, what the link was last seen to carry."""
+    from edge_agent.link import Bandwidth
+
+    clock = Clock()
+    meter = Bandwidth(clock=clock)
+    meter.observe(1000, 0.020 + 1000 * 8 / 10e6)  # the fastest small one: 20.8 ms
+    meter.observe(2100, 0.0205)  # barely larger, and as fast by jitter: no evidence of the bandwidth
+    for elapsed in (0.0229, 0.0208, 0.0207):  # fp32: 20 ms + 2.9 ms, then two as fast as the base by jitter
+        meter.observe(3600, elapsed)
+    est = meter.estimate()
+    assert est is not None
+    assert est.bandwidth_bps <= 2600 * 8 / 1e-4 * 1.01  # 208 Mbit/s at most, not 29 Gbit/s
+    meter.observe(3600, 0.0235)
+    meter.observe(3600, 0.0231)
+    est = meter.estimate()
+    assert est is not None
+    assert 5e6 <= est.bandwidth_bps <= 15e6
+    assert est.rtt_s == pytest.approx(0.020, abs=0.001)
+    clock.now += 40.0  # an outage: nothing timed for longer than `max_age_s`
+    assert meter.estimate() == est
