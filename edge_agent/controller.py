@@ -120,6 +120,7 @@ class Controller:
         self._energy = EnergyParts()
         self._last_inference_ms: float | None = None
         self._redecided_at, self.redecisions = -math.inf, 0
+        self._new_budget = False  # the re-decision under way follows a change of the budget
         self._epoch = link.link.epoch if link is not None else 0
         self._epoch_at = -math.inf  # when the link last changed state
         self._settle_at = math.inf  # then: when to re-decide once it has settled
@@ -391,6 +392,10 @@ class Controller:
         # after a change of the budget or the link the current point was chosen for other conditions:
         # it has no claim to stand, so the gain's evidence does not hold it (`decide.switch_reason`)
         changed_conditions = any(r.startswith(_CHANGES) for r in self._pending)
+        # a point chosen under another budget has no claim to stand over a new energy budget, even within the
+        # tolerance: the energy target keeps 1 % of headroom (the latency target 10 %), so a point 5 % over the
+        # target spends 4 % over the budget the mean is held to (`decide.switch_reason`'s `tolerance`)
+        self._new_budget = "budget" in self._pending
         self._pending.clear()
         if self.encoder is not None:
             self._wires = self.encoder.options()  # one tuple, replaced whole by the encoder
@@ -456,7 +461,8 @@ class Controller:
         return switch_reason(cur, cand, self.config, noise=self._cloud_noise(cur, cand),
                              gain_noise=0.0 if changed_conditions else self.config.gain_z * max(stderr, across),
                              energy_evidence=(settled or keeps) and up and evidence,
-                             floor=floor, tie=self.config.tie_z * stderr)
+                             floor=floor, tie=self.config.tie_z * stderr,
+                             tolerance=0.0 if self._new_budget and "energy" in cur.violated else None)
 
     def _energy_noise(self, link: LinkState | None) -> float:
         """The share of the energy target the plan keeps free for the estimate's noise (`evidence.energy_noise`):

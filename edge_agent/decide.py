@@ -40,30 +40,32 @@ point it allows and, of those within `tie_tolerance`, the one escalating most, s
 spent (an energy budget names what accuracy is worth). When no point keeps every budget, the one
 closest to them (smallest summed relative excess).
 
-**Hysteresis** (`switch_reason`): the controller moves from its current point to the rule's choice only
-when (1) the current point breaks a budget by more than `violation_tolerance`, or breaks one at all and
-the choice is as accurate; or (2) the choice is more accurate by more than the accuracy margin plus the
-noise of the fitted cloud accuracy (`accuracy_z` standard errors over the escalations the move adds)
-plus `gain_z` standard errors of the gain's validation estimate (the edge's correctness over the band of
-inputs between two thresholds of one variant: what `tied` judges ties by; across variants, the two points'
-own validation error, `evidence.variant_stderr`), the last at most
-`gain_hold_max` and none in the first re-decision after a change of the budget or the link, and it fits
-the latency target with `switch_headroom` and the energy target with `energy_switch_headroom` to spare
-(near a flat optimum, the first decision after a change stands; the gain's evidence separates only
-near-tied points, and never holds a point chosen for other conditions); or (3) the choice is as accurate
-(a tie, as above, between the two points) and spends `energy_margin` less energy (across variants, on
-measured figures only; a move that escalates less is not made within `link_settle_s` of a move of the
-round trip, so that a loss burst does not take the escalations away, while one that keeps them, a cheaper
-encoding as exact, is made at once; nor while the link is down, when the breaker skips the escalations whatever share is
-wanted); or (4) the current point escalates clearly less than the probe floor (under three quarters of
-it) and the choice, as accurate, does not; or (5) the choice differs only in its encoding, as accurate,
-more faithful and with the spare room of (2); or (6) the current (variant, threshold) in the choice's
-encoding, as faithful (fp32 and zstd are both exact) and as accurate, is predicted to take
-`encoding_margin_ms` less on the wire with no higher p95 or energy: a move made whatever else the choice
-differs in (the encoding's own evidence, the link's bandwidth, is not the gain's), and not back until the
-other way saves as much, so the encoding does not flip near the bandwidth where the two tie. Nothing
-else moves it: the same rule runs when the link goes down or comes back, when the round trip moves, and
-when a budget changes.
+**Hysteresis** (`switch_reason`): the controller moves from its current point to the rule's choice only when
+(1) the current point breaks a budget by more than `violation_tolerance` (an energy budget at all in the
+re-decision after the budget changed: a point chosen under another budget has no claim to stand over the new
+one, and the energy target keeps only 1 % of headroom, so 5 % over it is 4 % over the budget the mean is held
+to; such a point stood there until the estimates drifted past the tolerance, 202 requests later in
+`test_controller_settle`'s stream), or breaks one at all and the choice is as accurate; or (2) the choice is
+more accurate by more than the accuracy margin plus the noise of the fitted cloud accuracy (`accuracy_z`
+standard errors over the escalations the move adds) plus `gain_z` standard errors of the gain's validation
+estimate (the edge's correctness over the band of inputs between two thresholds of one variant: what `tied`
+judges ties by; across variants, the two points' own validation error, `evidence.variant_stderr`), the last at
+most `gain_hold_max` and none in the first re-decision after a change of the budget or the link, and it fits
+the latency target with `switch_headroom` and the energy target with `energy_switch_headroom` to spare (near a
+flat optimum, the first decision after a change stands; the gain's evidence separates only near-tied points,
+and never holds a point chosen for other conditions); or (3) the choice is as accurate (a tie, as above,
+between the two points) and spends `energy_margin` less energy (across variants, on measured figures only; a
+move that escalates less is not made within `link_settle_s` of a move of the round trip, so that a loss burst
+does not take the escalations away, while one that keeps them, a cheaper encoding as exact, is made at once;
+nor while the link is down, when the breaker skips the escalations whatever share is wanted); or (4) the
+current point escalates clearly less than the probe floor (under three quarters of it) and the choice, as
+accurate, does not; or (5) the choice differs only in its encoding, as accurate, more faithful and with the
+spare room of (2); or (6) the current (variant, threshold) in the choice's encoding, as faithful (fp32 and
+zstd are both exact) and as accurate, is predicted to take `encoding_margin_ms` less on the wire with no
+higher p95 or energy: a move made whatever else the choice differs in (the encoding's own evidence, the link's
+bandwidth, is not the gain's), and not back until the other way saves as much, so the encoding does not flip
+near the bandwidth where the two tie. Nothing else moves it: the same rule runs when the link goes down or
+comes back, when the round trip moves, and when a budget changes.
 
 **The energy estimate's noise.** With an energy budget the controller plans for the target less
 `energy_noise_z` relative standard errors of the current point's energy estimate (the window's mean
@@ -497,7 +499,7 @@ def accuracy_margin(cur: Decision, config: ControllerConfig) -> float:
 
 def switch_reason(cur: Decision, cand: Decision, config: ControllerConfig, *, noise: float = 0.0,
                   gain_noise: float = 0.0, energy_evidence: bool = True, floor: float = 0.0,
-                  tie: float = 0.0) -> str:
+                  tie: float = 0.0, tolerance: float | None = None) -> str:
     """Why to move from `cur` to `cand` (the rule's choice), or "" to stay: the hysteresis of the rule.
 
     `noise` is how much the two may differ in predicted accuracy by the fitted cloud accuracy's own
@@ -509,11 +511,13 @@ def switch_reason(cur: Decision, cand: Decision, config: ControllerConfig, *, no
     figures that differ beyond `energy_z` standard errors: modeled noise never moves a variant).
     `floor` is the least share escalated that keeps the link measured (`probe_floor`). `tie`: how much
     less accurate `cand` may be predicted and still be as accurate (`tied`: `tie_z` standard errors of
-    the gain of the band between them, for two thresholds of one variant; 0 otherwise)."""
+    the gain of the band between them, for two thresholds of one variant; 0 otherwise). `tolerance`: how far
+    over the budgets the current point may stand (default `violation_tolerance`; the controller passes 0 for
+    a point over a new energy budget: chosen under another budget, it has no claim to stand over this one)."""
     if cand.point == cur.point:
         return ""
     over = " and ".join(cur.violated)
-    if not cur.feasible and cur.shortfall > config.violation_tolerance:
+    if not cur.feasible and cur.shortfall > (config.violation_tolerance if tolerance is None else tolerance):
         if cand.feasible:
             return f"current point violates the {over} budget"
         return "closer to the budgets" if cand.shortfall < cur.shortfall - 1e-9 else ""
