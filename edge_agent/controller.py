@@ -50,6 +50,7 @@ from edge_agent.decide import (
     accuracy_margin,
     candidate_thresholds,
     choose,
+    encoding_move,
     evaluate,
     probe_floor,
     spare,
@@ -392,9 +393,7 @@ class Controller:
         # after a change of the budget or the link the current point was chosen for other conditions:
         # it has no claim to stand, so the gain's evidence does not hold it (`decide.switch_reason`)
         changed_conditions = any(r.startswith(_CHANGES) for r in self._pending)
-        # a point chosen under another budget has no claim to stand over a new energy budget, even within the
-        # tolerance: the energy target keeps 1 % of headroom (the latency target 10 %), so a point 5 % over the
-        # target spends 4 % over the budget the mean is held to (`decide.switch_reason`'s `tolerance`)
+        # no tolerance for a point over a new energy budget (`decide.switch_reason`'s `tolerance`)
         self._new_budget = "budget" in self._pending
         self._pending.clear()
         if self.encoder is not None:
@@ -420,14 +419,10 @@ class Controller:
             if alt.feasible and (alt_why := self._switch_reason(cur, alt, changed_conditions)):
                 cand, why = replace(alt, reason=f"the best point with room to spare (the best, "
                                                 f"{cand.variant}@{cand.threshold:.4g}, is closer)"), alt_why
-        if not why and cand.encoding and cur.encoding and cand.encoding != cur.encoding:
-            # the rule's encoding at the current (variant, threshold): a move the bandwidth decides, which the
-            # gain's hysteresis on the rest of the choice does not hold (`decide.switch_reason`, rule 6)
-            wire = evaluate(self._by_id[cur.variant], cur.threshold, link, self.budget, self.config, conditions=cond,
-                            wire=self._wire(cand.encoding))
-            if why := self._switch_reason(cur, wire, changed_conditions):
-                cand = replace(wire, binding=cand.binding, reason=f"the rule's choice {cand.variant}@"
-                               f"{cand.threshold:.4g}/{cand.encoding} held; its encoding taken")
+        if cand.encoding and cur.encoding and cand.encoding != cur.encoding:  # the encoding's own hysteresis
+            cand, why = encoding_move(cur, cand, why, lambda d, e: evaluate(
+                self._by_id[d.variant], d.threshold, link, self.budget, self.config, conditions=cond,
+                wire=self._wire(e)), lambda a, b: self._switch_reason(a, b, changed_conditions), self.config)
         if why:
             chosen = replace(cand, reason=f"{why}; {cand.reason}")
             log.info("controller: %s@%.4g/%s -> %s@%.4g/%s (%s: %s)", cur.variant, cur.threshold, cur.encoding,

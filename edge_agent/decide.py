@@ -82,8 +82,8 @@ builds them).
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import asdict, dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -97,7 +97,8 @@ from runtimes.errors import ConfigError
 if TYPE_CHECKING:
     from edge_agent.encoding import WireOption
 
-__all__ = ["ControllerConfig", "Decision", "candidate_thresholds", "choose", "evaluate", "switch_reason", "tied"]
+__all__ = ["ControllerConfig", "Decision", "candidate_thresholds", "choose", "encoding_move", "evaluate",
+           "switch_reason", "tied"]
 
 ANSWERED_MIN = 0.01  # escalations answered less often than this win nothing worth pricing
 _DEFAULT_GRID = tuple(round(x, 3) for x in np.arange(0, 1.0001, 0.01))
@@ -543,6 +544,33 @@ def switch_reason(cur: Decision, cand: Decision, config: ControllerConfig, *, no
             and _rank(cand.encoding) < _rank(cur.encoding)):
         return f"as accurate, more faithful encoding {cur.encoding} -> {cand.encoding}"
     return ""
+
+
+def encoding_move(cur: Decision, cand: Decision, why: str, price: Callable[[Decision, str], Decision],
+                  reason: Callable[[Decision, Decision], str], config: ControllerConfig) -> tuple[Decision, str]:
+    """The encoding's own hysteresis, where the rule's choice `cand` is in another encoding than `cur`; `why`
+    is the reason to move to `cand` ("" to stay), `price(d, encoding)` evaluates `d`'s (variant, threshold) in
+    `encoding`, `reason` is the controller's `switch_reason`. Returns the point to move to and why.
+
+    Staying: the current (variant, threshold) in the choice's encoding, a move the bandwidth decides, which
+    the gain's hysteresis on the rest of the choice does not hold (`switch_reason`'s rule 6). Moving for
+    another reason to a point in an encoding as faithful that saves less than `encoding_margin_ms` on the
+    wire: that point in the current encoding, where it keeps the budgets as accurately (so the encoding does
+    not flip near a tie with each move of the threshold)."""
+    if not why:
+        wire = price(cur, cand.encoding)
+        if why := reason(cur, wire):
+            cand = replace(wire, binding=cand.binding, reason=f"the rule's choice {cand.variant}@"
+                           f"{cand.threshold:.4g}/{cand.encoding} held; its encoding taken")
+        return cand, why
+    saved = -float((cand.inputs.get("wire") or {}).get("shift_ms") or 0.0)
+    if _rank(cand.encoding) != _rank(cur.encoding) or abs(saved) > config.encoding_margin_ms:
+        return cand, why
+    kept = price(cand, cur.encoding)
+    if kept.feasible and kept.predicted_accuracy >= cand.predicted_accuracy - config.tie_tolerance:
+        return replace(kept, binding=cand.binding, reason=f"{cand.reason}; encoding {cur.encoding} kept "
+                       f"({cand.encoding} saves {saved:.2g} ms)"), why
+    return cand, why
 
 
 def _faster_wire(cur: Decision, cand: Decision, config: ControllerConfig) -> float:

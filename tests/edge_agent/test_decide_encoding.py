@@ -234,3 +234,27 @@ def test_near_the_bandwidth_where_two_exact_encodings_tie_the_encoding_does_not_
     planned = _serve_wire(c, lp, clock, np.random.default_rng(5), mbps=tie_mbps, n=2000, jitter_ms=2.0)
     flips = sum(a != b for a, b in zip(planned[1:], planned[:-1], strict=False) if a and b)
     assert flips <= 1
+
+
+def test_a_move_of_the_threshold_does_not_carry_a_flip_between_exact_encodings_that_tie() -> None:
+    """zstd planned on a link where its fewer bytes now save about its encode time (1 Gbit/s): the rule's
+    choice is fp32, by a few hundredths of a millisecond. A budget change moves the threshold; the encoding
+    stays zstd (each move of the threshold flipped it with the bandwidth estimate's noise)."""
+    clock = Clock()
+    lp = LinkProfile(rtt_ms=20.0, bytes_per_escalation=float(FP32.nbytes), energy_per_byte_mj=5e-5,
+                     wait_power_w=0.01, clock=clock)
+    lp.link.observe_transfer(100, 0.020)
+    for _ in range(3):  # 1 Mbit/s: zstd clearly ahead
+        lp.link.observe_transfer(FP32.nbytes, 0.020 + FP32.nbytes * 8 / 1e6)
+    c = Controller([profile()], Budget(latency_ms=200), link=lp, clock=clock)
+    c.attach_encoder(_digit_encoder(lp))
+    c.observe_request(escalated=False, agreed=None, total_latency_ms=1.0)
+    clock.t += 1.0
+    assert (c.maybe_redecide() or c.current).encoding == "zstd"
+    for _ in range(3):  # now 1 Gbit/s: the bytes zstd saves take about its encode time
+        lp.link.observe_transfer(FP32.nbytes, 0.020 + FP32.nbytes * 8 / 1e9)
+    before = c.current
+    moved = c.set_budget(Budget(latency_ms=24))  # a p95 that only a few escalations fit
+    assert moved is not None
+    assert moved.key != before.key
+    assert moved.encoding == "zstd", moved.reason
