@@ -49,8 +49,9 @@ def benchmark_app() -> str | None:
 
 
 def openvino_floor(model: Path, feed: Mapping[str, np.ndarray], threads: int, *, precision: str = "fp32",
-                   seconds: int = 4) -> tuple[float | None, str]:
-    """benchmark_app's median ms for `model` (.xml or .onnx) at `feed`'s shapes; None and why when it cannot run."""
+                   seconds: int = 4, pin: bool | None = None) -> tuple[float | None, str]:
+    """benchmark_app's median ms for `model` (.xml or .onnx) at `feed`'s shapes; None and why when it cannot run.
+    `pin`: its threads pinned to cores (`-pin YES`) or not (`-pin NO`); None leaves its default (pinned)."""
     app = benchmark_app()
     if app is None:
         return None, "benchmark_app not found (pip install openvino)"
@@ -60,6 +61,8 @@ def openvino_floor(model: Path, feed: Mapping[str, np.ndarray], threads: int, *,
     hint = {"fp32": "f32", "int8": "f32", "bf16": "bf16", "fp16": "f16"}.get(precision, "f32")
     cmd = [app, "-m", str(model), "-hint", "none", "-nstreams", "1", "-nireq", "1", "-api", "sync",
            "-nthreads", str(threads), "-t", str(seconds), "-shape", shape, "-infer_precision", hint]
+    pinning = "" if pin is None else f" -pin {'YES' if pin else 'NO'}"
+    cmd += pinning.split()
     with tempfile.TemporaryDirectory(prefix="floor-") as tmp:
         if all(v.dtype == np.float32 for v in feed.values()):  # the same input (its -ip applies to all inputs)
             files = {k: Path(tmp) / f"input{i}.npy" for i, k in enumerate(feed)}
@@ -76,7 +79,7 @@ def openvino_floor(model: Path, feed: Mapping[str, np.ndarray], threads: int, *,
         return None, f"benchmark_app failed: {last[0][:120]}"
     scale = 1e-3 if found.group(2) == "us" else 1.0
     data = "the same input" if "-i" in cmd else "its own random input"
-    return float(found.group(1)) * scale, f"benchmark_app -hint none -nstreams 1 -nireq 1 -api sync, {data}"
+    return float(found.group(1)) * scale, f"benchmark_app -hint none -nstreams 1 -nireq 1 -api sync{pinning}, {data}"
 
 
 class _BareOpenVino:
