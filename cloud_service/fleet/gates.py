@@ -44,7 +44,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from cloud_service.fleet.sequential import Baselines, Estimate, Obs, baselines, binomial_floor, did
+from cloud_service.fleet.sequential import Baselines, Estimate, Obs, baseline_se, baselines, binomial_floor, did
 from cloud_service.protocol.fleet_docs import TelemetryWindow
 from runtimes.errors import ConfigError
 
@@ -58,6 +58,12 @@ MIN_BASELINE_WINDOWS = 5  # a device with fewer windows before the wave has no b
 # block (sequential.py), not in this count. Looks skipped cost no validity: the confidence sequence holds at
 # every look, so it holds at the ones taken.
 MIN_FAIL_WINDOWS = 10
+# A later wave starts only once its baselines' standard error is at most this share of each gate's margin (the
+# last wave's control, the earlier waves' devices, has only the minutes since their swap on the release): a good
+# release passes once its estimate is under half the margin with the planned evidence, or its bound under the
+# margin, and the baselines' error is an offset that no soak after the start removes. At a sixth of the margin,
+# half the margin is three of its standard errors away: about 0.1 % of good releases held open per gate by it.
+BASELINE_SE_SHARE = 1 / 6
 
 
 @dataclass(frozen=True)
@@ -372,6 +378,27 @@ def judge(spec: _Spec, arms: Arms, *, margins: Margins, evidence: Evidence, alph
     out = _record(spec, est, decision, margin, alpha_gate, evidence.beta, (lower, upper, pass_upper),
                   f"{spec.note}: {note}")
     return {**out, "plan": plan, "block_s": evidence.block_s}
+
+
+def baseline_errors(arms: Arms, *, margins: Margins, evidence: Evidence) -> list[dict[str, Any]]:
+    """Before a wave starts (`arms.pre_wave`: the devices it would take, `arms.pre_control`: its control; no windows
+    since): each statistical gate's standard error from the baselines alone (`sequential.baseline_se`), against
+    BASELINE_SE_SHARE of its margin (`ok`). Gates with no baseline in an arm are left out (not judged), and so is
+    the whole-stream audit gate: it never holds up a wave whose devices audit at the fleet's own rate."""
+    out = []
+    for spec in SPECS:
+        if spec.name == "audit_agreement":
+            continue
+        pw, pc = _obs(spec, arms.pre_wave), _obs(spec, arms.pre_control)
+        floor = None if spec.per_window else binomial_floor()
+        base = baselines(pw, pc, MIN_BASELINE_WINDOWS, floor, evidence.bucket_s, evidence.block_s)
+        if not base.wave or not base.control:
+            continue
+        se = baseline_se(pw, pc, base, evidence.bucket_s, floor)
+        limit = spec.margin(margins) * BASELINE_SE_SHARE
+        out.append({"gate": spec.name, "ok": se <= limit, "se": round(se, 6) if math.isfinite(se) else None,
+                    "limit": round(limit, 6)})
+    return out
 
 
 def _record(spec: _Spec, est: Estimate | None, decision: str | None, margin: float, alpha: float, beta: float,

@@ -44,6 +44,7 @@ from cloud_service.fleet.gates import (
     MIN_WINDOW_REQUESTS,
     STAT_GATES,
     Arms,
+    baseline_errors,
     cohort,
     evaluate,
     failed,
@@ -208,12 +209,13 @@ class RolloutEngine:
             released = _decided(conn, row.id, row.wave, "control_released")
         w = waves[row.wave]
         wave_updates: dict[str, Any] = {}
-        if w["state"] == "pending":
+        settle = self._settle(ctx, waves, w)
+        if w["state"] == "pending" and not settle["wait"]:
             wave_updates = {"state": "soaking", "started_at": now}
             w.update(wave_updates)
         self._stall(ctx, changes, opts)
         self._catch_up(ctx, changes, assign=True)
-        assign = self._fill(ctx, changes, w, audit=self._audited(ctx, waves, w))
+        assign = {} if settle["wait"] else self._fill(ctx, changes, w, audit=self._audited(ctx, waves, w))
         members = [d for d, v in ctx.devs.items() if v["wave"] is not None and v["wave"] <= w["idx"]
                    and v["assigned_at"] is not None and v["state"] != "catch_up"]
         current = [d for d in members if ctx.devs[d]["wave"] == w["idx"]]
@@ -272,6 +274,12 @@ class RolloutEngine:
                                        f"wave {w['idx']} inconclusive at its maximum soak: {', '.join(still)}",
                                        w["idx"])
                     return
+            elif settle["wait"] and self._observe_due(conn, row.id, now, opts.observe_every_s):
+                worst = max(settle["baseline"], key=lambda g: math.inf if g["se"] is None else g["se"] / g["limit"])
+                record(conn, row.id, w["idx"], "observe", {"baseline": settle["baseline"]},
+                       f"wave {w['idx']} waits for its control's baseline (the earlier waves' devices on the release):"
+                       f" {worst['gate']} standard error {worst['se']} over {worst['limit']}, a sixth of its margin",
+                       self.holder, now=now)
             elif self._observe_due(conn, row.id, now, opts.observe_every_s) and figures["wave"].requests:
                 record(conn, row.id, w["idx"], "observe", record_figures,
                        f"soaking: {sum(self._soaked(ctx, d, opts) for d in current)}/{len(current)} device(s); "
@@ -360,6 +368,38 @@ class RolloutEngine:
         """A wave device's rollout layer: the release, its soak and, in a small wave, the raised audit rate."""
         return Desired(release=ctx.row.release, soak=Soak.parse(ctx.opts.soak),
                        audit_rate=ctx.opts.audit_rate if audit else None)
+
+    def _settle(self, ctx: _Ctx, waves: list[dict[str, Any]], w: dict[str, Any]) -> dict[str, Any]:
+        """Whether a last wave not started yet waits for its control: where the devices of earlier waves would be
+        its control (enough of them have a baseline, `_holdback`), their baselines are a few windows on the release,
+        and a baseline's error is an offset that no soak of the wave shrinks: a wave started on one whose standard
+        error is near a gate's margin soaks to its maximum for nothing. It waits until each statistical gate's error
+        from the baselines alone is within a sixth of its margin (`gates.baseline_errors`), for at most
+        `max_soak` after the wave before it ended; past that it starts as it is (its gates then end open ones by
+        `on_inconclusive`). Returns {"wait", "baseline": the errors}."""
+        idle: dict[str, Any] = {"wait": False, "baseline": []}
+        last = len(waves) - 1
+        if w["state"] != "pending" or w["idx"] != last or last == 0:
+            return idle
+        promoted = self._promoted(ctx, last)
+        want = max(2, math.ceil(ctx.opts.holdback * len(ctx.devs)))
+        if ctx.opts.holdback > 0 and len(self._baselined(ctx, promoted, on_release=True)) < want:
+            return idle  # too few to be the control: `_holdback` keeps devices back
+        wave = [d for d, v in ctx.devs.items() if v["state"] == "pending" and self._online(ctx, d)]
+        arms = self._figures(ctx, {"started_at": ctx.now, "idx": last}, wave,
+                             control=promoted[:ctx.opts.control_max])["arms"]
+        if arms is None:
+            return idle
+        errors = baseline_errors(arms, margins=ctx.opts.margins, evidence=ctx.opts.evidence)
+        ok = all(g["ok"] for g in errors)
+        ended = float(waves[last - 1]["ended_at"] or ctx.now)
+        cap = ctx.opts.max_soak
+        if "seconds" in cap:
+            over = ctx.now - ended >= cap["seconds"]
+        else:  # requests per device of the control since the wave before it ended
+            since = [x for x in arms.pre_control if float(x["server_ts"]) >= ended]
+            over = sum(int(x["requests"] or 0) for x in since) / max(1, len(promoted)) >= cap["requests"]
+        return {"wait": not ok and not over, "baseline": errors}
 
     def _fill(self, ctx: _Ctx, changes: dict[str, dict[str, Any]], w: dict[str, Any], *,
               audit: bool = False) -> dict[str, Desired]:
@@ -480,18 +520,19 @@ class RolloutEngine:
             changes.setdefault(dev, {}).update(values)
             d.update(values)
 
-    def _figures(self, ctx: _Ctx, w: dict[str, Any], current: list[str], *, judged: bool = False) -> dict[str, Any]:
+    def _figures(self, ctx: _Ctx, w: dict[str, Any], current: list[str], *, judged: bool = False,
+                 control: list[str] | None = None) -> dict[str, Any]:
         """The wave's own devices against the control, each with its baseline: the devices still on the previous
         release (their windows on it before the wave) and the devices of earlier waves (`_promoted`: their windows
-        on the release before the wave, past their own swap's warm-up), at most `control_max` in all. `judged`:
-        the statistical gates have decided already (no arms)."""
+        on the release before the wave, past their own swap's warm-up), at most `control_max` in all (`control`:
+        these devices instead). `judged`: the statistical gates have decided already (no arms)."""
         start = float(w["started_at"] or ctx.now)
         ev = ctx.opts.evidence
         release = ctx.row.release
         waiting = sorted((d for d, v in ctx.devs.items() if v["state"] in ("pending", "control")
                           and self._online(ctx, d)), key=lambda d: order_key(ctx.row.id, d))
         promoted = self._promoted(ctx, w["idx"])
-        control = (waiting + promoted)[:ctx.opts.control_max]
+        control = (waiting + promoted)[:ctx.opts.control_max] if control is None else control
         wins = self._windows(sorted(set(current) | set(control)), min(start - ev.baseline_s, ctx.now - RATE_LOOKBACK_S))
         by: dict[str, list[dict[str, Any]]] = {}
         for x in wins:

@@ -380,3 +380,39 @@ def binomial_floor(pseudo: float = 1.0) -> Callable[[float], float]:
         p = min(max(p if math.isfinite(p) else 0.5, pseudo / 1000), 1 - pseudo / 1000)
         return p * (1 - p)
     return floor
+
+
+
+def baseline_se(pre_wave: Iterable[Obs], pre_control: Iterable[Obs], base: Baselines, bucket_s: float,
+                floor: Callable[[float], float] | None = None) -> float:
+    """The standard error a comparison gets from its baselines alone, each arm's devices weighing alike: the part
+    of a wave's estimate that no soak after its start shrinks. Before a wave starts it says whether its gates can
+    ever pass: a baseline error near the margin keeps a good release's estimate off "under the margin" however
+    long the wave soaks.
+
+    The baselines are levels net of shared load (`levels`: device and time-bucket effects fitted together), so
+    the arms' levels are told apart only where both have windows in the same buckets: a control of earlier waves'
+    devices, on the release for a minute, is compared with the wave's devices over that minute, not their hour.
+    The variance of the contrast (the wave's mean level less the control's) is the fit's: V c' M⁺ c, with M the
+    devices' information once the bucket effects are taken out (a Schur complement) and V the A/A reference's
+    variance of one unit of weight (`Baselines.unit_var`, scaled for its degrees of freedom as the comparison's
+    is); shrinkage toward the cohort, which only narrows it, is left out. Infinite where an arm has no baseline,
+    the variance cannot be estimated, or no bucket holds both arms."""
+    arms = (base.wave, base.control)
+    if not all(arms) or (base.df <= 0 and base.naive_var <= 0):
+        return math.inf
+    index = {d: k for k, d in enumerate([*base.wave, *base.control])}
+    rows = [o for o in (*pre_wave, *pre_control) if o.device in index and o.weight > 0]
+    di = np.array([index[o.device] for o in rows])
+    w = np.array([o.weight for o in rows], dtype=float)
+    _, bi = np.unique(np.array([o.ts // bucket_s for o in rows]), return_inverse=True)
+    n = np.zeros((int(bi.max()) + 1, len(index)))
+    np.add.at(n, (bi, di), w)
+    info = np.diag(n.sum(axis=0)) - n.T @ (n / n.sum(axis=1, keepdims=True))
+    c = np.array([1 / len(base.wave)] * len(base.wave) + [-1 / len(base.control)] * len(base.control))
+    inv = np.linalg.pinv(info, rcond=1e-9, hermitian=True)
+    if not np.allclose(info @ (inv @ c), c, atol=1e-6):  # the arms share no bucket: their levels are not compared
+        return math.inf
+    mean = float((w * np.array([o.value for o in rows])).sum() / w.sum())
+    var = max(_unsure(base.unit_var, base.df) if base.df > 0 else 3.0 * base.naive_var, floor(mean) if floor else 0.0)
+    return math.sqrt(var * max(float(c @ inv @ c), 0.0))

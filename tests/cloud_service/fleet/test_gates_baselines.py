@@ -8,8 +8,8 @@ import math
 
 import numpy as np
 
-from cloud_service.fleet.gates import SPECS, Arms, Evidence, Margins, judge
-from cloud_service.fleet.sequential import Obs, did
+from cloud_service.fleet.gates import SPECS, Arms, Evidence, Margins, baseline_errors, judge
+from cloud_service.fleet.sequential import Obs, baseline_se, baselines, did
 
 BUCKET_S = 10.0
 SPIKE = math.log(2.0)  # a shared-load spike: every device's p95 doubles for one window
@@ -67,3 +67,35 @@ def test_spread_without_a_spike_is_unchanged_by_the_fit() -> None:
     est = did(pre_w, post_w, pre_c, post_c, bucket_s=BUCKET_S)
     assert est is not None
     assert abs(est.delta) < 3 * est.se, est
+
+
+def test_the_baselines_error_is_what_the_short_overlap_leaves() -> None:
+    """`baseline_se`: the spread of an A/A estimate whose post-wave noise is negligible (100 windows since the wave)
+    is the baselines' error, and with levels net of shared load the arms' levels are compared only over the
+    control's few windows on the release, not over the wave's hour: the per-device error (1/n each) understates
+    it by a third here. The predicted error matches the measured spread over 80 draws, shrinks as the control's
+    baseline lengthens, and `baseline_errors` holds a wave whose error is over a sixth of a gate's margin."""
+    deltas, predicted = [], []
+    for seed in range(80):
+        pre_w, post_w, pre_c, post_c = _log_p95(seed, spike_at=-1, wave=3, control=3, short=8, post=100, sd=0.1)
+        base = baselines(pre_w, pre_c, 5, None, BUCKET_S)
+        est = did(pre_w, post_w, pre_c, post_c, bucket_s=BUCKET_S, base=base)
+        assert est is not None
+        deltas.append(est.delta)
+        predicted.append(baseline_se(pre_w, pre_c, base, BUCKET_S))
+    spread, se = float(np.std(deltas)), float(np.median(predicted))
+    assert 0.8 * spread < se < 1.6 * spread, (spread, se)
+    naive = 0.1 * math.sqrt(1 / (3 * 8) + 1 / (3 * 60))  # sd 0.1 a window; 8 and 60 windows a device; 3 an arm
+    assert se > 1.2 * naive, (se, naive)
+    longer = _log_p95(0, spike_at=-1, wave=3, control=3, short=32, post=0, sd=0.1)
+    assert baseline_se(longer[0], longer[2], baselines(longer[0], longer[2], 5, None, BUCKET_S), BUCKET_S) < se
+
+    def windows(obs: list[Obs]) -> list[dict[str, object]]:
+        return [{"device_id": o.device, "server_ts": o.ts, "requests": 100, "p95_ms": math.exp(o.value)}
+                for o in obs]
+
+    short = _log_p95(0, spike_at=-1, wave=3, control=3, short=8, post=0, sd=0.4)
+    got = {g["gate"]: g for g in baseline_errors(Arms(windows(short[0]), [], windows(short[2]), []),
+                                                  margins=Margins(), evidence=Evidence(bucket_s=BUCKET_S))}
+    assert got["p95_vs_control"]["ok"] is False, got  # 0.4 a window over 8 windows: more than a sixth of log 1.3
+    assert got["p95_vs_control"]["limit"] == round(math.log1p(0.3) / 6, 6)

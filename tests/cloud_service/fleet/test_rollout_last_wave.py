@@ -2,7 +2,9 @@
 window a second into the real telemetry store and the engine steps once a second.
 
 - The last wave is judged against the devices of the earlier waves (their release does not change during it),
-  not against one device held back: it is decided as soon as the earlier waves' are.
+  not against one device held back: it starts once their baselines on the release are long enough for its gates
+  to pass (a baseline's error is an offset no soak removes: with some device orders the escalation gate stayed
+  open for the whole run), and is decided as soon as the earlier waves' are.
 - A wave that is still open at its maximum soak passes on the earlier waves' evidence under `promote` (stated
   in the decision record); a canary under `promote` is held (it has no earlier wave).
 - A one-wave rollout keeps at least two devices back as its control.
@@ -121,8 +123,11 @@ class _Sim:
 
 
 def _deploy(sim: _Sim, waves: str, **options: Any) -> tuple[int, RolloutEngine]:
+    # a window a simulated second (agents send one every 10 s): buckets, warm-up and the variance's block (120 s)
+    # are scaled alike
     opts = make_options(waves=waves, soak="20", margins={"min_requests": 20},
-                        evidence={"bucket_s": 1.0, "warmup_windows": 1, "warmup_s": 2.0, "plan": 0.2}, **options)
+                        evidence={"bucket_s": 1.0, "warmup_windows": 1, "warmup_s": 2.0, "plan": 0.2, "block_s": 12.0},
+                        **options)
     rid = sim.rollouts.deploy(sim.second, {}, opts)
     return rid, RolloutEngine(sim.store, sim.desired, sim.releases, holder="e", online_after_s=30)
 
