@@ -91,6 +91,10 @@ def statistics_part(n: int, runs: int, ab_runs: int, procs: int, baseline: int =
             out[regression]["soak_inferences_per_wave_median"] = [
                 int(np.median([o.wave_inferences[i] for o in done])) for i in range(len(WAVES))] if done else None
             out[regression]["old_default_soak_per_wave"] = [OLD_SOAK * s for s in sizes]
+            # windows the last wave waited, its devices on the previous release, for its control's baselines
+            out[regression]["last_wave_settle_windows_median_p90"] = [
+                int(np.median([o.settle_windows for o in done])),
+                int(np.percentile([o.settle_windows for o in done], 90))] if done else None
             # the old soak waited for every device of the wave: its slowest set the time, the others ran on
             out[regression]["old_default_soak_per_wave_uneven_traffic_median"] = [
                 int(np.median([o.old_soak_inferences[i] for o in done])) for i in range(len(WAVES))] if done else None

@@ -24,6 +24,7 @@ from cloud_service.fleet.gates import (
     Arms,
     Evidence,
     Margins,
+    baseline_errors,
     evaluate,
     failed,
     open_gates,
@@ -192,6 +193,7 @@ class Outcome:
     looks: int
     old_soak_inferences: list[int] = field(default_factory=list)  # per wave, under the old fixed soak (below)
     wave_windows: list[int] = field(default_factory=list)  # per wave, the windows it soaked before it was decided
+    settle_windows: int = 0  # windows the last wave waited for its control's baselines before it started
 
 
 def run_rollout(fleet: Fleet, *, waves: tuple[str, ...] = ("1", "5%", "25%", "100%"),
@@ -227,7 +229,7 @@ def run_rollout(fleet: Fleet, *, waves: tuple[str, ...] = ("1", "5%", "25%", "10
     warm: dict[int, float] = {}  # device -> when its windows on the release count (past its swap's warm-up)
     per_wave: list[int] = []
     windows: list[int] = []
-    looks = 0
+    looks = settle = 0
     for w, size in enumerate(sizes):
         last = w == len(sizes) - 1
         new = [i for i in order[:size] if i not in treated]
@@ -236,6 +238,10 @@ def run_rollout(fleet: Fleet, *, waves: tuple[str, ...] = ("1", "5%", "25%", "10
         # baseline (windows on the release past their warm-up), as the engine's `_holdback`
         if last and len(_baselined(promoted, history, warm, t, evidence)) < held_back:
             new = new[:max(1, len(new) - held_back)]
+        elif last:  # the earlier waves are its control: it starts once their baselines let its gates pass
+            settle = _settle(fleet, new, promoted[:control_max], history, warm, t, margins, evidence,
+                             max_soak_windows, treated)
+            t += settle * ws
         start = t
         treated |= set(new)
         warm.update(dict.fromkeys(new, start + (evidence.warmup_windows + 1) * ws))
@@ -275,7 +281,29 @@ def run_rollout(fleet: Fleet, *, waves: tuple[str, ...] = ("1", "5%", "25%", "10
         per_wave.append(done)
         windows.append(step + 1)
     return Outcome("succeeded", len(sizes) - 1, [], per_wave[0], per_wave, looks,
-                   [old_soak(fleet, ws_new) for ws_new in _wave_devices(order, sizes)], windows)
+                   [old_soak(fleet, ws_new) for ws_new in _wave_devices(order, sizes)], windows,
+                   settle)
+
+
+def _settle(fleet: Fleet, new: list[int], control: list[int], history: dict[int, list[dict[str, Any]]],
+            warm: dict[int, float], t: float, margins: Margins, evidence: Evidence, most: int,
+            treated: set[int]) -> int:
+    """As the engine's `_settle`: the windows the last wave waits (its devices still on the previous release, the
+    earlier waves' on the release, every window added to `history`) until each gate's error from the baselines
+    alone is within `gates.BASELINE_SE_SHARE` of its margin, at most `most`."""
+    ws = fleet.model.window_s
+    on = np.isin(np.arange(fleet.n), list(treated))
+    for k in range(most):
+        now = t + k * ws
+        pre_wave = [x for i in new for x in history[i] if now - evidence.baseline_s <= x["ts"] <= now]
+        pre_control = [x for i in control for x in history[i]
+                       if max(now - evidence.baseline_s, warm.get(i, -math.inf)) <= x["ts"] <= now]
+        if all(g["ok"] for g in baseline_errors(Arms(pre_wave, [], pre_control, []), margins=margins,
+                                                evidence=evidence)):
+            return k
+        for i, x in enumerate(fleet.windows(now + ws, on, np.full(fleet.n, fleet.model.audit_rate))):
+            history[i].append(x)
+    return most
 
 
 def _baselined(devices: list[int], history: dict[int, list[dict[str, Any]]], warm: dict[int, float], t: float,

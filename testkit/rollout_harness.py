@@ -137,8 +137,10 @@ class RolloutFleet:
     def deploy(self, release: str, **options: Any) -> int:
         body = {"release": release, "label": self.labels, "waves": "1,25%,100%", "soak": "30",
                 "margins": {"min_requests": 20},
-                # the devices are doubles: a swap has no transient to wait out (real agents: tests/e2e)
-                "evidence": {"bucket_s": max(1.0, 3 * self.window_s), "warmup_s": 10 * self.window_s}, **options}
+                # the devices are doubles: a swap has no transient to wait out (real agents: tests/e2e); their windows
+                # come every `window_s`, not every 10 s, and the variance's block (120 s: 12 agent windows) with them
+                "evidence": {"bucket_s": max(1.0, 3 * self.window_s), "warmup_s": 10 * self.window_s,
+                             "block_s": max(1.0, 12 * self.window_s)}, **options}
         return int(self.api("POST", "/v1/rollouts", body)["id"])
 
     def show(self, rollout_id: int) -> dict[str, Any]:
