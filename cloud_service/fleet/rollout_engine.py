@@ -274,17 +274,25 @@ class RolloutEngine:
                                        f"wave {w['idx']} inconclusive at its maximum soak: {', '.join(still)}",
                                        w["idx"])
                     return
-            elif settle["wait"] and self._observe_due(conn, row.id, now, opts.observe_every_s):
-                worst = max(settle["baseline"], key=lambda g: math.inf if g["se"] is None else g["se"] / g["limit"])
-                record(conn, row.id, w["idx"], "observe", {"baseline": settle["baseline"]},
-                       f"wave {w['idx']} waits for its control's baseline (the earlier waves' devices on the release):"
-                       f" {worst['gate']} standard error {worst['se']} over {worst['limit']}, a sixth of its margin",
-                       self.holder, now=now)
-            elif self._observe_due(conn, row.id, now, opts.observe_every_s) and figures["wave"].requests:
-                record(conn, row.id, w["idx"], "observe", record_figures,
-                       f"soaking: {sum(self._soaked(ctx, d, opts) for d in current)}/{len(current)} device(s); "
-                       f"open: {', '.join(still) or 'none'}", self.holder, now=now)
+            elif self._observe_due(conn, row.id, now, opts.observe_every_s):
+                self._observe(conn, ctx, w, settle["baseline"] if settle["wait"] else None, record_figures, current,
+                              still)
             self._write(conn, ctx, changes, assign, w["idx"], wave_updates)
+
+    def _observe(self, conn: Any, ctx: _Ctx, w: dict[str, Any], waiting: list[dict[str, Any]] | None,
+                 figures: dict[str, Any], current: list[str], still: list[str]) -> None:
+        """The record of a wave still open: what it waits for before it starts (`waiting`: `_settle`'s baseline
+        errors) or, once it has windows on the release, its figures (the dashboard's plots)."""
+        if waiting:
+            worst = max(waiting, key=lambda g: math.inf if g["se"] is None else g["se"] / g["limit"])
+            record(conn, ctx.row.id, w["idx"], "observe", {"baseline": waiting},
+                   f"wave {w['idx']} waits for its control's baseline (the earlier waves' devices on the release): "
+                   f"{worst['gate']} standard error {worst['se']} over {worst['limit']}, a sixth of its margin",
+                   self.holder, now=ctx.now)
+        elif figures["wave"]["requests"]:
+            record(conn, ctx.row.id, w["idx"], "observe", figures,
+                   f"soaking: {sum(self._soaked(ctx, d, ctx.opts) for d in current)}/{len(current)} device(s); "
+                   f"open: {', '.join(still) or 'none'}", self.holder, now=ctx.now)
 
     def _promote(self, conn: Any, ctx: _Ctx, w: dict[str, Any], waves: list[dict[str, Any]], current: list[str],
                  controls: list[str], changes: dict[str, dict[str, Any]], figures: dict[str, Any],
