@@ -171,6 +171,14 @@ def test_alpha_is_spent_half_at_the_canary_and_never_over_the_whole_rollout() ->
     assert ev.alpha_gate(1, 0) * gates == pytest.approx(ev.alpha)  # one wave spends all of it
     assert ev.alpha_gate(4) == min(ev.alpha_gate(4, w) for w in range(4))  # no wave named: the least
     assert Evidence(canary_share=0.25).alpha_gate(4, 0) == pytest.approx(Evidence(canary_share=0.25).alpha_gate(4, 3))
+    # within a wave, split over the gates by the evidence each needs: p95 the most, the 5-point rates the least
+    for w in range(4):
+        assert sum(ev.alpha_gate(4, w, g) for g in SPEC) == pytest.approx(per_wave[w])
+    assert ev.alpha_gate(4, 0, "p95_vs_control") == pytest.approx(3 * ev.alpha_gate(4, 0))
+    assert ev.alpha_gate(4, 0, "escalation_rate") == pytest.approx(ev.alpha_gate(4, 0) / 4)
+    recorded = evaluate(None, margins=Margins(), evidence=ev, waves=4, wave=0, budget_ms=None, device_failures={},
+                        crashes=0, fleet_request_rate=None, cloud_capacity_rps=None)
+    assert sum(g["alpha"] for g in recorded if g["gate"] in SPEC) == pytest.approx(ev.alpha / 2)
 
 
 def test_rollout_show_prints_the_capacity_the_gate_was_judged_against() -> None:
