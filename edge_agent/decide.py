@@ -563,7 +563,7 @@ def encoding_move(cur: Decision, cand: Decision, why: str, price: Callable[[Deci
             cand = replace(wire, binding=cand.binding, reason=f"the rule's choice {cand.variant}@"
                            f"{cand.threshold:.4g}/{cand.encoding} held; its encoding taken")
         return cand, why
-    saved = -float((cand.inputs.get("wire") or {}).get("shift_ms") or 0.0)
+    saved = _wire_saved(cand)
     if _rank(cand.encoding) != _rank(cur.encoding) or abs(saved) > config.encoding_margin_ms:
         return cand, why
     kept = price(cand, cur.encoding)
@@ -579,11 +579,16 @@ def _faster_wire(cur: Decision, cand: Decision, config: ControllerConfig) -> flo
     decision's wire shift is against the encoding the round trips were measured with (the current one's)."""
     if cand.key != cur.key or not cand.encoding or not cur.encoding or _rank(cand.encoding) != _rank(cur.encoding):
         return 0.0
-    saved = -float((cand.inputs.get("wire") or {}).get("shift_ms") or 0.0)
+    saved = _wire_saved(cand)
     no_worse = (cand.predicted_accuracy >= cur.predicted_accuracy - config.tie_tolerance
                 and cand.predicted_p95_ms <= cur.predicted_p95_ms + 1e-9
                 and cand.predicted_energy_mj <= cur.predicted_energy_mj + 1e-9)
     return saved if no_worse and saved > config.encoding_margin_ms else 0.0
+
+
+def _wire_saved(d: Decision) -> float:
+    """The round trip (ms) `d`'s encoding saves against the one the round trips were measured with."""
+    return -float((d.inputs.get("wire") or {}).get("shift_ms") or 0.0)
 
 
 def _rank(encoding: str) -> int:

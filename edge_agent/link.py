@@ -240,10 +240,8 @@ class Bandwidth:
     def rtt_s(self) -> float:
         """The base round trip: of a message of no bytes."""
         nbytes, elapsed = self._base()
-        if not nbytes:
-            return elapsed
-        est = self._fit(nbytes, elapsed)
-        return elapsed if est is None else max(elapsed - nbytes * 8 / est, 0.0)
+        bandwidth = self._fit(nbytes, elapsed) if nbytes else None
+        return elapsed if bandwidth is None else _empty_rtt(nbytes, elapsed, bandwidth)
 
     def _fit(self, base_bytes: int, base_s: float) -> float | None:
         """The median of bits beyond the base's over seconds beyond it, of the last `recent` large messages
@@ -260,8 +258,13 @@ class Bandwidth:
         nbytes, elapsed = self._base()
         bandwidth = self._fit(nbytes, elapsed)
         if bandwidth is not None:
-            self._last = LinkEstimate(bandwidth, max(elapsed - nbytes * 8 / bandwidth, 0.0))
+            self._last = LinkEstimate(bandwidth, _empty_rtt(nbytes, elapsed, bandwidth))
         return self._last
+
+
+def _empty_rtt(nbytes: int, elapsed_s: float, bandwidth_bps: float) -> float:
+    """The round trip of a message of no bytes, from one of `nbytes` that took `elapsed_s` at `bandwidth_bps`."""
+    return max(elapsed_s - nbytes * 8 / bandwidth_bps, 0.0)
 
 
 class RoundTrips:

@@ -159,8 +159,8 @@ class OrtSession(Session):
         if options.inter_op_threads > 1:
             so.execution_mode = ort.ExecutionMode.ORT_PARALLEL
         if options.spin is not None:
-            so.add_session_config_entry("session.intra_op.allow_spinning", "1" if options.spin else "0")
-            so.add_session_config_entry("session.inter_op.allow_spinning", "1" if options.spin else "0")
+            for pool in ("intra_op", "inter_op"):
+                so.add_session_config_entry(f"session.{pool}.allow_spinning", "1" if options.spin else "0")
         providers = select_providers(options, artifact=artifact)
         try:
             self._sess = ort.InferenceSession(str(artifact), so, providers=providers)

@@ -382,7 +382,6 @@ def binomial_floor(pseudo: float = 1.0) -> Callable[[float], float]:
     return floor
 
 
-
 def baseline_se(pre_wave: Iterable[Obs], pre_control: Iterable[Obs], base: Baselines, bucket_s: float,
                 floor: Callable[[float], float] | None = None) -> float:
     """The standard error a comparison gets from its baselines alone, each arm's devices weighing alike: the part
