@@ -61,6 +61,7 @@ from edge_agent.evidence import (
     EnergyParts,
     cloud_noise,
     energy_evidence,
+    energy_hold,
     energy_noise,
     gain_stderr,
     measured,
@@ -368,7 +369,6 @@ class Controller:
         late = self.link.link.margin_ms() if self.link is not None else 0.0
         return self.deadline_margin_ms + min(late, self.budget.latency_ms / 4)
 
-
     def deadline_scale(self) -> float:
         """The share of the latency budget the agent's escalation deadline is cut from: below 1 after
         observed windows went over the budget (the plan and the timer tighten together)."""
@@ -457,15 +457,17 @@ class Controller:
                              gain_noise=0.0 if changed_conditions else self.config.gain_z * max(stderr, across),
                              energy_evidence=(settled or keeps) and up and evidence,
                              floor=floor, tie=self.config.tie_z * stderr,
-                             tolerance=0.0 if self._new_budget and "energy" in cur.violated else None)
+                             tolerance=0.0 if self._new_budget and "energy" in cur.violated else None,
+                             energy_se=0.0 if self._new_budget else self._energy_noise(link, hold=True))
 
-    def _energy_noise(self, link: LinkState | None) -> float:
-        """The share of the energy target the plan keeps free for the estimate's noise (`evidence.energy_noise`):
-        0 without an energy budget."""
+    def _energy_noise(self, link: LinkState | None, *, hold: bool = False) -> float:
+        """The share of the energy target the plan keeps free for the estimate's noise (`evidence.energy_noise`),
+        or, with `hold`, one standard error of the current point's (`evidence.energy_hold`); 0 without a budget."""
         if self.budget.energy_mj is None:
             return 0.0
-        return energy_noise(self.current, link, self.config.energy_noise_z,
-                            inference=self._energy.inference, escalation=self._energy.escalation)
+        parts, p = {"inference": self._energy.inference, "escalation": self._energy.escalation}, self.current
+        return (energy_hold(p, link, self._by_id[p.variant], 1.0, **parts) if hold
+                else energy_noise(p, link, self.config.energy_noise_z, **parts))
 
     def _cloud_noise(self, cur: Decision, cand: Decision) -> float:
         """How much two points of one variant may differ in predicted accuracy by the fitted cloud

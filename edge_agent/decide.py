@@ -71,7 +71,14 @@ comes back, when the round trip moves, and when a budget changes.
 `energy_noise_z` relative standard errors of the current point's energy estimate (the window's mean
 round trip and the two calibrations' ratios) and judges the current point against the target itself
 (`Controller._energy_noise`), so the estimate's noise, narrower than that band, moves nothing. A
-calibration moves only by 1 % and beyond its own standard error.
+calibration moves only by 1 % and beyond its own standard error. Once chosen, the point holds while its
+estimate moves by its noise (`switch_reason`'s `energy_se`, `evidence.energy_hold`: the round trips'
+mean, the calibrations and the escalation share): it stands over the target by up to `energy_over_z`
+(2) standard errors (or `violation_tolerance`, if more), and a more accurate point spending more is
+taken only once it is under the plan's target by more than `energy_hold_z` (3) of them (or
+`violation_tolerance`), and then for any gain, so that the budget is spent; not in the re-decision after
+the budget changed. Without it the point followed the estimate's noise down and back up (a "round trip
+slower" cuts the round trips to the last 32, a spell of spikes).
 
 **The binding constraint** of a decision is the budget the next more accurate point breaks
 ("latency", "energy", "escalations"), or "none" when the choice is the most accurate point there is.
@@ -135,6 +142,14 @@ class ControllerConfig:
         energy_noise_z: with an energy budget, the plan keeps this many relative standard errors of its
             energy estimate below the energy target, and the current point is judged against the target
             itself (`Controller._energy_noise`): a band the estimate's noise does not cross.
+        energy_over_z, energy_hold_z: with an energy budget, how far the current point's energy estimate
+            may move by its noise alone, in its relative standard errors (`evidence.energy_hold`: the round
+            trips' mean, the two calibrations and the escalation share it plans for): a point the estimate
+            puts over the energy target by at most `energy_over_z` of them (or `violation_tolerance`, if
+            more) stands, and a more accurate point that spends more is not taken while the current point is
+            within `energy_hold_z` of them (or `violation_tolerance`) under the plan's target. So the point
+            chosen as the budget binds holds while the estimate's noise moves it, and follows a lasting
+            move. Neither in the re-decision after the budget changed.
         encoding_margin_ms: a move to another encoding as faithful (fp32 and zstd are both exact) at the same
             (variant, threshold) needs its round trip predicted this much shorter; the way back needs as
             much the other way, so near the bandwidth where the two tie (zstd's bytes saved against its
@@ -173,6 +188,8 @@ class ControllerConfig:
     gain_z: float = 2.0
     gain_hold_max: float = 0.002
     energy_noise_z: float = 1.0
+    energy_hold_z: float = 3.0
+    energy_over_z: float = 2.0
     encoding_margin_ms: float = 0.5
     probe_escalation_rate: float = 0.03
     down_probe_escalation_rate: float = 0.1
@@ -200,9 +217,9 @@ class ControllerConfig:
             raise ConfigError(msg)
         if not (self.window_s > 0 and self.energy_z >= 0 and self.accuracy_z >= 0 and self.accuracy_margin_rel >= 0
                 and self.gain_z >= 0 and self.gain_hold_max >= 0 and self.energy_noise_z >= 0
-                and self.encoding_margin_ms >= 0):
+                and min(self.energy_hold_z, self.energy_over_z) >= 0 and self.encoding_margin_ms >= 0):
             msg = ("ControllerConfig window_s must be > 0, energy_z, accuracy_z, gain_z, gain_hold_max, "
-                   "energy_noise_z, encoding_margin_ms and accuracy_margin_rel >= 0")
+                   "energy_noise_z, energy_hold_z, energy_over_z, encoding_margin_ms and accuracy_margin_rel >= 0")
             raise ConfigError(msg)
         if not (0 <= self.switch_headroom < 1 and 0 <= self.energy_switch_headroom < 1):
             msg = (f"ControllerConfig switch_headroom and energy_switch_headroom must be in [0, 1), got "
@@ -500,7 +517,7 @@ def accuracy_margin(cur: Decision, config: ControllerConfig) -> float:
 
 def switch_reason(cur: Decision, cand: Decision, config: ControllerConfig, *, noise: float = 0.0,
                   gain_noise: float = 0.0, energy_evidence: bool = True, floor: float = 0.0,
-                  tie: float = 0.0, tolerance: float | None = None) -> str:
+                  tie: float = 0.0, tolerance: float | None = None, energy_se: float = 0.0) -> str:
     """Why to move from `cur` to `cand` (the rule's choice), or "" to stay: the hysteresis of the rule.
 
     `noise` is how much the two may differ in predicted accuracy by the fitted cloud accuracy's own
@@ -514,18 +531,28 @@ def switch_reason(cur: Decision, cand: Decision, config: ControllerConfig, *, no
     less accurate `cand` may be predicted and still be as accurate (`tied`: `tie_z` standard errors of
     the gain of the band between them, for two thresholds of one variant; 0 otherwise). `tolerance`: how far
     over the budgets the current point may stand (default `violation_tolerance`; the controller passes 0 for
-    a point over a new energy budget: chosen under another budget, it has no claim to stand over this one)."""
+    a point over a new energy budget: chosen under another budget, it has no claim to stand over this one).
+    `energy_se`: the relative standard error of the current point's energy estimate (`evidence.energy_hold`;
+    0 without an energy budget or after it changed): a point over the energy target by at most
+    `energy_over_z` of them (or `violation_tolerance`, if more) stands; a more accurate point spending more
+    energy is not taken while the current point is within `energy_hold_z` of them (or `violation_tolerance`)
+    under the plan's target (`_energy_held`), and is taken, when it is more accurate at all, once the current
+    point is further under: so the point neither follows the estimate's noise down and back up nor leaves
+    the budget unspent."""
     if cand.point == cur.point:
         return ""
     over = " and ".join(cur.violated)
-    if not cur.feasible and cur.shortfall > (config.violation_tolerance if tolerance is None else tolerance):
+    over_hold, energy_hold = config.energy_over_z * energy_se, config.energy_hold_z * energy_se
+    noise_only = energy_se > 0 and cur.violated == ("energy",) and cur.shortfall <= over_hold
+    limit = config.violation_tolerance if tolerance is None else tolerance
+    if not cur.feasible and cur.shortfall > (max(limit, over_hold) if cur.violated == ("energy",) else limit):
         if cand.feasible:
             return f"current point violates the {over} budget"
         return "closer to the budgets" if cand.shortfall < cur.shortfall - 1e-9 else ""
     if not cand.feasible:
         return ""
     margin = accuracy_margin(cur, config)
-    if not cur.feasible and cand.predicted_accuracy >= cur.predicted_accuracy - margin:
+    if not cur.feasible and not noise_only and cand.predicted_accuracy >= cur.predicted_accuracy - margin:
         return f"current point is over the {over} budget (within tolerance)"
     # clearly under it: predicted rates move with the live scores, and a point at the floor must not flap
     if (cur.predicted_escalation_rate < 0.75 * floor - 1e-9 and cand.predicted_escalation_rate >= floor - 1e-9
@@ -535,8 +562,14 @@ def switch_reason(cur: Decision, cand: Decision, config: ControllerConfig, *, no
         return f"as accurate and as faithful, {saved:.2g} ms less on the wire: {cur.encoding} -> {cand.encoding}"
     if not spare(cand, config):
         return ""
-    if cand.predicted_accuracy > cur.predicted_accuracy + margin + noise + min(gain_noise, config.gain_hold_max):
+    if (cand.predicted_accuracy > cur.predicted_accuracy + margin + noise + min(gain_noise, config.gain_hold_max)
+            and not _energy_held(cur, cand, energy_hold, config)):
         return f"accuracy {cur.predicted_accuracy:.4f} -> {cand.predicted_accuracy:.4f}"
+    if (energy_hold > 0 and cand.binding == "energy" and cand.predicted_accuracy > cur.predicted_accuracy
+            and cand.predicted_energy_mj > cur.predicted_energy_mj
+            and not _energy_held(cur, cand, energy_hold, config)):
+        return (f"the energy budget left unspent: {cur.predicted_energy_mj:.3g} mJ, beyond {energy_hold:.1%} "
+                f"under the target {float(cand.inputs['energy_target_mj']):.3g}")
     if (energy_evidence and cand.predicted_accuracy >= cur.predicted_accuracy - config.tie_tolerance - tie
             and cand.predicted_energy_mj < cur.predicted_energy_mj * (1 - config.energy_margin)):
         return f"as accurate, energy {cur.predicted_energy_mj:.3g} -> {cand.predicted_energy_mj:.3g} mJ"
@@ -544,6 +577,17 @@ def switch_reason(cur: Decision, cand: Decision, config: ControllerConfig, *, no
             and _rank(cand.encoding) < _rank(cur.encoding)):
         return f"as accurate, more faithful encoding {cur.encoding} -> {cand.encoding}"
     return ""
+
+
+def _energy_held(cur: Decision, cand: Decision, hold: float, config: ControllerConfig) -> bool:
+    """Whether a move to the more accurate `cand` waits for evidence: it spends more energy than `cur`, and
+    `cur`'s energy estimate is within `hold` (a share) under `cand`'s energy target (the plan's) or over it.
+    The estimate that says `cur` has room to spend more has moved by its noise alone, and the point it would
+    take is the one the next move of that noise takes back."""
+    target = cand.inputs.get("energy_target_mj")
+    if hold <= 0 or target is None or cand.predicted_energy_mj <= cur.predicted_energy_mj:
+        return False
+    return cur.predicted_energy_mj >= float(target) * (1 - max(hold, config.violation_tolerance))
 
 
 def encoding_move(cur: Decision, cand: Decision, why: str, price: Callable[[Decision, str], Decision],

@@ -19,7 +19,8 @@ from edge_agent.decide import Decision
 from edge_agent.profiles import LinkState, VariantProfile
 from runtimes.errors import ConfigError
 
-__all__ = ["EnergyParts", "PartCalibration", "cloud_noise", "energy_evidence", "energy_noise", "gain_stderr",
+__all__ = ["EnergyParts", "PartCalibration", "cloud_noise", "energy_evidence", "energy_hold", "energy_noise",
+           "gain_stderr",
            "measured", "outside", "variant_stderr"]
 
 
@@ -152,6 +153,24 @@ def energy_noise(cur: Decision, link: LinkState | None, z: float, *, inference: 
     parts = math.hypot(inference.noise() * inference_share if inference is not None else 0.0,
                        escalation.noise() * (1 - inference_share) if escalation is not None else 0.0)
     return min(z * math.hypot(rel, parts), 0.25)
+
+
+def energy_hold(cur: Decision, link: LinkState | None, profile: VariantProfile, z: float, *,
+                inference: PartCalibration | None = None, escalation: PartCalibration | None = None) -> float:
+    """`z` relative standard errors of the current point's planned energy, as `energy_noise` (the window's mean
+    round trip, the two calibrations) and the escalation share it plans for: a binomial estimate over the
+    variant's live scores (its validation scores before any), which each escalation's part of the energy
+    moves with. The controller passes z = 1: `decide.switch_reason`'s `energy_se`, the unit of how far the
+    estimate may move by noise alone before the point moves. At most 0.25."""
+    e, total = cur.predicted_escalation_rate, cur.predicted_energy_mj
+    share = 0.0
+    if total > 0 and 0 < e < 1:
+        n = len(profile.live_scores) or profile.scores.size
+        model, cond = cur.inputs.get("energy_model") or {}, cur.inputs.get("conditions") or {}
+        spent = float(model.get("inference_mj", 0.0)) * float(cond.get("inference_energy_scale", 1.0))
+        share = math.sqrt(e * (1 - e) / max(n, 1)) / e * max(total - spent, 0.0) / total
+    parts = energy_noise(cur, link, 1.0, inference=inference, escalation=escalation)
+    return min(z * math.hypot(parts, share), 0.25)
 
 
 def gain_stderr(profile: VariantProfile, cur: Decision, cand: Decision) -> float:
