@@ -30,6 +30,9 @@ Callers honour the retry hint of a refusal as a well-behaved client library does
 machinery waits `grpc-retry-pushback-ms`; the agent holds escalations back for `tierkit.retry_after_ms`):
 a refused caller waits the hint, then calls again. One more row per model and protocol, "hostile", runs
 the highest level's callers ignoring every hint (calling again at once): goodput must hold there too.
+Over gRPC one more, "naive": the same callers ignoring hints and sending no device id, as a plain client
+library's loop does (tritonclient's, say): the server cannot tell them apart, so its per-caller ledger
+cannot hold them back, and every refusal is at once called again.
 
 Over MQTT the transport's own floor is measured in the same run: the same callers and pages against a
 bare echo through its own Mosquitto (`bench/mqtt_echo.py`: no model, no parsing, a reply of the model's
@@ -598,6 +601,11 @@ def _model_rows(args: argparse.Namespace, name: str, root: Path, broker: Broker 
     return failed
 
 
+def _ignores_hints(level: str) -> bool:
+    """Whether a row's callers ignore retry hints: the "hostile" rows (each with a device id) and the "naive" one."""
+    return level.endswith(("hostile", "naive"))
+
+
 def _protocol_rows(args: argparse.Namespace, name: str, root: Path, gen: LoadGen, server: Server, protocol: str,
                    fn: Callable[..., Load], kwargs: dict[str, Any], page: np.ndarray) -> list[str]:
     """tierkit's rows over one protocol, then that transport's floor at the top level's caller count."""
@@ -607,12 +615,16 @@ def _protocol_rows(args: argparse.Namespace, name: str, root: Path, gen: LoadGen
         print(f"| {name} | {protocol} | - | - | stuck: no capacity measured |" + " |" * 12, flush=True)
         return [f"{name}/{protocol}: stuck in the capacity probe"]
     if not args.no_hostile:
-        levels.append((f"{levels[-1][0]} hostile", levels[-1][1]))
+        top_level, top_callers = levels[-1]
+        levels.append((f"{top_level} hostile", top_callers))
+        if protocol == "grpc":
+            levels.append((f"{top_level} naive", top_callers))
     rows = [_measure(gen, server.proc.pid, fn, level, metrics=server.metrics, protocol=protocol, callers=n,
-                     seconds=args.seconds, honour_hints="hostile" not in level, **kwargs)
+                     seconds=args.seconds, honour_hints=not _ignores_hints(level),
+                     **({"identified": False} if level.endswith("naive") else {}), **kwargs)
             for level, n in levels]
     failed = _report(name, protocol, rows, capacity.rate if capacity else 0.0)
-    top = [row for row in rows if "hostile" not in row.level][-1]
+    top = [row for row in rows if not _ignores_hints(row.level)][-1]
     if protocol == "mqtt" and not args.no_echo:
         echo = _echo_rows(args, name, root, gen, kwargs["payload"], page, [levels[0], (top.level, top.load.callers)])
         if echo:

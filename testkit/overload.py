@@ -235,10 +235,12 @@ def _load_prefix(prefix: str) -> str:
 
 
 def closed_loop(address: str, payload: bytes, *, callers: int, seconds: float, deadline_s: float,
-                max_calls: int = 100_000, honour_hints: bool = True, prefix: str = "") -> Load:
+                max_calls: int = 100_000, honour_hints: bool = True, prefix: str = "", identified: bool = True) -> Load:
     """`callers` threads, each calling ModelInfer with `deadline_s` as soon as its last call ended (after a
     refusal: after the server's retry hint unless `honour_hints` is False), for `seconds`; at most `max_calls`
-    each. Each caller sends a device id of its own (`caller_metadata`, named after `prefix`)."""
+    each. Each caller sends a device id of its own (`caller_metadata`, named after `prefix`) unless
+    `identified` is False (a plain client library's loop: no id, so the server's per-caller ledger cannot
+    tell its callers apart)."""
     prefix = _load_prefix(prefix)
     channel = grpc.insecure_channel(address)
     call = channel.unary_unary(MODEL_INFER)
@@ -262,7 +264,7 @@ def closed_loop(address: str, payload: bytes, *, callers: int, seconds: float, d
                 continue
             mine.answered(time.monotonic() - sent)
 
-    threads = [threading.Thread(target=caller, args=(r, caller_metadata(i, prefix)), daemon=True)
+    threads = [threading.Thread(target=caller, args=(r, caller_metadata(i, prefix) if identified else ()), daemon=True)
                for i, r in enumerate(results)]
     for t in threads:
         t.start()
@@ -275,7 +277,7 @@ def closed_loop(address: str, payload: bytes, *, callers: int, seconds: float, d
 
 
 async def _aio_callers(address: str, payload: bytes, *, callers: int, seconds: float, deadline_s: float,
-                       honour_hints: bool, prefix: str = "") -> Load:
+                       honour_hints: bool, prefix: str = "", identified: bool = True) -> Load:
     results = [Load(callers, seconds, deadline_s) for _ in range(callers)]
     prefix = _load_prefix(prefix)
     async with grpc.aio.insecure_channel(address) as channel:
@@ -295,17 +297,18 @@ async def _aio_callers(address: str, payload: bytes, *, callers: int, seconds: f
                     continue
                 mine.answered(time.monotonic() - sent)
 
-        await asyncio.wait_for(asyncio.gather(*(caller(r, caller_metadata(i, prefix)) for i, r in enumerate(results))),
+        await asyncio.wait_for(asyncio.gather(*(caller(r, caller_metadata(i, prefix) if identified else ())
+                                                for i, r in enumerate(results))),
                                seconds + 10 * deadline_s + 10)
     return Load.summed(results, callers, seconds, deadline_s)
 
 
 def aio_closed_loop(address: str, payload: bytes, *, callers: int, seconds: float, deadline_s: float,
-                    honour_hints: bool = True) -> Load:
+                    honour_hints: bool = True, identified: bool = True) -> Load:
     """`closed_loop`'s callers as coroutines on one grpc.aio channel in one event loop, not a thread each:
     many calls in flight cost one thread's wake-ups, not a hundred threads' contention for the GIL."""
     return asyncio.run(_aio_callers(address, payload, callers=callers, seconds=seconds, deadline_s=deadline_s,
-                                    honour_hints=honour_hints))
+                                    honour_hints=honour_hints, identified=identified))
 
 
 class HostStall:
