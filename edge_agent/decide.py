@@ -76,7 +76,8 @@ estimate moves by its noise (`switch_reason`'s `energy_se`, `evidence.energy_hol
 mean, the calibrations and the escalation share): it stands over the target by up to `energy_over_z`
 (2) standard errors (or `violation_tolerance`, if more), and a more accurate point spending more is
 taken only once it is under the plan's target by more than `energy_hold_z` (3) of them (or
-`violation_tolerance`), and then for any gain, so that the budget is spent; not in the re-decision after
+`violation_tolerance`), and then, for a threshold of the same variant, for any gain beyond a tie, so that
+the budget is spent; not in the re-decision after
 the budget changed. Without it the point followed the estimate's noise down and back up (a "round trip
 slower" cuts the round trips to the last 32, a spell of spikes).
 
@@ -536,9 +537,9 @@ def switch_reason(cur: Decision, cand: Decision, config: ControllerConfig, *, no
     0 without an energy budget or after it changed): a point over the energy target by at most
     `energy_over_z` of them (or `violation_tolerance`, if more) stands; a more accurate point spending more
     energy is not taken while the current point is within `energy_hold_z` of them (or `violation_tolerance`)
-    under the plan's target (`_energy_held`), and is taken, when it is more accurate at all, once the current
-    point is further under: so the point neither follows the estimate's noise down and back up nor leaves
-    the budget unspent."""
+    under the plan's target (`_energy_held`), and is taken, when it is a threshold of the same variant more
+    accurate beyond a tie, once the current point is further under: so the point neither follows the
+    estimate's noise down and back up nor leaves the budget unspent."""
     if cand.point == cur.point:
         return ""
     over = " and ".join(cur.violated)
@@ -565,7 +566,8 @@ def switch_reason(cur: Decision, cand: Decision, config: ControllerConfig, *, no
     if (cand.predicted_accuracy > cur.predicted_accuracy + margin + noise + min(gain_noise, config.gain_hold_max)
             and not _energy_held(cur, cand, energy_hold, config)):
         return f"accuracy {cur.predicted_accuracy:.4f} -> {cand.predicted_accuracy:.4f}"
-    if (energy_hold > 0 and cand.binding == "energy" and cand.predicted_accuracy > cur.predicted_accuracy
+    if (energy_hold > 0 and cand.binding == "energy" and cand.variant == cur.variant
+            and cand.predicted_accuracy > cur.predicted_accuracy + config.tie_tolerance + tie
             and cand.predicted_energy_mj > cur.predicted_energy_mj
             and not _energy_held(cur, cand, energy_hold, config)):
         return (f"the energy budget left unspent: {cur.predicted_energy_mj:.3g} mJ, beyond {energy_hold:.1%} "
