@@ -91,6 +91,13 @@ def statistics_part(n: int, runs: int, ab_runs: int, procs: int, baseline: int =
             out[regression]["soak_inferences_per_wave_median"] = [
                 int(np.median([o.wave_inferences[i] for o in done])) for i in range(len(WAVES))] if done else None
             out[regression]["old_default_soak_per_wave"] = [OLD_SOAK * s for s in sizes]
+            # the canary's pre-swap audit phase (its devices on the previous release at the raised audit rate): what
+            # it cost, apart from the soak of the release (its inferences ran the previous release)
+            out[regression]["canary_pre_swap_windows_inferences_audits_median"] = [
+                int(np.median([getattr(o, k) for o in done]))
+                for k in ("pre_swap_windows", "pre_swap_inferences", "pre_swap_audits")] if done else None
+            out[regression]["canary_pre_swap_share_of_runs"] = round(
+                sum(o.pre_swap_windows > 0 for o in done) / max(1, len(done)), 3)
             # windows the last wave waited, its devices on the previous release, for its control's baselines
             out[regression]["last_wave_settle_windows_median_p90"] = [
                 int(np.median([o.settle_windows for o in done])),
@@ -98,6 +105,31 @@ def statistics_part(n: int, runs: int, ab_runs: int, procs: int, baseline: int =
             # the old soak waited for every device of the wave: its slowest set the time, the others ran on
             out[regression]["old_default_soak_per_wave_uneven_traffic_median"] = [
                 int(np.median([o.old_soak_inferences[i] for o in done])) for i in range(len(WAVES))] if done else None
+    return out
+
+
+def canary_floor(model: Model, audit_rate: float, canary_share: float) -> dict[str, dict[str, int]]:
+    """Per gate, the fewest canary inferences at which a good release can pass and a margin-sized regression can
+    fail (`gates.evidence_floor`: the confidence sequence's width, no baseline error, the control's noise left
+    out) on the model's median device, from the model's per-unit variances; beside them, the old default's 200."""
+    from cloud_service.fleet.gates import Margins, evidence_floor
+
+    per_window = model.rate_rps * model.window_s
+    p_esc = model.escalation * model.disagree
+    p_conf = (1 - model.escalation) * model.conf_disagree
+    log_var = (model.window_sd * (1 + 3 / per_window ** 0.5)) ** 2 + model.swing_sd ** 2
+    # (per-unit variance, inferences per unit of the gate's weight)
+    units = {"escalation_rate": (model.escalation * (1 - model.escalation), 1.0),
+             "degraded_share": (model.degraded * (1 - model.degraded), 1.0),
+             "agreement": (p_esc * (1 - p_esc), 1.0),
+             # audits over the confident share: audit_rate per inference; the escalations' part rides along
+             "audit_agreement": (p_conf * (1 - p_conf) + p_esc * (1 - p_esc) * audit_rate, 1 / audit_rate),
+             "p95_vs_control": (log_var, per_window), "energy_per_request": (log_var / 9, per_window)}
+    out = {}
+    ev = Evidence(canary_share=canary_share)
+    for gate, (var, per) in units.items():
+        f = evidence_floor(gate, var, margins=Margins(), evidence=ev, waves=len(WAVES))
+        out[gate] = {"pass": round(min(f["pass"], f["plan"]) * per), "fail": round(f["fail"] * per)}
     return out
 
 
@@ -189,6 +221,10 @@ def main() -> int:
         **{f"{r}_canary_within_{TARGET_INFERENCES}":
            (stats[r]["canary_inferences_median"] or 10**9) <= TARGET_INFERENCES
            for r in REGRESSIONS if r != "none" and r in stats}}
+    # what the statistics need at the canary (its median device), against the old default's 200 inferences
+    out["checks"]["canary_floor_inferences_by_gate"] = canary_floor(Model(swing_sd=args.swing_sd), 0.5,
+                                                                    args.canary_share)
+    out["checks"]["canary_floor_old_default"] = OLD_SOAK
     soak = aa.get("soak_inferences_per_wave_median")
     if soak:  # a good release's soak against the old fixed default, wave by wave
         out["checks"]["soak_over_old_default"] = [round(a / b, 2) for a, b in zip(soak, aa["old_default_soak_per_wave"],

@@ -20,6 +20,7 @@ import numpy as np
 from cloud_service.fleet.gates import (
     MIN_BASELINE_WINDOWS,
     MIN_WINDOW_REQUESTS,
+    PRE_SWAP_REACH,
     STAT_GATES,
     Arms,
     Evidence,
@@ -194,13 +195,17 @@ class Outcome:
     old_soak_inferences: list[int] = field(default_factory=list)  # per wave, under the old fixed soak (below)
     wave_windows: list[int] = field(default_factory=list)  # per wave, the windows it soaked before it was decided
     settle_windows: int = 0  # windows the last wave waited for its control's baselines before it started
+    # the canary's pre-swap audit phase: its devices on the previous release auditing at the raised rate
+    pre_swap_windows: int = 0
+    pre_swap_inferences: int = 0  # on the previous release: a cost of the phase, not soak of the release
+    pre_swap_audits: int = 0
 
 
 def run_rollout(fleet: Fleet, *, waves: tuple[str, ...] = ("1", "5%", "25%", "100%"),
                 margins: Margins | None = None, evidence: Evidence | None = None, baseline_windows: int = 60,
                 max_soak_windows: int = 60, control_max: int | None = None, holdback: int | None = None,
                 look_every: int = 2, audit_rate: float | None = None, audit_devices: int | None = None,
-                earlier_waves: bool = True) -> Outcome:
+                earlier_waves: bool = True, pre_swap_windows: int | None = None) -> Outcome:
     """One rollout over the simulated fleet: waves judged by `gates.evaluate` every window, as the engine does;
     a wave of at most `audit_devices` devices audits at `audit_rate` while it soaks (the rollout's defaults).
 
@@ -208,7 +213,9 @@ def run_rollout(fleet: Fleet, *, waves: tuple[str, ...] = ("1", "5%", "25%", "10
     of earlier waves, each against its own windows on the release before the wave past its swap's warm-up. The
     last wave keeps `holdback` devices back (default: the engine's, `holdback` of the fleet and at least 2) only
     where fewer than that many devices of earlier waves have a baseline to be its control (always, with
-    `earlier_waves` False)."""
+    `earlier_waves` False). A wave that audits at the raised rate first audits at it on the previous release, as
+    the engine's pre-swap phase, until its audit baseline lets the whole-stream gate pass, for at most
+    `pre_swap_windows` (default: the engine's `pre_swap_s`; 0: no such phase)."""
     margins, evidence = margins or Margins(), evidence or Evidence()
     defaults = RolloutOptions()
     audit_rate = defaults.audit_rate if audit_rate is None else audit_rate
@@ -216,6 +223,8 @@ def run_rollout(fleet: Fleet, *, waves: tuple[str, ...] = ("1", "5%", "25%", "10
     control_max = defaults.control_max if control_max is None else control_max
     held_back = max(2, math.ceil(defaults.holdback * fleet.n)) if holdback is None else holdback  # as the engine
     ws = fleet.model.window_s
+    pre_most = math.ceil(defaults.pre_swap_s / ws) if pre_swap_windows is None else pre_swap_windows
+    pre: tuple[int, int, int] = (0, 0, 0)
     sizes = wave_sizes(waves, fleet.n)
     order = list(fleet.rng.permutation(fleet.n))
     history: dict[int, list[dict[str, Any]]] = {i: [] for i in range(fleet.n)}
@@ -242,6 +251,10 @@ def run_rollout(fleet: Fleet, *, waves: tuple[str, ...] = ("1", "5%", "25%", "10
             settle = _settle(fleet, new, promoted[:control_max], history, warm, t, margins, evidence,
                              max_soak_windows, treated)
             t += settle * ws
+        elif len(new) <= audit_devices and audit_rate > 0 and pre_most > 0:  # audits on the previous release first
+            pre = _pre_swap(fleet, new, ([i for i in order if i not in treated and i not in new] + promoted)[
+                :control_max], history, warm, t, margins, evidence, pre_most, treated, audit_rate)
+            t += pre[0] * ws
         start = t
         treated |= set(new)
         warm.update(dict.fromkeys(new, start + (evidence.warmup_windows + 1) * ws))
@@ -282,7 +295,37 @@ def run_rollout(fleet: Fleet, *, waves: tuple[str, ...] = ("1", "5%", "25%", "10
         windows.append(step + 1)
     return Outcome("succeeded", len(sizes) - 1, [], per_wave[0], per_wave, looks,
                    [old_soak(fleet, ws_new) for ws_new in _wave_devices(order, sizes)], windows,
-                   settle)
+                   settle, *pre)
+
+
+def _pre_swap(fleet: Fleet, new: list[int], control: list[int], history: dict[int, list[dict[str, Any]]],
+              warm: dict[int, float], t: float, margins: Margins, evidence: Evidence, most: int, treated: set[int],
+              audit_rate: float) -> tuple[int, int, int]:
+    """As the engine's pre-swap audit phase: the windows a small wave's devices audit at `audit_rate` on the
+    previous release (every window added to `history`) until the whole-stream gate's error from the baselines
+    alone is within `gates.BASELINE_SE_SHARE` of its margin, at most `most`. Returns (windows, the wave's
+    inferences over them, its audits over them)."""
+    ws = fleet.model.window_s
+    on = np.isin(np.arange(fleet.n), list(treated))
+    rates = np.where(np.isin(np.arange(fleet.n), new), audit_rate, fleet.model.audit_rate)
+    inferences = audits = 0
+    mine = set(new)
+    for k in range(most):
+        now = t + k * ws
+        pre_wave = [x for i in new for x in history[i] if now - evidence.baseline_s <= x["ts"] <= now]
+        pre_control = [x for i in control for x in history[i]
+                       if max(now - evidence.baseline_s, warm.get(i, -math.inf)) <= x["ts"] <= now]
+        errors = baseline_errors(Arms(pre_wave, [], pre_control, []), margins=margins, evidence=evidence,
+                                 audited=True, only=("audit_agreement",))
+        ready = bool(errors) and all(g["ok"] for g in errors)
+        if ready or (errors and not (errors[0].get("control_se") or math.inf) <= PRE_SWAP_REACH * errors[0]["limit"]):
+            return k, inferences, audits
+        for i, x in enumerate(fleet.windows(now + ws, on, rates)):
+            history[i].append(x)
+            if i in mine:
+                inferences += int(x["requests"])
+                audits += int(x["audits"])
+    return most, inferences, audits
 
 
 def _settle(fleet: Fleet, new: list[int], control: list[int], history: dict[int, list[dict[str, Any]]],

@@ -17,7 +17,8 @@ confidence sequence), each with a *practically relevant difference* (`Margins`),
   escalations answered otherwise plus audited confident inputs answered otherwise, each standing for the
   confident inputs it samples (the agent's `agreement_est`): the audit share differs by arm (1 % on control
   devices, 50 % on a small wave), the estimate does not; the errors escalations never see count, a flipped
-  class's confident ones too | agreement_points (accuracy points) |
+  class's confident ones too; a window weighs by its audits over its confident share (`_audit_weight`, the
+  inverse of its variance) | agreement_points (accuracy points) |
 | p95_vs_control | log of the window's p95 | log(1 + p95_ratio) |
 | energy_per_request | log of the window's energy per inference | log(1 + energy_ratio) |
 
@@ -29,7 +30,18 @@ false-rollback rate of the whole rollout by alpha over every look (a union bound
 `canary_share` (half) of alpha, where a regression should be stopped on the least evidence, the later waves the
 rest evenly (they judge many devices and need little of it). Hard gates (device_verifies, crashes) fail on one
 event; p95_budget and cloud_capacity are judged when the wave would pass. Every gate is a JSON-able dict kept in
-the decision record:
+the decision record (below).
+
+What the statistics need (`evidence_floor`): a good release passes a gate no sooner than its (1 - beta) bound
+at an estimate of 0 is under the margin. At the canary's alpha share, on a device of 10 inferences/s in 10 s
+windows (escalation 20 %, 10 % of escalations and 1 % of confident answers answered otherwise): escalation rate
+494 inferences, degraded share 23, agreement 379, the whole-stream gate 691 with audits at 50 % (about 34,500 at
+the agent's 1 %), p95 4.2 windows, energy 3.7 windows; and no gate before MIN_BUCKETS buckets with both arms.
+A margin-sized regression fails no sooner than 1,253, 42, 814, 1,473 inferences, 7.7 and 8.0 windows. The old
+fixed soak of 200 requests a device is below every floor but the degraded share's: a 2-point margin on a
+proportion cannot be bounded from 200 inferences, on either side.
+
+A gate's record:
 
 ```json
 {"gate": "escalation_rate", "ok": false, "decision": "fail", "wave": 0.27, "control": 0.16,
@@ -45,7 +57,16 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from cloud_service.fleet.sequential import Baselines, Estimate, Obs, baseline_se, baselines, binomial_floor, did
+from cloud_service.fleet.sequential import (
+    MIN_BUCKETS,
+    Baselines,
+    Estimate,
+    Obs,
+    baseline_se,
+    baselines,
+    binomial_floor,
+    did,
+)
 from cloud_service.protocol.fleet_docs import TelemetryWindow
 from runtimes.errors import ConfigError
 
@@ -65,6 +86,11 @@ MIN_FAIL_WINDOWS = 10
 # margin, and the baselines' error is an offset that no soak after the start removes. At a sixth of the margin,
 # half the margin is three of its standard errors away: about 0.1 % of good releases held open per gate by it.
 BASELINE_SE_SHARE = 1 / 6
+# A small wave's pre-swap audit phase (rollout_engine.py) runs only where the control's audits alone leave at most
+# this share of the limit above (`baseline_errors`' control_se): beyond it, the wave's own baseline would have to
+# be near perfect for the sum to get under the limit, and a phase runs to its cap for nothing (a few devices'
+# minutes at 1 %).
+PRE_SWAP_REACH = 0.75
 # A wave's alpha is split over its statistical gates by these weights (their mean is 1, so the union bound over
 # gates, waves and looks still spends `Evidence.alpha`), by how much evidence each gate needs to stop a
 # margin-sized regression: p95 decides on windows, whose log p95 swings with the device's own load, and needs
@@ -268,6 +294,18 @@ def _confident_disagreements(w: Mapping[str, Any]) -> float | None:
     return confident / n * float(w.get("audit_disagreed") or 0) / audits if audits > 0 else 0.0
 
 
+def _audit_weight(w: Mapping[str, Any]) -> float:
+    """A window's weight in the whole-stream gate: its audits over its confident share, the inverse of its
+    estimate's variance up to a constant (confident share x q(1 - q) / audits, q the share answered otherwise), so
+    the binomial floor of the per-inference rate holds per unit of it. Windows audited at 1 % and at 50 % then
+    weigh by what they tell: an hour of a device at 1 % (about 290 audits) and a minute at 50 % weigh alike, where
+    weighing by inferences gave the minute a fiftieth."""
+    audits = float(w.get("audits") or 0)
+    if audits <= 0:
+        return 0.0
+    return audits / max(1.0 - float(w.get("escalation_rate") or 0), 1e-3)
+
+
 def _log(key: str) -> Callable[[Mapping[str, Any]], float | None]:
     def value(w: Mapping[str, Any]) -> float | None:
         v = w.get(key)
@@ -290,7 +328,8 @@ class _Spec:
 
 # fail_at / pass_at tune each bound's mixture (rho) to the evidence where it decides (measured in simulation,
 # bench/bench_gates.py): a 2-point rate regression is clear after ~1,000-2,000 inferences of the canary, a good
-# release shows it is within the margin after a few hundred; p95 and energy after ~20-30 windows.
+# release shows it is within the margin after a few hundred; p95 and energy after ~20-30 windows. The whole-stream
+# gate weighs audits (`_audit_weight`): its figures are the rates' at a small wave's 50 % audit share, in audits.
 SPECS = (
     _Spec("escalation_rate", lambda w: float(w.get("escalation_rate") or 0) if _n(w) else None, False, _n,
           lambda m: m.escalation_points, 2500, "escalation rate, points", 1000, 500),
@@ -298,8 +337,8 @@ SPECS = (
           lambda m: m.degraded_points, 2500, "degraded answers per inference, points", 1000, 500),
     _Spec("agreement", _disagreements, False, _n, lambda m: m.agreement_points, 2500,
           "escalations answered otherwise by the cloud, per inference, points", 1000, 500),
-    _Spec("audit_agreement", _confident_disagreements, False, _n, lambda m: m.agreement_points, 2500,
-          "whole-stream disagreement with the cloud per inference (escalations and audits), points", 1500, 500),
+    _Spec("audit_agreement", _confident_disagreements, False, _audit_weight, lambda m: m.agreement_points, 1250,
+          "whole-stream disagreement with the cloud per inference (escalations and audits), points", 750, 250),
     _Spec("p95_vs_control", _log("p95_ms"), True, lambda w: 1.0, lambda m: math.log1p(m.p95_ratio), 30,
           "p95 latency ratio (difference of log p95, wave change / control change)", 30, 15),
     _Spec("energy_per_request", _log("energy_mj_per_request"), True, lambda w: 1.0,
@@ -391,24 +430,39 @@ def judge(spec: _Spec, arms: Arms, *, margins: Margins, evidence: Evidence, alph
     return {**out, "plan": plan, "block_s": evidence.block_s}
 
 
-def baseline_errors(arms: Arms, *, margins: Margins, evidence: Evidence) -> list[dict[str, Any]]:
+def baseline_errors(arms: Arms, *, margins: Margins, evidence: Evidence, audited: bool = False,
+                    only: Iterable[str] | None = None, share: float = BASELINE_SE_SHARE) -> list[dict[str, Any]]:
     """Before a wave starts (`arms.pre_wave`: the devices it would take, `arms.pre_control`: its control; no windows
     since): each statistical gate's standard error from the baselines alone (`sequential.baseline_se`), against
-    BASELINE_SE_SHARE of its margin (`ok`). Gates with no baseline in an arm are left out (not judged), and so is
-    the whole-stream audit gate: it never holds up a wave whose devices audit at the fleet's own rate."""
+    `share` (BASELINE_SE_SHARE) of its margin (`ok`). Gates with no baseline in an arm are left out (not judged). The
+    whole-stream audit gate counts only for a wave that audits at the raised rate (`audited`: elsewhere it never
+    holds a wave up), its error that of its two parts, escalations and audits, added as the gate adds them.
+    `only`: these gates alone."""
     out = []
+    keep = None if only is None else set(only)
+    ses: dict[str, float] = {}
     for spec in SPECS:
-        if spec.name == "audit_agreement":
+        if (spec.name == "audit_agreement" and not audited) or (keep is not None and spec.name not in keep
+                                                                 and not (spec.name == "agreement" and audited)):
             continue
         pw, pc = _obs(spec, arms.pre_wave), _obs(spec, arms.pre_control)
         floor = None if spec.per_window else binomial_floor()
         base = baselines(pw, pc, MIN_BASELINE_WINDOWS, floor, evidence.bucket_s, evidence.block_s)
         if not base.wave or not base.control:
             continue
-        se = baseline_se(pw, pc, base, evidence.bucket_s, floor)
-        limit = spec.margin(margins) * BASELINE_SE_SHARE
+        se = ses[spec.name] = baseline_se(pw, pc, base, evidence.bucket_s, floor)
+        extra: dict[str, Any] = {}
+        if spec.name == "audit_agreement":
+            se = math.sqrt(se * se + ses.get("agreement", 0.0) ** 2)
+            # what the control's audits alone leave: where it is over the limit, no richer baseline of the wave's
+            # own (a pre-swap audit phase) brings the error under it
+            rest = baseline_se(pw, pc, base, evidence.bucket_s, floor, wave_scale=1e6)
+            extra["control_se"] = round(rest, 6) if math.isfinite(rest) else None
+        if keep is not None and spec.name not in keep:
+            continue
+        limit = spec.margin(margins) * share
         out.append({"gate": spec.name, "ok": se <= limit, "se": round(se, 6) if math.isfinite(se) else None,
-                    "limit": round(limit, 6)})
+                    "limit": round(limit, 6), **extra})
     return out
 
 
@@ -489,3 +543,35 @@ def open_gates(gates: Iterable[Mapping[str, Any]], *, audited: bool = False) -> 
     when its evidence is clear but never holds one up."""
     return [g["gate"] for g in gates if g["gate"] in STAT_GATES and (audited or g["gate"] != "audit_agreement")
             and g["decision"] == "open"]
+
+
+def evidence_floor(gate: str, unit_var: float, *, margins: Margins, evidence: Evidence, waves: int,
+                   wave: int = 0) -> dict[str, float]:
+    """The least evidence (the gate's units of weight: inferences for the rates, audits over the confident share
+    for the whole-stream gate, windows for p95 and energy) at which gate `gate` of wave `wave` CAN decide, from
+    the confidence sequence's width (`Estimate.radius`) at a variance of `unit_var` per unit of weight, with no
+    baseline error and the control's noise left out (a floor: real data only add to it):
+
+    - "pass": a release exactly as good (estimate 0) passes, its (1 - beta) upper bound under the margin;
+    - "plan": or it passes on the planned evidence with an estimate under half the margin;
+    - "fail": a regression as large as the margin fails, its (1 - alpha_gate) lower bound over 0.
+
+    A good release cannot pass on less than min(pass, plan); `bench/bench_gates.py` prints it per gate at the
+    canary beside the soak it measured."""
+    spec = next(s for s in SPECS if s.name == gate)
+    margin = spec.margin(margins)
+    alpha_gate = evidence.alpha_gate(waves, wave, gate)
+
+    def least(ok: Callable[[Estimate], bool]) -> float:
+        lo, hi = 1.0, 1e9
+        for _ in range(200):
+            mid = math.sqrt(lo * hi)
+            est = Estimate(delta=0.0, weight=mid, var_post=unit_var * mid, var_base=0.0, unit_var=unit_var,
+                           buckets=MIN_BUCKETS, wave_n=mid, control_n=math.inf, wave_mean=0.0, control_mean=0.0)
+            lo, hi = (lo, mid) if ok(est) else (mid, hi)
+        return hi
+
+    return {"pass": least(lambda e: e.radius(evidence.beta, spec.pass_at, one_sided=True) < margin),
+            "plan": spec.t_star * evidence.plan,
+            "fail": least(lambda e: margin - e.radius(alpha_gate, spec.fail_at, one_sided=True) > 0),
+            "alpha_gate": alpha_gate, "margin": margin}

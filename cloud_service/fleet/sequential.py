@@ -383,7 +383,7 @@ def binomial_floor(pseudo: float = 1.0) -> Callable[[float], float]:
 
 
 def baseline_se(pre_wave: Iterable[Obs], pre_control: Iterable[Obs], base: Baselines, bucket_s: float,
-                floor: Callable[[float], float] | None = None) -> float:
+                floor: Callable[[float], float] | None = None, wave_scale: float = 1.0) -> float:
     """The standard error a comparison gets from its baselines alone, each arm's devices weighing alike: the part
     of a wave's estimate that no soak after its start shrinks. Before a wave starts it says whether its gates can
     ever pass: a baseline error near the margin keeps a good release's estimate off "under the margin" however
@@ -396,7 +396,8 @@ def baseline_se(pre_wave: Iterable[Obs], pre_control: Iterable[Obs], base: Basel
     devices' information once the bucket effects are taken out (a Schur complement) and V the A/A reference's
     variance of one unit of weight (`Baselines.unit_var`, scaled for its degrees of freedom as the comparison's
     is); shrinkage toward the cohort, which only narrows it, is left out. Infinite where an arm has no baseline,
-    the variance cannot be estimated, or no bucket holds both arms."""
+    the variance cannot be estimated, or no bucket holds both arms. `wave_scale`: the wave's windows weigh this
+    many times theirs (large: what the control's baselines alone leave, however rich the wave's were made)."""
     arms = (base.wave, base.control)
     if not all(arms) or (base.df <= 0 and base.naive_var <= 0):
         return math.inf
@@ -406,7 +407,7 @@ def baseline_se(pre_wave: Iterable[Obs], pre_control: Iterable[Obs], base: Basel
     w = np.array([o.weight for o in rows], dtype=float)
     _, bi = np.unique(np.array([o.ts // bucket_s for o in rows]), return_inverse=True)
     n = np.zeros((int(bi.max()) + 1, len(index)))
-    np.add.at(n, (bi, di), w)
+    np.add.at(n, (bi, di), w * np.where(di < len(base.wave), wave_scale, 1.0))
     info = np.diag(n.sum(axis=0)) - n.T @ (n / n.sum(axis=1, keepdims=True))
     c = np.array([1 / len(base.wave)] * len(base.wave) + [-1 / len(base.control)] * len(base.control))
     inv = np.linalg.pinv(info, rcond=1e-9, hermitian=True)
