@@ -40,6 +40,7 @@ class DeployRequest(BaseModel):
     holdback: float = Field(default=0.05, ge=0, lt=1)
     audit_rate: float = Field(default=0.5, ge=0, le=1)
     audit_devices: int = Field(default=10, ge=0)
+    pre_swap_s: float = Field(default=300.0, ge=0)
     previous: str | None = Field(default=None, max_length=200)
     cloud_capacity_rps: float | None = Field(default=None, gt=0)
     stall_after_s: float = Field(default=300.0, gt=0)
@@ -87,7 +88,7 @@ def router(fleet: Fleet, reader: Callable[..., str], admin: Callable[..., str]) 
         opts = make_options(waves=req.waves, soak=req.soak, cloud_capacity_rps=req.cloud_capacity_rps,
                             stall_after_s=req.stall_after_s, margins=req.margins, evidence=req.evidence,
                             max_soak=req.max_soak, on_inconclusive=req.on_inconclusive, holdback=req.holdback,
-                            audit_rate=req.audit_rate, audit_devices=req.audit_devices)
+                            audit_rate=req.audit_rate, audit_devices=req.audit_devices, pre_swap_s=req.pre_swap_s)
         rid = fleet.rollouts.deploy(req.release, parse_labels(req.label, where="label"), opts, previous=req.previous)
         return fleet.rollouts.get(rid)
 

@@ -73,6 +73,9 @@ def add_parsers(sub: Any, common: argparse.ArgumentParser, fleet: Any) -> None:
                    help="share of confident answers a small wave's devices audit while it soaks (0: their own)")
     d.add_argument("--audit-devices", type=int, default=10, metavar="N",
                    help="a wave of at most this many devices audits at --audit-rate")
+    d.add_argument("--pre-swap", default="5m", metavar="DURATION",
+                   help="before such a wave's swap, its devices audit at --audit-rate on the release they run until "
+                   "the audit baseline is narrow enough for its gate to pass, at most this long (0: no such phase)")
     d.add_argument("--previous", help="the release to roll back to (default: what most targeted devices run)")
     d.add_argument("--cloud-capacity", type=float, metavar="RPS",
                    help="escalations/s the cloud tier sustains (measure with bench/bench_cloud.py)")
@@ -138,7 +141,8 @@ def _deploy(args: argparse.Namespace, fleet: Any) -> int:
     opts = make_options(waves=args.waves, soak=args.soak, cloud_capacity_rps=args.cloud_capacity,
                         stall_after_s=parse_duration(args.stall_after), margins=margins, evidence=evidence,
                         max_soak=args.max_soak, on_inconclusive=args.on_inconclusive, holdback=args.holdback,
-                        audit_rate=args.audit_rate, audit_devices=args.audit_devices)
+                        audit_rate=args.audit_rate, audit_devices=args.audit_devices,
+                        pre_swap_s=parse_duration(args.pre_swap) if args.pre_swap not in ("0", "0s") else 0.0)
     with fleet(args) as f:
         rid = f.rollouts.deploy(args.release, parse_labels(args.label, where="--label"), opts, previous=args.previous)
         r = f.rollouts.get(rid)

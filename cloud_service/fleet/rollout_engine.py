@@ -24,6 +24,7 @@ rolled-back devices restored once they report the previous release again.
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import os
@@ -42,6 +43,7 @@ from cloud_service.fleet.gates import (
     HARD_GATES,
     MIN_BASELINE_WINDOWS,
     MIN_WINDOW_REQUESTS,
+    PRE_SWAP_REACH,
     STAT_GATES,
     Arms,
     baseline_errors,
@@ -275,20 +277,24 @@ class RolloutEngine:
                                        w["idx"])
                     return
             elif self._observe_due(conn, row.id, now, opts.observe_every_s):
-                self._observe(conn, ctx, w, settle["baseline"] if settle["wait"] else None, record_figures, current,
+                self._observe(conn, ctx, w, settle if settle["wait"] else None, record_figures, current,
                               still)
             self._write(conn, ctx, changes, assign, w["idx"], wave_updates)
 
-    def _observe(self, conn: Any, ctx: _Ctx, w: dict[str, Any], waiting: list[dict[str, Any]] | None,
+    def _observe(self, conn: Any, ctx: _Ctx, w: dict[str, Any], waiting: dict[str, Any] | None,
                  figures: dict[str, Any], current: list[str], still: list[str]) -> None:
         """The record of a wave still open: what it waits for before it starts (`waiting`: `_settle`'s baseline
         errors) or, once it has windows on the release, its figures (the dashboard's plots)."""
         if waiting:
-            worst = max(waiting, key=lambda g: math.inf if g["se"] is None else g["se"] / g["limit"])
-            record(conn, ctx.row.id, w["idx"], "observe", {"baseline": waiting},
-                   f"wave {w['idx']} waits for its control's baseline (the earlier waves' devices on the release): "
-                   f"{worst['gate']} standard error {worst['se']} over {worst['limit']}, a sixth of its margin",
-                   self.holder, now=ctx.now)
+            errors = waiting["baseline"]
+            worst = max(errors, key=lambda g: math.inf if g["se"] is None else g["se"] / g["limit"], default=None)
+            why = (f"{worst['gate']} standard error {worst['se']} over {worst['limit']}, a sixth of its margin"
+                   if worst else "no baseline yet")
+            what = ("its devices' audit baseline (auditing at the raised rate on the previous release)"
+                    if waiting.get("pre_swap") else
+                    "its control's baseline (the earlier waves' devices on the release)")
+            record(conn, ctx.row.id, w["idx"], "observe", {"baseline": errors},
+                   f"wave {w['idx']} waits for {what}: {why}", self.holder, now=ctx.now)
         elif figures["wave"]["requests"]:
             record(conn, ctx.row.id, w["idx"], "observe", figures,
                    f"soaking: {sum(self._soaked(ctx, d, ctx.opts) for d in current)}/{len(current)} device(s); "
@@ -384,9 +390,13 @@ class RolloutEngine:
         error is near a gate's margin soaks to its maximum for nothing. It waits until each statistical gate's error
         from the baselines alone is within a sixth of its margin (`gates.baseline_errors`), for at most
         `max_soak` after the wave before it ended; past that it starts as it is (its gates then end open ones by
-        `on_inconclusive`). Returns {"wait", "baseline": the errors}."""
+        `on_inconclusive`). A small wave before the last first runs its pre-swap audit phase (`_pre_swap`).
+        Returns {"wait", "baseline": the errors}."""
         idle: dict[str, Any] = {"wait": False, "baseline": []}
         last = len(waves) - 1
+        if (w["state"] == "pending" and self._audited(ctx, waves, w) and ctx.opts.pre_swap_s > 0
+                and (w["idx"] < last or last == 0)):  # a last wave's control is the earlier waves': their audits
+            return self._pre_swap(ctx, w)          # on the release are minutes at 1 %, no phase narrows them
         if w["state"] != "pending" or w["idx"] != last or last == 0:
             return idle
         promoted = self._promoted(ctx, last)
@@ -408,6 +418,61 @@ class RolloutEngine:
             since = [x for x in arms.pre_control if float(x["server_ts"]) >= ended]
             over = sum(int(x["requests"] or 0) for x in since) / max(1, len(promoted)) >= cap["requests"]
         return {"wait": not ok and not over, "baseline": errors}
+
+    def _pre_swap(self, ctx: _Ctx, w: dict[str, Any]) -> dict[str, Any]:
+        """A small wave's pre-swap audit phase: before its devices get the release, they audit at the rollout's
+        `audit_rate` on the release they run (a layer with `audit_rate` alone), so that the whole-stream gate's
+        baseline is not an hour at the agent's 1 % (about 290 audits: an error of about half a point that no soak
+        shrinks). It ends once that gate's error from the baselines alone is within a sixth of its margin
+        (`gates.baseline_errors`, as a last wave's control's) or `pre_swap_s` after it began; a wave whose devices
+        sent no audits in their baseline (a fleet that does not audit) has none, nor has a last wave (see
+        `_settle`), nor one whose control's audits alone leave more than `gates.PRE_SWAP_REACH` of the limit (a
+        few devices' minutes at 1 %: no baseline of the wave's own narrows the sum). Both ends are `pre_swap`
+        decisions ("pre-swap audit phase: N audits in T s"). Returns `_settle`'s {"wait", "baseline"}."""
+        idle: dict[str, Any] = {"wait": False, "baseline": []}
+        with self.store.begin() as conn:
+            phase = _pre_swap_phase(conn, ctx.row.id, w["idx"])
+        if phase is not None and phase.get("phase") == "end":
+            return idle
+        taken = sum(1 for v in ctx.devs.values() if v["wave"] is not None and v["assigned_at"] is not None
+                    and v["state"] != "catch_up")
+        waiting = sorted((d for d, v in ctx.devs.items() if v["state"] in ("pending", "control")
+                          and self._online(ctx, d)), key=lambda d: order_key(ctx.row.id, d))
+        devices = list(phase["devices"]) if phase else waiting[:max(0, w["size"] - taken)]
+        control = ([d for d in waiting if d not in devices] + self._promoted(ctx, w["idx"]))[:ctx.opts.control_max]
+        arms = self._figures(ctx, {"started_at": ctx.now, "idx": w["idx"]}, devices, control=control)["arms"]
+        if arms is None or (phase is None and not any(int(x.get("audits") or 0) for x in arms.pre_wave)):
+            return idle  # nothing to compare, or devices that do not audit: no phase
+        errors = baseline_errors(arms, margins=ctx.opts.margins, evidence=ctx.opts.evidence, audited=True,
+                                 only=("audit_agreement",))
+        started = float(phase["at"]) if phase else ctx.now
+        ready = bool(errors) and all(g["ok"] for g in errors)
+        futile = bool(errors) and not (errors[0].get("control_se") or math.inf) <= PRE_SWAP_REACH * errors[0]["limit"]
+        if phase is None and futile:
+            return idle  # the control's own audits leave too much: no richer baseline of the wave's helps
+        done = ready or futile or ctx.now - started >= ctx.opts.pre_swap_s
+        with self.store.begin() as conn:
+            self.lease.fence(conn, now=ctx.now)
+            if phase is None and not done:
+                self.desired.assign({d: Desired(audit_rate=ctx.opts.audit_rate) for d in devices}, conn=conn)
+                record(conn, ctx.row.id, w["idx"], "pre_swap",
+                       {"phase": "start", "devices": devices, "baseline": errors},
+                       f"wave {w['idx']}: {len(devices)} device(s) audit {ctx.opts.audit_rate:g} of their confident "
+                       f"answers on the previous release before the swap (at most {ctx.opts.pre_swap_s:g} s)",
+                       self.holder, now=ctx.now)
+            elif phase is not None and done:
+                since = [x for x in arms.pre_wave if float(x["server_ts"]) > started]  # sent after the layer
+                audits = sum(int(x.get("audits") or 0) for x in since)
+                gone = [d for d in devices if not self._online(ctx, d)]  # not in the wave: their own rate again
+                self.desired.assign(dict.fromkeys(gone, Desired()), conn=conn)
+                record(conn, ctx.row.id, w["idx"], "pre_swap", {
+                    "phase": "end", "devices": devices, "audits": audits, "seconds": round(ctx.now - started, 1),
+                    "inferences": sum(int(x["requests"] or 0) for x in since), "baseline": errors},
+                    f"pre-swap audit phase: {audits} audits in {ctx.now - started:.0f} s"
+                    + ("" if ready else " (the control's audits alone leave too much)" if futile
+                       else " (at its cap; the baseline is as it is)"),
+                    self.holder, now=ctx.now)
+        return {"wait": not done, "baseline": errors, "pre_swap": True}
 
     def _fill(self, ctx: _Ctx, changes: dict[str, dict[str, Any]], w: dict[str, Any], *,
               audit: bool = False) -> dict[str, Desired]:
@@ -668,6 +733,9 @@ class RolloutEngine:
         """Send every device that was given the release back to what it ran before; the rollout is over."""
         back: dict[str, Desired] = {}
         rd = t.rollout_devices.c
+        phase = _pre_swap_phase(conn, ctx.row.id, wave)
+        if phase is not None and phase.get("phase") == "start":  # auditing before a swap that never came
+            back.update(dict.fromkeys(phase["devices"], Desired()))
         for dev, d in ctx.devs.items():
             if d["state"] in ("restored", "kept", "superseded"):
                 continue
@@ -692,6 +760,14 @@ def _warm(windows: list[dict[str, Any]], skip: int, warmup_s: float) -> list[dic
         return []
     since = float(windows[0]["server_ts"]) + warmup_s
     return [x for x in windows[skip:] if float(x["server_ts"]) >= since]
+
+
+def _pre_swap_phase(conn: Any, rollout_id: int, wave: int) -> dict[str, Any] | None:
+    """The wave's latest `pre_swap` decision's figures, with its time (`at`); None where it had none."""
+    dc = t.rollout_decisions.c
+    row = conn.execute(sa.select(dc.at, dc.figures).where(
+        dc.rollout_id == rollout_id, dc.wave == wave, dc.kind == "pre_swap").order_by(dc.id.desc()).limit(1)).first()
+    return None if row is None else {**json.loads(row.figures), "at": float(row.at)}
 
 
 def _decided(conn: Any, rollout_id: int, wave: int, kind: str) -> bool:

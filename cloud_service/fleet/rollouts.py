@@ -119,6 +119,11 @@ class RolloutOptions:
         confident answers (`"audit_rate"` in their desired document; back to their own once the wave is decided):
         the evidence of confident errors, which escalations never see, within the canary. Audits are sent
         after the answer and their energy is counted apart, so the latency and energy gates do not see them.
+    pre_swap_s: before such a wave's devices get the release, they audit at `audit_rate` on the release they run,
+        until their audit baseline is narrow enough for the whole-stream gate to pass (its error from the baselines
+        alone within a sixth of its margin, as a last wave's control's), for at most this many seconds (0: no
+        such phase). At the agent's 1 %, an hour of a device's audits (about 290) leaves an error of about half a
+        point that no soak of the release shrinks; a minute or two at 50 % halves it.
     stall_after_s: an assigned device that shows no progress for this long joins the catch-up set.
     observe_every_s: how often the figures of a soaking wave are recorded (the dashboard's plots).
     """
@@ -136,6 +141,7 @@ class RolloutOptions:
     audit_devices: int = 10
     stall_after_s: float = 300.0
     observe_every_s: float = 10.0
+    pre_swap_s: float = 300.0
 
     def __post_init__(self) -> None:
         parse_waves(self.waves)
@@ -153,6 +159,9 @@ class RolloutOptions:
         if not (0 <= self.audit_rate <= 1 and self.audit_devices >= 0):
             msg = (f"audit_rate {self.audit_rate!r} must be a share in [0, 1] and audit_devices "
                    f"{self.audit_devices!r} a device count >= 0")
+            raise InvalidDocument(msg)
+        if not self.pre_swap_s >= 0:
+            msg = f"pre_swap_s {self.pre_swap_s!r} must be seconds >= 0 (0: no pre-swap audit phase)"
             raise InvalidDocument(msg)
         if self.cloud_capacity_rps is not None and not self.cloud_capacity_rps > 0:
             msg = f"cloud capacity {self.cloud_capacity_rps!r} must be a positive number of escalations/s"
@@ -174,7 +183,7 @@ class RolloutOptions:
                    cloud_capacity_rps=doc.get("cloud_capacity_rps"), stall_after_s=doc["stall_after_s"],
                    audit_rate=doc.get("audit_rate", base.audit_rate),
                    audit_devices=doc.get("audit_devices", base.audit_devices),
-                   observe_every_s=doc["observe_every_s"])
+                   observe_every_s=doc["observe_every_s"], pre_swap_s=doc.get("pre_swap_s", base.pre_swap_s))
 
 
 def order_key(rollout_id: int, device_id: str) -> str:
@@ -338,7 +347,8 @@ def make_options(*, waves: str = WAVES_TEXT, soak: str = ROLLOUT_SOAK, cloud_cap
                  stall_after_s: float = 300.0, observe_every_s: float = 10.0,
                  margins: dict[str, Any] | None = None, evidence: dict[str, Any] | None = None,
                  max_soak: str = ROLLOUT_MAX_SOAK, on_inconclusive: str = "hold", holdback: float = 0.05,
-                 control_max: int = 200, audit_rate: float = 0.5, audit_devices: int = 10) -> RolloutOptions:
+                 control_max: int = 200, audit_rate: float = 0.5, audit_devices: int = 10,
+                 pre_swap_s: float = 300.0) -> RolloutOptions:
     """`RolloutOptions` from the CLI's and the API's strings (`--waves 1,5%,100% --soak 10m`)."""
     try:
         m = Margins(**{k: v for k, v in (margins or {}).items() if v is not None})
@@ -353,5 +363,5 @@ def make_options(*, waves: str = WAVES_TEXT, soak: str = ROLLOUT_SOAK, cloud_cap
     return RolloutOptions(waves=parse_waves(waves), soak=parse_soak(soak), margins=m, evidence=e,
                           max_soak=parse_soak(max_soak), on_inconclusive=on_inconclusive, holdback=holdback,
                           control_max=control_max, cloud_capacity_rps=cloud_capacity_rps, audit_rate=audit_rate,
-                          audit_devices=audit_devices,
+                          audit_devices=audit_devices, pre_swap_s=pre_swap_s,
                           stall_after_s=stall_after_s, observe_every_s=observe_every_s)
