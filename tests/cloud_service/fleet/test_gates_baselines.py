@@ -99,3 +99,32 @@ def test_the_baselines_error_is_what_the_short_overlap_leaves() -> None:
                                                   margins=Margins(), evidence=Evidence(bucket_s=BUCKET_S))}
     assert got["p95_vs_control"]["ok"] is False, got  # 0.4 a window over 8 windows: more than a sixth of log 1.3
     assert got["p95_vs_control"]["limit"] == round(math.log1p(0.3) / 6, 6)
+
+
+def test_the_evidence_floor_is_where_the_bound_crosses_the_margin() -> None:
+    """`evidence_floor`: a good release's pass bound is under the margin from the floor on and not below it; at
+    the canary every accuracy and rate gate but the degraded share needs more than the old default's 200
+    inferences, and audits at 1 % need twenty times as many as at 50 %."""
+    from cloud_service.fleet.gates import evidence_floor
+    from cloud_service.fleet.sequential import Estimate
+
+    m, ev = Margins(), Evidence()
+    p = 0.2 * 0.1
+    f = evidence_floor("agreement", p * (1 - p), margins=m, evidence=ev, waves=4)
+    spec = next(s for s in SPECS if s.name == "agreement")
+
+    def bound(w: float) -> float:
+        est = Estimate(delta=0.0, weight=w, var_post=p * (1 - p) * w, var_base=0.0, unit_var=p * (1 - p), buckets=6,
+                       wave_n=w, control_n=math.inf, wave_mean=0.0, control_mean=0.0)
+        return est.radius(ev.beta, spec.pass_at, one_sided=True)
+
+    assert bound(f["pass"]) < m.agreement_points <= bound(0.99 * f["pass"])
+    assert 200 < f["pass"] < f["fail"]
+    assert f["alpha_gate"] == ev.alpha_gate(4, 0, "agreement")
+    esc = evidence_floor("escalation_rate", 0.16, margins=m, evidence=ev, waves=4)
+    assert esc["pass"] > 200
+    q = 0.8 * 0.01
+    half = evidence_floor("audit_agreement", q * (1 - q) + p * (1 - p) * 0.5, margins=m, evidence=ev, waves=4)
+    one = evidence_floor("audit_agreement", q * (1 - q) + p * (1 - p) * 0.01, margins=m, evidence=ev, waves=4)
+    assert half["pass"] / 0.5 > 200
+    assert one["pass"] / 0.01 > 20 * half["pass"] / 0.5
