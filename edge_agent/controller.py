@@ -169,7 +169,7 @@ class Controller:
             return
         # device speed: this variant's latency against its baseline (the prior or the warm-up benchmark)
         self._ratios.append(latency_ms / max(p.baseline_p50_ms, 1e-9))
-        if len(self._ratios) < min(self._ratios.maxlen or 1, self._min_obs):
+        if len(self._ratios) < min(self._ratios.maxlen or 1, self.config.min_observations):
             return
         speed = statistics.median(self._ratios)
         if math.isnan(self._ref["slowdown"]):  # first samples after a switch of variant set the reference
@@ -267,7 +267,7 @@ class Controller:
             self.link.observe_agreement(agreed, edge)
             self._n_agree += 1
             self._k_agree += bool(agreed)
-        m, z = self._min_obs, self.config.escalation_z
+        m, z = self.config.min_observations, self.config.escalation_z
         if self._n >= m and outside(self._n_esc, self._n, self.current.predicted_escalation_rate, z):
             self._flag("escalation rate")
         if self._n_agree >= m and outside(self._k_agree, self._n_agree, self._ref["agreement"], z):
@@ -332,7 +332,8 @@ class Controller:
     def conditions(self) -> Conditions:
         """The measured request rate, agent overhead, device slowdown and audit share in force now."""
         span = self._arrivals[-1] - self._arrivals[0] if len(self._arrivals) > 1 else 0.0
-        rate = (len(self._arrivals) - 1) / span if len(self._arrivals) >= self._min_obs and span > 0 else None
+        enough = len(self._arrivals) >= self.config.min_observations
+        rate = (len(self._arrivals) - 1) / span if enough and span > 0 else None
         overhead = float(np.mean(self._overheads)) if self._overheads else 0.0
         slowdown = statistics.median(self._ratios) if len(self._ratios) >= 5 else 1.0
         current = getattr(self, "current", None)
@@ -373,10 +374,6 @@ class Controller:
         """The share of the latency budget the agent's escalation deadline is cut from: below 1 after
         observed windows went over the budget (the plan and the timer tighten together)."""
         return self._deadline_scale
-
-    @property
-    def _min_obs(self) -> int:
-        return self.config.min_observations
 
     def _flag(self, reason: str) -> None:
         self._pending.setdefault(reason, None)
