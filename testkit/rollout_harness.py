@@ -6,20 +6,68 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+import sqlalchemy as sa
 
+from cloud_service.fleet import schema as t
+from cloud_service.fleet.ca import FleetCA
+from cloud_service.fleet.desired import DesiredState
 from cloud_service.fleet.fleet import Fleet, FleetConfig
-from compilers.signing import generate_keypair, load_private_key
-from edge_agent.fleet_sync import enroll
+from cloud_service.fleet.registry import Registry
+from cloud_service.fleet.releases import ReleaseRegistry
+from cloud_service.fleet.rollouts import Rollouts
+from cloud_service.fleet.store import FleetStore
+from cloud_service.fleet.telemetry import TelemetryStore
+from compilers.signing import generate_keypair, load_private_key, load_public_key
+from edge_agent.fleet_sync import enroll, generate_key_and_csr
 from testkit.broker import Broker, _free_port
 from testkit.fleet_process import ROOT, FleetProcess
 from testkit.rollout_device import Behaviour, SimDevice
 from testkit.waiting import wait_for
 
 FLEET_PASSWORD = "fleet-secret-for-tests"
+
+
+@dataclass(frozen=True)
+class TwoReleases:
+    """An in-process fleet (no broker, no server) for rollout-engine tests: enrolled devices and two signed
+    releases of the same tiny model (`first`, `second`), with the stores the engine reads."""
+
+    reg: Registry
+    devices: list[str]
+    desired: DesiredState
+    releases: ReleaseRegistry
+    first: str
+    second: str
+    tel: TelemetryStore
+    rollouts: Rollouts
+
+
+def rollout_states(store: FleetStore, rid: int) -> dict[str, str]:
+    """Each device's state in rollout `rid` (pending, control, soaking, ..., as the engine keeps them)."""
+    rd = t.rollout_devices.c
+    with store.begin() as conn:
+        return {r.device_id: r.state for r in conn.execute(
+            sa.select(rd.device_id, rd.state).where(rd.rollout_id == rid))}
+
+
+def two_releases(store: FleetStore, tmp: Path, n: int) -> TwoReleases:
+    """`n` devices enrolled with fresh tokens and keys, and releases "1" and "2" signed by a key made under `tmp`."""
+    reg = Registry(store, FleetCA.load_or_create(tmp))
+    devices = [reg.enroll(reg.create_token({"kind": "cam"}), generate_key_and_csr()[1]).device_id for _ in range(n)]
+    key, pub = generate_keypair(tmp / "ops")
+    releases = ReleaseRegistry(store, tmp / "data", [load_public_key(pub)])
+    variants, policy = tiny_variant_set(tmp / "model"), tmp / "p.yaml"
+    digests = []
+    for v in ("1", "2"):
+        policy.write_text(f"version: '{v}'\n")
+        digests.append(releases.create(variants, policy, sign_key=load_private_key(key))["digest"])
+    return TwoReleases(reg, devices, DesiredState(store), releases, digests[0], digests[1], TelemetryStore(store),
+                       Rollouts(store, releases))
 
 
 def tiny_variant_set(directory: Path) -> Path:

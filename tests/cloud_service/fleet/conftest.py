@@ -60,6 +60,16 @@ def store(db_url: str) -> Iterator[FleetStore]:
         s.close()
 
 
+@pytest.fixture
+def sqlite_store(tmp_path: Path) -> Iterator[FleetStore]:
+    """A store on SQLite alone, for tests whose decisions do not depend on the database."""
+    s = FleetStore.open(f"sqlite:///{tmp_path / 'fleet.db'}")
+    try:
+        yield s
+    finally:
+        s.close()
+
+
 FLEET_PASSWORD = "fleet-secret-for-tests"
 
 

@@ -19,21 +19,12 @@ from typing import Any
 
 import numpy as np
 import pytest
-import sqlalchemy as sa
 
-from cloud_service.fleet import schema as t
-from cloud_service.fleet.ca import FleetCA
-from cloud_service.fleet.desired import DesiredState
 from cloud_service.fleet.gates import Arms, Evidence, Margins, baseline_errors
-from cloud_service.fleet.registry import Registry
-from cloud_service.fleet.releases import ReleaseRegistry
 from cloud_service.fleet.rollout_engine import RolloutEngine
-from cloud_service.fleet.rollouts import Rollouts, make_options
+from cloud_service.fleet.rollouts import make_options
 from cloud_service.fleet.store import FleetStore
-from cloud_service.fleet.telemetry import TelemetryStore
-from compilers.signing import generate_keypair, load_private_key, load_public_key
-from edge_agent.fleet_sync import generate_key_and_csr
-from testkit.rollout_harness import tiny_variant_set
+from testkit.rollout_harness import rollout_states, two_releases
 
 T0 = 1_800_000_000.0
 BASELINE_S = 120
@@ -41,12 +32,9 @@ OWN_AUDIT_RATE = 0.05  # the devices' own share (the agent's default is 1 %; sca
 
 
 @pytest.fixture
-def store(tmp_path: Path) -> Any:
-    s = FleetStore.open(f"sqlite:///{tmp_path / 'fleet.db'}")
-    try:
-        yield s
-    finally:
-        s.close()
+def store(sqlite_store: FleetStore) -> FleetStore:
+    """SQLite only: the engine's decisions do not depend on the database (test_rollout_engine.py runs both)."""
+    return sqlite_store
 
 
 class _Sim:
@@ -55,19 +43,10 @@ class _Sim:
 
     def __init__(self, store: FleetStore, tmp: Path, n: int = 6, own: float = OWN_AUDIT_RATE) -> None:
         self.own = own
-        self.reg = Registry(store, FleetCA.load_or_create(tmp))
-        self.devices = [self.reg.enroll(self.reg.create_token({"kind": "cam"}), generate_key_and_csr()[1]).device_id
-                        for _ in range(n)]
-        self.desired = DesiredState(store)
-        key, pub = generate_keypair(tmp / "ops")
-        self.releases = ReleaseRegistry(store, tmp / "data", [load_public_key(pub)])
-        variants, policy = tiny_variant_set(tmp / "model"), tmp / "p.yaml"
-        digests = []
-        for v in ("1", "2"):
-            policy.write_text(f"version: '{v}'\n")
-            digests.append(self.releases.create(variants, policy, sign_key=load_private_key(key))["digest"])
-        self.first, self.second = digests
-        self.store, self.tel, self.rollouts = store, TelemetryStore(store), Rollouts(store, self.releases)
+        f = two_releases(store, tmp, n)
+        self.reg, self.devices, self.desired, self.releases = f.reg, f.devices, f.desired, f.releases
+        self.first, self.second = f.first, f.second
+        self.store, self.tel, self.rollouts = store, f.tel, f.rollouts
         self.running = dict.fromkeys(self.devices, self.first)
         self.rate = dict.fromkeys(self.devices, own)
         self.rng, self.seq, self.now = np.random.default_rng(3), 0, T0
@@ -110,10 +89,7 @@ class _Sim:
         return self.rollouts.show(rid)
 
     def states(self, rid: int) -> dict[str, str]:
-        rd = t.rollout_devices.c
-        with self.store.begin() as conn:
-            return {r.device_id: r.state for r in conn.execute(
-                sa.select(rd.device_id, rd.state).where(rd.rollout_id == rid))}
+        return rollout_states(self.store, rid)
 
 
 def _deploy(sim: _Sim, **options: Any) -> tuple[int, RolloutEngine]:
