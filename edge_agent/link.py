@@ -140,29 +140,75 @@ class TimerLateness:
 
     The agent abandons an escalation with its own timer; between the moment it is due and the moment
     the degraded answer is ready, time still passes (the loop wakes late, the local answer is built).
-    The next timer is set the `quantile` of the recent latenesses earlier: of the last `window` ones
-    within `max_age_s`, read without interpolation below (so that of fewer than twenty, the largest is
-    never the margin: one stall of a loaded host does not cut every deadline for ten seconds), with
-    the prior standing in for the samples missing to `min_samples`.
+    The next timer is set a high quantile of the recent latenesses earlier: of the last `window` ones
+    within `max_age_s`, the order statistic a new lateness exceeds with the wanted probability (the
+    j-th smallest of n: 1 - j / (n + 1)), but never the largest (one stall of a loaded host does not
+    cut every deadline for ten seconds), with the prior standing in for the samples missing to
+    `min_samples`.
+
+    Which quantile: a timer that fires later than the margin puts its request over the budget, and the
+    budget is a `quantile` of all requests (p95: 5 % may be over). Only the share `r` of requests whose
+    timer fires is at risk, so each timer may be late past the margin with probability
+    `safety * (1 - quantile) / r`: the margin is the `1 - safety * (1 - quantile) / r` quantile,
+    between `floor_quantile` and `1 - safety * (1 - quantile)`. With `safety` ½ the expected share
+    over the budget is half what the budget allows (at 100 requests a second, a 1-second window then
+    has 2.5 over on average, and more than 5 in about 4 % of windows). `r` is timers over requests,
+    both counted with a decay of `max_age_s` (`served`); until `min_requests` were counted it is 1.
+    Where one escalation in four times out (a jittered link under a tight budget) that is the 90th
+    percentile rather than the 95th: every millisecond a timer is not cut early is a millisecond more
+    for the round trip, which on such a link answers several more escalations in each hundred.
 
     Example:
         >>> late = TimerLateness()
-        >>> late.add(2.4)
+        >>> late.served(); late.add(2.4)
         >>> deadline_ms = left_ms - late.margin_ms()
     """
 
-    def __init__(self, prior_ms: float = 1.0, *, quantile: float = 0.95, window: int = 64, min_samples: int = 8,
-                 max_age_s: float = 10.0, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, prior_ms: float = 1.0, *, quantile: float = 0.95, window: int = 256, min_samples: int = 8,
+                 max_age_s: float = 10.0, safety: float = 0.5, floor_quantile: float = 0.75, min_requests: int = 50,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        if not (0 < quantile < 1 and 0 < safety <= 1 and 0 <= floor_quantile <= 1 - safety * (1 - quantile)):
+            msg = (f"TimerLateness: need 0 < quantile < 1, 0 < safety <= 1 and 0 <= floor_quantile <= "
+                   f"1 - safety * (1 - quantile); got {quantile!r}, {safety!r}, {floor_quantile!r}")
+            raise ConfigError(msg)
         self.prior_ms, self.quantile, self.min_samples = float(prior_ms), quantile, min_samples
         self.max_age_s, self.clock = max_age_s, clock
+        self.safety, self.floor_quantile, self.min_requests = safety, floor_quantile, min_requests
         self._samples: deque[tuple[float, float]] = deque(maxlen=window)
         self._margin, self._until = self.prior_ms, math.inf
+        self._timers = self._requests = 0.0  # decayed counts (`_decay`), as of `_counted`
+        self._counted = clock()
+
+    def _decay(self) -> None:
+        now = self.clock()
+        if now > self._counted:
+            keep = math.exp((self._counted - now) / self.max_age_s)
+            self._timers, self._requests, self._counted = self._timers * keep, self._requests * keep, now
+
+    def served(self, n: int = 1) -> None:
+        """`n` requests answered (whether or not they escalated): the denominator of the at-risk share."""
+        self._decay()
+        self._requests += n
+
+    def at_risk(self) -> float:
+        """The share of requests whose answer waited for the agent's timer (1 until enough were counted)."""
+        self._decay()
+        if self._requests < self.min_requests * math.exp(-1.0):
+            return 1.0
+        return min(1.0, self._timers / self._requests)
 
     def add(self, late_ms: float) -> None:
         """How many milliseconds after its due time an abandoned escalation's answer was ready."""
         value = max(0.0, float(late_ms)) if math.isfinite(late_ms) else self.prior_ms
+        self._decay()
+        self._timers += 1.0
         self._samples.append((self.clock(), value))
         self._refit()
+
+    def level(self) -> float:
+        """The quantile of lateness the margin is read at, for the current at-risk share."""
+        tail = self.safety * (1 - self.quantile)
+        return max(self.floor_quantile, 1 - tail / max(self.at_risk(), tail))
 
     def _refit(self) -> None:
         samples, now = self._samples, self.clock()
@@ -172,7 +218,10 @@ class TimerLateness:
             self._margin, self._until = self.prior_ms, math.inf
             return
         s = sorted([v for _, v in samples] + [self.prior_ms] * max(0, self.min_samples - len(samples)))
-        self._margin = s[int(self.quantile * (len(s) - 1))]
+        # the j-th smallest of n is exceeded by a new draw with probability 1 - j / (n + 1), whatever the
+        # distribution: j is chosen so, but never the largest (one stall is not the margin)
+        j = math.ceil(self.level() * (len(s) + 1))
+        self._margin = s[max(0, min(j - 1, len(s) - 2))]
         self._until = samples[0][0] + self.max_age_s
 
     def margin_ms(self) -> float:
@@ -528,6 +577,11 @@ class Link:
         """How late past its due time an abandoned escalation's answer was ready."""
         with self._lock:
             self.lateness.add(late_ms)
+
+    def observe_served(self, n: int = 1) -> None:
+        """`n` requests answered, escalated or not (the share whose timer fires sets the margin's quantile)."""
+        with self._lock:
+            self.lateness.served(n)
 
     # -- reading -----------------------------------------------------------------------------
     def margin_ms(self) -> float:

@@ -22,6 +22,7 @@ class ResultAssembly(AgentState):
                 reason: str = "", rtt_ms: float | None = None, nbytes: int = 0, key: bytes | None = None,
                 wanted: int = 0, agreed: bool | None = None) -> Prediction:
         total_ms = (perf_counter() - t0) * 1e3
+        self.link.observe_served()
         power = self.options.power
         if self._measured_mj is not None:
             energy, label = self._measured_mj, self.meter.label
@@ -50,6 +51,7 @@ class ResultAssembly(AgentState):
 
     def _cached(self, hit: Prediction, t0: float) -> Prediction:
         total_ms = (perf_counter() - t0) * 1e3
+        self.link.observe_served()
         self._obs.append(Observation(hit.variant, 0.0, 0.0, 0.0, hit.energy_label, len(hit.scores), 0, hit.tier,
                                      False, "", None, 0, None, total_ms, True, hit.score))
         return make_prediction({k: a.copy() for k, a in hit.outputs.items()}, hit.tier, hit.score, hit.variant,
