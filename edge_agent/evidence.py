@@ -19,9 +19,10 @@ from edge_agent.decide import Decision
 from edge_agent.profiles import LinkState, VariantProfile
 from runtimes.errors import ConfigError
 
+SE_BLOCK = 32  # consecutive values a block of `series_stderr` (8 blocks in a calibration's window of 256)
+
 __all__ = ["EnergyParts", "PartCalibration", "cloud_noise", "energy_evidence", "energy_hold", "energy_noise",
-           "gain_stderr",
-           "measured", "outside", "variant_stderr"]
+           "gain_stderr", "measured", "outside", "series_stderr", "variant_stderr"]
 
 
 class PartCalibration:
@@ -75,16 +76,34 @@ class PartCalibration:
         return min(max(self._sums[0] / max(self._sums[1], 1e-12), 0.25), 4.0)
 
     def noise(self) -> float:
-        """The relative standard error of the window's ratio (0 before `min_pairs`): the spread of each
-        pair's observed energy about the ratio times its modeled one, over the modeled mean."""
+        """The relative standard error of the window's ratio (0 before `min_pairs`): the standard error of
+        each pair's observed energy about the ratio times its modeled one (`series_stderr`: spells count),
+        over the modeled mean."""
         n = len(self._pairs)
         if n < self._min:
             return 0.0
         pairs = np.array(self._pairs, dtype=float)
         ratio = self._sums[0] / max(self._sums[1], 1e-12)
-        resid = pairs[:, 0] - ratio * pairs[:, 1]
-        se = math.sqrt(float(np.sum(resid * resid)) / (n * (n - 1))) / max(float(np.mean(pairs[:, 1])), 1e-12)
+        se = series_stderr(pairs[:, 0] - ratio * pairs[:, 1]) / max(float(np.mean(pairs[:, 1])), 1e-12)
         return se / max(ratio, 1e-12)
+
+
+def series_stderr(values: np.ndarray, block: int = SE_BLOCK) -> float:
+    """The standard error of the mean of a series in time order: the larger of the one for independent values
+    and the batch-means one (the spread of the means of consecutive blocks of `block`, given 4 blocks or
+    more). A host slowed for a second makes the inference times of that second alike: the window's mean then
+    swings by far more than independent values would let it, and only the blocks' spread shows it (in the
+    energy phase of `bench/controller/run.py --phases binding` the inference calibration moved by 19 % within
+    5 s, past two of its independent-values standard errors, and the point chosen under the budget with it)."""
+    n = values.size
+    if n < 2:
+        return 0.0
+    se = float(np.std(values, ddof=1)) / math.sqrt(n)
+    k = n // block
+    if k >= 4:
+        means = values[n - k * block:].reshape(k, block).mean(axis=1)
+        se = max(se, float(np.std(means, ddof=1)) / math.sqrt(k))
+    return se
 
 
 class EnergyParts:
