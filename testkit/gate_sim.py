@@ -25,6 +25,7 @@ from cloud_service.fleet.gates import (
     Arms,
     Evidence,
     Margins,
+    ObsMemo,
     baseline_errors,
     evaluate,
     failed,
@@ -225,6 +226,7 @@ def run_rollout(fleet: Fleet, *, waves: tuple[str, ...] = ("1", "5%", "25%", "10
     ws = fleet.model.window_s
     pre_most = math.ceil(defaults.pre_swap_s / ws) if pre_swap_windows is None else pre_swap_windows
     pre: tuple[int, int, int] = (0, 0, 0)
+    memo = ObsMemo()  # every look reads the windows of the looks before it again
     sizes = wave_sizes(waves, fleet.n)
     order = list(fleet.rng.permutation(fleet.n))
     history: dict[int, list[dict[str, Any]]] = {i: [] for i in range(fleet.n)}
@@ -249,11 +251,11 @@ def run_rollout(fleet: Fleet, *, waves: tuple[str, ...] = ("1", "5%", "25%", "10
             new = new[:max(1, len(new) - held_back)]
         elif last:  # the earlier waves are its control: it starts once their baselines let its gates pass
             settle = _settle(fleet, new, promoted[:control_max], history, warm, t, margins, evidence,
-                             max_soak_windows, treated)
+                             max_soak_windows, treated, memo)
             t += settle * ws
         elif len(new) <= audit_devices and audit_rate > 0 and pre_most > 0:  # audits on the previous release first
             pre = _pre_swap(fleet, new, ([i for i in order if i not in treated and i not in new] + promoted)[
-                :control_max], history, warm, t, margins, evidence, pre_most, treated, audit_rate)
+                :control_max], history, warm, t, margins, evidence, pre_most, treated, audit_rate, memo)
             t += pre[0] * ws
         start = t
         treated |= set(new)
@@ -277,7 +279,7 @@ def run_rollout(fleet: Fleet, *, waves: tuple[str, ...] = ("1", "5%", "25%", "10
                         pre_control, [x for i in control for x in history[i] if x["ts"] > start])
             gates = evaluate(arms if control else None, margins=margins, evidence=evidence, waves=len(sizes), wave=w,
                              budget_ms=None, device_failures={}, crashes=0, fleet_request_rate=None,
-                             cloud_capacity_rps=None, cache=cache)
+                             cloud_capacity_rps=None, cache=cache, memo=memo)
             looks += 1
             done = sum(int(x["requests"]) for x in arms.post_wave)
             if failed(gates):
@@ -300,7 +302,7 @@ def run_rollout(fleet: Fleet, *, waves: tuple[str, ...] = ("1", "5%", "25%", "10
 
 def _pre_swap(fleet: Fleet, new: list[int], control: list[int], history: dict[int, list[dict[str, Any]]],
               warm: dict[int, float], t: float, margins: Margins, evidence: Evidence, most: int, treated: set[int],
-              audit_rate: float) -> tuple[int, int, int]:
+              audit_rate: float, memo: ObsMemo | None = None) -> tuple[int, int, int]:
     """As the engine's pre-swap audit phase: the windows a small wave's devices audit at `audit_rate` on the
     previous release (every window added to `history`) until the whole-stream gate's error from the baselines
     alone is within `gates.BASELINE_SE_SHARE` of its margin, at most `most`. Returns (windows, the wave's
@@ -316,7 +318,7 @@ def _pre_swap(fleet: Fleet, new: list[int], control: list[int], history: dict[in
         pre_control = [x for i in control for x in history[i]
                        if max(now - evidence.baseline_s, warm.get(i, -math.inf)) <= x["ts"] <= now]
         errors = baseline_errors(Arms(pre_wave, [], pre_control, []), margins=margins, evidence=evidence,
-                                 audited=True, only=("audit_agreement",))
+                                 audited=True, only=("audit_agreement",), memo=memo)
         ready = bool(errors) and all(g["ok"] for g in errors)
         if ready or (errors and not (errors[0].get("control_se") or math.inf) <= PRE_SWAP_REACH * errors[0]["limit"]):
             return k, inferences, audits
@@ -330,7 +332,7 @@ def _pre_swap(fleet: Fleet, new: list[int], control: list[int], history: dict[in
 
 def _settle(fleet: Fleet, new: list[int], control: list[int], history: dict[int, list[dict[str, Any]]],
             warm: dict[int, float], t: float, margins: Margins, evidence: Evidence, most: int,
-            treated: set[int]) -> int:
+            treated: set[int], memo: ObsMemo | None = None) -> int:
     """As the engine's `_settle`: the windows the last wave waits (its devices still on the previous release, the
     earlier waves' on the release, every window added to `history`) until each gate's error from the baselines
     alone is within `gates.BASELINE_SE_SHARE` of its margin, at most `most`."""
@@ -342,7 +344,7 @@ def _settle(fleet: Fleet, new: list[int], control: list[int], history: dict[int,
         pre_control = [x for i in control for x in history[i]
                        if max(now - evidence.baseline_s, warm.get(i, -math.inf)) <= x["ts"] <= now]
         if all(g["ok"] for g in baseline_errors(Arms(pre_wave, [], pre_control, []), margins=margins,
-                                                evidence=evidence)):
+                                                evidence=evidence, memo=memo)):
             return k
         for i, x in enumerate(fleet.windows(now + ws, on, np.full(fleet.n, fleet.model.audit_rate))):
             history[i].append(x)

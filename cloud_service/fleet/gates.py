@@ -347,27 +347,53 @@ SPECS = (
 
 _AGREEMENT = next(s for s in SPECS if s.name == "agreement")
 
-def _obs(spec: _Spec, windows: Iterable[Mapping[str, Any]]) -> list[Obs]:
+def _obs(spec: _Spec, windows: Iterable[Mapping[str, Any]], memo: ObsMemo | None = None) -> list[Obs]:
+    if memo is not None:
+        return memo.obs(spec, windows)
     value, weight = spec.value, spec.weight
     return [Obs(w["device_id"], w["server_ts"], weight(w), v) for w in windows
             if (v := value(w)) is not None and math.isfinite(v)]
 
 
+class ObsMemo:
+    """Each window's observation for each gate, read once: for a caller that judges the same windows look after
+    look (the gate simulator judges every look of a rollout over windows it keeps, and a pre-swap or settle phase
+    reads the same hour of baselines every window). It holds each window it has read, so that a window's id stays
+    its own while the memo lives; the observations are those `_obs` reads, in the same order."""
+
+    def __init__(self) -> None:
+        self._by_gate: dict[str, dict[int, tuple[Mapping[str, Any], Obs | None]]] = {}
+
+    def obs(self, spec: _Spec, windows: Iterable[Mapping[str, Any]]) -> list[Obs]:
+        memo = self._by_gate.setdefault(spec.name, {})
+        out = []
+        for w in windows:
+            hit = memo.get(id(w))
+            if hit is None:
+                v = spec.value(w)
+                o = (None if v is None or not math.isfinite(v)
+                     else Obs(w["device_id"], w["server_ts"], spec.weight(w), v))
+                memo[id(w)] = hit = (w, o)
+            if hit[1] is not None:
+                out.append(hit[1])
+        return out
+
+
 def _estimate(spec: _Spec, arms: Arms, evidence: Evidence,
-              cache: dict[Any, Any] | None) -> tuple[Estimate | None, bool]:
+              cache: dict[Any, Any] | None, memo: ObsMemo | None = None) -> tuple[Estimate | None, bool]:
     """The spec's difference in differences, and whether it is due (both arms have windows from devices with a
     baseline: too few time buckets yet, rather than none to judge). `cache` keeps what does not change between
     looks (the observations before the wave and the baselines)."""
     def obs(windows: Sequence[Mapping[str, Any]]) -> list[Obs]:
         if cache is None:
-            return _obs(spec, windows)
+            return _obs(spec, windows, memo)
         key = (spec.name, id(windows), len(windows))
         if key not in cache:
-            cache[key] = _obs(spec, windows)
+            cache[key] = _obs(spec, windows, memo)
         return list(cache[key])
 
     pw, pc = obs(arms.pre_wave), obs(arms.pre_control)
-    qw, qc = _obs(spec, arms.post_wave), _obs(spec, arms.post_control)
+    qw, qc = _obs(spec, arms.post_wave, memo), _obs(spec, arms.post_control, memo)
     if spec.per_window and arms.warm:
         qw = [o for o in qw if o.ts >= arms.warm.get(o.device, -math.inf)]
     floor = None if spec.per_window else binomial_floor()
@@ -394,14 +420,14 @@ def _estimate(spec: _Spec, arms: Arms, evidence: Evidence,
 
 
 def judge(spec: _Spec, arms: Arms, *, margins: Margins, evidence: Evidence, alpha_gate: float,
-          cache: dict[Any, Any] | None = None) -> dict[str, Any]:
+          cache: dict[Any, Any] | None = None, memo: ObsMemo | None = None) -> dict[str, Any]:
     """One statistical gate: its estimate, confidence bounds and decision (pass / fail / open / None).
     The whole-stream gate is the sum of two: escalations answered otherwise (the agreement gate's figure) and
     confident inputs answered otherwise (from audits), each against its own baselines (a device's escalations
     tell its level well, its 1 % of audits do not: the cohort's does), their variances added."""
-    est, due = _estimate(spec, arms, evidence, cache)
+    est, due = _estimate(spec, arms, evidence, cache, memo)
     if spec.name == "audit_agreement" and est is not None:
-        escalated, due = _estimate(_AGREEMENT, arms, evidence, cache)
+        escalated, due = _estimate(_AGREEMENT, arms, evidence, cache, memo)
         est = None if escalated is None else est.plus(escalated)
     margin = spec.margin(margins)
     if est is None:
@@ -431,13 +457,14 @@ def judge(spec: _Spec, arms: Arms, *, margins: Margins, evidence: Evidence, alph
 
 
 def baseline_errors(arms: Arms, *, margins: Margins, evidence: Evidence, audited: bool = False,
-                    only: Iterable[str] | None = None, share: float = BASELINE_SE_SHARE) -> list[dict[str, Any]]:
+                    only: Iterable[str] | None = None, share: float = BASELINE_SE_SHARE,
+                    memo: ObsMemo | None = None) -> list[dict[str, Any]]:
     """Before a wave starts (`arms.pre_wave`: the devices it would take, `arms.pre_control`: its control; no windows
     since): each statistical gate's standard error from the baselines alone (`sequential.baseline_se`), against
     `share` (BASELINE_SE_SHARE) of its margin (`ok`). Gates with no baseline in an arm are left out (not judged). The
     whole-stream audit gate counts only for a wave that audits at the raised rate (`audited`: elsewhere it never
     holds a wave up), its error that of its two parts, escalations and audits, added as the gate adds them.
-    `only`: these gates alone."""
+    `only`: these gates alone. `memo`: windows read before are not read again (`ObsMemo`)."""
     out = []
     keep = None if only is None else set(only)
     ses: dict[str, float] = {}
@@ -445,7 +472,7 @@ def baseline_errors(arms: Arms, *, margins: Margins, evidence: Evidence, audited
         if (spec.name == "audit_agreement" and not audited) or (keep is not None and spec.name not in keep
                                                                  and not (spec.name == "agreement" and audited)):
             continue
-        pw, pc = _obs(spec, arms.pre_wave), _obs(spec, arms.pre_control)
+        pw, pc = _obs(spec, arms.pre_wave, memo), _obs(spec, arms.pre_control, memo)
         floor = None if spec.per_window else binomial_floor()
         base = baselines(pw, pc, MIN_BASELINE_WINDOWS, floor, evidence.bucket_s, evidence.block_s)
         if not base.wave or not base.control:
@@ -492,7 +519,7 @@ def _record(spec: _Spec, est: Estimate | None, decision: str | None, margin: flo
 def evaluate(arms: Arms | None, *, margins: Margins, evidence: Evidence, waves: int, budget_ms: float | None,
              device_failures: Mapping[str, str], crashes: int, fleet_request_rate: float | None,
              cloud_capacity_rps: float | None, cache: dict[Any, Any] | None = None,
-             wave: int | None = None) -> list[dict[str, Any]]:
+             wave: int | None = None, memo: ObsMemo | None = None) -> list[dict[str, Any]]:
     """Every gate of wave `wave` (0: the canary; None: judged at the least alpha of any wave) of a `waves`-wave
     rollout. `arms` None: no control cohort (the statistical gates are not judged)."""
     on = cohort(arms.post_wave if arms else [])
@@ -509,7 +536,8 @@ def evaluate(arms: Arms | None, *, margins: Margins, evidence: Evidence, waves: 
             gates.append(_record(spec, None, None, spec.margin(margins), alpha_gate, evidence.beta, None,
                                  "not judged: no control cohort"))
         else:
-            gates.append(judge(spec, arms, margins=margins, evidence=evidence, alpha_gate=alpha_gate, cache=cache))
+            gates.append(judge(spec, arms, margins=margins, evidence=evidence, alpha_gate=alpha_gate, cache=cache,
+                               memo=memo))
     gates.append(_hard("p95_budget", None if budget_ms is None or on.p95_ms is None else on.p95_ms <= budget_ms,
                        on.p95_ms, f"p95 within the release's latency budget {budget_ms:g} ms" if budget_ms
                        else "the release sets no latency budget", limit=budget_ms))
