@@ -328,7 +328,9 @@ class _Spec:
 
 # fail_at / pass_at tune each bound's mixture (rho) to the evidence where it decides (measured in simulation,
 # bench/bench_gates.py): a 2-point rate regression is clear after ~1,000-2,000 inferences of the canary, a good
-# release shows it is within the margin after a few hundred; p95 and energy after ~20-30 windows. The whole-stream
+# release shows it is within the margin after a few hundred; p95 and energy after ~20-30 windows. The agreement
+# gate's failing bound is tuned to 2,000: a 2-point regression of it decided at a median of 2,166 canary inferences
+# tuned to 1,000, 2,072 tuned to 2,000, every other figure of the simulated run unchanged. The whole-stream
 # gate weighs audits (`_audit_weight`): its figures are the rates' at a small wave's 50 % audit share, in audits.
 SPECS = (
     _Spec("escalation_rate", lambda w: float(w.get("escalation_rate") or 0) if _n(w) else None, False, _n,
@@ -336,7 +338,7 @@ SPECS = (
     _Spec("degraded_share", lambda w: float(w.get("degraded") or 0) / _n(w) if _n(w) else None, False, _n,
           lambda m: m.degraded_points, 2500, "degraded answers per inference, points", 1000, 500),
     _Spec("agreement", _disagreements, False, _n, lambda m: m.agreement_points, 2500,
-          "escalations answered otherwise by the cloud, per inference, points", 1000, 500),
+          "escalations answered otherwise by the cloud, per inference, points", 2000, 500),
     _Spec("audit_agreement", _confident_disagreements, False, _audit_weight, lambda m: m.agreement_points, 1250,
           "whole-stream disagreement with the cloud per inference (escalations and audits), points", 750, 250),
     _Spec("p95_vs_control", _log("p95_ms"), True, lambda w: 1.0, lambda m: math.log1p(m.p95_ratio), 30,
