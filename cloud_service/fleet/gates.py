@@ -37,7 +37,7 @@ at an estimate of 0 is under the margin. At the canary's alpha share, on a devic
 windows (escalation 20 %, 10 % of escalations and 1 % of confident answers answered otherwise): escalation rate
 494 inferences, degraded share 23, agreement 379, the whole-stream gate 691 with audits at 50 % (about 15,800 at
 the agent's 1 %), p95 4.2 windows, energy 3.7 windows; and no gate before MIN_BUCKETS buckets with both arms.
-A margin-sized regression fails no sooner than 1,253, 42, 814, 1,473 inferences, 7.7 and 8.0 windows. The old
+A margin-sized regression fails no sooner than 1,253, 42, 833, 1,473 inferences, 7.7 and 8.0 windows. The old
 fixed soak of 200 requests a device is below every floor but the degraded share's: a 2-point margin on a
 proportion cannot be bounded from 200 inferences, on either side.
 
