@@ -152,11 +152,14 @@ class TimerLateness:
     `safety * (1 - quantile) / r`: the margin is the `1 - safety * (1 - quantile) / r` quantile,
     between `floor_quantile` and `1 - safety * (1 - quantile)`. With `safety` ½ the expected share
     over the budget is half what the budget allows (at 100 requests a second, a 1-second window then
-    has 2.5 over on average, and more than 5 in about 4 % of windows). `r` is timers over requests,
-    both counted with a decay of `max_age_s` (`served`); until `min_requests` were counted it is 1.
-    Where one escalation in four times out (a jittered link under a tight budget) that is the 90th
-    percentile rather than the 95th: every millisecond a timer is not cut early is a millisecond more
-    for the round trip, which on such a link answers several more escalations in each hundred.
+    has 2.5 over on average, and, were they independent, more than 5 in about 4 % of windows). `r` is
+    timers over requests, both counted with a decay of `max_age_s` (`served`); while the decayed count of
+    requests is under `min_requests` (at a steady rate, under two requests a second) it is taken as 1.
+    The margin follows `r` as it moves, not only when a timer fires. Where one request in four times
+    out (a jittered link under a tight budget) that is the 90th percentile rather than the 95th: every
+    millisecond a timer is not cut early is a millisecond more for the round trip (on the jittered phase
+    of `bench/controller/run.py --phases binding`, about 17 more escalations in each hundred answered per
+    millisecond).
 
     Example:
         >>> late = TimerLateness()
@@ -165,7 +168,7 @@ class TimerLateness:
     """
 
     def __init__(self, prior_ms: float = 1.0, *, quantile: float = 0.95, window: int = 256, min_samples: int = 8,
-                 max_age_s: float = 10.0, safety: float = 0.5, floor_quantile: float = 0.75, min_requests: int = 50,
+                 max_age_s: float = 10.0, safety: float = 0.5, floor_quantile: float = 0.75, min_requests: float = 20.0,
                  clock: Callable[[], float] = time.monotonic) -> None:
         if not (0 < quantile < 1 and 0 < safety <= 1 and 0 <= floor_quantile <= 1 - safety * (1 - quantile)):
             msg = (f"TimerLateness: need 0 < quantile < 1, 0 < safety <= 1 and 0 <= floor_quantile <= "
@@ -175,7 +178,7 @@ class TimerLateness:
         self.max_age_s, self.clock = max_age_s, clock
         self.safety, self.floor_quantile, self.min_requests = safety, floor_quantile, min_requests
         self._samples: deque[tuple[float, float]] = deque(maxlen=window)
-        self._margin, self._until = self.prior_ms, math.inf
+        self._margin, self._until, self._level = self.prior_ms, math.inf, 1.0
         self._timers = self._requests = 0.0  # decayed counts (`_decay`), as of `_counted`
         self._counted = clock()
 
@@ -193,7 +196,7 @@ class TimerLateness:
     def at_risk(self) -> float:
         """The share of requests whose answer waited for the agent's timer (1 until enough were counted)."""
         self._decay()
-        if self._requests < self.min_requests * math.exp(-1.0):
+        if self._requests < self.min_requests:
             return 1.0
         return min(1.0, self._timers / self._requests)
 
@@ -220,13 +223,14 @@ class TimerLateness:
         s = sorted([v for _, v in samples] + [self.prior_ms] * max(0, self.min_samples - len(samples)))
         # the j-th smallest of n is exceeded by a new draw with probability 1 - j / (n + 1), whatever the
         # distribution: j is chosen so, but never the largest (one stall is not the margin)
-        j = math.ceil(self.level() * (len(s) + 1))
+        self._level = self.level()
+        j = math.ceil(self._level * (len(s) + 1))
         self._margin = s[max(0, min(j - 1, len(s) - 2))]
         self._until = samples[0][0] + self.max_age_s
 
     def margin_ms(self) -> float:
         """Milliseconds to end the agent's timer before the budget does."""
-        if self.clock() >= self._until:
+        if self.clock() >= self._until or (self._samples and abs(self.level() - self._level) > 0.005):
             self._refit()
         return self._margin
 

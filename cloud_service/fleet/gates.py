@@ -349,12 +349,16 @@ SPECS = (
 
 _AGREEMENT = next(s for s in SPECS if s.name == "agreement")
 
+def _one(spec: _Spec, w: Mapping[str, Any]) -> Obs | None:
+    """The gate's observation of one window (None where the window says nothing of it)."""
+    v = spec.value(w)
+    return None if v is None or not math.isfinite(v) else Obs(w["device_id"], w["server_ts"], spec.weight(w), v)
+
+
 def _obs(spec: _Spec, windows: Iterable[Mapping[str, Any]], memo: ObsMemo | None = None) -> list[Obs]:
     if memo is not None:
         return memo.obs(spec, windows)
-    value, weight = spec.value, spec.weight
-    return [Obs(w["device_id"], w["server_ts"], weight(w), v) for w in windows
-            if (v := value(w)) is not None and math.isfinite(v)]
+    return [o for w in windows if (o := _one(spec, w)) is not None]
 
 
 class ObsMemo:
@@ -372,10 +376,7 @@ class ObsMemo:
         for w in windows:
             hit = memo.get(id(w))
             if hit is None:
-                v = spec.value(w)
-                o = (None if v is None or not math.isfinite(v)
-                     else Obs(w["device_id"], w["server_ts"], spec.weight(w), v))
-                memo[id(w)] = hit = (w, o)
+                memo[id(w)] = hit = (w, _one(spec, w))
             if hit[1] is not None:
                 out.append(hit[1])
         return out

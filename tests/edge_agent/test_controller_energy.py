@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from edge_agent.evidence import PartCalibration
+from edge_agent.evidence import PartCalibration, series_stderr
 from runtimes.errors import ConfigError
 
 SEEDS = 100
@@ -83,8 +83,6 @@ def test_a_spell_of_slow_inferences_widens_the_calibrations_standard_error() -> 
     32 consecutive pairs), about 4.8x the independent-values one here (measured 4.5-5.0 over these seeds); on
     independent values it stays near it (its median ratio 1.0, at most 1.56 over these seeds: eight blocks
     estimate a spread with seven degrees of freedom)."""
-    from edge_agent.evidence import series_stderr
-
     for seed in range(20):
         rng = np.random.default_rng(seed)
         noise = rng.lognormal(0.0, 0.1, 256)

@@ -98,3 +98,21 @@ def test_a_margin_rule_that_cannot_hold_the_budget_is_refused() -> None:
         TimerLateness(1.0, floor_quantile=0.99)
     with pytest.raises(ConfigError, match="safety"):
         TimerLateness(1.0, safety=0.0)
+
+
+def test_the_margin_follows_the_share_between_timers() -> None:
+    """Timers that fired while every request waited on one set a high margin; once most requests are answered
+    without a timer, the next escalation's deadline reads the lower quantile, before any timer fires again."""
+    clock = Clock()
+    late = TimerLateness(1.0, clock=clock)
+    for i in range(100):
+        clock.now += 0.01
+        late.served()
+        late.add(0.05 * i)  # 0 .. 4.95 ms, every request timed out
+    high = late.margin_ms()
+    for _ in range(600):
+        clock.now += 0.01
+        late.served()  # answered in time or kept local: no timer fired; the latenesses are 6 s old, still in
+    assert late.at_risk() == pytest.approx(0.11, abs=0.01)
+    assert late.level() < 0.8
+    assert late.margin_ms() < 0.85 * high
