@@ -205,9 +205,11 @@ class Outcome:
 def run_rollout(fleet: Fleet, *, waves: tuple[str, ...] = ("1", "5%", "25%", "100%"),
                 margins: Margins | None = None, evidence: Evidence | None = None, baseline_windows: int = 60,
                 max_soak_windows: int = 60, control_max: int | None = None, holdback: int | None = None,
-                look_every: int = 2, audit_rate: float | None = None, audit_devices: int | None = None,
+                look_every: int = 1, audit_rate: float | None = None, audit_devices: int | None = None,
                 earlier_waves: bool = True, pre_swap_windows: int | None = None) -> Outcome:
-    """One rollout over the simulated fleet: waves judged by `gates.evaluate` every window, as the engine does;
+    """One rollout over the simulated fleet: waves judged by `gates.evaluate` every window, as the engine does (it
+    steps every second and a device's telemetry adds a window every `window_s`; `look_every` > 1 judges every
+    that many windows, a sparser schedule than the engine's that decides later by up to that many windows);
     a wave of at most `audit_devices` devices audits at `audit_rate` while it soaks (the rollout's defaults).
 
     The control, as the engine's: the devices still on the previous release and (`earlier_waves`) the devices
