@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -58,6 +59,48 @@ def metrics(rec: dict[str, Any], phases: list[Phase], *, adaptive: bool) -> list
             row["accuracy_after"] = float(rec["correct"][idx[c:]].mean())
         out.append(row)
     return out
+
+
+def mean_results(each: list[dict[str, list[dict[str, Any]]]]) -> dict[str, list[dict[str, Any]]]:
+    """Each strategy's rows averaged over repeats; the controller's settling is the slowest repeat's."""
+    if len(each) == 1:
+        return each[0]
+    out: dict[str, list[dict[str, Any]]] = {}
+    for name, rows in each[0].items():
+        out[name] = []
+        for pi, row in enumerate(rows):
+            got = [e[name][pi] for e in each]
+            merged: dict[str, Any] = {}
+            for key, value in row.items():
+                if key in ("converge_requests", "converge_s"):
+                    merged[key] = max(g[key] for g in got)
+                elif isinstance(value, (int, float)) and not isinstance(value, bool):
+                    merged[key] = type(value)(np.mean([g[key] for g in got]))
+                else:
+                    merged[key] = value
+            out[name].append(merged)
+    return out
+
+
+def paired(each: list[dict[str, list[dict[str, Any]]]], phases: list[Phase],
+           meets: Callable[[dict[str, Any], Phase], bool]) -> str:
+    """Per phase, the controller's accuracy less the best fixed strategy's (the best by its mean over the
+    repeats, among those that kept the budgets in every repeat), repeat by repeat, with the mean and its
+    standard error; beside it, each fixed strategy's spread across repeats (its standard deviation: what
+    one run's figure is off by)."""
+    lines = ["\nthe controller against the best fixed strategy, repeat by repeat (points; mean ± standard error):"]
+    for pi, phase in enumerate(phases):
+        fair = [k for k in each[0] if k != "controller" and all(meets(e[k][pi], phase) for e in each)]
+        if not fair:
+            continue
+        best = max(fair, key=lambda k: np.mean([e[k][pi]["accuracy"] for e in each]))
+        gaps = np.array([100 * (e["controller"][pi]["accuracy"] - e[best][pi]["accuracy"]) for e in each])
+        spread = {k: float(np.std([100 * e[k][pi]["accuracy"] for e in each], ddof=1))
+                  for k in ("controller", *fair) if k not in ("edge-only",)}
+        lines.append(f"  {phase.name:<18} vs {best}: " + ", ".join(f"{g:+.2f}" for g in gaps)
+                     + f"  mean {gaps.mean():+.2f} ± {gaps.std(ddof=1) / np.sqrt(gaps.size):.2f}; sd across "
+                     "repeats " + ", ".join(f"{k} {v:.2f}" for k, v in spread.items()))
+    return "\n".join(lines)
 
 
 def table(results: dict[str, list[dict[str, Any]]], phases: list[Phase], labels: dict[str, str]) -> str:

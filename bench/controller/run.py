@@ -24,7 +24,12 @@ lasts its requests / rate seconds for every strategy.
   1 s of the link's return, and the controller settles within 100 requests of each change.
 
 `--requests N` and `--only 1,2` shorten a run for diagnosis (N requests per phase; only those
-phases, numbered as in the full plan).
+phases, numbered as in the full plan). `--repeats K` runs every strategy K times, every other time in the
+reverse order, and judges each strategy by its mean: where half the escalations miss their deadline,
+which ones do is the link's draw and the host's, and one run of 1,000 requests tells a strategy's
+accuracy to 0.2-0.6 points (the standard deviation between two runs of the jitter phase); the best of
+three fixed strategies so drawn is biased up by most of one. The repeats' spread is printed beside the gap,
+so a systematic gap is told from a draw.
 
 Compared, per phase: the controller; the best static (variant, threshold) of each phase chosen with
 hindsight that meets the same budgets (oracle); fixed 0.5 (Sedna's default) and, for binding
@@ -52,7 +57,7 @@ from typing import Any
 import numpy as np
 from models import CLOUD_NAME, Models, build
 from replay import Phase, replay
-from report import markdown, metrics, plot, table
+from report import markdown, mean_results, metrics, paired, plot, table
 from strategies import ALWAYS, NEVER, PhaseLatency, Point, Scripted, hindsight
 
 from compilers.variants import VariantSet
@@ -163,12 +168,18 @@ def main(argv: list[str] | None = None) -> int:
                                                "trace 100)")
     ap.add_argument("--png", type=Path, default=Path(__file__).with_name("controller.png"))
     ap.add_argument("--dump", type=Path, help="also write every record and the controller's decisions here (.npz)")
+    ap.add_argument("--repeats", type=int, default=1,
+                    help="run every strategy this many times, every other time in the reverse order: the table and "
+                         "checks use each strategy's mean, and the controller's gap to the best fixed strategy is "
+                         "printed per repeat with its mean and standard error (the dump and plot: the first run)")
     args = ap.parse_args(argv)
     binding, traced = args.phases == "binding", args.phases == "trace"
     args.rate = args.rate or (100.0 if binding or traced else 200.0)
     per_phase = ((300 if args.quick else 1000) if binding else (300 if args.quick else 800) if traced
                  else (400 if args.quick else 1200))
     encoding = "auto" if traced else "fp32"
+    if args.repeats < 1:
+        ap.error(f"--repeats must be at least 1, got {args.repeats}")
     if args.requests is not None:
         if args.requests < 50:
             ap.error(f"--requests must be at least 50, got {args.requests}")
@@ -213,11 +224,18 @@ def main(argv: list[str] | None = None) -> int:
             records: dict[str, dict[str, Any]] = {}
             fixed = [("fixed-0.5", Point(recommended, 0.5))] + ([("fixed-0.99", Point(recommended, 0.99))]
                                                                 if binding or traced else [])
-            for name, point in (("edge-only", Point(best_edge, NEVER)), ("cloud-only", Point(recommended, ALWAYS)),
-                                *fixed):
+            statics = [("edge-only", Point(best_edge, NEVER)), ("cloud-only", Point(recommended, ALWAYS)), *fixed]
+
+            def run(name: str, points: list[Point] | None = None) -> dict[str, Any]:
                 print(f"replaying {name} ...", flush=True)
-                records[name] = replay(Scripted([point]), models, plan, trace, proxy, rate=args.rate,
-                                       wire_encoding=encoding)
+                if name == "controller":
+                    return replay(True, models, plan, trace, proxy, rate=args.rate,
+                                  adaptive=adaptive_options(models), wire_encoding=encoding)
+                return replay(Scripted(points or [dict(statics)[name]]), models, plan, trace, proxy,
+                              rate=args.rate, wire_encoding=encoding)
+
+            for name, _ in statics:
+                records[name] = run(name)
             cloud = records["cloud-only"]
             med = float(np.median(edge_ms[recommended]))
             points, predicted = [], []
@@ -232,16 +250,19 @@ def main(argv: list[str] | None = None) -> int:
                 predicted.append(pred)
             print("oracle points: " + "; ".join(f"{p.name}: {q.variant}@{q.threshold:.4g} (esc {r['escalation']:.1%})"
                                                 for p, q, r in zip(plan, points, predicted, strict=True)))
-            print("replaying oracle ...", flush=True)
-            records["oracle"] = replay(Scripted(points), models, plan, trace, proxy, rate=args.rate,
-                                       wire_encoding=encoding)
-            print("replaying controller ...", flush=True)
-            records["controller"] = replay(True, models, plan, trace, proxy, rate=args.rate,
-                                           adaptive=adaptive_options(models), wire_encoding=encoding)
+            records["oracle"] = run("oracle", points)
+            records["controller"] = run("controller")
+            repeats = [records]
+            for r in range(1, args.repeats):  # the same strategies again, in the reverse order, then forward
+                names = ["controller", "oracle", *reversed([n for n, _ in statics])]
+                print(f"repeat {r + 1} of {args.repeats}", flush=True)
+                repeats.append({n: run(n, points if n == "oracle" else None)
+                                for n in (names if r % 2 else names[::-1])})
         finally:
             proxy.stop()
     order = ["controller", "oracle", *(name for name, _ in fixed), "edge-only", "cloud-only"]
-    results = {k: metrics(records[k], plan, adaptive=k == "controller") for k in order}
+    each = [{k: metrics(rec[k], plan, adaptive=k == "controller") for k in order} for rec in repeats]
+    results = mean_results(each)
     labels = {k: records[k]["energy_label"] for k in order}
     print(table(results, plan, labels))
     check_energy_profile(labels)
@@ -253,6 +274,8 @@ def main(argv: list[str] | None = None) -> int:
         check_binding(ctl, results, plan)
     elif traced:
         check_binding(ctl, results, plan, settle=100)
+    if len(each) > 1 and (binding or traced):
+        print(paired(each, plan, meets))
         check_resume(records["controller"], plan)
     else:
         check_adapt(ctl, oracle, plan)
