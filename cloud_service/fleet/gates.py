@@ -542,6 +542,8 @@ def evaluate(arms: Arms | None, *, margins: Margins, evidence: Evidence, waves: 
         else:
             gates.append(judge(spec, arms, margins=margins, evidence=evidence, alpha_gate=alpha_gate, cache=cache,
                                memo=memo))
+            if spec.name == "audit_agreement" and gates[-1]["decision"] == "open":
+                gates[-1]["holds"] = audits_can_pass(arms, margins=margins, evidence=evidence, cache=cache, memo=memo)
     gates.append(_hard("p95_budget", None if budget_ms is None or on.p95_ms is None else on.p95_ms <= budget_ms,
                        on.p95_ms, f"p95 within the release's latency budget {budget_ms:g} ms" if budget_ms
                        else "the release sets no latency budget", limit=budget_ms))
@@ -553,6 +555,30 @@ def evaluate(arms: Arms | None, *, margins: Margins, evidence: Evidence, waves: 
                        "within the cloud's capacity" if cloud_capacity_rps else "no cloud capacity given",
                        limit=cloud_capacity_rps))
     return gates
+
+
+def control_futile(errors: Sequence[Mapping[str, Any]]) -> bool:
+    """From `baseline_errors(..., only=("audit_agreement",))`: whether the control's audits alone leave the
+    whole-stream gate's baseline error over `PRE_SWAP_REACH` of its limit, where no evidence of the wave's own
+    (a pre-swap phase, a longer soak) brings the gate's error under it."""
+    return bool(errors) and not (errors[0].get("control_se") or math.inf) <= PRE_SWAP_REACH * errors[0]["limit"]
+
+
+def audits_can_pass(arms: Arms, *, margins: Margins, evidence: Evidence, cache: dict[Any, Any] | None = None,
+                    memo: ObsMemo | None = None) -> bool:
+    """Whether the whole-stream gate can pass a good release of this wave, so may hold it while open
+    (`open_gates`): not where its control's audits are too few (`control_futile`: a small fleet whose control is
+    a few devices auditing 1 %, about 0.6 audits a second between four of them). There it stops the wave where its
+    evidence is clear, as in a wide wave, and the escalations' agreement gate stands for it, instead of holding
+    every release of that fleet at the canary until its maximum soak."""
+    key = ("audits_can_pass", id(arms.pre_wave), len(arms.pre_wave), id(arms.pre_control), len(arms.pre_control))
+    if cache is not None and key in cache:
+        return bool(cache[key])
+    ok = not control_futile(baseline_errors(arms, margins=margins, evidence=evidence, audited=True,
+                                            only=("audit_agreement",), memo=memo))
+    if cache is not None:
+        cache[key] = ok
+    return ok
 
 
 def _hard(name: str, ok: bool | None, value: Any, note: str, *, limit: Any = 0) -> dict[str, Any]:
@@ -571,10 +597,11 @@ def open_gates(gates: Iterable[Mapping[str, Any]], *, audited: bool = False) -> 
 
     `audited`: the wave audits at the rollout's raised rate (a small wave), so the whole-stream gate holds it
     until it passes too: a small wave is where confident errors (a flipped class) must be seen, before
-    the release reaches devices that audit at 1 %. Elsewhere audits are sparse, and that gate stops a wave
-    when its evidence is clear but never holds one up."""
-    return [g["gate"] for g in gates if g["gate"] in STAT_GATES and (audited or g["gate"] != "audit_agreement")
-            and g["decision"] == "open"]
+    the release reaches devices that audit at 1 %; unless its control's audits are too few for it ever to pass
+    (`holds` False, `audits_can_pass`). Elsewhere audits are sparse, and that gate stops a wave when its
+    evidence is clear but never holds one up."""
+    return [g["gate"] for g in gates if g["gate"] in STAT_GATES and g["decision"] == "open"
+            and (g["gate"] != "audit_agreement" or (audited and g.get("holds", True)))]
 
 
 def evidence_floor(gate: str, unit_var: float, *, margins: Margins, evidence: Evidence, waves: int,

@@ -43,11 +43,11 @@ from cloud_service.fleet.gates import (
     HARD_GATES,
     MIN_BASELINE_WINDOWS,
     MIN_WINDOW_REQUESTS,
-    PRE_SWAP_REACH,
     STAT_GATES,
     Arms,
     baseline_errors,
     cohort,
+    control_futile,
     evaluate,
     failed,
     open_gates,
@@ -447,7 +447,7 @@ class RolloutEngine:
                                  only=("audit_agreement",))
         started = float(phase["at"]) if phase else ctx.now
         ready = bool(errors) and all(g["ok"] for g in errors)
-        futile = bool(errors) and not (errors[0].get("control_se") or math.inf) <= PRE_SWAP_REACH * errors[0]["limit"]
+        futile = control_futile(errors)
         if phase is None and futile:
             return idle  # the control's own audits leave too much: no richer baseline of the wave's helps
         done = ready or futile or ctx.now - started >= ctx.opts.pre_swap_s

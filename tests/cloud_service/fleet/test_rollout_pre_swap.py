@@ -217,3 +217,20 @@ def test_the_audit_baseline_weighs_windows_by_their_audits() -> None:
     assert se(hour + minute) < 0.75 * se(hour)
     assert not [g for g in baseline_errors(Arms(hour, [], control, []), margins=m, evidence=ev)
                 if g["gate"] == "audit_agreement"]
+
+
+def test_a_control_too_sparse_in_audits_does_not_hold_the_canary_on_the_whole_stream_gate(store: FleetStore,
+                                                                                          tmp_path: Path) -> None:
+    """Five control devices auditing 0.5 %: the whole-stream gate could never pass the canary (the control's
+    audits alone leave its baseline error over the limit), so it does not hold the wave open until its maximum
+    soak: the good release passes every wave on the other gates, and the gate's record says it does not hold.
+    Held at the canary, the rollout would end paused ("inconclusive at its maximum soak: audit_agreement open")."""
+    sim = _Sim(store, tmp_path, own=0.005)
+    rid, engine = _deploy(sim, pre_swap_s=120, max_soak="150s")
+    shown = sim.run(rid, engine, 600)
+    assert shown["state"] == "succeeded", (shown["reason"], shown["waves"][0]["gates"])
+    canary = shown["waves"][0]
+    assert canary["ended_at"] - canary["started_at"] < 150  # passed before its maximum soak, not at it
+    audit = [g for d in shown["decisions"] if d["wave"] == 0 for g in (d["figures"].get("gates") or [])
+             if g["gate"] == "audit_agreement" and g["decision"] == "open"]
+    assert audit and all(g["holds"] is False for g in audit)
