@@ -37,6 +37,8 @@ pytestmark = pytest.mark.mqtt
 WAVES = "1,5%,25%,100%"
 MARGINS = Margins()
 RESTORE_BOUND_S = 20.0  # failed gate -> every agent that took the release back on the previous one
+STOP_BOUND_S = 120.0  # the canary's swap -> a bad release stopped and every agent back on the previous one
+PRE_SWAP_CAP_S = 300.0  # the rollout's default `--pre-swap`: the canary's audit phase before its swap at most
 MAX_SOAK = "5m"  # a wave's longest soak before the inconclusive policy
 
 
@@ -120,10 +122,13 @@ class _Run:
     def stop_bad(self, kind: str, release: str, previous: str, gate: str) -> dict[str, Any]:
         """Deploy a bad release; it must fail `gate` at the canary and every agent must end on `previous`."""
         rid = self.deploy(release, WAVES)
-        fail_at = None
-        deadline = time.monotonic() + 120
+        fail_at, deployed, shown = None, time.time(), self.fleet.show(rid)
         while True:  # the rollout's failure first, then the agents' own journals back on the previous release
-            assert time.monotonic() < deadline, f"{kind}: not stopped and restored in time: {self.fleet.show(rid)}"
+            # within STOP_BOUND_S of the canary's swap: its pre-swap audit phase (on the previous release, up to its
+            # cap) comes first where the control's audits let the whole-stream gate use one
+            began = shown["waves"][0]["started_at"]
+            deadline = (float(began) if began is not None else deployed + PRE_SWAP_CAP_S) + STOP_BOUND_S
+            assert time.time() < deadline, f"{kind}: not stopped and restored in time: {self.fleet.show(rid)}"
             if fail_at is None:
                 shown = self.fleet.show(rid)
                 assert shown["state"] != "succeeded", f"{kind}: the bad release passed every wave"
