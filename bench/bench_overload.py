@@ -78,7 +78,6 @@ import contextlib
 import dataclasses
 import multiprocessing
 import os
-import platform
 import queue
 import re
 import resource
@@ -96,6 +95,7 @@ from typing import Any
 
 import numpy as np
 
+from bench import cpu_name
 from cloud_service.protocol import inference_pb2 as pb
 from testkit.broker import Broker
 from testkit.overload import (
@@ -112,14 +112,6 @@ from testkit.overload import (
 from testkit.pytriton_path import SERVER_SCRIPT
 
 MODELS = {"slow": (128, 256), "fast": (32, 64)}
-
-
-def _cpu() -> str:
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    return platform.processor() or "unknown CPU"
 
 
 def _cpus(cpus: frozenset[int] | None) -> str:
@@ -551,7 +543,7 @@ def main(argv: list[str] | None = None) -> int:
         os.sched_setaffinity(0, args.loadgen_cpus)
     protocols = [p for p in args.protocols.split(",") if p]
     deadline_s = args.deadline_ms / 1000
-    print(f"# bench_overload on {_cpu()} ({os.cpu_count()} CPUs), Python {sys.version.split()[0]}; deadline "
+    print(f"# bench_overload on {cpu_name()} ({os.cpu_count()} CPUs), Python {sys.version.split()[0]}; deadline "
           f"{args.deadline_ms:g} ms, {args.seconds:g} s a row; load generator: {args.loadgen} x{args.loadgen_procs}, "
           f"gRPC callers: {args.grpc_callers}; serve args: "
           f"{args.serve_args or '(defaults)'}; CPUs: server {_cpus(args.server_cpus)}, load generator "

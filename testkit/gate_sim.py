@@ -281,7 +281,7 @@ def run_rollout(fleet: Fleet, *, waves: tuple[str, ...] = ("1", "5%", "25%", "10
                         pre_control, [x for i in control for x in history[i] if x["ts"] > start])
             gates = evaluate(arms if control else None, margins=margins, evidence=evidence, waves=len(sizes), wave=w,
                              budget_ms=None, device_failures={}, crashes=0, fleet_request_rate=None,
-                             cloud_capacity_rps=None, cache=cache, memo=memo)
+                             cloud_capacity_rps=None, cache=cache, memo=memo, audited=bool(raised))
             looks += 1
             done = sum(int(x["requests"]) for x in arms.post_wave)
             if failed(gates):

@@ -382,6 +382,13 @@ class ObsMemo:
                 out.append(hit[1])
         return out
 
+    def forget(self, windows: Iterable[Mapping[str, Any]]) -> None:
+        """Forget these windows (a caller that drops windows it held)."""
+        ids = [id(w) for w in windows]
+        for memo in self._by_gate.values():
+            for k in ids:
+                memo.pop(k, None)
+
 
 def _estimate(spec: _Spec, arms: Arms, evidence: Evidence,
               cache: dict[Any, Any] | None, memo: ObsMemo | None = None) -> tuple[Estimate | None, bool]:
@@ -523,9 +530,11 @@ def _record(spec: _Spec, est: Estimate | None, decision: str | None, margin: flo
 def evaluate(arms: Arms | None, *, margins: Margins, evidence: Evidence, waves: int, budget_ms: float | None,
              device_failures: Mapping[str, str], crashes: int, fleet_request_rate: float | None,
              cloud_capacity_rps: float | None, cache: dict[Any, Any] | None = None,
-             wave: int | None = None, memo: ObsMemo | None = None) -> list[dict[str, Any]]:
+             wave: int | None = None, memo: ObsMemo | None = None, audited: bool = True) -> list[dict[str, Any]]:
     """Every gate of wave `wave` (0: the canary; None: judged at the least alpha of any wave) of a `waves`-wave
-    rollout. `arms` None: no control cohort (the statistical gates are not judged)."""
+    rollout. `arms` None: no control cohort (the statistical gates are not judged). `audited`: the wave audits at
+    the rollout's raised rate, where an open whole-stream gate holds it and so says whether it can pass
+    (`holds`, `audits_can_pass`); elsewhere `open_gates` does not read that, and it is not computed."""
     on = cohort(arms.post_wave if arms else [])
     gates = [
         _hard("device_verifies", not device_failures, len(device_failures),
@@ -542,7 +551,7 @@ def evaluate(arms: Arms | None, *, margins: Margins, evidence: Evidence, waves: 
         else:
             gates.append(judge(spec, arms, margins=margins, evidence=evidence, alpha_gate=alpha_gate, cache=cache,
                                memo=memo))
-            if spec.name == "audit_agreement" and gates[-1]["decision"] == "open":
+            if spec.name == "audit_agreement" and audited and gates[-1]["decision"] == "open":
                 gates[-1]["holds"] = audits_can_pass(arms, margins=margins, evidence=evidence, cache=cache, memo=memo)
     gates.append(_hard("p95_budget", None if budget_ms is None or on.p95_ms is None else on.p95_ms <= budget_ms,
                        on.p95_ms, f"p95 within the release's latency budget {budget_ms:g} ms" if budget_ms

@@ -31,6 +31,7 @@ import os
 import secrets
 import socket
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -51,7 +52,6 @@ from cloud_service.fleet.gates import (
     evaluate,
     failed,
     open_gates,
-    window_counts,
 )
 from cloud_service.fleet.leases import Lease, LeaseLost
 from cloud_service.fleet.releases import ReleaseRegistry
@@ -65,7 +65,7 @@ from cloud_service.fleet.rollouts import (
     record,
 )
 from cloud_service.fleet.store import FleetStore
-from cloud_service.fleet.telemetry import stored_window
+from cloud_service.fleet.window_cache import SETTLE_S, WindowCache
 from cloud_service.protocol.fleet_docs import Desired, Reported, Soak, SoakProgress, SwapState
 from runtimes.budget import BudgetOverride
 
@@ -73,7 +73,6 @@ logger = logging.getLogger(__name__)
 LEASE = "rollouts"
 _NOTHING = (Reported(), 0.0)  # a device that has not reported
 RATE_LOOKBACK_S = 300.0
-PARSE_CHUNK = 2000  # window documents fetched per query (an IN list well under any database's limit)
 
 
 @dataclass
@@ -88,6 +87,18 @@ class _Ctx:
     now: float
 
 
+@dataclass(frozen=True)
+class _Kept:
+    """A wave's baselines (its devices' and its control's windows before it started) and what the gates computed
+    from them (`gates.evaluate`'s cache, keyed by these lists): the same from one step to the next while `key`
+    (the rollout, the wave, its start, its devices and its control) is."""
+
+    key: tuple[Any, ...]
+    pre_wave: list[dict[str, Any]]
+    pre_control: list[dict[str, Any]]
+    cache: dict[Any, Any]
+
+
 class RolloutEngine:
     """Args: store; desired: where rollout layers go; releases: the registry (latency budgets);
     online_after_s: a device heard from within this is online; cloud_capacity_rps: the capacity gate's figure
@@ -100,23 +111,24 @@ class RolloutEngine:
         self.online_after_s, self.cloud_capacity_rps = online_after_s, cloud_capacity_rps
         self.holder = holder or f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(3)}"
         self.lease = Lease(store, LEASE, holder=self.holder, ttl_s=lease_ttl_s)
-        # telemetry window (id, server_ts) -> what its document adds; the keys read during the current step
-        self._parsed: dict[tuple[int, float], dict[str, Any]] = {}
-        self._read: set[tuple[int, float]] = set()
+        self.cache = WindowCache(store)  # the windows steps read, each read and parsed once
+        # rollout -> its wave's baselines, kept while the wave, its devices and its control stay the same
+        self._kept: dict[int, _Kept] = {}
 
     def step(self, *, now: float | None = None) -> bool:
         """One pass over open rollouts; False when another process holds the lease (nothing done)."""
         if not self.lease.acquire(now=now):
             return False
-        self._read = set()
         try:
-            for rid in self._open():
+            rids = self._open()
+            self._kept = {rid: k for rid, k in self._kept.items() if rid in rids}
+            for rid in rids:
                 try:
                     self._step(rid, time.time() if now is None else now)
                 except LeaseLost:
                     return False
-        finally:  # keep the parsed windows this pass read (the next one reads them again), drop the rest
-            self._parsed = {k: v for k, v in self._parsed.items() if k in self._read}
+        finally:  # keep the windows this pass read (the next one reads them again), drop the rest
+            self.cache.end_step()
         return True
 
     def _open(self) -> list[int]:
@@ -223,11 +235,13 @@ class RolloutEngine:
         current = [d for d in members if ctx.devs[d]["wave"] == w["idx"]]
         fails, crashes = self._failures(ctx, members)
         # once the held-back control took the release, the wave was judged: its soak alone finishes it
-        figures = self._figures(ctx, w, current, judged=bool(released))
+        figures = self._figures(ctx, w, current, judged=bool(released), keep=True)
+        audited = self._audited(ctx, waves, w)
         gates = evaluate(figures["arms"], margins=opts.margins, evidence=opts.evidence, waves=len(waves),
                          wave=w["idx"], budget_ms=self._budget(row.release), device_failures=fails, crashes=crashes,
                          fleet_request_rate=figures["request_rate"],
-                         cloud_capacity_rps=opts.cloud_capacity_rps or self.cloud_capacity_rps)
+                         cloud_capacity_rps=opts.cloud_capacity_rps or self.cloud_capacity_rps,
+                         cache=figures["cache"], memo=self.cache.memo, audited=audited)
         record_figures = {"wave": figures["wave"].as_dict(), "control": figures["control"].as_dict(),
                           "control_kind": figures["control_kind"], "request_rate": figures["request_rate"],
                           "control_devices": figures["control_devices"],
@@ -245,7 +259,7 @@ class RolloutEngine:
         # rollout up, once some earlier wave was judged; with no device judged at all, it waits
         enough = (figures["wave"].requests >= opts.margins.min_requests if current
                   else bool(members) and not any(v["state"] in ("pending", "control") for v in ctx.devs.values()))
-        still = open_gates(gates, audited=self._audited(ctx, waves, w))
+        still = open_gates(gates, audited=audited)
         controls = [d for d, v in ctx.devs.items() if v["state"] == "control"]
         with self.store.begin() as conn:
             self.lease.fence(conn, now=ctx.now)
@@ -408,7 +422,7 @@ class RolloutEngine:
                              control=promoted[:ctx.opts.control_max])["arms"]
         if arms is None:
             return idle
-        errors = baseline_errors(arms, margins=ctx.opts.margins, evidence=ctx.opts.evidence)
+        errors = baseline_errors(arms, margins=ctx.opts.margins, evidence=ctx.opts.evidence, memo=self.cache.memo)
         ok = all(g["ok"] for g in errors)
         ended = float(waves[last - 1]["ended_at"] or ctx.now)
         cap = ctx.opts.max_soak
@@ -444,7 +458,7 @@ class RolloutEngine:
         if arms is None or (phase is None and not any(int(x.get("audits") or 0) for x in arms.pre_wave)):
             return idle  # nothing to compare, or devices that do not audit: no phase
         errors = baseline_errors(arms, margins=ctx.opts.margins, evidence=ctx.opts.evidence, audited=True,
-                                 only=("audit_agreement",))
+                                 only=("audit_agreement",), memo=self.cache.memo)
         started = float(phase["at"]) if phase else ctx.now
         ready = bool(errors) and all(g["ok"] for g in errors)
         futile = control_futile(errors)
@@ -535,7 +549,7 @@ class RolloutEngine:
         warm-up; else a device still on what it ran before, on anything but the release."""
         ev = ctx.opts.evidence
         by: dict[str, list[dict[str, Any]]] = {}
-        for x in self._windows(devices, ctx.now - ev.baseline_s):
+        for x in self.cache.windows(devices, ctx.now - ev.baseline_s, now=ctx.now):
             by.setdefault(x["device_id"], []).append(x)
         out = []
         for d in devices:
@@ -594,11 +608,12 @@ class RolloutEngine:
             d.update(values)
 
     def _figures(self, ctx: _Ctx, w: dict[str, Any], current: list[str], *, judged: bool = False,
-                 control: list[str] | None = None) -> dict[str, Any]:
+                 control: list[str] | None = None, keep: bool = False) -> dict[str, Any]:
         """The wave's own devices against the control, each with its baseline: the devices still on the previous
         release (their windows on it before the wave) and the devices of earlier waves (`_promoted`: their windows
         on the release before the wave, past their own swap's warm-up), at most `control_max` in all (`control`:
-        these devices instead). `judged`: the statistical gates have decided already (no arms)."""
+        these devices instead). `judged`: the statistical gates have decided already (no arms). `keep`: the
+        baselines are kept for the next step (`_Kept`, "cache": `evaluate`'s) once the wave is `SETTLE_S` old."""
         start = float(w["started_at"] or ctx.now)
         ev = ctx.opts.evidence
         release = ctx.row.release
@@ -606,7 +621,8 @@ class RolloutEngine:
                           and self._online(ctx, d)), key=lambda d: order_key(ctx.row.id, d))
         promoted = self._promoted(ctx, w["idx"])
         control = (waiting + promoted)[:ctx.opts.control_max] if control is None else control
-        wins = self._windows(sorted(set(current) | set(control)), min(start - ev.baseline_s, ctx.now - RATE_LOOKBACK_S))
+        wins = self.cache.windows(sorted(set(current) | set(control)),
+                                  min(start - ev.baseline_s, ctx.now - RATE_LOOKBACK_S), now=ctx.now)
         by: dict[str, list[dict[str, Any]]] = {}
         for x in wins:
             by.setdefault(x["device_id"], []).append(x)
@@ -636,8 +652,9 @@ class RolloutEngine:
                       for d in promoted if d in control}
         post_control = [x for d in control for x in (on_release[d] if d in on_release else by.get(d, []))
                         if x["server_ts"] >= start and (x["release"] == release) == (d in on_release)]
-        arms = (Arms(pre(current), post_wave, pre(control), post_control, warm)
+        kept = (self._baselines(ctx, w, current, control, sorted(on_release), pre, keep=keep)
                 if control and current and not judged else None)
+        arms = Arms(kept.pre_wave, post_wave, kept.pre_control, post_control, warm) if kept else None
         rates: dict[str, list[float]] = {}
         for x in wins:
             if x["server_ts"] >= ctx.now - RATE_LOOKBACK_S and x["window_s"] > 0:
@@ -649,38 +666,25 @@ class RolloutEngine:
         kind = ("held back" if held else "cohort") if len(on_release) < len(control) else "earlier waves"
         if on_release and len(on_release) < len(control):
             kind += " and earlier waves"
-        return {"arms": arms, "wave": cohort(post_wave), "control": cohort(post_control),
-                "control_kind": kind if arms else None, "request_rate": rate,
+        return {"arms": arms, "cache": kept.cache if kept else None, "wave": cohort(post_wave),
+                "control": cohort(post_control), "control_kind": kind if arms else None, "request_rate": rate,
                 "control_devices": {"previous": len(control) - len(on_release), "earlier_waves": len(on_release)}}
 
-    def _windows(self, devices: list[str], since: float) -> list[dict[str, Any]]:
-        """The devices' windows since `since`, with what their documents add (release, crashes, counts). A
-        window's document is parsed once and kept while a step still reads it (`_parsed`): a wave reads every
-        window of its devices over the baseline and the request-rate lookback at every step, and parsing them
-        all again each second grew a step to seconds on a loaded host (thousands of windows of a busy fleet)."""
-        if not devices:
-            return []
-        c = t.telemetry.c
-        with self.store.begin() as conn:
-            rows = conn.execute(sa.select(c.id, c.device_id, c.server_ts, c.window_s, c.requests, c.p95_ms,
-                                          c.escalation_rate, c.agreement, c.degraded, c.energy_mj_per_request)
-                                .where(c.device_id.in_(devices), c.server_ts >= since)).all()
-            missing = [int(r.id) for r in rows if (int(r.id), float(r.server_ts)) not in self._parsed]
-            for k in range(0, len(missing), PARSE_CHUNK):
-                for r in conn.execute(sa.select(c.id, c.server_ts, c.document).where(
-                        c.id.in_(missing[k:k + PARSE_CHUNK]))):
-                    doc = stored_window(r.document)
-                    self._parsed[(int(r.id), float(r.server_ts))] = {
-                        "release": doc.release if doc is not None else None,
-                        "crashes": doc.crashes if doc is not None else 0, **window_counts(doc)}
-        out = []
-        for r in rows:
-            w = dict(r._mapping)
-            key = (int(w.pop("id")), float(w["server_ts"]))
-            self._read.add(key)
-            w.update(self._parsed[key])
-            out.append(w)
-        return out
+    def _baselines(self, ctx: _Ctx, w: dict[str, Any], current: list[str], control: list[str],
+                   promoted: list[str], pre: Callable[[list[str]], list[dict[str, Any]]], *, keep: bool) -> _Kept:
+        """The wave's and the control's baselines (`pre`), as the step before had them where nothing they depend
+        on changed: the same lists, so that `evaluate` finds what it computed from them in its cache. They are
+        read once more when the wave is `SETTLE_S` old: a window received just before it started may commit
+        later (`window_cache`)."""
+        settled = w["started_at"] is not None and ctx.now - float(w["started_at"]) >= SETTLE_S
+        key = (ctx.row.id, w["idx"], w["started_at"], settled, tuple(current), tuple(control), tuple(promoted))
+        old = self._kept.get(ctx.row.id)
+        if keep and old is not None and old.key == key:
+            return old
+        kept = _Kept(key, pre(current), pre(control), {})
+        if keep:
+            self._kept[ctx.row.id] = kept
+        return kept
 
     def _budget(self, release: str) -> float | None:
         try:

@@ -24,7 +24,7 @@ import pytest
 
 from cloud_service.fleet import registry
 from cloud_service.fleet.rollout_engine import RolloutEngine
-from cloud_service.fleet.rollouts import make_options
+from cloud_service.fleet.rollouts import make_options, order_key
 from cloud_service.fleet.store import FleetStore
 from testkit.rollout_harness import rollout_states, two_releases
 
@@ -53,6 +53,7 @@ class _Sim:
         self.rng, self.seq, self.now = np.random.default_rng(7), 0, T0
         self.switched: dict[str, float] = {}
         self.quiet = 50  # inferences a window of the devices `run` singles out
+        self.silent: set[str] = set()  # devices that send nothing (offline) for now
         for d in self.devices:
             self.desired.record_reported(d, {"release": self.first}, now=self.now)
         for _ in range(BASELINE_S):
@@ -65,6 +66,8 @@ class _Sim:
         self.seq += 1
         batch = []
         for d in self.devices:
+            if d in self.silent:
+                continue
             eff = self.desired.effective(self.reg.device(d))
             want = (eff or {}).get("document", {}).get("release") or self.first
             if want != self.running[d]:
@@ -228,3 +231,47 @@ def test_a_last_wave_whose_earlier_waves_have_no_baseline_keeps_two_devices_back
     assert shown["state"] == "succeeded", (shown["reason"], shown["waves"])
     assert any(d["kind"] == "control_released" and d["wave"] == 2 for d in shown["decisions"])
     assert shown["states"] == {"committed": 6}
+
+
+def test_an_engine_that_keeps_its_windows_between_steps_decides_as_one_that_reads_them_anew(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The engine keeps the windows it read, and a wave's baselines with what the gates computed from them, from
+    one step to the next (`window_cache`, `_Kept`). The same rollout over the same telemetry, stepped by one engine
+    and by a new engine every step (each reading everything anew), takes the same decisions at the same times on
+    the same figures: every wave, the last one against the earlier waves, a baseline read again once settled, and
+    a control that changes during a wave (a device offline for a while, then back)."""
+    runs = []
+    for name in ("kept", "anew"):
+        monkeypatch.setattr(registry, "secrets", _SeededIds(40))  # the same device ids, so the same order
+        store = FleetStore.open(f"sqlite:///{tmp_path / name}.db")
+        try:
+            sim = _Sim(store, tmp_path / name)
+            rid, _ = _deploy(sim, "1,50%,100%")
+            engine = RolloutEngine(sim.store, sim.desired, sim.releases, holder="e", online_after_s=5)
+            # the last device in the rollout's order is offline when the canary starts, and back while it soaks:
+            # the canary's control gains a device
+            sim.silent = {max(sim.devices, key=lambda d: order_key(rid, d))}
+            for _ in range(7):
+                sim.tick(0.02)
+            for i in range(300):
+                if sim.rollouts.get(rid)["state"] != "running":
+                    break
+                sim.silent = set() if i == 4 else sim.silent
+                sim.tick(0.02)
+                if name == "anew":
+                    engine = RolloutEngine(sim.store, sim.desired, sim.releases, holder="e", online_after_s=5)
+                engine.step(now=sim.now)
+            shown = sim.rollouts.show(rid)
+        finally:
+            store.close()
+        runs.append([(d["kind"], d["wave"], d["at"] if d["kind"] != "start" else None,  # deploy: wall clock
+                      d["figures"].get("control_devices"), sorted(
+            (g["gate"], g["decision"], g.get("estimate"), g.get("evidence"), g.get("holds"))
+            for g in d["figures"].get("gates", []))) for d in shown["decisions"]])
+        assert shown["state"] == "succeeded", (name, shown["reason"])
+    kept, anew = runs
+    assert len(kept) > 3
+    # the canary's control had the quiet device back while the canary soaked
+    assert {(c or {}).get("previous") for _, wave, _, c, _ in kept if wave == 0} >= {4, 5}
+    assert any(gates for *_, gates in kept)
+    assert kept == anew
