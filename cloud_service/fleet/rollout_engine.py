@@ -20,6 +20,11 @@ fenced by it. A step, for each running rollout:
 
 For every rollout it also gives returning catch-up devices the rollout's current outcome, and marks
 rolled-back devices restored once they report the previous release again.
+
+Each telemetry window is read and parsed once and kept from one step to the next (`window_cache.py`), and a
+wave's baselines with what the gates computed from them while its devices and control stay the same (`_Kept`):
+a step over a 200-device control with an hour of baseline takes about 0.15 s on two cores, where reading and
+judging every window again took 4 s (bench/RESULTS.md).
 """
 
 from __future__ import annotations
