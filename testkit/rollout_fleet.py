@@ -48,9 +48,11 @@ class DigitsModels:
     Args:
         weight: (10, 64) and bias (10,) of the trained linear layer.
         x_test: the digits test images (real data), from which the request cycle is taken.
+        y_test: their labels (`swap_target` picks a cycle image the model answers right).
     """
 
-    def __init__(self, weight: np.ndarray, bias: np.ndarray, x_test: np.ndarray) -> None:
+    def __init__(self, weight: np.ndarray, bias: np.ndarray, x_test: np.ndarray,
+                 y_test: np.ndarray | None = None) -> None:
         self.w, self.b = weight.T.astype(np.float32), bias.astype(np.float32)
         z = x_test.reshape(len(x_test), -1) @ self.w + self.b
         base, low = _conf(z), _conf(z * LOW_CONFIDENCE_SCALE)
@@ -63,11 +65,42 @@ class DigitsModels:
         for k in range(4):  # blocks of five: sure, unsure, sure, unsure-when-scaled, sure
             order += [sure[3 * k], escalate[k], sure[3 * k + 1], flip[k], sure[3 * k + 2]]
         self.cycle = x_test[np.array(order)].astype(np.float32)
+        self.labels = None if y_test is None else np.asarray(y_test)[np.array(order)]
+        self.escalated = np.isin(np.array(order), escalate)  # on the baseline model
         self.base_rate = 4 / 20  # escalations on the cycle: the baseline model
         self.low_rate = 8 / 20  # and the low-confidence one
 
     def linear(self, path: Path, *, scale: float = 1.0) -> Path:
         return self._save(path, [], scale=scale)
+
+    def swap_target(self, *, escalated: bool) -> tuple[int, int, int]:
+        """(image, a, b) for `swapped`: the first cycle image the baseline model escalates (or answers with
+        confidence) and answers right, its class `a`, and the next class `b`."""
+        if self.labels is None:
+            msg = "DigitsModels was built without y_test: no image is known to be answered right"
+            raise ValueError(msg)
+        pred = (self.cycle.reshape(len(self.cycle), -1) @ self.w + self.b).argmax(axis=1)
+        image = next(i for i in range(len(self.cycle)) if self.escalated[i] == escalated and pred[i] == self.labels[i])
+        a = int(pred[image])
+        return image, a, (a + 1) % 10
+
+    def swapped(self, path: Path, image: int, a: int, b: int) -> Path:
+        """A label-map bug on part of the inputs: the logits of classes `a` and `b` trade places where the input is
+        cycle image `image`, and nowhere else. Every answer's confidence is the baseline's (the same escalations);
+        that image's answer is `b` where it was `a`: one confident error in 20 (an image answered with confidence:
+        only audits see it) or one escalation in four answered otherwise than the cloud answers it."""
+        from onnx import helper
+
+        perm = np.eye(10, dtype=np.float32)
+        perm[[a, b]] = perm[[b, a]]
+        extra = {"I": self.cycle[image].reshape(1, -1), "P": perm, "axes": np.array([1], np.int64),
+                 "eps": np.array(1e-3, np.float32)}
+        nodes = [helper.make_node("Sub", ["xf", "I"], ["d"]), helper.make_node("Abs", ["d"], ["ad"]),
+                 helper.make_node("ReduceSum", ["ad", "axes"], ["dist"], keepdims=1),
+                 helper.make_node("Less", ["dist", "eps"], ["hit"]),
+                 helper.make_node("MatMul", ["lin", "P"], ["traded"])]
+        return self._save(path, nodes, extra=extra, final=helper.make_node("Where", ["hit", "traded", "lin"],
+                                                                           ["logits"]))
 
     def heavy(self, path: Path, layers: int, hidden: int = 1024) -> Path:
         """The same logits plus 1e-6 x an MLP branch (`layers` hidden layers of `hidden` units sharing one
@@ -86,15 +119,20 @@ class DigitsModels:
         return self._save(path, nodes, extra=extra, side="side")
 
     def _save(self, path: Path, branch: list[Any], *, scale: float = 1.0, extra: dict[str, np.ndarray] | None = None,
-              side: str | None = None) -> Path:
+              side: str | None = None, final: Any = None) -> Path:
+        """`branch` reads "xf" (the flattened input) and "lin" (the logits); the output is "lin" + `side`, or
+        `final`'s (a node that writes "logits"), or "lin" itself."""
         import onnx
         from onnx import TensorProto, helper, numpy_helper
 
         inits = {"W": self.w * scale, "b": self.b * scale, **(extra or {})}
+        last = side is not None or final is not None
         nodes = [helper.make_node("Flatten", ["x"], ["xf"]), helper.make_node("MatMul", ["xf", "W"], ["z"]),
-                 helper.make_node("Add", ["z", "b"], ["lin" if side else "logits"]), *branch]
+                 helper.make_node("Add", ["z", "b"], ["lin" if last else "logits"]), *branch]
         if side:
             nodes.append(helper.make_node("Add", ["lin", side], ["logits"]))
+        elif final is not None:
+            nodes.append(final)
         graph = helper.make_graph(
             nodes, "digits", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 1, 8, 8])],
             [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["batch", 10])],

@@ -5,7 +5,11 @@ gRPC), and N real `tierkit agent` processes enrolled with tokens, under load fro
 Release 1 goes to every agent first (so there is a previous release); a good release 2 rolls through
 every wave; bad releases are stopped at the canary and every agent that took one is back on release 2
 within a bound measured here: (a) golden inputs that do not reproduce, (b) an edge model with lower
-confidence (+20 points of escalations), (c) a model whose p95 latency is about three times the control's.
+confidence (+20 points of escalations), (c) a model whose p95 latency is about three times the control's,
+(d) a label-map bug on one confident answer in 20 (5 points of accuracy, the same confidence: seen by the
+audits, and on escalations once the agent's learned escalation rule, taught by those audits, escalates that
+input), (e) one on one escalation in four (the edge answers it otherwise than the cloud: the escalation rate
+unchanged, agreement 5 points lower).
 The slow version also stops a quarter of the fleet before a rollout and restarts it afterwards.
 
 Every deployment uses the default margins and evidence (gates.py); the heavy release is sized at about 3.5x
@@ -45,7 +49,7 @@ MAX_SOAK = "5m"  # a wave's longest soak before the inconclusive policy
 @pytest.fixture(scope="module")
 def models(digits_linear: Any, digits: zoo.Split) -> DigitsModels:
     layer = digits_linear[1]
-    return DigitsModels(layer.weight.detach().numpy(), layer.bias.detach().numpy(), digits.x_test)
+    return DigitsModels(layer.weight.detach().numpy(), layer.bias.detach().numpy(), digits.x_test, digits.y_test)
 
 
 @pytest.fixture(scope="module")
@@ -69,6 +73,8 @@ class _Run:
         x, y = self.digits.x_val, self.digits.y_val
         if kind == "heavy":
             onnx = self.models.heavy(root / "model.onnx", model["layers"])
+        elif kind == "swapped":
+            onnx = self.models.swapped(root / "model.onnx", *model["swap"])
         else:
             onnx = self.models.linear(root / "model.onnx", scale=model.get("scale", 1.0))
         vs = variant_set(root / "vs", onnx, "lin", x, y, perturb=0.05 if kind == "golden" else 0.0)
@@ -119,8 +125,9 @@ class _Run:
         self.timings.setdefault("waves", {})[release[7:15]] = [_decided(shown, w["idx"]) for w in shown["waves"]]
         return shown
 
-    def stop_bad(self, kind: str, release: str, previous: str, gate: str) -> dict[str, Any]:
-        """Deploy a bad release; it must fail `gate` at the canary and every agent must end on `previous`."""
+    def stop_bad(self, kind: str, release: str, previous: str, gate: str | tuple[str, ...]) -> dict[str, Any]:
+        """Deploy a bad release; it must fail `gate` (one of them) at the canary and every agent must end on
+        `previous`."""
         rid = self.deploy(release, WAVES)
         fail_at, deployed, shown = None, time.time(), self.fleet.show(rid)
         while True:  # the rollout's failure first, then the agents' own journals back on the previous release
@@ -146,6 +153,7 @@ class _Run:
             d["kind"] == "restored" for d in s["decisions"]) and s, timeout=30)
         restored_at = next(float(d["at"]) for d in shown["decisions"] if d["kind"] == "restored")
         failed = {g["gate"]: g for g in fail["figures"]["gates"] if g["ok"] is False}
+        gate = next((g for g in ((gate,) if isinstance(gate, str) else gate) if g in failed), str(gate))
         assert gate in failed, fail["figures"]
         ran = [i for i in range(self.agents.n) if self.agents.ran(i, release)]
         assert len(ran) <= 2, ran  # the canary plus one, at most
@@ -282,6 +290,20 @@ def _scenario(run: _Run, *, bad: tuple[str, ...], offline: bool) -> None:
             g = run.timings["restore_s"][kind]["gate"]
             assert g["wave"] - g["control"] >= 0.10, g  # measured: the escalation rate rose by 10 points or more
             assert g["wave"] == pytest.approx(run.models.low_rate, abs=0.04)
+        elif kind == "flip":  # a confident error: the audits see it, and the agent's learned escalation rule, which
+            # learns from them, may escalate that image, where the escalations' agreement gate sees it too
+            release = run.release("swapped", str(next(version)), [r2], swap=run.models.swap_target(escalated=False))
+            run.stop_bad(kind, release, r2, ("audit_agreement", "agreement"))
+            g = run.timings["restore_s"][kind]["gate"]
+            assert g["estimate"] > 0, g  # more disagreement with the cloud on the release than on the previous
+        elif kind == "disagree":  # the same confidence everywhere: the same escalations, exactly
+            release = run.release("swapped", str(next(version)), [r2], swap=run.models.swap_target(escalated=True))
+            shown = run.stop_bad(kind, release, r2, "agreement")
+            g = run.timings["restore_s"][kind]["gate"]
+            fail = next(d for d in shown["decisions"] if d["kind"] == "fail")
+            gates = {x["gate"]: x for x in fail["figures"]["gates"]}
+            assert gates["escalation_rate"]["ok"] is not False, gates["escalation_rate"]
+            assert g["estimate"] > 0, g
         elif kind == "p95":
             since = time.time() - 10
             windows = [w for w in fleet.api("GET", f"/v1/telemetry?label=kind=cam&since={since}")["windows"]
@@ -324,6 +346,17 @@ def test_a_small_fleet_of_agents_takes_a_good_release_and_stops_a_bad_one(
         tmp_path: Path, models: DigitsModels, cloud_models: Path, digits: zoo.Split) -> None:
     _fleet_run(tmp_path, 5, models, cloud_models, digits, bad=("escalation",), offline=False, rate_rps=20, soak=30,
                max_s=850)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(2000)
+def test_a_small_fleet_stops_label_map_bugs_seen_by_audits_alone_and_on_escalations(
+        tmp_path: Path, models: DigitsModels, cloud_models: Path, digits: zoo.Split) -> None:
+    """(d) and (e) with real agents: each stopped at the canary by a gate that sees it; (e) with the escalation
+    rate the same as the control's."""
+    timings = _fleet_run(tmp_path, 5, models, cloud_models, digits, bad=("flip", "disagree"), offline=False,
+                         rate_rps=20, soak=30, max_s=1300)
+    assert set(timings["restore_s"]) == {"flip", "disagree"}
 
 
 @pytest.mark.slow
