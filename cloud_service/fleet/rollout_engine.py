@@ -242,11 +242,7 @@ class RolloutEngine:
         # once the held-back control took the release, the wave was judged: its soak alone finishes it
         figures = self._figures(ctx, w, current, judged=bool(released), keep=True)
         audited = self._audited(ctx, waves, w)
-        gates = evaluate(figures["arms"], margins=opts.margins, evidence=opts.evidence, waves=len(waves),
-                         wave=w["idx"], budget_ms=self._budget(row.release), device_failures=fails, crashes=crashes,
-                         fleet_request_rate=figures["request_rate"],
-                         cloud_capacity_rps=opts.cloud_capacity_rps or self.cloud_capacity_rps,
-                         cache=figures["cache"], memo=self.cache.memo, audited=audited)
+        gates = self._gates(ctx, len(waves), w["idx"], figures, fails, crashes, audited=audited)
         record_figures = {"wave": figures["wave"].as_dict(), "control": figures["control"].as_dict(),
                           "control_kind": figures["control_kind"], "request_rate": figures["request_rate"],
                           "control_devices": figures["control_devices"],
@@ -390,6 +386,16 @@ class RolloutEngine:
         swap = ctx.reported.get(device, _NOTHING)[0].swap
         done = swap.soak if swap is not None and swap.soak is not None else SoakProgress()
         return Soak.parse(opts.soak, where="the rollout's soak").reached(done)
+
+    def _gates(self, ctx: _Ctx, waves: int, wave: int, figures: dict[str, Any], fails: dict[str, str], crashes: int,
+               *, audited: bool) -> list[dict[str, Any]]:
+        """Every gate of the wave on `_figures`' arms, with what the wave's earlier steps computed (`_Kept`)."""
+        opts = ctx.opts
+        return evaluate(figures["arms"], margins=opts.margins, evidence=opts.evidence, waves=waves, wave=wave,
+                        budget_ms=self._budget(ctx.row.release), device_failures=fails, crashes=crashes,
+                        fleet_request_rate=figures["request_rate"],
+                        cloud_capacity_rps=opts.cloud_capacity_rps or self.cloud_capacity_rps,
+                        cache=figures["cache"], memo=self.cache.memo, audited=audited)
 
     @staticmethod
     def _audited(ctx: _Ctx, waves: list[dict[str, Any]], w: dict[str, Any]) -> bool:
