@@ -5,10 +5,12 @@ evidence's baseline (an hour by default) and the request-rate lookback: 200 devi
 72,000 windows. Read from the database, parsed and judged anew every second, a step took 3-4 s on a 2-core
 host (bench/RESULTS.md), longer than the second between steps. Here each window is read and parsed once:
 
-- per device, the cache holds every window from `since` on, complete up to `upto` (the clock of the read that
-  filled it, less `SETTLE_S`); a later read asks only for the windows past that mark (`server_ts > upto`) and
-  adds those it does not hold (by id). The mark trails the clock by `SETTLE_S` because a window's `server_ts`
-  is stamped when the fleet receives it, before its batch commits: a window committed late is still read;
+- per device, the cache holds every window from `since` on, complete up to `upto`: `SETTLE_S` before the newest
+  window the read that filled it saw (or before its clock, if earlier); a later read asks only for the windows
+  past that mark (`server_ts > upto`) and adds those it does not hold (by id). The mark trails by `SETTLE_S`
+  because a window's `server_ts` is stamped when the fleet receives it, before its batch commits: a window
+  committed late is still read. It follows the stamps, not the engine's clock, so an engine process whose
+  clock runs ahead of the ingesting one's does not move the mark past windows not yet committed;
 - a read for an earlier `since` than the cache holds reads that device whole again;
 - `end_step()` drops what the step did not read: devices not asked for, windows older than any `since` asked;
 - each window is one dict for as long as it is held, so `memo` (the gates' `ObsMemo`) reads each window's
@@ -20,6 +22,7 @@ dicts are shared: callers must not change them.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 from typing import Any
 
@@ -77,7 +80,7 @@ class WindowCache:
         if not devices:
             return
         c = t.telemetry.c
-        upto = max(since, now - SETTLE_S)
+        newest = -math.inf
         when = c.server_ts > since if strictly_after else c.server_ts >= since
         with self.store.begin() as conn:
             fresh = []
@@ -85,6 +88,7 @@ class WindowCache:
                 for r in conn.execute(sa.select(c.id, c.device_id, c.server_ts, c.window_s, c.requests, c.p95_ms,
                                                 c.escalation_rate, c.agreement, c.degraded, c.energy_mj_per_request)
                                       .where(c.device_id.in_(devices[k:k + PARSE_CHUNK]), when).order_by(c.id)):
+                    newest = max(newest, float(r.server_ts))
                     if int(r.id) not in self._held[r.device_id].rows:
                         fresh.append(r)
             docs: dict[int, str] = {}
@@ -100,6 +104,9 @@ class WindowCache:
             w.update(release=doc.release if doc is not None else None, crashes=doc.crashes if doc is not None else 0,
                      **window_counts(doc))
             self._held[w["device_id"]].rows[wid] = w
+        # complete up to SETTLE_S before the newest window seen (by the fleet's clock, which stamped it, not the
+        # engine's: several fleet processes on one database may disagree by seconds), or the clock if earlier
+        upto = max(since, min(now, newest) - SETTLE_S)
         for d in devices:
             self._held[d].upto = max(self._held[d].upto, upto)
 

@@ -70,3 +70,19 @@ def test_a_step_drops_what_it_did_not_read_and_the_memo_with_it(store: FleetStor
     assert cache.memo.obs(SPECS[0], one)  # still there for the windows held ...
     memo = cache.memo._by_gate[SPECS[0].name]
     assert set(memo) == {id(w) for w in one}  # ... and only for them
+
+
+def test_an_engine_clock_ahead_of_the_fleet_s_stamps_still_reads_a_late_commit(store: FleetStore,
+                                                                              tmp_path: Path) -> None:
+    """The mark follows the windows' own stamps: an engine process whose clock runs two minutes ahead of the
+    ingesting one's still reads a window stamped before the newest one and committed after the last read."""
+    f = two_releases(store, tmp_path, 1)
+    tel, device = TelemetryStore(store), f.devices[0]
+    tel.ingest([_window(device, s, T0 + s, f.first) for s in range(1, 11)])
+    cache = WindowCache(store)
+    ahead = T0 + 10 + 120
+    assert len(cache.windows([device], T0, now=ahead)) == 10
+    cache.end_step()
+    tel.ingest([_window(device, 11, T0 + 5.5, f.first)])  # stamped 4.5 s before the newest, committed now
+    got = cache.windows([device], T0, now=ahead)
+    assert sorted(w["server_ts"] for w in got) == sorted([T0 + s for s in range(1, 11)] + [T0 + 5.5])
