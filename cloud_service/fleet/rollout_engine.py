@@ -624,7 +624,8 @@ class RolloutEngine:
         release (their windows on it before the wave) and the devices of earlier waves (`_promoted`: their windows
         on the release before the wave, past their own swap's warm-up), at most `control_max` in all (`control`:
         these devices instead). `judged`: the statistical gates have decided already (no arms). `keep`: the
-        baselines are kept for the next step (`_Kept`, "cache": `evaluate`'s) once the wave is `SETTLE_S` old."""
+        baselines are kept for the next step (`_Kept`, "cache": `evaluate`'s), and read once more when the wave is
+        `SETTLE_S` old."""
         start = float(w["started_at"] or ctx.now)
         ev = ctx.opts.evidence
         release = ctx.row.release

@@ -38,7 +38,8 @@ PARSE_CHUNK = 2000  # window documents fetched per query (an IN list well under 
 
 
 class _Held:
-    """One device's windows: by id, in id order; complete from `since` to `upto` (server time)."""
+    """One device's windows: by id, in the order read (a late commit after newer ones); complete from `since` to
+    `upto` (server time)."""
 
     __slots__ = ("rows", "since", "upto")
 
