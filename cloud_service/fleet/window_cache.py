@@ -33,7 +33,8 @@ from cloud_service.fleet.gates import ObsMemo, window_counts
 from cloud_service.fleet.store import FleetStore
 from cloud_service.fleet.telemetry import stored_window
 
-SETTLE_S = 15.0  # a window's batch commits within this of its server_ts (the ingest flushes every second or so)
+SETTLE_S = 15.0  # assumed bound from a window's server_ts to its batch's commit (a batch waits 0.05 s to fill,
+# `IngestOptions.batch_wait_s`; the rest is the store's write: a margin, not a measured tail)
 PARSE_CHUNK = 2000  # window documents fetched per query (an IN list well under any database's limit)
 
 
