@@ -227,6 +227,13 @@ class Rollouts:
             reported = {r.device_id: stored_reported(r.document) for r in conn.execute(
                 sa.select(t.reported.c.device_id, t.reported.c.document).where(t.reported.c.device_id.in_(ids)))}
             runs = {d: doc.release for d, doc in reported.items()}
+            # a device an earlier rollout is sending back (not yet reported restored) runs, by the time this one
+            # reaches it, the release it is sent back to; its report still names the release it leaves, and that
+            # one, taken as its previous, would be its baseline and, were this rollout to fail, where it goes back
+            runs.update({r.device_id: r.previous or r.rollout_previous for r in conn.execute(
+                sa.select(rd.device_id, rd.previous, t.rollouts.c.previous.label("rollout_previous"))
+                .join(t.rollouts, t.rollouts.c.id == rd.rollout_id)
+                .where(rd.device_id.in_(ids), rd.state == "rollback")) if r.previous or r.rollout_previous})
             if previous is None:
                 common = Counter(v for v in runs.values() if isinstance(v, str) and v != rel["digest"]).most_common(1)
                 previous = common[0][0] if common else (rel["rollback_to"][-1] if rel["rollback_to"] else None)

@@ -162,3 +162,48 @@ def test_a_new_releases_default_rollback_target_was_never_rolled_back(store: Fle
     policy.write_text("version: '3'\n")
     third = releases.create(variants, policy, sign_key=load_private_key(key))
     assert third["rollback_to"] == [first]  # not the release that was just rolled back
+
+
+def test_a_device_still_going_back_is_taken_as_running_what_it_goes_back_to(store: FleetStore,
+                                                                              tmp_path: Path) -> None:
+    """A rollout deployed right after a rollback, before its device reports the restore, must not take the
+    release it leaves for its previous: that would be its baseline and where a failure sends it back."""
+    reg = Registry(store, FleetCA.load_or_create(tmp_path))
+    devices = _devices(reg, 3)
+    desired = DesiredState(store)
+    key, pub = generate_keypair(tmp_path / "ops")
+    releases = ReleaseRegistry(store, tmp_path / "data", [load_public_key(pub)])
+    variants = tiny_variant_set(tmp_path / "model")
+    policy = tmp_path / "p.yaml"
+    digests = []
+    for v in ("1", "2", "3"):
+        policy.write_text(f"version: '{v}'\n")
+        digests.append(releases.create(variants, policy, sign_key=load_private_key(key))["digest"])
+    first, second, third = digests
+    t0 = time.time()
+    for d in devices:
+        desired.record_reported(d, {"release": first}, now=t0)
+    rollouts = Rollouts(store, releases)
+    engine = RolloutEngine(store, desired, releases, holder="e")
+    rid = rollouts.deploy(second, {}, make_options(waves="100%"))
+    engine.step(now=t0 + 1)
+    for d in devices:
+        desired.record_reported(d, {"release": second}, now=t0 + 2)
+    engine.step(now=t0 + 3)
+    assert rollouts.show(rid)["states"] == {"committed": 3}
+    rollouts.request_rollback(rid)
+    engine.step(now=t0 + 4)
+    assert rollouts.show(rid)["states"] == {"rollback": 3}
+    desired.record_reported(devices[0], {"release": first}, now=t0 + 5)  # one reports the restore; two do not yet
+
+    rid2 = rollouts.deploy(third, {}, make_options(waves="100%"))
+    shown = rollouts.show(rid2)
+    assert {d["device_id"]: d["previous"] for d in shown["device_list"]} == dict.fromkeys(devices, first)
+    assert shown["previous"] == first
+    engine.step(now=t0 + 6)
+    rollouts.request_rollback(rid2)
+    engine.step(now=t0 + 7)
+    for d in devices:
+        eff = desired.effective(reg.device(d))
+        assert eff is not None
+        assert eff["document"]["release"] == first  # not the release rolled back by hand a moment before
