@@ -124,9 +124,12 @@ def https_context(url: str, ca_file: str | Path | None) -> ssl.SSLContext | None
 
 
 def enroll(fleet_url: str, token: str, state_dir: Path, *, hardware: dict[str, Any] | None = None,
-           agent_version: str = "", timeout_s: float = 10.0, ca_file: str | Path | None = None) -> FleetIdentity:
+           agent_version: str = "", timeout_s: float = 10.0, ca_file: str | Path | None = None,
+           retry_s: float = 0.0) -> FleetIdentity:
     """Enroll once: reuse the identity in `state_dir` when there is one, else exchange `token` for one
-    (over HTTPS verified against `ca_file` for an `https://` url)."""
+    (over HTTPS verified against `ca_file` for an `https://` url). `retry_s`: for this long, a fleet that cannot
+    be reached or answers that it is busy (429, 502, 503, 504) is asked again, with backoff (an agent that boots
+    before its fleet or network); a refusal or a certificate that does not verify ends it at once."""
     existing = load_identity(state_dir)
     if existing is not None:
         return existing
@@ -134,18 +137,18 @@ def enroll(fleet_url: str, token: str, state_dir: Path, *, hardware: dict[str, A
     key_pem, csr_pem = generate_key_and_csr()
     body = json.dumps({"token": token, "csr": csr_pem, "hardware": hardware or {},
                        "agent_version": agent_version}).encode()
-    req = urllib.request.Request(fleet_url.rstrip("/") + "/v1/enroll", data=body, method="POST",
-                                 headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(req, timeout=timeout_s, context=https_context(fleet_url, ca_file)) as resp:
-            got = json.loads(resp.read())
-    except urllib.error.HTTPError as exc:
-        detail = exc.read().decode(errors="replace")[:500]
-        msg = f"the fleet at {fleet_url} refused enrollment ({exc.code}): {detail}"
-        raise EnrollmentError(msg) from None
-    except (urllib.error.URLError, OSError, ValueError) as exc:
-        msg = f"cannot reach the fleet at {fleet_url} to enroll: {exc}"
-        raise EnrollmentError(msg) from None
+    deadline, wait, timed_out = time.monotonic() + retry_s, 0.5, False
+    while True:
+        try:
+            got = _post_enroll(fleet_url, body, timeout_s, ca_file, timed_out)
+            break
+        except _Transient as exc:
+            timed_out = timed_out or exc.timed_out
+            if time.monotonic() + wait > deadline:
+                raise EnrollmentError(str(exc)) from None
+            logger.warning("%s; trying again in %.1f s", exc, wait)
+            time.sleep(wait)
+            wait = min(2 * wait, ENROLL_BACKOFF_MAX_S)
     key_file, cert_file, ca_file = state_dir / "device.key", state_dir / "device.pem", state_dir / "fleet-ca.pem"
     key_file.touch(mode=0o600)
     key_file.write_bytes(key_pem)
@@ -159,6 +162,45 @@ def enroll(fleet_url: str, token: str, state_dir: Path, *, hardware: dict[str, A
     os.chmod(tmp, 0o600)
     tmp.replace(state_dir / "fleet.json")
     return identity
+
+
+ENROLL_BACKOFF_MAX_S = 15.0
+ENROLL_RETRY_S = 300.0  # how long a starting agent keeps asking a fleet it cannot reach
+
+
+class _Transient(Exception):
+    """A failure worth asking again about: the fleet not reached, or busy."""
+
+    def __init__(self, msg: str, *, timed_out: bool = False) -> None:
+        super().__init__(msg)
+        self.timed_out = timed_out
+
+
+def _post_enroll(fleet_url: str, body: bytes, timeout_s: float, ca_file: str | Path | None,
+                 timed_out: bool) -> dict[str, Any]:
+    req = urllib.request.Request(fleet_url.rstrip("/") + "/v1/enroll", data=body, method="POST",
+                                 headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout_s, context=https_context(fleet_url, ca_file)) as resp:
+            return dict(json.loads(resp.read()))
+    except urllib.error.HTTPError as exc:
+        detail = exc.read().decode(errors="replace")[:500]
+        msg = f"the fleet at {fleet_url} refused enrollment ({exc.code}): {detail}"
+        if exc.code in (429, 502, 503, 504):
+            raise _Transient(msg) from None
+        if timed_out and "already used" in detail:
+            msg += ("; an earlier attempt of this agent timed out, and the fleet may have enrolled it then: "
+                    "create another token, and revoke the device it names if it never came up")
+        raise EnrollmentError(msg) from None
+    except (urllib.error.URLError, OSError) as exc:
+        reason = exc.reason if isinstance(exc, urllib.error.URLError) else exc
+        msg = f"cannot reach the fleet at {fleet_url} to enroll: {exc}"
+        if isinstance(reason, ssl.SSLError):  # a certificate that does not verify will not verify later
+            raise EnrollmentError(msg) from None
+        raise _Transient(msg, timed_out=isinstance(reason, TimeoutError)) from None
+    except ValueError as exc:
+        msg = f"the fleet at {fleet_url} answered enrollment with what is not JSON: {exc}"
+        raise EnrollmentError(msg) from None
 
 
 def model_digest(model: Path) -> str:
@@ -197,7 +239,7 @@ def enrolled_config(config: AgentConfig) -> AgentConfig:
     except importlib.metadata.PackageNotFoundError:
         version = "unknown"
     ident = enroll(fleet.url, fleet.token, fleet.state_dir, hardware=_hardware(), agent_version=version,
-                   ca_file=fleet.ca_file)
+                   ca_file=fleet.ca_file, retry_s=ENROLL_RETRY_S)
     from edge_agent.transports.base import TransportOptions
 
     transport = dataclasses.replace(config.options.transport or TransportOptions(),

@@ -60,8 +60,9 @@ def _agents(n: int, stack: tuple[FleetProcess, Broker, Path, str], package: Mode
 
         def all_online() -> bool:
             ds = devices()
-            dead = [p.args for p in procs if p.poll() is not None]
-            assert not dead, f"agents exited: {dead}; see {tmp_path}/agent*/agent.log"
+            dead = [k for k, p in enumerate(procs) if p.poll() is not None]
+            tails = {k: (tmp_path / f"agent{k}" / "agent.log").read_text(errors="replace")[-1500:] for k in dead}
+            assert not dead, f"agents exited: {tails}"
             return len(ds) == n and all(d["online"] for d in ds)
 
         # bounds against a hang, not timing claims: at load average ~20 four agents did not all report in 76 s

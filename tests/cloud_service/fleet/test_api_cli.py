@@ -4,14 +4,18 @@ from __future__ import annotations
 
 import argparse
 import json
+import threading
+import time
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from cloud_service.fleet.cli import add_parser
 from edge_agent.fleet_sync import EnrollmentError, enroll, load_identity
+from testkit.broker import _free_port
 from testkit.fleet_process import FleetProcess, cli
 
 
@@ -92,6 +96,38 @@ def test_enroll_operate_and_revoke(fleet: tuple[FleetProcess, Path, str], tmp_pa
     bad = cli("revoke", "dev-nope", data_dir=data, db=db, check=False)
     assert bad.returncode == 1
     assert "no device 'dev-nope'" in bad.stderr
+
+
+@pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)
+def test_an_agent_that_starts_before_its_fleet_enrolls_once_the_fleet_is_up(db_url: str, tmp_path: Path) -> None:
+    data = tmp_path / "fleet-data"
+    token = cli("token", "create", "--expires", "1h", data_dir=data, db=db_url).stdout.strip()
+    port = _free_port()
+    got: dict[str, Any] = {}
+
+    def agent() -> None:
+        try:
+            got["identity"] = enroll(f"http://127.0.0.1:{port}", token, tmp_path / "dev", retry_s=120)
+        except EnrollmentError as exc:
+            got["error"] = exc
+
+    booting = threading.Thread(target=agent, daemon=True)
+    booting.start()
+    time.sleep(1.5)  # refused connections meanwhile: nothing listens on the port yet
+    assert booting.is_alive(), got
+    proc = FleetProcess(data, db_url, "--http", f"127.0.0.1:{port}").start()
+    try:
+        booting.join(120)
+        assert "identity" in got, got
+        assert load_identity(tmp_path / "dev") == got["identity"]
+        t0 = time.monotonic()
+        with pytest.raises(EnrollmentError, match="unknown"):  # a refusal is not asked again
+            enroll(proc.url, "tke_not-a-token", tmp_path / "dev2", retry_s=120)
+        assert time.monotonic() - t0 < 30
+    finally:
+        proc.stop()
+    with pytest.raises(EnrollmentError, match=r"cannot reach the fleet at http://127\.0\.0\.1"):
+        enroll(f"http://127.0.0.1:{_free_port()}", token, tmp_path / "dev3")  # no retry_s: at once
 
 
 def _serve_args(*argv: str) -> argparse.Namespace:
