@@ -28,6 +28,19 @@ def _devices(registry: Registry, n: int) -> list[str]:
             for _ in range(n)]
 
 
+def _signed_releases(store: FleetStore, tmp_path: Path, *versions: str) -> tuple[ReleaseRegistry, list[str]]:
+    """A release registry trusting a key made under `tmp_path`, and a release of the tiny model per version."""
+    key, pub = generate_keypair(tmp_path / "ops")
+    releases = ReleaseRegistry(store, tmp_path / "data", [load_public_key(pub)])
+    variants = tiny_variant_set(tmp_path / "model")
+    policy = tmp_path / "p.yaml"
+    digests = []
+    for v in versions:
+        policy.write_text(f"version: '{v}'\n")
+        digests.append(releases.create(variants, policy, sign_key=load_private_key(key))["digest"])
+    return releases, digests
+
+
 def test_rollout_layer_sits_between_labels_and_device_overrides(store: FleetStore, tmp_path: Path) -> None:
     reg = Registry(store, FleetCA.load_or_create(tmp_path))
     dev = _devices(reg, 1)[0]
@@ -56,14 +69,7 @@ def test_two_engines_on_one_database_only_one_acts(store: FleetStore, tmp_path: 
     reg = Registry(store, FleetCA.load_or_create(tmp_path))
     devices = _devices(reg, 4)
     desired = DesiredState(store)
-    key, pub = generate_keypair(tmp_path / "ops")
-    releases = ReleaseRegistry(store, tmp_path / "data", [load_public_key(pub)])
-    variants = tiny_variant_set(tmp_path / "model")
-    policy = tmp_path / "p.yaml"
-    policy.write_text("version: '1'\n")
-    first = releases.create(variants, policy, sign_key=load_private_key(key))["digest"]
-    policy.write_text("version: '2'\n")
-    second = releases.create(variants, policy, sign_key=load_private_key(key))["digest"]
+    releases, (first, second) = _signed_releases(store, tmp_path, "1", "2")
     for d in devices:
         desired.record_reported(d, {"release": first})
     rid = Rollouts(store, releases).deploy(second, {"kind": "cam"}, make_options(waves="1,100%"))
@@ -171,15 +177,7 @@ def test_a_device_still_going_back_is_taken_as_running_what_it_goes_back_to(stor
     reg = Registry(store, FleetCA.load_or_create(tmp_path))
     devices = _devices(reg, 3)
     desired = DesiredState(store)
-    key, pub = generate_keypair(tmp_path / "ops")
-    releases = ReleaseRegistry(store, tmp_path / "data", [load_public_key(pub)])
-    variants = tiny_variant_set(tmp_path / "model")
-    policy = tmp_path / "p.yaml"
-    digests = []
-    for v in ("1", "2", "3"):
-        policy.write_text(f"version: '{v}'\n")
-        digests.append(releases.create(variants, policy, sign_key=load_private_key(key))["digest"])
-    first, second, third = digests
+    releases, (first, second, third) = _signed_releases(store, tmp_path, "1", "2", "3")
     t0 = time.time()
     for d in devices:
         desired.record_reported(d, {"release": first}, now=t0)
