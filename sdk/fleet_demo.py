@@ -24,6 +24,7 @@ import tempfile
 import threading
 import time
 import urllib.request
+from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -36,6 +37,7 @@ from sdk._demo_stack import Broker, Stack, free_port
 logger = logging.getLogger(__name__)
 THRESHOLD = 0.8
 LABEL = "kind=demo"
+BASELINE_WINDOWS = 20  # windows with traffic a device sends before the first rollout (a window a second)
 
 
 class _Api:
@@ -64,8 +66,15 @@ class _Api:
         # every device of the demo shares this machine's cores with the fleet, the cloud and the broker: its latency
         # (and the energy modelled from it) says more of them than of a release, so those gates get 5x control
         # here (a real fleet keeps the defaults); the accuracy, escalation and verification gates are the defaults
+        # a difference in differences is no surer than each device's baseline: 20 s of a device's windows (400
+        # requests) tell its escalation rate to about 2 points, two devices' difference to about 3, so a 5-point
+        # margin could not be passed in a demo's minutes (the canary would soak to its maximum); the demo's
+        # escalation margin is 15 points. The agents send a window a second, not every 10 s: the evidence's time
+        # buckets, warm-up and variance blocks are scaled to it, and the canary's audit phase before its swap is
+        # held to 10 s
         body = {"release": release, "label": LABEL, "waves": "1,100%", "soak": "20",
-                "margins": {"min_requests": 20, "p95_ratio": 4.0, "energy_ratio": 4.0}}
+                "margins": {"min_requests": 20, "p95_ratio": 4.0, "energy_ratio": 4.0, "escalation_points": 0.15},
+                "evidence": {"bucket_s": 3.0, "warmup_s": 10.0, "block_s": 12.0}, "pre_swap_s": 10}
         rid = self.call("POST", "/v1/rollouts", body)["id"]
 
         def done() -> dict[str, Any] | None:
@@ -82,7 +91,7 @@ class _Api:
 class _Load:
     """Requests of real images to every agent's local endpoint, `rate_rps` each, in a thread."""
 
-    def __init__(self, ports: list[int], model: str, images: np.ndarray, rate_rps: float = 8.0) -> None:
+    def __init__(self, ports: list[int], model: str, images: np.ndarray, rate_rps: float = 20.0) -> None:
         self.ports, self.model, self.images, self.rate = ports, model, images, rate_rps
         self.answered = self.failed = 0
         self._stop = threading.Event()
@@ -302,6 +311,10 @@ def _set_name(variants: Path) -> str:
 def _scenario(api: _Api, facade: Any, work: Path, edge: Path, key: Path, n: int,
               out: Callable[[str], None]) -> dict[str, Any]:
     api.wait("every agent to report", lambda: sum(d["online"] for d in api.call("GET", "/v1/devices")) == n, 90)
+    # the gates judge each device against its own windows before the release: a baseline of BASELINE_WINDOWS
+    # windows with traffic each first, so that every run of the demo is judged alike
+    since = time.time()
+    api.wait("a baseline of telemetry from every agent", lambda: _baselined(api, since, n), 90)
     good = _release(facade, edge, work, "2", key, [])
     out(f"release:   good {good[:19]}... rolling out in waves 1,100%")
     passed = api.rollout(good, "succeeded", 240)
@@ -313,6 +326,12 @@ def _scenario(api: _Api, facade: Any, work: Path, edge: Path, key: Path, n: int,
     return {"good": {"release": good, "state": passed["state"], "states": passed["states"]},
             "bad": {"release": bad, "state": failed["state"], "states": failed["states"],
                     "reason": failed.get("reason")}}
+
+
+def _baselined(api: _Api, since: float, n: int) -> bool:
+    windows = api.call("GET", f"/v1/telemetry?label={LABEL}&since={since}")["windows"]
+    counts = Counter(w["device_id"] for w in windows if w.get("requests"))
+    return len(counts) == n and min(counts.values()) >= BASELINE_WINDOWS
 
 
 def _hold(duration_s: float | None, out: Callable[[str], None]) -> None:
