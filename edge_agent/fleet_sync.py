@@ -123,6 +123,10 @@ def https_context(url: str, ca_file: str | Path | None) -> ssl.SSLContext | None
         raise ConfigError(msg) from None
 
 
+ENROLL_BACKOFF_MAX_S = 15.0
+ENROLL_RETRY_S = 300.0  # how long a starting agent keeps asking a fleet it cannot reach
+
+
 def enroll(fleet_url: str, token: str, state_dir: Path, *, hardware: dict[str, Any] | None = None,
            agent_version: str = "", timeout_s: float = 10.0, ca_file: str | Path | None = None,
            retry_s: float = 0.0) -> FleetIdentity:
@@ -164,10 +168,6 @@ def enroll(fleet_url: str, token: str, state_dir: Path, *, hardware: dict[str, A
     return identity
 
 
-ENROLL_BACKOFF_MAX_S = 15.0
-ENROLL_RETRY_S = 300.0  # how long a starting agent keeps asking a fleet it cannot reach
-
-
 class _Transient(Exception):
     """A failure worth asking again about: the fleet not reached, or busy."""
 
@@ -178,11 +178,14 @@ class _Transient(Exception):
 
 def _post_enroll(fleet_url: str, body: bytes, timeout_s: float, ca_file: str | Path | None,
                  timed_out: bool) -> dict[str, Any]:
-    req = urllib.request.Request(fleet_url.rstrip("/") + "/v1/enroll", data=body, method="POST",
-                                 headers={"Content-Type": "application/json"})
     try:
+        req = urllib.request.Request(fleet_url.rstrip("/") + "/v1/enroll", data=body, method="POST",
+                                     headers={"Content-Type": "application/json"})
         with urllib.request.urlopen(req, timeout=timeout_s, context=https_context(fleet_url, ca_file)) as resp:
-            return dict(json.loads(resp.read()))
+            raw = resp.read()
+    except ValueError as exc:  # not a URL urllib can open ("fleet:8080", "htp://...")
+        msg = f"the fleet URL {fleet_url!r} cannot be used to enroll ({exc}): give http://HOST:PORT or https://..."
+        raise EnrollmentError(msg) from None
     except urllib.error.HTTPError as exc:
         detail = exc.read().decode(errors="replace")[:500]
         msg = f"the fleet at {fleet_url} refused enrollment ({exc.code}): {detail}"
@@ -194,10 +197,15 @@ def _post_enroll(fleet_url: str, body: bytes, timeout_s: float, ca_file: str | P
         raise EnrollmentError(msg) from None
     except (urllib.error.URLError, OSError) as exc:
         reason = exc.reason if isinstance(exc, urllib.error.URLError) else exc
+        if not isinstance(reason, OSError):  # urllib's own words: "unknown url type", ...
+            msg = f"the fleet URL {fleet_url!r} cannot be used to enroll ({reason}): give http://HOST:PORT or https://..."
+            raise EnrollmentError(msg) from None
         msg = f"cannot reach the fleet at {fleet_url} to enroll: {exc}"
         if isinstance(reason, ssl.SSLError):  # a certificate that does not verify will not verify later
             raise EnrollmentError(msg) from None
         raise _Transient(msg, timed_out=isinstance(reason, TimeoutError)) from None
+    try:
+        return dict(json.loads(raw))
     except ValueError as exc:
         msg = f"the fleet at {fleet_url} answered enrollment with what is not JSON: {exc}"
         raise EnrollmentError(msg) from None

@@ -128,6 +128,10 @@ def test_an_agent_that_starts_before_its_fleet_enrolls_once_the_fleet_is_up(db_u
         proc.stop()
     with pytest.raises(EnrollmentError, match=r"cannot reach the fleet at http://127\.0\.0\.1"):
         enroll(f"http://127.0.0.1:{_free_port()}", token, tmp_path / "dev3")  # no retry_s: at once
+    t0 = time.monotonic()
+    with pytest.raises(EnrollmentError, match=r"fleet URL 'fleet\.example:8080' cannot be used"):  # nor asked again
+        enroll("fleet.example:8080", token, tmp_path / "dev4", retry_s=120)
+    assert time.monotonic() - t0 < 30
 
 
 def _serve_args(*argv: str) -> argparse.Namespace:
