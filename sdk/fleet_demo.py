@@ -65,13 +65,13 @@ class _Api:
     def rollout(self, release: str, want: str, timeout_s: float) -> dict[str, Any]:
         # every device of the demo shares this machine's cores with the fleet, the cloud and the broker: its latency
         # (and the energy modelled from it) says more of them than of a release, so those gates get 5x control
-        # here (a real fleet keeps the defaults); the accuracy, escalation and verification gates are the defaults
-        # a difference in differences is no surer than each device's baseline: 20 s of a device's windows (400
-        # requests) tell its escalation rate to about 2 points, two devices' difference to about 3, so a 5-point
-        # margin could not be passed in a demo's minutes (the canary would soak to its maximum); the demo's
-        # escalation margin is 15 points. The agents send a window a second, not every 10 s: the evidence's time
-        # buckets, warm-up and variance blocks are scaled to it, and the canary's audit phase before its swap is
-        # held to 10 s
+        # here (a real fleet keeps the defaults); the accuracy and verification gates are the defaults.
+        # A difference in differences is no surer than each device's baseline: 20 s of a device's windows (400
+        # requests) tell its escalation rate to about 2 points (binomial), two devices' difference to about 3, so
+        # a 5-point margin could not be passed in a demo's minutes (the canary would soak to its maximum); the
+        # demo's escalation margin is 15 points. The agents send a window a second, not every 10 s: the evidence's
+        # time buckets, warm-up and variance blocks are scaled to it, and the canary's audit phase before its swap
+        # is held to 10 s
         body = {"release": release, "label": LABEL, "waves": "1,100%", "soak": "20",
                 "margins": {"min_requests": 20, "p95_ratio": 4.0, "energy_ratio": 4.0, "escalation_points": 0.15},
                 "evidence": {"bucket_s": 3.0, "warmup_s": 10.0, "block_s": 12.0}, "pre_swap_s": 10}

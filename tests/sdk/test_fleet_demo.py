@@ -78,6 +78,11 @@ def test_the_fleet_quickstart_rolls_out_and_back_and_leaves_nothing_behind(tmp_p
         status, body = _get(dashboard.group(1) + "/v1/devices", dashboard.group(2))
         assert status == 200
         assert len(json.loads(body)) == 2
+        # the good release's canary was judged against a baseline of each device's own, not passed unjudged
+        status, body = _get(dashboard.group(1) + "/v1/rollouts/1", dashboard.group(2))
+        assert status == 200
+        canary = {g["gate"]: g for g in json.loads(body)["waves"][0]["gates"]}
+        assert canary["escalation_rate"]["decision"] == "pass", canary["escalation_rate"]
     finally:
         if proc.poll() is None:
             proc.send_signal(signal.SIGINT)
