@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import subprocess
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,7 +22,7 @@ from cloud_service.fleet import schema as t
 from cloud_service.fleet.ca import FleetCA
 from cloud_service.fleet.desired import DesiredState
 from cloud_service.fleet.dynsec import BrokerUnavailable, DynsecAdmin, DynsecOptions
-from cloud_service.fleet.registry import Enrolled, Registry
+from cloud_service.fleet.registry import Enrolled, Registry, write_file
 from cloud_service.fleet.releases import ReleaseRegistry, configured_keys
 from cloud_service.fleet.rollouts import Rollouts
 from cloud_service.fleet.store import DEFAULT_DATA_DIR, FleetStore, default_url
@@ -78,6 +79,7 @@ class Fleet:
         self.ingest: Any = None  # an MqttIngest once `tierkit fleet serve` connects one
         self.dynsec = DynsecAdmin(config.dynsec) if config.dynsec is not None else None
         self._crl: tuple[Any, str] = (None, "")
+        self._sync_lock = threading.Lock()
 
     @classmethod
     def open(cls, config: FleetConfig) -> Fleet:
@@ -130,9 +132,7 @@ class Fleet:
         pem = self.crl_pem()
         if path.exists() and path.read_text() == pem:
             return False
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text(pem)
-        tmp.replace(path)
+        write_file(path, pem, mode=0o644)  # a CRL is public: the broker reads it
         return True
 
     def refresh_crl(self) -> None:
@@ -153,6 +153,11 @@ class Fleet:
         """Rewrite the broker password file (active devices only) and the CRL file, and run the reload command."""
         if self.config.broker_passwd is None and self.config.crl_file is None:
             return
+        with self._sync_lock:  # one writer at a time: a file read from the database before another enrollment
+            # committed must not replace one read after it (that device could not log in until the next rewrite)
+            self._sync_broker()
+
+    def _sync_broker(self) -> None:
         if self.config.broker_passwd is not None:
             self.registry.write_broker_passwords(self.config.broker_passwd, extra=self.config.broker_users)
         self.write_crl()

@@ -19,6 +19,7 @@ import hashlib
 import json
 import os
 import secrets
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -60,6 +61,21 @@ def parse_labels(text: str | dict[str, str] | None, *, where: str = "labels") ->
             raise InvalidDocument(msg)
         out[key] = value
     return out
+
+
+def write_file(path: Path, text: str, *, mode: int) -> None:
+    """Replace `path` with `text` atomically, with permissions `mode`. Each writer has a temporary file of its
+    own, so writers racing (two enrollments at once, two fleet processes) each leave a whole file, never a
+    missing one."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.chmod(tmp, mode)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
 
 
 def _hash(secret: str) -> str:
@@ -205,10 +221,7 @@ class Registry:
             rows = conn.execute(sa.select(t.devices.c.device_id, t.devices.c.mqtt_password_hash)
                                 .where(t.devices.c.revoked_at.is_(None)).order_by(t.devices.c.device_id)).all()
         lines += [f"{r.device_id}:{r.mqtt_password_hash}" for r in rows]
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text("\n".join(lines) + "\n")
-        tmp.chmod(0o600)
-        tmp.replace(path)
+        write_file(path, "\n".join(lines) + "\n", mode=0o600)
         return len(lines)
 
     # -- operator tokens -----------------------------------------------------------------------

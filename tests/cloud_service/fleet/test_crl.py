@@ -106,3 +106,34 @@ def test_a_revoked_certificate_is_listed_and_refused_by_the_broker(tmp_path: Pat
         assert len(served) == 1
     finally:
         proc.stop()
+
+
+@pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)
+def test_enrollments_at_once_each_leave_a_whole_password_file(db_url: str, tmp_path: Path) -> None:
+    """Four agents enrolling at once rewrite the broker's password file from four threads: each write leaves a
+    whole file (one writer's temporary file taken by another's rename was a 500 to an enrolling agent)."""
+    (tmp_path / "broker").mkdir()
+    passwd = tmp_path / "broker" / "passwd"
+    fleet = Fleet.open(FleetConfig(data_dir=tmp_path / "data", db_url=db_url, broker_passwd=passwd))
+    try:
+        tokens = [fleet.registry.create_token({"kind": "cam"}) for _ in range(16)]
+        errors: list[BaseException] = []
+
+        def enroll(token: str) -> None:
+            try:
+                fleet.enroll(token, generate_key_and_csr()[1], hardware={}, agent_version="test")
+            except BaseException as exc:  # every failure is the finding
+                errors.append(exc)
+
+        threads = [threading.Thread(target=enroll, args=(tok,)) for tok in tokens]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join(60)
+        assert not errors, errors
+        lines = passwd.read_text().splitlines()
+        assert {line.split(":")[0] for line in lines} == {d["device_id"] for d in fleet.devices()}
+        assert passwd.stat().st_mode & 0o777 == 0o600
+        assert [p.name for p in passwd.parent.iterdir()] == ["passwd"]  # no temporary file left
+    finally:
+        fleet.close()
