@@ -20,6 +20,10 @@
   work, a run slower than its measurement) shows up there as it happens, and admission shrinks until what
   it admits is answered in time; as the lag falls (the idle instance's runs keep measuring), it widens again.
 
+- `TightBudget` remembers the shortest time to deadline requests arrived with over the last few seconds:
+  how long a batch may hold its instance (`batch_cap_s`) is set from it, so that a tight request arriving
+  while a batch runs still has time, and batches are otherwise as large as the deadlines allow.
+
 All are plain state guarded by the batcher's lock; no threads, no clocks of their own.
 
 Example:
@@ -34,6 +38,7 @@ from __future__ import annotations
 import math
 import random
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 _HINT_SHARE = 0.5  # refused callers honouring their hints return at this share of the capacity, in all
@@ -301,3 +306,77 @@ class RetryHints:
         self._size = min(self.max_s, max(floor_s, pressure))
         drawn = self._size * self._rng.uniform(1 - self.jitter, 1 + self.jitter)
         return max(floor_s, min(self.max_s, drawn))
+
+
+_BUDGET_WINDOW_S = 5.0  # how long an arrival's time to deadline counts towards the tight budget
+_BUDGET_SAMPLES = 512  # the most recent arrivals it is taken over
+_BUDGET_QUANTILE = 0.05  # "tight": this quantile of the recent times to deadline
+CAP_SHARE = 0.5  # a batch of loose requests holds its instance for at most this share of the tight budget
+
+
+@dataclass(slots=True)
+class TightBudget:
+    """How much time to their deadline the tight requests arrive with (a low quantile over the recent
+    arrivals), and the cap on a batch's run time that follows from it.
+
+    A batch holds its instance for its whole run; a tight request arriving just after it started waits
+    for all of it. A batch of loose requests (a journal's drain: seconds to spare), whose earliest
+    deadline leaves more than twice the tight budget, may run for `share` of that budget (never less
+    than `floor_s`), so the tight request arriving meanwhile keeps the rest for its own run. A batch
+    led by a tight request is bounded by that request's deadline alone (the batcher never plans a batch
+    past its earliest deadline): under overload, when every queued request is tight, batches grow to what
+    the deadlines allow, where a fixed cap planned on a contended host's run times cut them to a row or
+    two and raised the cost of every row when capacity matters most. Without any request with a deadline
+    in the window the cap is `floor_s` for every batch.
+
+    The tight budget is a low quantile, not the minimum: under load the time a request spends in front
+    of the queue (the transport, the interpreter) varies, and a few arrive with almost nothing left.
+
+    Example:
+        >>> budget = TightBudget(floor_s=0.025)
+        >>> for i in range(100):
+        ...     budget.observe(now=10.0, budget_s=0.1 if i % 2 else 5.0)
+        >>> budget.batch_cap_s(now=11.0, left_s=4.0)  # a batch of loose requests: half the tight budget
+        0.05
+        >>> budget.batch_cap_s(now=11.0, left_s=0.08)  # led by a tight one: its deadline bounds it
+        inf
+        >>> budget.batch_cap_s(now=20.0, left_s=0.08)  # nothing with a deadline in the last 5 s: the floor
+        0.025
+    """
+
+    floor_s: float
+    window_s: float = _BUDGET_WINDOW_S
+    quantile: float = _BUDGET_QUANTILE
+    share: float = CAP_SHARE
+    _recent: deque[tuple[float, float]] = field(default_factory=lambda: deque(maxlen=_BUDGET_SAMPLES))
+    _tight: float | None = None
+    _dirty: bool = False
+
+    def observe(self, now: float, budget_s: float) -> None:
+        """A request arrived at `now` with `budget_s` seconds left to its deadline."""
+        self._recent.append((now, budget_s))
+        self._dirty = True
+
+    def tight_s(self, now: float) -> float | None:
+        """The tight budget: the `quantile` of the budgets requests arrived with in the window (None when
+        none had a deadline)."""
+        while self._recent and self._recent[0][0] < now - self.window_s:
+            self._recent.popleft()
+            self._dirty = True
+        if self._dirty:
+            ordered = sorted(budget for _, budget in self._recent)
+            self._tight = ordered[int(self.quantile * (len(ordered) - 1))] if ordered else None
+            self._dirty = False
+        return self._tight
+
+    def batch_cap_s(self, now: float, left_s: float) -> float:
+        """The longest a batch whose earliest deadline is `left_s` seconds away may be planned to run."""
+        return self.caps(now)(left_s)
+
+    def caps(self, now: float) -> Callable[[float], float]:
+        """`batch_cap_s` at `now` for any `left_s`, the window read once (for a batch being formed)."""
+        tight = self.tight_s(now)
+        if tight is None:
+            return lambda left_s: self.floor_s
+        loose_cap = max(self.floor_s, self.share * tight)
+        return lambda left_s: math.inf if left_s <= 2 * tight else loose_cap

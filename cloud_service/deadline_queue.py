@@ -27,7 +27,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from cloud_service.admission import AnswerLag, RetryHints, ServiceTimes, StandingQueue
+from cloud_service.admission import AnswerLag, RetryHints, ServiceTimes, StandingQueue, TightBudget
 from cloud_service.config import BatchingConfig
 from cloud_service.errors import ServerBusy
 from runtimes.errors import CloudTimeout
@@ -140,7 +140,8 @@ class DeadlineQueue:
         self._arrivals = itertools.count()
         # A batch holds its instance for its whole run: requests with plenty of time (a journal's drain)
         # must not form one so long that a tight request arriving meanwhile misses its deadline behind it.
-        self._batch_cap_s = config.queue_interval_ms / 4000
+        # Its cap: half the tight budget when loose requests fill it, none when a tight one leads (TightBudget).
+        self.budget = TightBudget(floor_s=config.queue_interval_ms / 4000)
 
     def __len__(self) -> int:
         return len(self.items)
@@ -156,6 +157,8 @@ class DeadlineQueue:
         """Queue `request`, or raise `ServerBusy` when the queue is full or (admission on, the run time
         known) its deadline cannot be met behind the work ahead of it."""
         now = time.monotonic()
+        if request.deadline is not None:
+            self.budget.observe(now, request.deadline - now)
         if len(self.items) >= self.config.max_queue_size:
             self._observer.on_refused("queue_full")
             why = f"queue full ({self.config.max_queue_size} requests waiting)"
@@ -310,6 +313,7 @@ class DeadlineQueue:
         rows, limit, size = 0, math.inf, self.config.max_batch_size if self.batched else 1
         head_key: tuple[Any, ...] | None = None
         kept: list[Request] = []
+        cap = self.budget.caps(now)
         for request in self.items:
             if batch and (rows >= size or (head_key is not None and request.key != head_key)):
                 kept.append(request)
@@ -326,7 +330,7 @@ class DeadlineQueue:
             due = limit if request.deadline is None else min(limit, request.deadline)
             planned = self.times.batch_seconds(rows + request.rows)
             fits = rows + request.rows <= size and (
-                not admission or not batch or (now + planned <= due and planned <= self._batch_cap_s))
+                not admission or not batch or (now + planned <= due and planned <= cap(due - now)))
             if not fits:
                 kept.append(request)
                 continue

@@ -1,0 +1,94 @@
+"""How long a batch may hold its instance: bounded by its earliest deadline when tight requests lead it,
+capped at half the tight budget when only loose ones (a journal's drain) fill it (`admission.TightBudget`)."""
+
+from __future__ import annotations
+
+import math
+import time
+
+import numpy as np
+
+from cloud_service.admission import TightBudget
+from cloud_service.config import BatchingConfig
+from cloud_service.deadline_queue import DeadlineQueue, NullObserver, Waiter
+
+PER_ROW_S = 0.005  # the measured run time: 5 ms a row, a batch costs rows times one row
+
+
+def _queue() -> DeadlineQueue:
+    """A batching queue (32 rows at most, CoDel interval 100 ms: the old fixed cap was 25 ms, five rows)
+    whose model has been measured at 5 ms a row."""
+    queue = DeadlineQueue("m", BatchingConfig(max_batch_size=32, queue_interval_ms=100), batched=True,
+                          instances=1, observer=NullObserver())
+    queue.times.observe(rows=1, seconds=PER_ROW_S)
+    return queue
+
+
+def _put(queue: DeadlineQueue, count: int, budget_s: float) -> None:
+    now = time.monotonic()
+    for i in range(count):
+        queue.put(queue.request({"x": np.full((1, 2), i, np.float32)}, 1, ((2,), "float32"), now + budget_s, Waiter()))
+
+
+def test_tight_requests_queued_under_load_run_in_a_batch_as_large_as_their_deadlines_allow() -> None:
+    """Sixteen requests due in 200 ms: one batch of all sixteen (80 ms planned) ends before the earliest
+    deadline. A fixed cap of a quarter of CoDel's interval cut it to five rows (25 ms), and under overload,
+    where run times measured on a contended host grow, to one or two: the cost of every row rose exactly
+    when capacity mattered most (bench/RESULTS.md)."""
+    queue = _queue()
+    _put(queue, 16, 0.2)
+    batch, dropped = queue.pop_batch()
+    assert not dropped
+    assert len(batch) == 16
+
+
+def test_a_batch_still_ends_before_its_earliest_deadline() -> None:
+    """Uncapped is not unbounded: sixteen requests left in the queue (admission would have refused some) with
+    60 ms to their deadline run as many rows as fit in it."""
+    queue = _queue()
+    now = time.monotonic()
+    for i in range(16):
+        queue.budget.observe(now, 0.06)
+        queue.items.append(queue.request({"x": np.full((1, 2), i, np.float32)}, 1, ((2,), "float32"), now + 0.06,
+                                         Waiter()))
+    batch, _ = queue.pop_batch()
+    assert 6 <= len(batch) < 12  # 60 ms at 5 ms a row, less what passed since (more than five: no old cap)
+    assert len(batch) * PER_ROW_S <= 0.06
+
+
+def test_loose_requests_behind_tight_traffic_are_capped_at_half_the_tight_budget() -> None:
+    """Tight requests (100 ms) arrived a moment ago; now only loose ones (5 s, a journal's drain) wait. Their
+    batch may hold the instance for half the tight budget (50 ms: ten rows), so a tight request arriving
+    meanwhile keeps the other half for its own run."""
+    queue = _queue()
+    _put(queue, 10, 0.1)
+    tight, _ = queue.pop_batch()
+    assert len(tight) == 10
+    _put(queue, 30, 5.0)
+    batch, _ = queue.pop_batch()
+    assert len(batch) * PER_ROW_S <= 0.05 + 1e-9
+    assert len(batch) >= 9  # about 50 ms of rows, not the old 25 ms floor's five
+
+
+def test_without_tight_traffic_a_batch_of_requests_without_deadlines_keeps_the_floor() -> None:
+    """Nothing with a deadline arrived: requests without one are capped at a quarter of CoDel's interval."""
+    queue = _queue()
+    for i in range(16):
+        queue.put(queue.request({"x": np.full((1, 2), i, np.float32)}, 1, ((2,), "float32"), None, Waiter()))
+    batch, _ = queue.pop_batch()
+    assert len(batch) == 5  # 25 ms at 5 ms a row
+
+
+def test_the_tight_budget_is_a_low_quantile_of_recent_arrivals_not_their_minimum() -> None:
+    """Under load a few requests reach the queue with almost nothing left (they waited in front of it): they
+    must not make every batch loose. The window forgets: after it, no deadline, the floor again."""
+    budget = TightBudget(floor_s=0.025)
+    for i in range(200):
+        budget.observe(now=100.0, budget_s=0.001 if i < 4 else 0.1)  # 2 % nearly spent
+    tight = budget.tight_s(100.0)
+    assert tight is not None
+    assert math.isclose(tight, 0.1)
+    assert budget.batch_cap_s(100.0, left_s=0.09) == math.inf
+    assert math.isclose(budget.batch_cap_s(100.0, left_s=3.0), 0.05)
+    assert budget.tight_s(110.0) is None
+    assert budget.batch_cap_s(110.0, left_s=0.09) == 0.025
