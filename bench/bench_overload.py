@@ -41,7 +41,9 @@ answer size), at 1x and the highest level; the MQTT rows are read against it ("m
 The gRPC refusal's floor, in the same run: the same generator, payload and callers as the top level's
 row against a bare grpcio server that refuses every call at once (`bench/grpc_refuser.py`, the median
 retry hint tierkit gave): the "grpc-refuser" row is what a refusal costs the callers on this host with
-no server work at all; the "server refusal p99" column is tierkit's own receipt-to-refusal time.
+no server work at all; the "server refusal p99" column is tierkit's own receipt-to-refusal time. With the
+hostile rows on, a second "grpc-refuser ... naive" row drives the same bare server with callers ignoring
+hints: the cores refusing alone takes at the rate such callers call, which no model is left to use.
 
 Columns: offered (requests sent per second), in-time/s (answers within their deadline: goodput),
 ratio (in-time/s against the best rate measured at any load for that model and protocol in this run,
@@ -631,13 +633,21 @@ def _protocol_rows(args: argparse.Namespace, name: str, root: Path, gen: LoadGen
                   f"{top.load.refusal_p(50):.1f}/{top.load.refusal_p(99):.1f} ms caller-side, server-side p99 "
                   f"≤ {top.server_refusal_p99_ms} ms; a bare server refusing at once: p50/p99 "
                   f"{floor.load.refusal_p(50):.1f}/{floor.load.refusal_p(99):.1f} ms caller-side", flush=True)
+        naive = None if args.no_hostile else _refuser_row(args, name, root, gen, kwargs["payload"], top, naive=True)
+        if naive is not None:
+            print(f"# {name}: callers ignoring hints at {top.load.callers}: a bare server refusing every call at once "
+                  f"(no model) refuses {naive.load.refused / args.seconds:.1f}/s, lets {naive.load.expired} expire, "
+                  f"on {naive.server_cores:.2f} cores beside the load generator's {naive.loadgen_cores:.2f}",
+                  flush=True)
     return failed
 
 
 def _refuser_row(args: argparse.Namespace, name: str, root: Path, gen: LoadGen, payload: bytes,
-                 top: Row) -> Row | None:
+                 top: Row, *, naive: bool = False) -> Row | None:
     """The gRPC refusal's floor: the same generator, payload and callers as tierkit's row `top`, against a bare
-    grpcio server that refuses every call at once with the median hint tierkit gave there (`grpc_refuser.py`)."""
+    grpcio server that refuses every call at once with the median hint tierkit gave there (`grpc_refuser.py`).
+    `naive`: the callers ignore the hint and send no device id, as in the "naive" row: what refusing alone,
+    with no model, costs the host at the rate such callers call."""
     hint = float(np.median(top.load.hints_ms)) if top.load.hints_ms else 1.0
     started = _start([sys.executable, str(Path(__file__).with_name("grpc_refuser.py")), f"{hint:g}"],
                      root / f"refuser-{name}.log", timeout_s=START_S, stdin=True, cpus=args.server_cpus)
@@ -646,8 +656,11 @@ def _refuser_row(args: argparse.Namespace, name: str, root: Path, gen: LoadGen, 
         return None
     try:
         kwargs: dict[str, Any] = {"address": started.address, "payload": payload, "deadline_s": top.load.deadline_s}
-        row = _measure(gen, started.proc.pid, _grpc_loop(args), f"{top.level} (hint {hint:g} ms)",
-                       callers=top.load.callers, seconds=args.seconds, **kwargs)
+        if naive:
+            kwargs.update(honour_hints=False, identified=False)
+        level = f"{top.level} naive" if naive else f"{top.level} (hint {hint:g} ms)"
+        row = _measure(gen, started.proc.pid, _grpc_loop(args), level, callers=top.load.callers,
+                       seconds=args.seconds, **kwargs)
     finally:
         _stop(started.proc)
     print(_row(name, "grpc-refuser", row, 0.0, checked=False), flush=True)
