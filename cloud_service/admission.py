@@ -320,14 +320,14 @@ class TightBudget:
     arrivals), and the cap on a batch's run time that follows from it.
 
     A batch holds its instance for its whole run; a tight request arriving just after it started waits
-    for all of it. A batch of loose requests (a journal's drain: seconds to spare), whose earliest
-    deadline leaves more than twice the tight budget, may run for `share` of that budget (never less
-    than `floor_s`), so the tight request arriving meanwhile keeps the rest for its own run. A batch
-    led by a tight request is bounded by that request's deadline alone (the batcher never plans a batch
-    past its earliest deadline): under overload, when every queued request is tight, batches grow to what
-    the deadlines allow, where a fixed cap planned on a contended host's run times cut them to a row or
-    two and raised the cost of every row when capacity matters most. Without any request with a deadline
-    in the window the cap is `floor_s` for every batch.
+    for all of it. A loose request (a journal's drain: seconds to spare), whose deadline is more than twice
+    the tight budget away, joins a batch only while the batch is planned to run for at most `share` of
+    that budget (never less than `floor_s`), so the tight request arriving meanwhile keeps the rest for
+    its own run. Tight requests join as long as the batch ends before the earliest deadline in it (the
+    batcher never plans a batch past it): under overload, when every queued request is tight, batches
+    grow to what the deadlines allow, where a fixed cap planned on a contended host's run times cut them
+    to a row or two and raised the cost of every row when capacity matters most. Without any request with
+    a deadline in the window the cap is `floor_s` for every request.
 
     The tight budget is a low quantile, not the minimum: under load the time a request spends in front
     of the queue (the transport, the interpreter) varies, and a few arrive with almost nothing left.
@@ -336,9 +336,9 @@ class TightBudget:
         >>> budget = TightBudget(floor_s=0.025)
         >>> for i in range(100):
         ...     budget.observe(now=10.0, budget_s=0.1 if i % 2 else 5.0)
-        >>> budget.batch_cap_s(now=11.0, left_s=4.0)  # a batch of loose requests: half the tight budget
+        >>> budget.batch_cap_s(now=11.0, left_s=4.0)  # a loose request: half the tight budget
         0.05
-        >>> budget.batch_cap_s(now=11.0, left_s=0.08)  # led by a tight one: its deadline bounds it
+        >>> budget.batch_cap_s(now=11.0, left_s=0.08)  # a tight one: the batch's earliest deadline bounds it
         inf
         >>> budget.batch_cap_s(now=20.0, left_s=0.08)  # nothing with a deadline in the last 5 s: the floor
         0.025
@@ -370,7 +370,7 @@ class TightBudget:
         return self._tight
 
     def batch_cap_s(self, now: float, left_s: float) -> float:
-        """The longest a batch whose earliest deadline is `left_s` seconds away may be planned to run."""
+        """The longest a batch may be planned to run with a request `left_s` seconds from its deadline in it."""
         return self.caps(now)(left_s)
 
     def caps(self, now: float) -> Callable[[float], float]:

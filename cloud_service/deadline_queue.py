@@ -140,7 +140,7 @@ class DeadlineQueue:
         self._arrivals = itertools.count()
         # A batch holds its instance for its whole run: requests with plenty of time (a journal's drain)
         # must not form one so long that a tight request arriving meanwhile misses its deadline behind it.
-        # Its cap: half the tight budget when loose requests fill it, none when a tight one leads (TightBudget).
+        # A loose request joins a batch only while it is planned within half the tight budget (TightBudget).
         self.budget = TightBudget(floor_s=config.queue_interval_ms / 4000)
 
     def __len__(self) -> int:
@@ -329,8 +329,9 @@ class DeadlineQueue:
                 continue
             due = limit if request.deadline is None else min(limit, request.deadline)
             planned = self.times.batch_seconds(rows + request.rows)
+            own = math.inf if request.deadline is None else request.deadline - now  # a loose one is capped
             fits = rows + request.rows <= size and (
-                not admission or not batch or (now + planned <= due and planned <= cap(due - now)))
+                not admission or not batch or (now + planned <= due and planned <= cap(own)))
             if not fits:
                 kept.append(request)
                 continue

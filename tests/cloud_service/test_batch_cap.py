@@ -1,5 +1,5 @@
-"""How long a batch may hold its instance: bounded by its earliest deadline when tight requests lead it,
-capped at half the tight budget when only loose ones (a journal's drain) fill it (`admission.TightBudget`)."""
+"""How long a batch may hold its instance: tight requests join it up to its earliest deadline, loose ones (a
+journal's drain) only while it is planned within half the tight budget (`admission.TightBudget`)."""
 
 from __future__ import annotations
 
@@ -68,6 +68,20 @@ def test_loose_requests_behind_tight_traffic_are_capped_at_half_the_tight_budget
     batch, _ = queue.pop_batch()
     assert len(batch) * PER_ROW_S <= 0.05 + 1e-9
     assert len(batch) >= 9  # about 50 ms of rows, not the old 25 ms floor's five
+
+
+def test_loose_requests_behind_a_tight_one_join_its_batch_only_up_to_the_loose_cap() -> None:
+    """Two tight requests (100 ms) lead; thirty loose ones (5 s) wait behind them. The tight head's deadline
+    alone would let the batch run about 90 ms; loose requests join only while it stays within half the
+    tight budget, so a tight request arriving meanwhile is not kept waiting for a drain."""
+    queue = _queue()
+    _put(queue, 2, 0.1)
+    _put(queue, 30, 5.0)
+    batch, _ = queue.pop_batch()
+    assert batch[0].deadline is not None
+    assert batch[0].deadline - batch[0].enqueued < 1  # the tight ones first (earliest deadline first)
+    assert len(batch) * PER_ROW_S <= 0.05 + 1e-9
+    assert len(batch) >= 9
 
 
 def test_without_tight_traffic_a_batch_of_requests_without_deadlines_keeps_the_floor() -> None:
