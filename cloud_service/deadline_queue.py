@@ -140,7 +140,7 @@ class DeadlineQueue:
         self._arrivals = itertools.count()
         # A batch holds its instance for its whole run: requests with plenty of time (a journal's drain)
         # must not form one so long that a tight request arriving meanwhile misses its deadline behind it.
-        # A loose request joins a batch only while it is planned within half the tight budget (TightBudget).
+        # A loose request joins a batch only while it is planned within a quarter of the tight budget (TightBudget).
         self.budget = TightBudget(floor_s=config.queue_interval_ms / 4000)
 
     def __len__(self) -> int:
