@@ -312,8 +312,8 @@ _BUDGET_WINDOW_S = 5.0  # how long an arrival's time to deadline counts towards 
 _BUDGET_SAMPLES = 512  # the most recent arrivals it is taken over
 _BUDGET_QUANTILE = 0.05  # "tight": this quantile of the recent times to deadline
 # A loose request joins a batch only while it is planned within this share of the tight budget: with live
-# escalations of about 100 ms that is the old fixed cap (a quarter of CoDel's 100 ms interval); half, tried,
-# let a journal's drain take more of the live callers' answers (tests/e2e/test_fleet_drain.py)
+# escalations of about 100 ms that is the old fixed cap (a quarter of CoDel's 100 ms interval), which a
+# journal's drain beside live traffic was measured with (tests/e2e/test_fleet_drain.py)
 CAP_SHARE = 0.25
 
 
