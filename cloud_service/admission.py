@@ -372,6 +372,11 @@ class TightBudget:
             self._dirty = False
         return self._tight
 
+    def is_tight(self, now: float, left_s: float | None) -> bool:
+        """Whether a request with `left_s` seconds to its deadline (None: no deadline) counts as tight now."""
+        tight = self.tight_s(now)
+        return left_s is not None and tight is not None and left_s <= 2 * tight
+
     def batch_cap_s(self, now: float, left_s: float) -> float:
         """The longest a batch may be planned to run with a request `left_s` seconds from its deadline in it."""
         return self.caps(now)(left_s)

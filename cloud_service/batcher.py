@@ -347,15 +347,20 @@ class DynamicBatcher:
 
     def _answered(self, requests: list[Request], outcomes: list[Outcome]) -> None:
         """Feed admission's plan back (`admission.AnswerLag`): how long after it was queued each admitted
-        request's answer reached its caller, against what admission planned. A refusal after queueing is
-        no answer; an expiry counts (its lag is at least what it shows)."""
+        tight request's answer reached its caller, against what admission planned. A refusal after
+        queueing is no answer; an expiry counts (its lag is at least what it shows). A loose request (a
+        journal's drain, seconds to spare; `admission.TightBudget`) is not fed back: the tight requests
+        arriving after it go ahead of it by design, so it is answered later than planned without any
+        error in the plan, and a margin learnt from it would refuse the live requests it makes way for."""
         now = time.monotonic()
-        seen = [(r.planned, now - r.enqueued) for r, o in zip(requests, outcomes, strict=True)
-                if r.planned is not None and not isinstance(o, ServerBusy)]
-        if seen:
-            with self._ready:
-                for planned, took in seen:
-                    self._queue.lag.observe(planned, took)
+        with self._ready:
+            budget = self._queue.budget
+            for request, outcome in zip(requests, outcomes, strict=True):
+                if request.planned is None or isinstance(outcome, ServerBusy):
+                    continue
+                left = None if request.deadline is None else request.deadline - request.enqueued
+                if budget.is_tight(now, left):
+                    self._queue.lag.observe(request.planned, now - request.enqueued)
 
     # -- in the instance's thread --------------------------------------------------------------
 

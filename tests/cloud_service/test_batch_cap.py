@@ -107,3 +107,31 @@ def test_the_tight_budget_is_a_low_quantile_of_recent_arrivals_not_their_minimum
     assert math.isclose(budget.batch_cap_s(100.0, left_s=3.0), 0.025)
     assert budget.tight_s(110.0) is None
     assert budget.batch_cap_s(110.0, left_s=0.09) == 0.01
+
+
+def test_loose_requests_overtaken_by_tight_ones_do_not_teach_admission_a_lag() -> None:
+    """Admission keeps back what recent answers missed their plans by (`AnswerLag`). A journal's drain is
+    overtaken by every live request that arrives after it (earliest deadline first), so it is answered
+    later than planned with nothing wrong in the plan: learnt from, that lag (up to a second) refused the
+    live requests themselves (measured beside a fleet's drain). Only tight requests are fed back."""
+    import asyncio
+
+    from cloud_service.batcher import DynamicBatcher
+    from tests.cloud_service.test_admission import Slow, one
+
+    model = Slow(0.02)
+
+    async def main() -> float:
+        async with DynamicBatcher("m", [model], BatchingConfig(max_batch_size=1), batched=False) as b:
+            loop = asyncio.get_running_loop()
+            for _ in range(3):  # measured, and tight traffic seen
+                await b.infer(one(0), deadline=loop.time() + 0.5)
+            loose = [b.submit(one(1), deadline=loop.time() + 5.0) for _ in range(10)]
+            tight = [b.submit(one(2), deadline=loop.time() + 0.5) for _ in range(10)]  # go ahead of the loose
+            await asyncio.gather(*tight, *loose)
+            return b._queue.lag.margin_s
+
+    margin = asyncio.run(main())
+    order = [batch[0] for batch in model.batches[3:]]
+    assert order.index(2.0) < len(order) - 10  # the tight ones overtook queued loose ones
+    assert margin < 0.1, margin  # the loose ones waited about 200 ms past their plans
