@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Mapping
 
 import numpy as np
 
@@ -117,9 +118,17 @@ def test_loose_requests_overtaken_by_tight_ones_do_not_teach_admission_a_lag() -
     import asyncio
 
     from cloud_service.batcher import DynamicBatcher
-    from tests.cloud_service.test_admission import Slow, one
 
-    model = Slow(0.02)
+    batches: list[float] = []
+
+    def model(inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """y = x, 20 ms a row; records each run's first value."""
+        time.sleep(0.02 * len(inputs["x"]))
+        batches.append(float(inputs["x"][0, 0]))
+        return {"y": inputs["x"]}
+
+    def one(value: float) -> dict[str, np.ndarray]:
+        return {"x": np.full((1, 2), value, np.float32)}
 
     async def main() -> float:
         async with DynamicBatcher("m", [model], BatchingConfig(max_batch_size=1), batched=False) as b:
@@ -132,6 +141,6 @@ def test_loose_requests_overtaken_by_tight_ones_do_not_teach_admission_a_lag() -
             return b._queue.lag.margin_s
 
     margin = asyncio.run(main())
-    order = [batch[0] for batch in model.batches[3:]]
+    order = batches[3:]
     assert order.index(2.0) < len(order) - 10  # the tight ones overtook queued loose ones
     assert margin < 0.1, margin  # the loose ones waited about 200 ms past their plans
