@@ -20,9 +20,10 @@
   work, a run slower than its measurement) shows up there as it happens, and admission shrinks until what
   it admits is answered in time; as the lag falls (the idle instance's runs keep measuring), it widens again.
 
-- `TightBudget` remembers the shortest time to deadline requests arrived with over the last few seconds:
-  how long a batch may hold its instance (`batch_cap_s`) is set from it, so that a tight request arriving
-  while a batch runs still has time, and batches are otherwise as large as the deadlines allow.
+- `TightBudget` keeps a low quantile (the 5th percentile) of the time to deadline requests arrived with over
+  the last few seconds: which requests are tight, and how long a batch with a loose one in it may hold its
+  instance (`batch_cap_s`), follow from it, so that a tight request arriving while a batch runs still has
+  time, and batches of tight requests are as large as their deadlines allow.
 
 All are plain state guarded by the batcher's lock; no threads, no clocks of their own.
 
@@ -38,7 +39,6 @@ from __future__ import annotations
 import math
 import random
 from collections import deque
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 _HINT_SHARE = 0.5  # refused callers honouring their hints return at this share of the capacity, in all
@@ -311,6 +311,7 @@ class RetryHints:
 _BUDGET_WINDOW_S = 5.0  # how long an arrival's time to deadline counts towards the tight budget
 _BUDGET_SAMPLES = 512  # the most recent arrivals it is taken over
 _BUDGET_QUANTILE = 0.05  # "tight": this quantile of the recent times to deadline
+_BUDGET_REFRESH_S = 0.05  # the quantile is taken again at most this often
 # A loose request joins a batch only while it is planned within this share of the tight budget: with live
 # escalations of about 100 ms that is the old fixed cap (a quarter of CoDel's 100 ms interval), which a
 # journal's drain beside live traffic was measured with (tests/e2e/test_fleet_drain.py)
@@ -354,6 +355,7 @@ class TightBudget:
     _recent: deque[tuple[float, float]] = field(default_factory=lambda: deque(maxlen=_BUDGET_SAMPLES))
     _tight: float | None = None
     _dirty: bool = False
+    _sorted_at: float = -math.inf
 
     def observe(self, now: float, budget_s: float) -> None:
         """A request arrived at `now` with `budget_s` seconds left to its deadline."""
@@ -362,14 +364,17 @@ class TightBudget:
 
     def tight_s(self, now: float) -> float | None:
         """The tight budget: the `quantile` of the budgets requests arrived with in the window (None when
-        none had a deadline)."""
+        none had a deadline). Taken again at most every `_BUDGET_REFRESH_S` (a sort of up to 512 budgets,
+        about 15 us: read on every batch and every answer, it is not redone for each)."""
         while self._recent and self._recent[0][0] < now - self.window_s:
             self._recent.popleft()
             self._dirty = True
-        if self._dirty:
+        if not self._recent:
+            self._tight = None
+        elif self._dirty and (self._tight is None or now - self._sorted_at >= _BUDGET_REFRESH_S):
             ordered = sorted(budget for _, budget in self._recent)
-            self._tight = ordered[int(self.quantile * (len(ordered) - 1))] if ordered else None
-            self._dirty = False
+            self._tight = ordered[int(self.quantile * (len(ordered) - 1))]
+            self._dirty, self._sorted_at = False, now
         return self._tight
 
     def is_tight(self, now: float, left_s: float | None) -> bool:
@@ -377,14 +382,10 @@ class TightBudget:
         tight = self.tight_s(now)
         return left_s is not None and tight is not None and left_s <= 2 * tight
 
-    def batch_cap_s(self, now: float, left_s: float) -> float:
-        """The longest a batch may be planned to run with a request `left_s` seconds from its deadline in it."""
-        return self.caps(now)(left_s)
-
-    def caps(self, now: float) -> Callable[[float], float]:
-        """`batch_cap_s` at `now` for any `left_s`, the window read once (for a batch being formed)."""
+    def batch_cap_s(self, now: float, left_s: float | None) -> float:
+        """The longest a batch may be planned to run with a request `left_s` seconds from its deadline
+        (None: no deadline) in it: unbounded for a tight one (its deadline bounds the batch), else the cap."""
+        if self.is_tight(now, left_s):
+            return math.inf
         tight = self.tight_s(now)
-        if tight is None:
-            return lambda left_s: self.floor_s
-        loose_cap = max(self.floor_s, self.share * tight)
-        return lambda left_s: math.inf if left_s <= 2 * tight else loose_cap
+        return self.floor_s if tight is None else max(self.floor_s, self.share * tight)

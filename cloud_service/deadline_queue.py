@@ -313,7 +313,6 @@ class DeadlineQueue:
         rows, limit, size = 0, math.inf, self.config.max_batch_size if self.batched else 1
         head_key: tuple[Any, ...] | None = None
         kept: list[Request] = []
-        cap = self.budget.caps(now)
         for request in self.items:
             if batch and (rows >= size or (head_key is not None and request.key != head_key)):
                 kept.append(request)
@@ -329,9 +328,9 @@ class DeadlineQueue:
                 continue
             due = limit if request.deadline is None else min(limit, request.deadline)
             planned = self.times.batch_seconds(rows + request.rows)
-            own = math.inf if request.deadline is None else request.deadline - now  # a loose one is capped
+            own = None if request.deadline is None else request.deadline - now  # a loose one is capped
             fits = rows + request.rows <= size and (
-                not admission or not batch or (now + planned <= due and planned <= cap(own)))
+                not admission or not batch or (now + planned <= due and planned <= self.budget.batch_cap_s(now, own)))
             if not fits:
                 kept.append(request)
                 continue

@@ -106,6 +106,10 @@ def test_the_tight_budget_is_a_low_quantile_of_recent_arrivals_not_their_minimum
     assert math.isclose(tight, 0.1)
     assert budget.batch_cap_s(100.0, left_s=0.09) == math.inf
     assert math.isclose(budget.batch_cap_s(100.0, left_s=3.0), 0.025)
+    for _ in range(600):  # the arrivals turn looser: the quantile follows within its refresh period
+        budget.observe(now=100.01, budget_s=0.3)
+    assert budget.tight_s(100.01) == 0.1  # read on every batch and answer, not sorted again for each
+    assert budget.tight_s(100.1) == 0.3
     assert budget.tight_s(110.0) is None
     assert budget.batch_cap_s(110.0, left_s=0.09) == 0.01
 
