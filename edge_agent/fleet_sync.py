@@ -168,6 +168,11 @@ def enroll(fleet_url: str, token: str, state_dir: Path, *, hardware: dict[str, A
     return identity
 
 
+def _unusable_url(fleet_url: str, why: object) -> EnrollmentError:
+    return EnrollmentError(f"the fleet URL {fleet_url!r} cannot be used to enroll ({why}): "
+                           "give http://HOST:PORT or https://...")
+
+
 class _Transient(Exception):
     """A failure worth asking again about: the fleet not reached, or busy."""
 
@@ -184,8 +189,7 @@ def _post_enroll(fleet_url: str, body: bytes, timeout_s: float, ca_file: str | P
         with urllib.request.urlopen(req, timeout=timeout_s, context=https_context(fleet_url, ca_file)) as resp:
             raw = resp.read()
     except ValueError as exc:  # not a URL urllib can open ("fleet:8080", "htp://...")
-        msg = f"the fleet URL {fleet_url!r} cannot be used to enroll ({exc}): give http://HOST:PORT or https://..."
-        raise EnrollmentError(msg) from None
+        raise _unusable_url(fleet_url, exc) from None
     except urllib.error.HTTPError as exc:
         detail = exc.read().decode(errors="replace")[:500]
         msg = f"the fleet at {fleet_url} refused enrollment ({exc.code}): {detail}"
@@ -198,8 +202,7 @@ def _post_enroll(fleet_url: str, body: bytes, timeout_s: float, ca_file: str | P
     except (urllib.error.URLError, OSError) as exc:
         reason = exc.reason if isinstance(exc, urllib.error.URLError) else exc
         if not isinstance(reason, OSError):  # urllib's own words: "unknown url type", ...
-            msg = f"the fleet URL {fleet_url!r} cannot be used to enroll ({reason}): give http://HOST:PORT or https://..."
-            raise EnrollmentError(msg) from None
+            raise _unusable_url(fleet_url, reason) from None
         msg = f"cannot reach the fleet at {fleet_url} to enroll: {exc}"
         if isinstance(reason, ssl.SSLError):  # a certificate that does not verify will not verify later
             raise EnrollmentError(msg) from None

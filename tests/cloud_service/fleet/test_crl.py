@@ -110,7 +110,7 @@ def test_a_revoked_certificate_is_listed_and_refused_by_the_broker(tmp_path: Pat
 
 @pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)
 def test_enrollments_at_once_each_leave_a_whole_password_file(db_url: str, tmp_path: Path) -> None:
-    """Four agents enrolling at once rewrite the broker's password file from four threads: each write leaves a
+    """Sixteen agents enrolling at once rewrite the broker's password file from sixteen threads: each write leaves a
     whole file (one writer's temporary file taken by another's rename was a 500 to an enrolling agent)."""
     (tmp_path / "broker").mkdir()
     passwd = tmp_path / "broker" / "passwd"
