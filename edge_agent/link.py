@@ -18,9 +18,10 @@ Up/down has hysteresis: `down_after` refusals in a row (or a run of timeouts tha
 link, `TimeoutRuns`, 1e-4 by chance, and has lasted `down_after_s`, 0.5 s) mark it down; `up_after`
 answers since then with no refusal between them mark it up. Slow and fast: a run of timeouts less
 likely than 1 % by chance on this link is "slower" (the run joins the window, it does not replace it); the
-first answer in time after it is "faster" (the timeouts of the run are dropped: they describe the link no
-more; the round trips before the run stay), and so is a probe's answer, and a
-move of the answered round trips' EWMA by half or more. Each such change bumps `epoch`, which the
+first answer in time after it is "faster" (where the run was news, 1e-4 by chance, a stall, its timeouts are
+dropped: they describe the link no more; a shorter run stays, as what the link does; the round trips before
+the run stay either way), and so is a probe's answer, and a move of the answered round trips' level by half
+or more. Each such change bumps `epoch`, which the
 controller watches to re-decide at once.
 
 Thread safety: the agent's event loop feeds it; the controller reads it from the thread that folds
@@ -503,6 +504,7 @@ class Link:
             self.failures = self.refusals = 0
             self._failing_since = math.inf
             self._oks += 1
+            burst = self.timeouts.news()  # the run of timeouts this answer ends was news, not the link's luck
             self.timeouts.record(timeout=False)
             cold, self._cold = self._cold, None
             warm = cold is not None and rtt_ms * COLD_RATIO < cold[1] and cold[1] - rtt_ms > self.drift_abs_ms
@@ -510,11 +512,13 @@ class Link:
                 self.rtt.drop(*cold)  # a cold first call's setup: it describes the link no more
             first = cold is None and self.up and not self.slow and not probe and not len(self.rtt)
             after_run = self.slow
-            if after_run:  # answered in time after an unusual run of timeouts: those describe the link no more,
-                # but the answers and timeouts before the run still do (dropping them all made every such answer
-                # read as a link that answers everything in time, and the run as one that answers nothing)
+            if after_run:  # answered in time after an unusual run of timeouts
                 self.slow = False
-                self.rtt.drop_unanswered(self._slow_since)
+                if burst:  # a run that was news (a stall, a partition's start) describes the link no more; the
+                    # answers and timeouts before it still do (dropping them all read as a link that answers everything)
+                    self.rtt.drop_unanswered(self._slow_since)
+                # a shorter run stays, as what the link does: on a link that misses a tight deadline often such runs
+                # are its luck, and dropping each read the link as answering in time far more than it did
             if probe:
                 self.rtt.rebase(0)
             at = self.rtt.add(rtt_ms, restart=probe or after_run or warm)
