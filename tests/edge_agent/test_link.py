@@ -67,7 +67,8 @@ def test_a_run_of_timeouts_that_was_news_is_forgotten_when_the_link_answers_agai
     for _ in range(20):
         clock.now += 0.01
         link.observe_timeout(8.0)
-    assert link.slow and link.up  # not yet down: the run has lasted 0.2 s of the 0.5 s that takes
+    assert link.slow
+    assert link.up  # not yet down: the run has lasted 0.2 s of the 0.5 s that takes
     clock.now += 0.01
     link.observe_answer(2.5)
     view = link.view()
