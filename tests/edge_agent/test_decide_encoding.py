@@ -154,7 +154,7 @@ def test_a_cheaper_exact_encoding_is_taken_at_once_after_the_round_trip_moved() 
     clock.t += ControllerConfig().redecide_gap_s
     moved = c.maybe_redecide()
     assert moved is not None, c.current.reason
-    assert moved.encoding != "fp32", moved.reason  # zstd kept, or a lossy one on its merit
+    assert moved.encoding == "zstd", moved.reason
     assert "round trip slower" in moved.trigger
     assert moved.predicted_escalation_rate >= first.predicted_escalation_rate - 0.01
 
