@@ -67,8 +67,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[
     b.add_argument("--no-batching", action="store_true", help="run every request alone")
     b.add_argument("--no-admission", action="store_true",
                    help="queue every request until its deadline instead of refusing at once those it cannot meet")
-    b.add_argument("--instances", type=int, default=1, help="model instances (worker threads) per model")
-    b.add_argument("--threads", type=int, default=0, help="intra-op threads per instance (0: backend default)")
+    b.add_argument("--instances", type=int, default=0,
+                   help="model instances (worker threads) per model; 0: one per --threads of the CPUs this "
+                        "process may use, at most 4, for an onnxruntime or OpenVINO model that runs a request "
+                        "for at least 4 ms on one; else 1")
+    b.add_argument("--threads", type=int, default=0,
+                   help="intra-op threads per instance (0: the CPUs shared among automatic instances, else "
+                        "the backend's default)")
     b.add_argument("--spin", action=argparse.BooleanOptionalAction, default=None,
                    help="onnxruntime's compute threads busy-wait between operators (default: the backend's)")
     b.add_argument("--allow-non-finite", action="store_true", help="accept NaN/Inf inputs")

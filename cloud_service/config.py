@@ -7,6 +7,7 @@ Example:
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -81,8 +82,10 @@ class ModelOptions:
 
     Args:
         batching: dynamic batching; applies only where every input and output has a dynamic axis 0.
-        instances: model instances, each with its own session and worker thread.
-        intra_op_threads: threads per instance inside one operator (0 = the backend's default).
+        instances: model instances, each with its own session and worker thread; 0 (the default): chosen
+            by `instance_layout` from the CPUs this process may use.
+        intra_op_threads: threads per instance inside one operator (0: with `instances` 0, the CPUs shared
+            among the instances; else the backend's default).
         spin: onnxruntime's intra-op threads busy-wait between operators (`SessionOptions.spin`); None
             keeps the backend's default.
         allow_non_finite: accept NaN/Inf in floating-point inputs. Off by default: a NaN that
@@ -91,14 +94,14 @@ class ModelOptions:
     """
 
     batching: BatchingConfig = field(default_factory=BatchingConfig)
-    instances: int = 1
+    instances: int = 0
     intra_op_threads: int = 0
     spin: bool | None = None
     allow_non_finite: bool = False
 
     def __post_init__(self) -> None:
-        if self.instances < 1:
-            msg = f"instances must be >= 1, got {self.instances}"
+        if self.instances < 0:
+            msg = f"instances must be >= 1, or 0 to choose from the CPUs, got {self.instances}"
             raise ConfigError(msg)
         if self.intra_op_threads < 0:
             msg = f"intra_op_threads must be >= 0, got {self.intra_op_threads}"
@@ -106,6 +109,50 @@ class ModelOptions:
         if self.spin is not None and not isinstance(self.spin, bool):
             msg = f"spin must be true, false or absent (the backend's default), got {self.spin!r}"
             raise ConfigError(msg)
+
+
+AUTO_MAX_INSTANCES = 4  # instances chosen at most, however many CPUs: each holds its own copy of the model
+CPU_RUNTIMES = frozenset({"onnxruntime", "openvino"})  # runtimes whose instances share the host's CPUs
+
+
+def usable_cpus() -> int:
+    """The CPUs this process may run on (its affinity: `taskset`, a container's cpuset)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+MULTI_INSTANCE_MIN_S = 0.004  # a request's run time on one instance from which automatic instances are several
+
+
+def instance_layout(options: ModelOptions, runtime: str, cpus: int | None = None,
+                    run_s: float | None = None) -> tuple[int, int]:
+    """(instances, intra-op threads each) for a model of `runtime`: what `options` says, or where it leaves
+    `instances` at 0, one instance per `threads` of the `cpus` (default: `usable_cpus()`), at most
+    `AUTO_MAX_INSTANCES`, the CPUs shared among them when `threads` is 0 too; but one instance (with the
+    backend's threads) when a request's measured run time on one such instance, `run_s`, is under
+    `MULTI_INSTANCE_MIN_S`. A runtime that does not compute on the host's CPUs (TensorRT), or keeps one
+    thread pool per process (torch), gets one instance.
+
+    Several instances, each computing on its own CPUs, keep a busy server's compute going while its front
+    end (decoding, gRPC, answering: about a millisecond of interpreter time a request on these hosts) takes
+    turns on the same CPUs; one session spreading every operator over all of them waits at each operator
+    for the slowest of its threads. That pays where a request computes for several times what the front
+    end spends on it. Where it does not, the instances' threads queue for the interpreter behind the front
+    end's under overload, and one instance keeps more (bench/RESULTS.md, 2026-12-02, two CPUs: a 12 ms
+    model answered 1.2-1.7x as many requests in time with two instances from 4 to 32 callers, up to 16x its
+    capacity; a 3 ms one collapsed sooner with two).
+    """
+    if options.instances:
+        return options.instances, options.intra_op_threads
+    if runtime not in CPU_RUNTIMES or (run_s is not None and run_s < MULTI_INSTANCE_MIN_S):
+        return 1, options.intra_op_threads
+    cpus = usable_cpus() if cpus is None else cpus
+    if options.intra_op_threads:
+        return max(1, min(AUTO_MAX_INSTANCES, cpus // options.intra_op_threads)), options.intra_op_threads
+    instances = max(1, min(AUTO_MAX_INSTANCES, cpus))
+    return instances, max(1, cpus // instances)
 
 
 @dataclass(frozen=True, slots=True)

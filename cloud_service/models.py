@@ -6,6 +6,7 @@ import asyncio
 import logging
 import shutil
 import tempfile
+import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -15,7 +16,7 @@ import numpy as np
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
 from cloud_service.batcher import BatchObserver, DynamicBatcher
-from cloud_service.config import ModelOptions
+from cloud_service.config import ModelOptions, instance_layout
 from cloud_service.protocol.codec import NP_TO_OIP
 from cloud_service.statistics import ModelStats
 from compilers.golden import require_golden
@@ -146,6 +147,9 @@ def open_model(path: Path, name: str, version: str, options: ModelOptions, *,
                floor: VersionFloor | None = None) -> ServedModel:
     """Verify the package at `path`, open one session per instance and smoke-test it. Blocking.
 
+    With `options.instances` 0 the instances are `config.instance_layout`'s, from the CPUs and the smoke
+    input's run time on the first one.
+
     Raises:
         PackageError (and subclasses) when verification, loading or the smoke run fails.
     """
@@ -157,16 +161,20 @@ def open_model(path: Path, name: str, version: str, options: ModelOptions, *,
             msg = (f"package {str(path)!r} holds model {package.manifest.name[:100]!r}, not {name[:100]!r}: a variant "
                    "index may point only at its own model's packages")
             raise IntegrityError(msg)
-        session_options = SessionOptions(intra_op_threads=options.intra_op_threads, spin=options.spin)
-        for _ in range(options.instances):
-            try:
-                sessions.append(package.open_session(session_options))
-            except TierkitError:
-                raise
-            except Exception as exc:
-                msg = f"package {str(path)!r}: the backend cannot load {package.manifest.artifact!r}: {exc}"
-                raise PackageError(msg) from exc
+        instances, threads = instance_layout(options, package.manifest.runtime)
+        sessions.append(_open_session(package, path, SessionOptions(intra_op_threads=threads, spin=options.spin)))
         smoke_check(sessions[0], package.manifest, where=f"package {str(path)!r}")
+        if instances > 1 and not options.instances:  # automatic: several only for a model that computes long
+            run_s = _run_seconds(sessions[0], package.manifest)
+            instances, threads = instance_layout(options, package.manifest.runtime, run_s=run_s)
+            log.info("%s:%s: a request runs %.1f ms on one instance: %d instance(s)", name, version,
+                     run_s * 1000, instances)
+            if instances == 1:
+                sessions.pop().close()
+                sessions.append(_open_session(package, path, SessionOptions(intra_op_threads=threads,
+                                                                            spin=options.spin)))
+        while len(sessions) < instances:
+            sessions.append(_open_session(package, path, SessionOptions(intra_op_threads=threads, spin=options.spin)))
         require_golden(package, sessions[0], where=f"package {str(path)!r}")
         if floor is not None:  # after the checks: a package that does not load raises no floor
             floor.admit(package.manifest, f"package {str(path)!r}")
@@ -177,6 +185,28 @@ def open_model(path: Path, name: str, version: str, options: ModelOptions, *,
             shutil.rmtree(cleanup, ignore_errors=True)
         raise
     return ServedModel(name, version, package.manifest, options, sessions, path, variant, cleanup)
+
+
+def _open_session(package: ModelPackage, path: Path, options: SessionOptions) -> Session:
+    try:
+        return package.open_session(options)
+    except TierkitError:
+        raise
+    except Exception as exc:
+        msg = f"package {str(path)!r}: the backend cannot load {package.manifest.artifact!r}: {exc}"
+        raise PackageError(msg) from exc
+
+
+def _run_seconds(session: Session, manifest: Manifest, runs: int = 5) -> float:
+    """The median run time of the smoke input (every named axis at 1) on `session`, after one untimed run."""
+    inputs = {spec.name: smoke_input(spec) for spec in manifest.inputs}
+    session.run(inputs)
+    times = []
+    for _ in range(runs):
+        started = time.perf_counter()
+        session.run(inputs)
+        times.append(time.perf_counter() - started)
+    return float(np.median(times))
 
 
 def smoke_input(spec: TensorSpec) -> np.ndarray:

@@ -215,7 +215,8 @@ class ModelRepository:
         self._refused.pop(key, None)
         if old_model is not None:
             self._retire(old_model)
-        log.info("serving %s from %s", label, source.path)
+        log.info("serving %s from %s (%d instance%s)", label, source.path, len(model.sessions),
+                 "" if len(model.sessions) == 1 else "s")
         report.loaded.append(label)
         self._on_load(source.name, "loaded")
 

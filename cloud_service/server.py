@@ -271,7 +271,7 @@ def model_config(model: ServedModel) -> pb.ModelConfig:
         config.input.add(name=spec.name, data_type=_DATA_TYPES[spec.dtype], dims=spec.oip_shape[skip:])
     for spec in model.outputs:
         config.output.add(name=spec.name, data_type=_DATA_TYPES[spec.dtype], dims=spec.oip_shape[skip:])
-    config.instance_group.add(name=f"{model.name}_cpu", count=model.options.instances,
+    config.instance_group.add(name=f"{model.name}_cpu", count=len(model.sessions),
                               kind=pb.ModelInstanceGroup.KIND_CPU)
     if model.batched:
         batching = model.options.batching

@@ -1,0 +1,83 @@
+"""How many instances a model gets, and how many threads each: what the options say, else from the CPUs."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+
+import grpc
+import numpy as np
+import pytest
+
+from cloud_service.config import (
+    AUTO_MAX_INSTANCES,
+    MULTI_INSTANCE_MIN_S,
+    ModelOptions,
+    instance_layout,
+    usable_cpus,
+)
+from cloud_service.protocol import decode_outputs, encode_request
+from cloud_service.protocol import inference_pb2 as pb
+from cloud_service.protocol import inference_pb2_grpc as pbg
+from runtimes.errors import ConfigError
+from testkit.cloud_helpers import ServerThread, make_package
+
+
+@pytest.mark.parametrize(("cpus", "expected"), [(1, (1, 1)), (2, (2, 1)), (3, (3, 1)), (8, (4, 2)), (16, (4, 4))])
+def test_automatic_instances_share_the_cpus_one_per_cpu_up_to_the_cap(cpus: int, expected: tuple[int, int]) -> None:
+    assert instance_layout(ModelOptions(), "onnxruntime", cpus) == expected
+    assert instance_layout(ModelOptions(), "openvino", cpus) == expected
+
+
+def test_a_model_that_computes_briefly_keeps_one_instance_with_the_backends_threads() -> None:
+    assert instance_layout(ModelOptions(), "onnxruntime", 2, run_s=MULTI_INSTANCE_MIN_S / 2) == (1, 0)
+    assert instance_layout(ModelOptions(), "onnxruntime", 2, run_s=MULTI_INSTANCE_MIN_S * 2) == (2, 1)
+    assert instance_layout(ModelOptions(instances=2), "onnxruntime", 2, run_s=0.0) == (2, 0)
+
+
+def test_given_threads_set_how_many_instances_the_cpus_hold() -> None:
+    assert instance_layout(ModelOptions(intra_op_threads=2), "onnxruntime", 2) == (1, 2)
+    assert instance_layout(ModelOptions(intra_op_threads=2), "onnxruntime", 8) == (4, 2)
+    assert instance_layout(ModelOptions(intra_op_threads=4), "onnxruntime", 2) == (1, 4)
+
+
+def test_given_instances_are_kept_and_runtimes_off_the_host_cpus_get_one() -> None:
+    assert instance_layout(ModelOptions(instances=3), "onnxruntime", 2) == (3, 0)
+    assert instance_layout(ModelOptions(instances=1, intra_op_threads=2), "onnxruntime", 16) == (1, 2)
+    assert instance_layout(ModelOptions(), "tensorrt", 16) == (1, 0)
+    assert instance_layout(ModelOptions(), "torch", 16) == (1, 0)
+    with pytest.raises(ConfigError, match="instances must be"):
+        ModelOptions(instances=-1)
+
+
+def test_the_cpus_counted_are_the_processs_own() -> None:
+    assert usable_cpus() == len(os.sched_getaffinity(0))
+    assert AUTO_MAX_INSTANCES >= 2
+
+
+def test_a_served_model_opens_several_instances_only_when_it_computes_long_and_reports_them(
+        serve: Callable[..., ServerThread], tmp_path: Path, digits_cnn_onnx: Path, digits_x: np.ndarray) -> None:
+    from testkit.onnx_zoo import NotInstalled
+    from testkit.overload import ocr_det_package
+
+    try:  # PP-OCRv4's detector on 128x256 pages: about 12 ms a request on one CPU
+        page = ocr_det_package(tmp_path / "auto", name="ocrdet")
+    except NotInstalled as exc:
+        pytest.skip(str(exc))
+    make_package(tmp_path / "auto" / "digits", digits_cnn_onnx)  # well under a millisecond
+    shutil.copytree(tmp_path / "auto" / "ocrdet", tmp_path / "one" / "ocrdet")
+    auto = serve(tmp_path / "auto")
+    one = serve(tmp_path / "one", defaults=ModelOptions(instances=1))
+    several, _ = instance_layout(ModelOptions(), "onnxruntime")
+    answers = []
+    for server, model, count in ((auto, "ocrdet", several), (auto, "digits", 1), (one, "ocrdet", 1)):
+        assert len(server.service.repository.get(model).sessions) == count, (model, count)
+        with grpc.insecure_channel(server.grpc) as channel:
+            stub = pbg.GRPCInferenceServiceStub(channel)
+            config = stub.ModelConfig(pb.ModelConfigRequest(name=model)).config
+            if model == "ocrdet":
+                answers.append(decode_outputs(stub.ModelInfer(encode_request(model, {"x": page})))["sigmoid_0.tmp_0"])
+        assert [g.count for g in config.instance_group] == [count]
+    np.testing.assert_allclose(answers[0], answers[1], rtol=1e-4, atol=1e-5)
