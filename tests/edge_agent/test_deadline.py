@@ -130,10 +130,11 @@ def test_a_link_back_in_time_answers_from_the_cloud_again(edge_package: ModelPac
                   options=_options()) as model:
         slow = [model.predict(digits.x_test[i]) for i in range(5)]
         slow_cloud.set(up_ms=1, down_ms=1)
-        # until 15 cloud answers, at most 60 predicts: quiet hosts need 15-16; at load average ~20, 11 of the
-        # first 20 were answered (the rest timed out in a stalled process), so the count, not the rate, is held
+        # until 15 cloud answers, at most 120 predicts: quiet hosts need 15-16; at load average ~20, 11 of the
+        # first 20 were answered (the rest timed out in a stalled process), and in a whole suite's run on a slower
+        # 2-core host (an AVX2 EPYC), 13 of 60: the count, not the rate, is held
         fast: list[sdk.Prediction] = []
-        while len(fast) < 60 and sum(p.tier == "cloud" for p in fast) < 15:
+        while len(fast) < 120 and sum(p.tier == "cloud" for p in fast) < 15:
             fast.append(model.predict(digits.x_test[len(fast) % 40]))
     # the slow link answered none: timed out, or (on a loaded host) answered late or not sent on the margin learned
     assert all(p.degraded and p.reason in {"timeout", "late", "budget"} for p in slow[1:]), [p.reason for p in slow]
