@@ -7,7 +7,6 @@ Example:
 
 from __future__ import annotations
 
-import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -16,6 +15,7 @@ from urllib.parse import urlsplit
 
 from cloud_service.security import GrpcTls, MqttTls
 from runtimes.errors import ConfigError
+from runtimes.hardware import usable_cpus
 
 
 @dataclass(frozen=True, slots=True)
@@ -113,14 +113,6 @@ class ModelOptions:
 
 AUTO_MAX_INSTANCES = 4  # instances chosen at most, however many CPUs: each holds its own copy of the model
 CPU_RUNTIMES = frozenset({"onnxruntime", "openvino"})  # runtimes whose instances share the host's CPUs
-
-
-def usable_cpus() -> int:
-    """The CPUs this process may run on (its affinity: `taskset`, a container's cpuset)."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        return os.cpu_count() or 1
 
 
 MULTI_INSTANCE_MIN_S = 0.004  # a request's run time on one instance from which automatic instances are several

@@ -155,6 +155,14 @@ def _openvino_devices() -> tuple[tuple[str, ...] | None, str | None]:
         return (), f"OpenVINO device query failed: {exc}"
 
 
+def usable_cpus() -> int:
+    """The CPUs this process may run on (its affinity: `taskset`, a container's cpuset)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
 def probe(*, proc_root: Path = Path("/proc"), powercap_root: Path = POWERCAP_ROOT,
           jetson_root: Path = JETSON_ROOT, openvino: bool = True, nvml: bool = True) -> HardwareInfo:
     """Describe this machine. Never raises for a missing or broken optional part.
@@ -167,10 +175,7 @@ def probe(*, proc_root: Path = Path("/proc"), powercap_root: Path = POWERCAP_ROO
     """
     model, isa, physical = _cpuinfo(proc_root)
     logical = os.cpu_count() or 1
-    try:
-        usable = len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        usable = logical
+    usable = usable_cpus()
     notes: list[str] = []
     gpus, gpu_note = _gpus() if nvml else ((), "not probed")
     ov_devices, ov_note = _openvino_devices() if openvino else (None, None)

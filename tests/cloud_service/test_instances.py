@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 import shutil
+import subprocess
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -16,7 +18,6 @@ from cloud_service.config import (
     MULTI_INSTANCE_MIN_S,
     ModelOptions,
     instance_layout,
-    usable_cpus,
 )
 from cloud_service.protocol import decode_outputs, encode_request
 from cloud_service.protocol import inference_pb2 as pb
@@ -52,9 +53,15 @@ def test_given_instances_are_kept_and_runtimes_off_the_host_cpus_get_one() -> No
         ModelOptions(instances=-1)
 
 
-def test_the_cpus_counted_are_the_processs_own() -> None:
-    assert usable_cpus() == len(os.sched_getaffinity(0))
-    assert AUTO_MAX_INSTANCES >= 2
+def test_the_cpus_counted_are_the_processs_own_not_the_machines() -> None:
+    if os.cpu_count() == 1:
+        pytest.skip("one CPU: no affinity narrower than the machine")
+    code = ("import os; os.sched_setaffinity(0, {min(os.sched_getaffinity(0))}); "
+            "from cloud_service.config import ModelOptions, instance_layout; "
+            "print(*instance_layout(ModelOptions(), 'onnxruntime'))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60)
+    assert out.stdout.split() == ["1", "1"], out.stdout
+    assert instance_layout(ModelOptions(), "onnxruntime")[0] == min(len(os.sched_getaffinity(0)), AUTO_MAX_INSTANCES)
 
 
 def test_a_served_model_opens_several_instances_only_when_it_computes_long_and_reports_them(
