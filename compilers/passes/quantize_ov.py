@@ -25,7 +25,6 @@ from typing import Any
 from runtimes.ov_import import openvino as ov  # before nncf, whose import loads OpenVINO
 
 # isort: split
-import nncf
 from openvino.frontend import GeneralFailure, OpConversionFailure
 
 from compilers.passes import PassContext, PassResult, quantize_ov_repair, sensitivity
@@ -139,6 +138,8 @@ def quantize(artifact: Path, ctx: PassContext, *, preset: str | None = None, mod
         repair: when the guard fails, keep the most sensitive ops in fp32 (`quantize_ov_repair`).
         max_attempts: most repair builds before the bisection steps (each one compile and validation).
     """
+    import nncf  # here, not at the top: it imports torch (seconds), which an fp32 export does not need
+
     core = ov.Core()
     model = core.read_model(str(artifact))
     if model_type == "auto":
