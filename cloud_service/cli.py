@@ -75,7 +75,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[
                    help="intra-op threads per instance (0: the CPUs shared among automatic instances, else "
                         "the backend's default)")
     b.add_argument("--spin", action=argparse.BooleanOptionalAction, default=None,
-                   help="onnxruntime's compute threads busy-wait between operators (default: the backend's)")
+                   help="onnxruntime's compute threads busy-wait between operators and runs (default: off, "
+                        "leaving the CPUs to the server's own threads between runs)")
     b.add_argument("--allow-non-finite", action="store_true", help="accept NaN/Inf inputs")
     b.add_argument("--model-config", type=Path, metavar="FILE",
                    help="YAML/JSON {defaults: {...}, models: {NAME: {...}}} with the keys above in snake_case")

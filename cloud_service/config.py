@@ -86,8 +86,8 @@ class ModelOptions:
             by `instance_layout` from the CPUs this process may use.
         intra_op_threads: threads per instance inside one operator (0: with `instances` 0, the CPUs shared
             among the instances; else the backend's default).
-        spin: onnxruntime's intra-op threads busy-wait between operators (`SessionOptions.spin`); None
-            keeps the backend's default.
+        spin: onnxruntime's intra-op threads busy-wait between operators and runs (`SessionOptions.spin`);
+            None: off (`SERVED_SPIN`).
         allow_non_finite: accept NaN/Inf in floating-point inputs. Off by default: a NaN that
             reaches a classifier yields an arbitrary class, so such inputs are refused with
             INVALID_ARGUMENT unless the model is known to handle them.
@@ -114,6 +114,12 @@ class ModelOptions:
 AUTO_MAX_INSTANCES = 4  # instances chosen at most, however many CPUs: each holds its own copy of the model
 CPU_RUNTIMES = frozenset({"onnxruntime", "openvino"})  # runtimes whose instances share the host's CPUs
 
+
+# A served model's intra-op threads do not spin unless asked (`--spin`): between runs the server's front end (the
+# gRPC and MQTT threads, admission, encoding) needs the CPUs that onnxruntime's spinning threads would hold. On a
+# 2-core AVX2 EPYC, a brief model served as one instance of two threads answered 1.1-2.0x as many requests in
+# time at 16-128 callers without spinning, and its server used 1.0-1.1 cores where it used 1.3-1.4 (bench/RESULTS.md).
+SERVED_SPIN = False
 
 MULTI_INSTANCE_MIN_S = 0.004  # a request's run time on one instance from which automatic instances are several
 

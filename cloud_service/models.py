@@ -16,7 +16,7 @@ import numpy as np
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
 from cloud_service.batcher import BatchObserver, DynamicBatcher
-from cloud_service.config import ModelOptions, instance_layout
+from cloud_service.config import SERVED_SPIN, ModelOptions, instance_layout
 from cloud_service.protocol.codec import NP_TO_OIP
 from cloud_service.statistics import ModelStats
 from compilers.golden import require_golden
@@ -162,7 +162,7 @@ def open_model(path: Path, name: str, version: str, options: ModelOptions, *,
                    "index may point only at its own model's packages")
             raise IntegrityError(msg)
         instances, threads = instance_layout(options, package.manifest.runtime)
-        sessions.append(_open_session(package, path, SessionOptions(intra_op_threads=threads, spin=options.spin)))
+        sessions.append(_open_session(package, path, _session_options(threads, options)))
         smoke_check(sessions[0], package.manifest, where=f"package {str(path)!r}")
         if instances > 1 and not options.instances:  # automatic: several only for a model that computes long
             run_s = _run_seconds(sessions[0], package.manifest)
@@ -171,10 +171,9 @@ def open_model(path: Path, name: str, version: str, options: ModelOptions, *,
                      run_s * 1000, instances)
             if instances == 1:
                 sessions.pop().close()
-                sessions.append(_open_session(package, path, SessionOptions(intra_op_threads=threads,
-                                                                            spin=options.spin)))
+                sessions.append(_open_session(package, path, _session_options(threads, options)))
         while len(sessions) < instances:
-            sessions.append(_open_session(package, path, SessionOptions(intra_op_threads=threads, spin=options.spin)))
+            sessions.append(_open_session(package, path, _session_options(threads, options)))
         require_golden(package, sessions[0], where=f"package {str(path)!r}")
         if floor is not None:  # after the checks: a package that does not load raises no floor
             floor.admit(package.manifest, f"package {str(path)!r}")
@@ -185,6 +184,12 @@ def open_model(path: Path, name: str, version: str, options: ModelOptions, *,
             shutil.rmtree(cleanup, ignore_errors=True)
         raise
     return ServedModel(name, version, package.manifest, options, sessions, path, variant, cleanup)
+
+
+def _session_options(threads: int, options: ModelOptions) -> SessionOptions:
+    """An instance's session options: `threads` intra-op threads; spinning as the model's options say, else off
+    (`SERVED_SPIN`)."""
+    return SessionOptions(intra_op_threads=threads, spin=SERVED_SPIN if options.spin is None else options.spin)
 
 
 def _open_session(package: ModelPackage, path: Path, options: SessionOptions) -> Session:

@@ -88,3 +88,24 @@ def test_a_served_model_opens_several_instances_only_when_it_computes_long_and_r
                 answers.append(decode_outputs(stub.ModelInfer(encode_request(model, {"x": page})))["sigmoid_0.tmp_0"])
         assert [g.count for g in config.instance_group] == [count]
     np.testing.assert_allclose(answers[0], answers[1], rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize(("spin", "entry"), [(None, "0"), (True, "1"), (False, "0")])
+def test_a_served_models_compute_threads_spin_only_when_asked(tmp_path: Path, digits_cnn_onnx: Path,
+                                                             spin: bool | None, entry: str) -> None:
+    """A brief model keeps one instance with the backend's threads (`test_a_model_that_computes_briefly_...`):
+    those threads do not busy-wait between runs unless the model's options ask for it (`config.SERVED_SPIN`),
+    and every session the server opens follows the same options, whatever the layout."""
+    from cloud_service.models import open_model
+
+    make_package(tmp_path / "digits", digits_cnn_onnx)
+    for options in (ModelOptions(spin=spin), ModelOptions(spin=spin, instances=2)):
+        model = open_model(tmp_path / "digits", "digits", "1", options)
+        try:
+            assert len(model.sessions) == (options.instances or 1)
+            for session in model.sessions:
+                config = session.session_options  # type: ignore[attr-defined]
+                for pool in ("intra_op", "inter_op"):
+                    assert config.get_session_config_entry(f"session.{pool}.allow_spinning") == entry, (options, pool)
+        finally:
+            model._close_sessions()  # never started: nothing queued to finish
