@@ -223,16 +223,21 @@ def test_a_control_too_sparse_in_audits_does_not_hold_the_canary_on_the_whole_st
                                                                                           tmp_path: Path) -> None:
     """Five control devices auditing 0.5 %: the whole-stream gate could never pass the canary (the control's
     audits alone leave its baseline error over the limit), so it does not hold the wave open until its maximum
-    soak: the good release passes every wave on the other gates, and the gate's record says it does not hold.
-    Held at the canary, the rollout would end paused ("inconclusive at its maximum soak: audit_agreement open")."""
+    soak: the good release passes the canary on the other gates, and the gate's record says it does not hold.
+    Held at the canary, the rollout would end paused ("wave 0 inconclusive at its maximum soak: audit_agreement
+    open")."""
     sim = _Sim(store, tmp_path, own=0.005)
     # the last wave's control is the earlier waves' devices, which audited at the raised rate before their swap:
-    # there the gate can pass and may hold the wave (2 of 30 seeded orders: 234 of its 250 planned evidence at
-    # 150 s, passed soon after), so the maximum soak is well above what the canary takes
+    # there the gate can pass and may hold the wave, as it should where it can decide (2 of 30 orders of the
+    # devices: 234 of its 250 planned evidence at 150 s, passed soon after; an order is random, the devices'
+    # ids are; one such wave in a full suite run stayed open to its maximum soak), so the rollout either
+    # succeeds or is held at a later wave, never at the canary
     rid, engine = _deploy(sim, pre_swap_s=120, max_soak="300s")
     shown = sim.run(rid, engine, 900)
-    assert shown["state"] == "succeeded", (shown["reason"], shown["waves"][0]["gates"])
+    assert shown["state"] == "succeeded" or (shown["state"] == "paused" and not shown["reason"].startswith(
+        "wave 0")), (shown["reason"], shown["waves"][0]["gates"])
     canary = shown["waves"][0]
+    assert canary["ended_at"] is not None, shown["reason"]
     assert canary["ended_at"] - canary["started_at"] < 150  # passed long before its maximum soak, not at it
     audit = [g for d in shown["decisions"] if d["wave"] == 0 for g in (d["figures"].get("gates") or [])
              if g["gate"] == "audit_agreement" and g["decision"] == "open"]
