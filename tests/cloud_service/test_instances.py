@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import shutil
 import subprocess
@@ -54,8 +55,8 @@ def test_given_instances_are_kept_and_runtimes_off_the_host_cpus_get_one() -> No
 
 
 def test_the_cpus_counted_are_the_processs_own_not_the_machines() -> None:
-    if os.cpu_count() == 1:
-        pytest.skip("one CPU: no affinity narrower than the machine")
+    if len(os.sched_getaffinity(0)) == 1:
+        pytest.skip("one usable CPU: no affinity narrower than this process's to set")
     code = ("import os; os.sched_setaffinity(0, {min(os.sched_getaffinity(0))}); "
             "from cloud_service.config import ModelOptions, instance_layout; "
             "print(*instance_layout(ModelOptions(), 'onnxruntime'))")
@@ -108,4 +109,4 @@ def test_a_served_models_compute_threads_spin_only_when_asked(tmp_path: Path, di
                 for pool in ("intra_op", "inter_op"):
                     assert config.get_session_config_entry(f"session.{pool}.allow_spinning") == entry, (options, pool)
         finally:
-            model._close_sessions()  # never started: nothing queued to finish
+            asyncio.run(model.aclose())
