@@ -16,7 +16,9 @@ again). A slow spell is forgotten once it is over even if nothing is sent meanwh
 
 Up/down has hysteresis: `down_after` refusals in a row (or a run of timeouts that is news for this
 link, `TimeoutRuns`, 1e-4 by chance, and has lasted `down_after_s`, 0.5 s) mark it down; `up_after`
-answers since then with no refusal between them mark it up. Slow and fast: a run of timeouts less
+answers since then with no refusal between them mark it up, and the round trips then kept are what came
+since the first of those answers, the timeouts between them included (a link that answers now and then is
+read at its share, not at that of its answers). Slow and fast: a run of timeouts less
 likely than 1 % by chance on this link is "slower" (the run joins the window, it does not replace it); the
 first answer in time after it is "faster" (where the run was news, 1e-4 by chance, a stall, its timeouts are
 dropped: they describe the link no more; a shorter run stays, as what the link does; the round trips before
@@ -393,6 +395,10 @@ class RoundTrips:
         self._window = deque((x for x in self._window if not (x[0] == at and x[1] == value and x[2])),
                              maxlen=self._window.maxlen)
 
+    def keep_since(self, since: float) -> None:
+        """Forget what was recorded before `since`."""
+        self._window = deque((x for x in self._window if x[0] >= since), maxlen=self._window.maxlen)
+
     def drop_infinite(self) -> None:
         self._window = deque((x for x in self._window if x[2]), maxlen=self._window.maxlen)
 
@@ -474,6 +480,7 @@ class Link:
         self.down_after_s = down_after_s
         self._failing_since = math.inf  # when the failures in a row began
         self._oks = 0  # answers since the link went down (no refusal between them)
+        self._oks_since = math.inf  # when the first of them was recorded
         self.availability, self.failure_latency_ms = 1.0, 0.0
         self.epoch, self.event = 0, ""
         self.slow = False  # a run of timeouts unusual for this link is going on (`slow_odds`)
@@ -524,10 +531,14 @@ class Link:
             at = self.rtt.add(rtt_ms, restart=probe or after_run or warm)
             if first:
                 self._cold = (at, float(rtt_ms))
+            if not self.up and self._oks == 1:
+                self._oks_since = at
             if not self.up and self._oks >= self.up_after:
                 self.up, self.availability = True, 1.0
-                self.rtt.rebase(self.up_after)  # the answers that brought it back describe it now
-                self.rtt.drop_infinite()
+                # what came since the first of the answers that brought it back describes it now: those answers
+                # and the timeouts between them (keeping the answers alone read a link that answers one
+                # escalation in thirty in time as one that answers all, until timeouts refilled the record)
+                self.rtt.keep_since(self._oks_since)
                 self._bump("up")
                 self._ref_ms = self._level()
                 return
@@ -565,7 +576,7 @@ class Link:
             self._failing_since = min(self._failing_since, self._clock())
             self.failures += 1
             self.refusals += 1
-            self._oks = 0
+            self._oks, self._oks_since = 0, math.inf
             if waited_ms is not None:  # availability prices a refusal: the round trips are of answers and timeouts
                 self.failure_latency_ms += self._alpha * (float(waited_ms) - self.failure_latency_ms)
             self.availability -= self._alpha * self.availability
@@ -628,7 +639,7 @@ class Link:
             self.rtt.rebase(keep)
 
     def _down(self) -> None:
-        self.up, self._oks = False, 0
+        self.up, self._oks, self._oks_since = False, 0, math.inf
         self._bump("down")
 
     def _bump(self, event: str) -> None:

@@ -274,3 +274,33 @@ def test_after_the_jitter_grows_the_share_a_plan_reads_is_the_links_once_the_hor
             link.observe_timeout(10.5)
     read = float(np.isfinite(link.view().rtt_samples).mean())
     assert read == pytest.approx(float(np.mean(after[-160:])), abs=0.08)
+
+
+def test_a_link_that_answers_now_and_then_is_read_as_such_when_it_comes_up_again() -> None:
+    """A link that answers one escalation in twenty-five in time: a long run of timeouts marks it down, and the
+    answers among the timeouts that follow mark it up again. The share answered in time a plan reads when it
+    comes up is that of the outcomes since the first of those answers, not that of the answers alone: keeping
+    only them read 1.0, and the controller escalated as on a link back in full until timeouts refilled the record."""
+    clock = Clock()
+    link = Link(rtt_ms=5.0, clock=clock)
+    rng = np.random.default_rng(5)
+    for _ in range(100):  # in time at first
+        link.observe_answer(5.0)
+        clock.now += 0.01
+    for _ in range(100):  # then nothing answers for a second: a partition
+        link.observe_timeout(10.0)
+        clock.now += 0.01
+    assert not link.up
+    outcomes: list[bool] = []
+    while not link.up and len(outcomes) < 1000:
+        clock.now += 0.02
+        outcomes.append(bool(rng.random() < 0.04))
+        if outcomes[-1]:
+            link.observe_answer(4.0)
+        else:
+            link.observe_timeout(10.0)
+    assert link.up, "three answers with no refusal between them mark the link up"
+    since = outcomes[outcomes.index(True):]
+    assert len(since) > 10  # the draw has timeouts between the answers (else the test proves nothing)
+    read = float(np.isfinite(link.view().rtt_samples).mean())
+    assert read == pytest.approx(3 / len(since))
