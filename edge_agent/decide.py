@@ -54,7 +54,8 @@ most `gain_hold_max` and none in the first re-decision after a change of the bud
 the latency target with `switch_headroom` and the energy target with `energy_switch_headroom` to spare (near a
 flat optimum, the first decision after a change stands; the gain's evidence separates only near-tied points,
 and never holds a point chosen for other conditions); or (3) the choice is as accurate (a tie, as above,
-between the two points) and spends `energy_margin` less energy (across variants, on measured figures only; a
+between the two points) and spends `energy_margin` less energy (across variants, on measured figures only,
+but for the re-decision as an energy budget is set, where a point chosen without it has no claim to stand; a
 move that escalates less is not made within `link_settle_s` of a move of the round trip, so that a loss burst
 does not take the escalations away, while one that keeps them, a cheaper encoding as exact, is made at once;
 nor while the link is down, when the breaker skips the escalations whatever share is wanted); or (4) the
