@@ -270,10 +270,8 @@ def main(argv: list[str] | None = None) -> int:
           f"{len(records['controller']['decisions'])} recorded decisions")
     print_encodings(records["controller"], plan)
     ctl, oracle = results["controller"], results["oracle"]
-    if binding:
+    if binding or traced:
         check_binding(ctl, results, plan)
-    elif traced:
-        check_binding(ctl, results, plan, settle=100)
     if len(each) > 1 and (binding or traced):
         print(paired(each, plan, meets))
         check_resume(records["controller"], plan)
@@ -340,7 +338,7 @@ def check_resume(rec: dict[str, Any], plan: list[Phase]) -> None:
 
 
 def check_binding(ctl: list[dict[str, Any]], results: dict[str, list[dict[str, Any]]], plan: list[Phase], *,
-                  settle: int = 300) -> None:
+                  settle: int = 100) -> None:
     """The checks of phases where budgets bind, over each whole phase. The accuracy is compared with the best
     fixed strategy of the phase that kept the same budgets, chosen with hindsight: the oracle (the best static
     point by the model fitted to the cloud-only run) or a fixed threshold that did better in the same run."""
