@@ -526,7 +526,7 @@ class Link:
                     self.rtt.drop_unanswered(self._slow_since)
                 # a shorter run stays, as what the link does: on a link that misses a tight deadline often such runs
                 # are its luck, and dropping each read the link as answering in time far more than it did
-            if probe:
+            if probe and self.up:  # while down, what came since the first answer is kept as it comes up (below)
                 self.rtt.rebase(0)
             at = self.rtt.add(rtt_ms, restart=probe or after_run or warm)
             if first:

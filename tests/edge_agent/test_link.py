@@ -276,11 +276,14 @@ def test_after_the_jitter_grows_the_share_a_plan_reads_is_the_links_once_the_hor
     assert read == pytest.approx(float(np.mean(after[-160:])), abs=0.08)
 
 
-def test_a_link_that_answers_now_and_then_is_read_as_such_when_it_comes_up_again() -> None:
+@pytest.mark.parametrize("probe", [False, True])
+def test_a_link_that_answers_now_and_then_is_read_as_such_when_it_comes_up_again(probe: bool) -> None:
     """A link that answers one escalation in twenty-five in time: a long run of timeouts marks it down, and the
     answers among the timeouts that follow mark it up again. The share answered in time a plan reads when it
     comes up is that of the outcomes since the first of those answers, not that of the answers alone: keeping
-    only them read 1.0, and the controller escalated as on a link back in full until timeouts refilled the record."""
+    only them read 1.0, and the controller escalated as on a link back in full until timeouts refilled the record.
+    So also where the answers are probes' (sent although the view said they would not fit), whose answer in
+    time wipes the record of a link that is up."""
     clock = Clock()
     link = Link(rtt_ms=5.0, clock=clock)
     rng = np.random.default_rng(5)
@@ -296,7 +299,7 @@ def test_a_link_that_answers_now_and_then_is_read_as_such_when_it_comes_up_again
         clock.now += 0.02
         outcomes.append(bool(rng.random() < 0.04))
         if outcomes[-1]:
-            link.observe_answer(4.0)
+            link.observe_answer(4.0, probe=probe)
         else:
             link.observe_timeout(10.0)
     assert link.up, "three answers with no refusal between them mark the link up"
