@@ -446,11 +446,8 @@ class Controller:
         # across variants, the two points' own validation error: a gain of a few hundredths of a point from
         # another variant is noise (it moved the controller between variants and back late in a phase)
         across = variant_stderr(self._by_id[cur.variant], self._by_id[cand.variant], cur, cand)
-        # a modeled energy moves no variant (its noise would move it back and forth), but under a new energy
-        # budget the current point, chosen without it, has no claim to stand: the one re-decision as it is set
-        # takes the cheaper of two as accurate points on the figures there are (one move, nothing to flap)
-        evidence = (energy_evidence(self._by_id[cur.variant], self._by_id[cand.variant], self.config.energy_z)
-                    or (self._new_budget and self.budget.energy_mj is not None))
+        evidence = energy_evidence(self._by_id[cur.variant], self._by_id[cand.variant], self.config.energy_z,
+                                   budget_set=self._new_budget and self.budget.energy_mj is not None)
         # the settle time keeps a burst from taking the escalations away: a move that keeps them (a smaller
         # wire encoding, a point escalating as much) is no such move, and waits for nothing
         keeps = cand.predicted_escalation_rate >= cur.predicted_escalation_rate - KEEP_ESCALATIONS

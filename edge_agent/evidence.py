@@ -235,10 +235,12 @@ def cloud_noise(cur: Decision, cand: Decision, profile: VariantProfile, prior_st
     return z * gain * sd / max(1 - rho, 0.05)
 
 
-def energy_evidence(a: VariantProfile, b: VariantProfile, z: float) -> bool:
+def energy_evidence(a: VariantProfile, b: VariantProfile, z: float, *, budget_set: bool = False) -> bool:
     """Whether two variants' measured energies differ by more than `z` standard errors (a modeled figure
-    is no evidence); a variant against itself always is."""
-    if a.id == b.id:
+    is no evidence: its noise would move the controller between them and back); a variant against itself
+    always is, and so are any figures in the re-decision as an energy budget is set (`budget_set`): the point
+    chosen without that budget has no claim to stand, and the one move it makes cannot flap."""
+    if a.id == b.id or budget_set:
         return True
     if not (measured(a.energy_label) and measured(b.energy_label)):
         return False
