@@ -280,9 +280,13 @@ def main(argv: list[str] | None = None) -> int:
     png = plot({k: records[k] for k in order}, plan, args.png)
     with contextlib.suppress(ValueError):
         png = png.resolve().relative_to(Path.cwd())
-    if args.dump:
-        arrays = {f"{k}.{f}": v for k in order for f, v in records[k].items() if isinstance(v, np.ndarray)}
-        np.savez(args.dump, decisions=json.dumps(records["controller"]["decisions"]), **arrays)
+    if args.dump:  # the first repeat's keys bare, the others' prefixed "repeat2.", "repeat3.", ...
+        arrays: dict[str, Any] = {}
+        for r, rec in enumerate(repeats):
+            pre = f"repeat{r + 1}." if r else ""
+            arrays |= {f"{pre}{k}.{f}": v for k in order for f, v in rec[k].items() if isinstance(v, np.ndarray)}
+            arrays[f"{pre}decisions"] = json.dumps(rec["controller"]["decisions"])
+        np.savez(args.dump, **arrays)
     flags = ((f" --phases {args.phases}" if binding or traced else "") + (" --quick" if args.quick else "")
              + (f" --requests {args.requests}" if args.requests is not None else "")
              + (f" --only {args.only}" if args.only else ""))
