@@ -238,8 +238,8 @@ def cloud_noise(cur: Decision, cand: Decision, profile: VariantProfile, prior_st
 def energy_evidence(a: VariantProfile, b: VariantProfile, z: float, *, budget_set: bool = False) -> bool:
     """Whether two variants' measured energies differ by more than `z` standard errors (a modeled figure
     is no evidence: its noise would move the controller between them and back); a variant against itself
-    always is, and so are any figures in the re-decision as an energy budget is set (`budget_set`): the point
-    chosen without that budget has no claim to stand, and the one move it makes cannot flap."""
+    always is, and so are any figures in the re-decision as a budget is set that holds an energy budget
+    (`budget_set`): the point chosen under another budget has no claim to stand, and one move cannot flap."""
     if a.id == b.id or budget_set:
         return True
     if not (measured(a.energy_label) and measured(b.energy_label)):
