@@ -222,12 +222,17 @@ def test_mqtt_escalations_past_capacity_are_refused_on_arrival(ocr_models: tuple
         if alone.in_time < 5:  # a host so loaded that a lone page takes most of its deadline: measure longer
             alone = mqtt_closed_loop(url, payload, callers=1, seconds=6.0, deadline_s=deadline_s)
         # batching serves a crowd about three times a lone caller's rate (70/s against 25/s in one run): callers for
-        # twice the lone rate were once not past capacity (9 % refused), so the crowd is sized for four times it
-        callers = min(32, max(8, math.ceil(4 * deadline_s * alone.goodput)))
-        before = _scrape(server.metrics)
-        with HostStall() as stall:  # what other runs loading the cores cost every thread here
-            crowd = mqtt_closed_loop(url, payload, callers=callers, seconds=4.0, deadline_s=deadline_s)
-        served = _ServerSide.between(before, _scrape(server.metrics))
+        # twice the lone rate were once not past capacity (9 % refused), so the crowd is sized for four times it, at
+        # most 32 paho clients; where a fast host answered those nearly all in time (204/s in time, 34 refused, at a
+        # lone rate of 104/s on an AVX-512 EPYC), the crowd was not past capacity, and it runs again twice as large
+        first = min(32, max(8, math.ceil(4 * deadline_s * alone.goodput)))
+        for callers in (first, 2 * first):
+            before = _scrape(server.metrics)
+            with HostStall() as stall:  # what other runs loading the cores cost every thread here
+                crowd = mqtt_closed_loop(url, payload, callers=callers, seconds=4.0, deadline_s=deadline_s)
+            served = _ServerSide.between(before, _scrape(server.metrics))
+            if crowd.refused >= 0.1 * crowd.in_time or crowd.expired + crowd.late > crowd.refused:
+                break  # past capacity, or expiring rather than refused: judged below
         after = mqtt_closed_loop(url, payload, callers=1, seconds=2.0, deadline_s=deadline_s)
         with urllib.request.urlopen(f"http://{server.metrics}/metrics", timeout=10) as reply:
             metrics = reply.read().decode()
