@@ -427,7 +427,7 @@ class Controller:
         else:
             chosen = replace(cur, binding=cand.binding, reason=f"kept: {cur.reason}; the rule's choice "
                              f"{cand.variant}@{cand.threshold:.4g}/{cand.encoding or 'as built'} "
-                             f"acc {cand.predicted_accuracy:.4f}")
+                             f"acc {cand.predicted_accuracy:.4f}, {cand.predicted_energy_mj:.3g} mJ")
         changed = chosen.point != self.current.point
         self._commit(chosen, trigger, record=changed or trigger != "periodic")
         return self.current if changed else None

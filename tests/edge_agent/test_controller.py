@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import numpy as np
 import pytest
@@ -182,6 +183,9 @@ def test_budget_change_at_run_time_redecides_and_hysteresis_needs_a_margin() -> 
     assert sticky.set_budget(Budget(latency_ms=20)) is None
     assert sticky.current.variant == "fast"
     assert sticky.current.reason.startswith("kept")
+    # the record names the point it did not move to, with what that point was predicted to give and spend
+    assert re.search(r"the rule's choice slow@[\d.]+/as built acc 0\.\d{4}, [\d.]+ mJ$", sticky.current.reason), \
+        sticky.current.reason
     d = c.set_budget(Budget(latency_ms=20))
     assert d is not None
     assert d.variant == "slow"
