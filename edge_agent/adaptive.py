@@ -50,6 +50,9 @@ class AdaptiveOptions:
             (the compiler's validation accuracy over n samples) deserves a weight of that order.
         rtt_ms: prior median round trip to the cloud, until escalations measure it.
         benchmark_repeats: timed batch-1 inferences per variant when the agent starts.
+        side_run_every: one request in this many, the agent also times one variant it is not serving with,
+            round robin (`edge_agent.side_runs`): the controller then prices each variant at the load of now,
+            not by the serving one's slowdown. 0: never.
         config: the controller's grid, headroom and hysteresis (None: `ControllerConfig()`).
     """
 
@@ -57,6 +60,7 @@ class AdaptiveOptions:
     cloud_accuracy_weight: float = 30.0
     rtt_ms: float = DEFAULT_RTT_MS
     benchmark_repeats: int = 20
+    side_run_every: int = 50
     config: ControllerConfig | None = None
 
     def __post_init__(self) -> None:
@@ -65,6 +69,9 @@ class AdaptiveOptions:
             msg = (f"AdaptiveOptions: need 0 < cloud_accuracy <= 1, cloud_accuracy_weight >= 0, rtt_ms > 0 and "
                    f"benchmark_repeats >= 1; got {self.cloud_accuracy!r}, {self.cloud_accuracy_weight!r}, "
                    f"{self.rtt_ms!r}, {self.benchmark_repeats!r}")
+            raise ConfigError(msg)
+        if not (isinstance(self.side_run_every, int) and self.side_run_every >= 0):
+            msg = f"AdaptiveOptions.side_run_every must be an integer >= 0 (0: none), got {self.side_run_every!r}"
             raise ConfigError(msg)
 
 

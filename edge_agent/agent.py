@@ -69,6 +69,7 @@ from edge_agent.options import AgentOptions
 from edge_agent.policy import Policy
 from edge_agent.prediction import Prediction
 from edge_agent.pushback import DrainPace, Pushback
+from edge_agent.side_runs import SideRuns
 from edge_agent.stats import Observation, Stats
 from edge_agent.transports.base import Transport, open_transport
 from edge_agent.variants import Variant, load_packages, open_variants
@@ -161,6 +162,9 @@ class EdgeAgent(EscalationPath, Background):
         if ctl is not None and ctl.deadline_margin_ms is None:
             ctl.deadline_margin_ms = opts.margin_ms  # it plans escalations to end where this agent's timer ends them
         self.controller: Controller | None = ctl
+        # the variants not serving, timed now and then at the load of now (`edge_agent.side_runs`)
+        self._side = (SideRuns(opts.adaptive.side_run_every)
+                      if isinstance(ctl, Controller) and len(ctl.profiles) > 1 else None)
         self.breaker = CircuitBreaker(opts.breaker, link=self.link)
         if (encoder := getattr(cloud, "encoder", None)) is not None:
             encoder.meter = self.link  # the bandwidth the transport times is the link's

@@ -42,6 +42,7 @@ if TYPE_CHECKING:
     from edge_agent.policy import Policy
     from edge_agent.prediction import Prediction
     from edge_agent.pushback import DrainPace, Pushback
+    from edge_agent.side_runs import SideRuns
     from edge_agent.stats import Observation, Stats
     from edge_agent.transports.base import Transport
     from runtimes.spec import TensorSpec
@@ -89,6 +90,7 @@ class AgentState:
     cloud_model: str
     link: Link
     controller: Controller | None
+    _side: SideRuns | None
     breaker: CircuitBreaker
     pushback: Pushback
     _pace: DrainPace

@@ -70,6 +70,9 @@ class Background(AgentState):
             busy = self.controller is not None and bool(self._obs)
             if busy:
                 await asyncio.to_thread(self.fold)
+                if (side := self._side) is not None and side.due(self.stats.requests) and self.controller is not None:
+                    await asyncio.to_thread(side.run_due, self.variants, self.controller, self.options.power,
+                                            self._fold_lock, self.stats.requests, measured=self.meter is not None)
             elif self._obs:
                 self.fold()  # statistics only: a few µs per observation
             now = time.monotonic()
