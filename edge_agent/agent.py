@@ -65,7 +65,7 @@ from edge_agent.escalation import EscalationPath
 from edge_agent.frames import from_frame
 from edge_agent.journal import Journal
 from edge_agent.link import Link
-from edge_agent.options import AgentOptions
+from edge_agent.options import AgentOptions, edge_session
 from edge_agent.policy import Policy
 from edge_agent.prediction import Prediction
 from edge_agent.pushback import DrainPace, Pushback
@@ -128,7 +128,8 @@ class EdgeAgent(EscalationPath, Background):
         ids = list(packages) if controller is True or ctl is not None else [recommended]
         # variants whose golden inputs do not reproduce here, with why (the agent runs the next rung)
         self.refused: dict[str, str] = {}
-        self.variants = open_variants(packages, self.policy, ids, opts.session, opts.inline_max_ms, self.refused)
+        self.variants = open_variants(packages, self.policy, ids, edge_session(opts.session), opts.inline_max_ms,
+                                      self.refused)
         self._variant = self.variants.get(recommended) or next(iter(self.variants.values()))
         self.inputs = self._variant.session.inputs
         self.outputs = self._variant.session.outputs
