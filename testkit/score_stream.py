@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import numpy as np
 
+from edge_agent.budget import Budget
 from edge_agent.controller import Controller
-from edge_agent.profiles import VariantProfile
+from edge_agent.profiles import LinkProfile, VariantProfile
 
 N = 2000  # the validation split's size
 
@@ -36,6 +37,17 @@ def profile() -> VariantProfile:
     """The edge model's profile from the validation stream (seed 0): 1 ms and 1 mJ a request, modeled."""
     scores, correct = stream(0, N)
     return VariantProfile("lr", scores, correct, np.full(16, 1.0), 1.0, "modeled:test")
+
+
+def twins(clock: Clock) -> tuple[Controller, VariantProfile, VariantProfile]:
+    """A controller over two variants alike in accuracy, "hot" and "cool" (the validation stream of seed 0, each
+    benchmarked at 1 ms and 1 mJ, modeled), on a 4-ms link to a 0.999 cloud, with a 60-ms budget."""
+    scores, correct = stream(0, N)
+    hot = VariantProfile("hot", scores, correct, np.full(16, 1.0), 1.0, "modeled:test")
+    cool = VariantProfile("cool", scores, correct, np.full(16, 1.0), 1.0, "modeled:test")
+    lp = LinkProfile(rtt_ms=4.0, bytes_per_escalation=1000.0, energy_per_byte_mj=1e-3, wait_power_w=0.3,
+                     cloud_accuracy=0.999, clock=clock)
+    return Controller([hot, cool], Budget(latency_ms=60), link=lp, clock=clock), hot, cool
 
 
 def serve(c: Controller, score: float, correct: bool, rng: np.random.Generator, *, rtt_ms: float,

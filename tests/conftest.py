@@ -13,9 +13,11 @@ import numpy as np
 import pytest
 
 from cloud_service.config import ServerConfig
+from compilers.variants import VariantSet
 from runtimes.registry import register_backend
 from testkit import zoo
 from testkit.cloud_helpers import Pki, ServerThread, make_package, write_pki
+from testkit.packages import make_variant_set
 
 # torch's OpenMP threads spin while they wait for work; on a 2-core host other processes load, the spinning
 # starves everything else. Measured at load average ~13: training the digits linear model took 50-58 s wall
@@ -68,6 +70,15 @@ def digits_cnn_onnx(digits_cnn, digits: zoo.Split, model_dir: Path) -> Path:  # 
 @pytest.fixture(scope="session")
 def digits_linear_onnx(digits_linear, digits: zoo.Split, model_dir: Path) -> Path:  # type: ignore[no-untyped-def]
     return zoo.export_onnx(digits_linear, digits.x_test[:1], model_dir / "digits_linear.onnx")
+
+
+@pytest.fixture(scope="session")
+def digits_ladder(digits_linear_onnx: Path, digits_cnn_onnx: Path, digits: zoo.Split,
+                  tmp_path_factory: pytest.TempPathFactory) -> VariantSet:
+    """Two real variants of one model: a fast logistic regression (~96%) and a small CNN (~99%)."""
+    return make_variant_set(tmp_path_factory.mktemp("ladder") / "digits",
+                            {"linear": digits_linear_onnx, "cnn": digits_cnn_onnx}, name="digits",
+                            x_val=digits.x_val, y_val=digits.y_val)
 
 
 @pytest.fixture(scope="session")

@@ -14,7 +14,7 @@ import numpy as np
 from edge_agent.budget import Budget
 from edge_agent.controller import Controller, evaluate
 from edge_agent.profiles import LinkProfile, VariantProfile
-from testkit.score_stream import Clock, N, profile, stream
+from testkit.score_stream import Clock, N, profile, stream, twins
 
 
 def better(flips: int) -> VariantProfile:
@@ -65,12 +65,7 @@ def test_a_new_energy_budget_takes_the_cheaper_of_two_as_accurate_variants_at_on
     the dearer one, under the budget, until its estimate crept over it: on the bench's energy phase, 375
     requests later (int8-ov at 10.8 of 11.5 mJ where fp32-ort was as accurate at 8.6)."""
     clock = Clock()
-    scores, correct = stream(0, N)
-    hot = VariantProfile("hot", scores, correct, np.full(16, 1.0), 1.0, "modeled:test")
-    cool = VariantProfile("cool", scores, correct, np.full(16, 1.0), 1.0, "modeled:test")
-    lp = LinkProfile(rtt_ms=4.0, bytes_per_escalation=1000.0, energy_per_byte_mj=1e-3, wait_power_w=0.3,
-                     cloud_accuracy=0.999, clock=clock)
-    c = Controller([hot, cool], Budget(latency_ms=60), link=lp, clock=clock)
+    c, _, _ = twins(clock)
     assert c.current.variant == "hot"  # as cheap as the other so far: the first of a tie
     rng = np.random.default_rng(1)
     for s, ok in zip(*stream(7, 300), strict=True):

@@ -8,7 +8,6 @@ and the budget's re-decision kept the dearer one (`edge_agent.side_runs`).
 from __future__ import annotations
 
 import asyncio
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -19,21 +18,16 @@ from edge_agent.agent import AgentOptions, EdgeAgent
 from edge_agent.budget import Budget
 from edge_agent.controller import Controller
 from edge_agent.policy import Policy
-from edge_agent.profiles import LinkProfile, VariantProfile
 from testkit import zoo
-from testkit.packages import make_variant_set
-from testkit.score_stream import Clock, N, stream
+from testkit.score_stream import Clock, stream, twins
 from testkit.waiting import until
 
 Span = tuple[float, float, float]
 
 
 @pytest.fixture(scope="module")
-def ladder(digits_linear_onnx: Path, digits_cnn_onnx: Path, digits: zoo.Split,
-           tmp_path_factory: pytest.TempPathFactory) -> VariantSet:
-    return make_variant_set(tmp_path_factory.mktemp("ladder") / "digits",
-                            {"linear": digits_linear_onnx, "cnn": digits_cnn_onnx}, name="digits",
-                            x_val=digits.x_val, y_val=digits.y_val)
+def ladder(digits_ladder: VariantSet) -> VariantSet:
+    return digits_ladder
 
 
 def serve(ladder: VariantSet, x: np.ndarray, every: int) -> tuple[dict[str, int], dict[str, Span], str, int]:
@@ -92,12 +86,7 @@ def test_a_budget_set_takes_the_variant_its_side_runs_show_cheaper() -> None:
 
     def run(side_figures: int) -> Controller:
         clock = Clock()
-        scores, correct = stream(0, N)
-        hot = VariantProfile("hot", scores, correct, np.full(16, 1.0), 1.0, "modeled:test")
-        cool = VariantProfile("cool", scores, correct, np.full(16, 1.0), 1.0, "modeled:test")
-        lp = LinkProfile(rtt_ms=4.0, bytes_per_escalation=1000.0, energy_per_byte_mj=1e-3, wait_power_w=0.3,
-                         cloud_accuracy=0.999, clock=clock)
-        c = Controller([hot, cool], Budget(latency_ms=60), link=lp, clock=clock)
+        c, _, cool = twins(clock)
         rng = np.random.default_rng(1)
         for i, (s, ok) in enumerate(zip(*stream(7, 300), strict=True)):
             escalated = s < c.current.threshold

@@ -23,7 +23,7 @@ from runtimes.errors import CloudUnavailable, ConfigError, InputError
 from testkit import zoo
 from testkit.cloud_helpers import metric_value
 from testkit.fake_transport import FakeTransport
-from testkit.packages import make_package, make_variant_set
+from testkit.packages import make_package
 
 
 @pytest.fixture(scope="module")
@@ -33,12 +33,8 @@ def package(digits_linear_onnx: Path, digits: zoo.Split, tmp_path_factory: pytes
 
 
 @pytest.fixture(scope="module")
-def ladder(digits_linear_onnx: Path, digits_cnn_onnx: Path, digits: zoo.Split,
-           tmp_path_factory: pytest.TempPathFactory) -> VariantSet:
-    """Two real variants: a fast logistic regression (~96%) and a small CNN (~99%)."""
-    return make_variant_set(tmp_path_factory.mktemp("ladder") / "digits",
-                            {"linear": digits_linear_onnx, "cnn": digits_cnn_onnx}, name="digits",
-                            x_val=digits.x_val, y_val=digits.y_val)
+def ladder(digits_ladder: VariantSet) -> VariantSet:
+    return digits_ladder
 
 
 def cloud(request: Any) -> Any:
