@@ -27,11 +27,12 @@ Example:
 from __future__ import annotations
 
 import logging
-import math
 import threading
 import time
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
+
+import numpy as np
 
 from edge_agent.variants import Variant, zero_feed
 from runtimes.energy import PowerProfile
@@ -51,17 +52,18 @@ class SideRuns:
         self.every = int(every)
         self._last = 0  # requests seen at the last side run
         self._turn = 0
+        self._feeds: dict[str, dict[str, np.ndarray]] = {}  # each variant's batch-1 zeros, made once
         self.runs = 0
 
-    def due(self, requests: int) -> bool:
-        """Whether `requests` (served so far) are `every` past the last side run; never with `every` 0."""
-        return self.every > 0 and requests - self._last >= self.every
+    def due(self, requests: int) -> int:
+        """How many side runs `requests` (served so far) make due: one per `every` since the last; 0 with `every` 0."""
+        return (requests - self._last) // self.every if self.every > 0 else 0
 
     def run_due(self, variants: Mapping[str, Variant], ctl: Controller, power: PowerProfile,
                 lock: threading.Lock, requests: int, *, measured: bool = False) -> list[str]:
-        """The side runs due after `requests` served: one per `every` since the last, at most one per variant
-        not serving (a burst served between two folds is not made up for later). Returns the variants timed."""
-        due = (requests - self._last) // self.every if self.every > 0 else 0
+        """The side runs due after `requests` served, at most one per variant not serving (a burst served
+        between two folds is not made up for later). Returns the variants timed."""
+        due = self.due(requests)
         if due <= 0:
             return []
         self._last = requests
@@ -77,23 +79,23 @@ class SideRuns:
         profile of it, under `lock` (the controller's owner); with `measured`, the time only. Returns the
         variant timed, or None (one variant only, or its session closed meanwhile: a swap)."""
         serving = ctl.current.variant
-        others = [v for vid, v in variants.items() if vid != serving and vid in {p.id for p in ctl.profiles}]
-        if not others:
+        profiles = {p.id: p for p in ctl.profiles if p.id != serving and p.id in variants}
+        if not profiles:
             return None
-        variant = others[self._turn % len(others)]
+        profile = list(profiles.values())[self._turn % len(profiles)]
         self._turn += 1
+        variant = variants[profile.id]
         try:
-            feed = zero_feed(variant.session)
+            feed = self._feeds.get(variant.id)
+            if feed is None:
+                feed = self._feeds[variant.id] = zero_feed(variant.session)
             started = time.perf_counter()
             variant.session.run(feed)
             ms = (time.perf_counter() - started) * 1e3
         except Exception as exc:  # closed by a swap, or a backend refusing a second caller: skip this turn
             logger.debug("side run of %s skipped: %s", variant.id, exc)
             return None
-        if not math.isfinite(ms):
-            return None
         with lock:
-            profile = next(p for p in ctl.profiles if p.id == variant.id)
             profile.observe_latency(ms)
             if not measured:
                 profile.observe_energy(power.busy_watts * ms, power.label)

@@ -14,7 +14,7 @@ import numpy as np
 from edge_agent.budget import Budget
 from edge_agent.controller import Controller, evaluate
 from edge_agent.profiles import LinkProfile, VariantProfile
-from testkit.score_stream import Clock, N, profile, stream, twins
+from testkit.score_stream import Clock, N, profile, run_twins, stream, twins
 
 
 def better(flips: int) -> VariantProfile:
@@ -67,17 +67,7 @@ def test_a_new_energy_budget_takes_the_cheaper_of_two_as_accurate_variants_at_on
     clock = Clock()
     c, _, _ = twins(clock)
     assert c.current.variant == "hot"  # as cheap as the other so far: the first of a tie
-    rng = np.random.default_rng(1)
-    for s, ok in zip(*stream(7, 300), strict=True):
-        escalated = s < c.current.threshold
-        c.observe_inference(c.current.variant, 1.0, 1.7, energy_label="modeled:test")
-        if escalated:
-            c.observe_escalation(4.0, ok=True, bytes_sent=1000)
-        agreed = bool(ok) == (rng.random() < 0.999) if escalated else None
-        c.observe_request(escalated, agreed, 5.0 if escalated else 1.0, score=float(s),
-                          energy_mj=1.7 + (1.0 + 0.3 * 4.0) * escalated)
-        c.maybe_redecide()
-        clock.t += 0.01
+    run_twins(c, clock, edge_ms=1.0, edge_mj=1.7)
     assert c.current.variant == "hot", c.current.reason  # modeled figures alone moved nothing
     spent = c.current.predicted_energy_mj
     c.set_budget(Budget(latency_ms=60, energy_mj=1.2 * spent))

@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 
 import numpy as np
-import pytest
 
 from compilers.variants import VariantSet
 from edge_agent.adaptive import AdaptiveOptions
@@ -19,15 +18,10 @@ from edge_agent.budget import Budget
 from edge_agent.controller import Controller
 from edge_agent.policy import Policy
 from testkit import zoo
-from testkit.score_stream import Clock, stream, twins
+from testkit.score_stream import Clock, run_twins, twins
 from testkit.waiting import until
 
 Span = tuple[float, float, float]
-
-
-@pytest.fixture(scope="module")
-def ladder(digits_ladder: VariantSet) -> VariantSet:
-    return digits_ladder
 
 
 def serve(ladder: VariantSet, x: np.ndarray, every: int) -> tuple[dict[str, int], dict[str, Span], str, int]:
@@ -60,8 +54,8 @@ def serve(ladder: VariantSet, x: np.ndarray, every: int) -> tuple[dict[str, int]
     return asyncio.run(main())
 
 
-def test_the_variant_not_serving_is_timed_beside_the_traffic(ladder: VariantSet, digits: zoo.Split) -> None:
-    figures, watts, serving, runs = serve(ladder, digits.x_test, every=5)
+def test_the_variant_not_serving_is_timed_beside_the_traffic(digits_ladder: VariantSet, digits: zoo.Split) -> None:
+    figures, watts, serving, runs = serve(digits_ladder, digits.x_test, every=5)
     other = "cnn" if serving == "linear" else "linear"
     assert runs >= 8
     assert figures[other] == runs  # every side run timed the variant not serving, and only it
@@ -71,9 +65,9 @@ def test_the_variant_not_serving_is_timed_beside_the_traffic(ladder: VariantSet,
     assert fastest <= implied_ms <= slowest
 
 
-def test_no_side_runs_leaves_the_other_variant_priced_by_its_benchmark(ladder: VariantSet,
+def test_no_side_runs_leaves_the_other_variant_priced_by_its_benchmark(digits_ladder: VariantSet,
                                                                          digits: zoo.Split) -> None:
-    figures, _, serving, runs = serve(ladder, digits.x_test, every=0)
+    figures, _, serving, runs = serve(digits_ladder, digits.x_test, every=0)
     other = "cnn" if serving == "linear" else "linear"
     assert runs == 0
     assert figures[other] == 0
@@ -87,20 +81,13 @@ def test_a_budget_set_takes_the_variant_its_side_runs_show_cheaper() -> None:
     def run(side_figures: int) -> Controller:
         clock = Clock()
         c, _, cool = twins(clock)
-        rng = np.random.default_rng(1)
-        for i, (s, ok) in enumerate(zip(*stream(7, 300), strict=True)):
-            escalated = s < c.current.threshold
-            c.observe_inference(c.current.variant, 5.0, 5.0, energy_label="modeled:test")
-            if escalated:
-                c.observe_escalation(4.0, ok=True, bytes_sent=1000)
-            agreed = bool(ok) == (rng.random() < 0.999) if escalated else None
-            c.observe_request(escalated, agreed, 9.0 if escalated else 5.0, score=float(s),
-                              energy_mj=5.0 + (1.0 + 0.3 * 4.0) * escalated)
-            if i % 25 == 0 and i // 25 < side_figures:  # what the agent's side runs hand the profile
+
+        def side_run(i: int) -> None:  # what the agent's side runs hand the profile
+            if i % 25 == 0 and i // 25 < side_figures:
                 cool.observe_latency(1.2)
                 cool.observe_energy(1.2, "modeled:test")
-            c.maybe_redecide()
-            clock.t += 0.01
+
+        run_twins(c, clock, edge_ms=5.0, edge_mj=5.0, each=side_run)
         assert c.current.variant == "hot", c.current.reason
         c.set_budget(Budget(latency_ms=60, energy_mj=1.2 * c.current.predicted_energy_mj))
         return c

@@ -32,11 +32,6 @@ def package(digits_linear_onnx: Path, digits: zoo.Split, tmp_path_factory: pytes
                         x_val=digits.x_val, y_val=digits.y_val)
 
 
-@pytest.fixture(scope="module")
-def ladder(digits_ladder: VariantSet) -> VariantSet:
-    return digits_ladder
-
-
 def cloud(request: Any) -> Any:
     x = decode_inputs(request)["x"]
     logits = np.zeros((len(x), 10), np.float32)
@@ -140,7 +135,7 @@ def test_load_rejects_bad_arguments(package: ModelPackage, tmp_path: Path) -> No
         sdk.load(package, options=AgentOptions(device_id="a/b"))
 
 
-def test_load_with_controller_true_builds_one(ladder: VariantSet, digits: zoo.Split,
+def test_load_with_controller_true_builds_one(digits_ladder: VariantSet, digits: zoo.Split,
                                               monkeypatch: pytest.MonkeyPatch) -> None:
     opened: list[str] = []
     open_session = ModelPackage.open_session
@@ -150,7 +145,7 @@ def test_load_with_controller_true_builds_one(ladder: VariantSet, digits: zoo.Sp
         return open_session(self, *args, **kwargs)
 
     monkeypatch.setattr(ModelPackage, "open_session", counting)
-    with sdk.load(ladder.directory, cloud=FakeTransport(cloud), budget=sdk.Budget(latency_ms=200),
+    with sdk.load(digits_ladder.directory, cloud=FakeTransport(cloud), budget=sdk.Budget(latency_ms=200),
                   policy="max_prob", controller=True) as model:
         assert sorted(opened) == ["cnn", "linear"]  # one session per variant: the benchmark reuses them
         ctl = model.agent.controller
@@ -172,14 +167,14 @@ def test_load_with_controller_true_builds_one(ladder: VariantSet, digits: zoo.Sp
                    for d in (decision, now))
         assert doc["reason"]
         assert doc["inputs"]["budget"]["latency_ms"] == 200
-    with sdk.load(ladder.directory, controller=None) as plain:
+    with sdk.load(digits_ladder.directory, controller=None) as plain:
         assert plain.decision is None
         assert plain.stats()["decision"] is None
 
 
-def test_budget_change_moves_the_controllers_decision(ladder: VariantSet) -> None:
+def test_budget_change_moves_the_controllers_decision(digits_ladder: VariantSet) -> None:
     opts = AgentOptions(adaptive=AdaptiveOptions(cloud_accuracy=0.999, rtt_ms=10.0))
-    with sdk.load(ladder, cloud=FakeTransport(cloud), budget=sdk.Budget(latency_ms=200), policy="max_prob",
+    with sdk.load(digits_ladder, cloud=FakeTransport(cloud), budget=sdk.Budget(latency_ms=200), policy="max_prob",
                   controller=True, options=opts) as model:
         roomy = model.decision
         assert roomy is not None
