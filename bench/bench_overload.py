@@ -1,8 +1,8 @@
 """`tierkit serve` under overload: answers in time per second from 1x to 16x the model's capacity.
 
 Each caller sends one request, waits for its answer (or refusal, or its deadline), and sends the next
-at once; after a refusal it waits the server's retry hint (at most 50 ms), as a device does. Every
-request carries the deadline (`--deadline-ms`, 100 by default: gRPC's deadline; over MQTT the
+at once; after a refusal it waits the server's retry hint (at most 5 s, the longest the agent honours), as a
+device does. Every request carries the deadline (`--deadline-ms`, 100 by default: gRPC's deadline; over MQTT the
 `tierkit.deadline_ms` parameter the agent's transport sets). Models, each served by one `tierkit serve`
 process with gRPC and the MQTT bridge (through a Mosquitto started here on loopback):
 

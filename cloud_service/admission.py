@@ -8,7 +8,7 @@
   *standing* once every request taken from it for a whole `interval` had waited longer than `target`.
   A queue that merely absorbs a burst drains below the target within the interval and never counts.
 - `RetryHints` sizes a refusal's retry hint from the refusal pressure: callers that honour it come back,
-  all of them together, at about half the model's capacity however many they are, so that refusals
+  all of them together, at about a tenth of the model's capacity however many they are, so that refusals
   stay cheap beside the answers instead of outnumbering them. The estimate fades with time as well as with
   refusals (time-constant `RetryHints.tau_s`, 1 s): once refusals stop for `RetryHints.quiet_s` (1.33 s with
   the defaults), the next hint is one refusal's worth again, however large the overload's hints were.
@@ -41,7 +41,13 @@ import random
 from collections import deque
 from dataclasses import dataclass, field
 
-_HINT_SHARE = 0.5  # refused callers honouring their hints return at this share of the capacity, in all
+# Refused callers honouring their hints return at this share of the capacity, in all. A refusal costs the front
+# end (a gRPC call's handler, an MQTT round trip through the broker) a few tenths of a ms of the interpreter, about
+# what an answer costs it beside a model that runs in a ms or less: at a share of 0.5 such a server spent about a
+# sixth of itself refusing, and answered 0.77-0.93 of its best at 4x-6x its capacity; at 0.1, 0.90-1.00
+# (bench/RESULTS.md, "returning callers at a tenth of the capacity"). The admitted callers keep the queue full; the
+# returning ones need only top it up.
+_HINT_SHARE = 0.1
 _MAX_HINT_S = 5.0  # a hint is at most this (what the agent honours at most, `edge_agent.pushback.MAX_HINT_S`)
 _HINT_JITTER = 0.25  # each hint is drawn within this share either side, so a burst refused together spreads
 _HINT_TAU_S = 1.0  # time-constant of the remembered hint size's decay while no refusal comes
@@ -248,9 +254,10 @@ class RetryHints:
     rate of answers they get; they lengthen the hints others get, up to `max_s`.
 
     The remembered size (the window refusals are counted over) decays as exp(-gap / `tau_s`) over the gap
-    since the previous refusal. Under sustained overload refusals come every 1 / (share x capacity) (20-70 ms
-    for models answering 30-100/s), so it shrinks by 2-7 % and the next refusals restore it (the returning
-    callers settle a few percent above `share`); once the load has gone, a refusal after a quiet of `quiet_s`
+    since the previous refusal. Under sustained overload refusals come every 1 / (share x capacity) (10-30 ms
+    for models answering 300-1,000/s, 100-330 ms for models answering 30-100/s), so it shrinks by 1-28 % and
+    the next refusals restore it (the returning callers settle somewhat above `share`, the more the slower
+    the model); once the load has gone, a refusal after a quiet of `quiet_s`
     counts no refusal of the overload (its window is shorter than the quiet), so its hint is one refusal's
     worth: at most (1 + jitter) x max(floor_s, 1 / (share x capacity)) for a `floor_s` below `quiet_s`.
     Without the decay the window stayed as long as the overload's last hint, and a lone caller refused

@@ -1,7 +1,7 @@
 """Per-caller admission over gRPC: a caller that calls again inside its retry hint is refused first.
 
 A refusal carries a retry hint (`admission.RetryHints`) sized so that the refused callers, together,
-come back at about half the model's capacity. A caller that ignores it (a naive retry loop, a hostile
+come back at about a tenth of the model's capacity. A caller that ignores it (a naive retry loop, a hostile
 client) calls again at once and, polling faster than the honest callers who wait, takes the room the
 queue has each time a batch ends: honest callers' goodput falls to a fraction of their share.
 `HintLedger` remembers, per caller, until when its last hint asked it to wait; a call inside that
