@@ -44,6 +44,10 @@ retry hint tierkit gave): the "grpc-refuser" row is what a refusal costs the cal
 no server work at all; the "server refusal p99" column is tierkit's own receipt-to-refusal time. With the
 hostile rows on, a second "grpc-refuser ... naive" row drives the same bare server with callers ignoring
 hints: the cores refusing alone takes at the rate such callers call, which no model is left to use.
+The gRPC answers' floor, in the same run: the same generator, payload and callers as tierkit's best row and
+its top row against the bare server answering every call at once with the model's answer size
+(`grpc_refuser.py --echo`): the "grpc-echo" rows say how much of its own rate the transport, the load
+generator and the host keep as the callers grow, with no model, no queue and nothing refused.
 
 Columns: offered (requests sent per second), in-time/s (answers within their deadline: goodput),
 ratio (in-time/s against the best rate measured at any load for that model and protocol in this run,
@@ -627,6 +631,14 @@ def _protocol_rows(args: argparse.Namespace, name: str, root: Path, gen: LoadGen
                   f"{top.load.refusal_p(50):.1f}/{top.load.refusal_p(99):.1f} ms (echo round trip "
                   f"{echo[-1].load.answer_p(50):.1f}/{echo[-1].load.answer_p(99):.1f} ms)", flush=True)
     if protocol == "grpc" and not args.no_floor:
+        best = max((row for row in rows if not _ignores_hints(row.level)), key=lambda row: row.load.goodput)
+        echo = _grpc_echo_rows(args, name, root, gen, kwargs["payload"], page, [best, top])
+        if len(echo) == 2 and echo[0].load.goodput > 0:
+            print(f"# {name}: gRPC answers against the transport's floor: tierkit {top.load.goodput:.1f}/s at "
+                  f"{top.load.callers} callers, {top.load.goodput / best.load.goodput:.2f} of its best "
+                  f"({best.load.goodput:.1f}/s at {best.load.callers}); a bare echo {echo[1].load.goodput:.1f}/s at "
+                  f"{top.load.callers}, {echo[1].load.goodput / echo[0].load.goodput:.2f} of its "
+                  f"{echo[0].load.goodput:.1f}/s at {best.load.callers}", flush=True)
         floor = _refuser_row(args, name, root, gen, kwargs["payload"], top)
         if floor is not None:
             print(f"# {name}: gRPC refusals at {top.level} ({top.load.callers} callers): tierkit p50/p99 "
@@ -665,6 +677,30 @@ def _refuser_row(args: argparse.Namespace, name: str, root: Path, gen: LoadGen, 
         _stop(started.proc)
     print(_row(name, "grpc-refuser", row, 0.0, checked=False), flush=True)
     return row
+
+
+def _grpc_echo_rows(args: argparse.Namespace, name: str, root: Path, gen: LoadGen, payload: bytes,
+                    page: np.ndarray, compared: list[Row]) -> list[Row]:
+    """The gRPC transport's floor for answers: the same generator, payload and callers as tierkit's rows
+    `compared` (its best and its top), against a bare grpcio server that answers every call at once with the
+    model's answer size (`grpc_refuser.py --echo`): how much of its own rate the transport keeps as callers grow."""
+    reply_bytes = page.nbytes // page.shape[1]  # the detector answers one probability map a page
+    started = _start([sys.executable, str(Path(__file__).with_name("grpc_refuser.py")), "--echo", str(reply_bytes)],
+                     root / f"grpc-echo-{name}.log", timeout_s=START_S, stdin=True, cpus=args.server_cpus)
+    if isinstance(started, str):
+        print(f"| {name} | grpc-echo | - | - | absent: {started} |" + " |" * 12, flush=True)
+        return []
+    try:
+        kwargs: dict[str, Any] = {"address": started.address, "payload": payload,
+                                  "deadline_s": compared[0].load.deadline_s}
+        echo = [_measure(gen, started.proc.pid, _grpc_loop(args), row.level, callers=row.load.callers,
+                         seconds=args.seconds, **kwargs) for row in compared]
+    finally:
+        _stop(started.proc)
+    best = max(row.load.goodput for row in echo)
+    for row in echo:
+        print(_row(name, "grpc-echo", row, best, checked=False), flush=True)
+    return [row for row in echo if not row.stuck]
 
 
 def _echo_rows(args: argparse.Namespace, name: str, root: Path, gen: LoadGen, payload: bytes, page: np.ndarray,
