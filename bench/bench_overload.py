@@ -693,14 +693,13 @@ def _grpc_echo_rows(args: argparse.Namespace, name: str, root: Path, gen: LoadGe
     try:
         kwargs: dict[str, Any] = {"address": started.address, "payload": payload,
                                   "deadline_s": compared[0].load.deadline_s}
+        with contextlib.suppress(Stuck):
+            gen.run(_grpc_loop(args), callers=compared[0].load.callers, seconds=1.0, **kwargs)  # warm up
         echo = [_measure(gen, started.proc.pid, _grpc_loop(args), row.level, callers=row.load.callers,
                          seconds=args.seconds, **kwargs) for row in compared]
     finally:
         _stop(started.proc)
-    best = max(row.load.goodput for row in echo)
-    for row in echo:
-        print(_row(name, "grpc-echo", row, best, checked=False), flush=True)
-    return [row for row in echo if not row.stuck]
+    return _floor_rows(name, "grpc-echo", echo)
 
 
 def _echo_rows(args: argparse.Namespace, name: str, root: Path, gen: LoadGen, payload: bytes, page: np.ndarray,
@@ -724,9 +723,14 @@ def _echo_rows(args: argparse.Namespace, name: str, root: Path, gen: LoadGen, pa
                              **kwargs) for level, n in levels]
         finally:
             _stop(started.proc)
+    return _floor_rows(name, "mqtt-echo", rows)
+
+
+def _floor_rows(name: str, protocol: str, rows: list[Row]) -> list[Row]:
+    """Print a floor's rows against their own best; those that did not get stuck."""
     best = max(row.load.goodput for row in rows)
     for row in rows:
-        print(_row(name, "mqtt-echo", row, best, checked=False), flush=True)
+        print(_row(name, protocol, row, best, checked=False), flush=True)
     return [row for row in rows if not row.stuck]
 
 
