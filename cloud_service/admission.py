@@ -46,8 +46,8 @@ from dataclasses import dataclass, field
 # what an answer costs it beside a model that runs in a ms or less: at a share of 0.5 such a server spent about a
 # tenth of its interpreter refusing. Interleaved runs at 128-192 callers: 0.86 of the best on average at 0.5
 # (twelve rows, 0.77-1.00), 0.97 at 0.1 (eight rows, 0.90-1.00); a whole-bench run after had 0.79-0.87 there, where
-# rows move by about 0.1 between runs (bench/RESULTS.md, "returning callers at a tenth of the capacity"). The admitted callers
-# keep the queue full; the returning ones need only top it up.
+# rows move by about 0.1 between runs (bench/RESULTS.md, "returning callers at a tenth of the capacity"). The
+# admitted callers keep the queue full; the returning ones need only top it up.
 _HINT_SHARE = 0.1
 _MAX_HINT_S = 5.0  # a hint is at most this (what the agent honours at most, `edge_agent.pushback.MAX_HINT_S`)
 _HINT_JITTER = 0.25  # each hint is drawn within this share either side, so a burst refused together spreads
