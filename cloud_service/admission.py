@@ -42,9 +42,9 @@ from collections import deque
 from dataclasses import dataclass, field
 
 # Refused callers honouring their hints return at this share of the capacity, in all. A refusal costs the front
-# end (a gRPC call's handler, an MQTT round trip through the broker) a few tenths of a ms of the interpreter, about
-# what an answer costs it beside a model that runs in a ms or less: at a share of 0.5 such a server spent about a
-# tenth of its interpreter refusing. Interleaved runs at 128-192 callers: 0.86 of the best on average at 0.5
+# end (a gRPC call's handler, an MQTT round trip through the broker) a few tenths of a ms of a core, taken from the
+# cores and threads the model's runs use: at a share of 0.5 a server of a model that runs in a ms refused 300-400
+# requests a second beside 700-850 answers. Interleaved runs at 128-192 callers: 0.86 of the best on average at 0.5
 # (twelve rows, 0.77-1.00), 0.97 at 0.1 (eight rows, 0.90-1.00); a whole-bench run after had 0.79-0.87 there, where
 # rows move by about 0.1 between runs (bench/RESULTS.md, "returning callers at a tenth of the capacity"). The
 # admitted callers keep the queue full; the returning ones need only top it up.
