@@ -59,7 +59,9 @@ figure adds is transport and the host), answer p50/p99 (ms, answers' round trip)
 caller saw them after their deadline; in brackets the answers the server dropped before send because the
 deadline had passed, `tierkit_answers_dropped_total`: gRPC itself ends a call at its deadline, so a late
 answer on the caller's side was in time on the wire and is the caller's own delay), expired
-(DEADLINE_EXCEEDED: no answer in time), checks (the targets a row misses).
+(DEADLINE_EXCEEDED: no answer in time), loadgen and server cores (tierkit's rows add, from its metrics, the
+model's run time a second of the row, all instances together, and its run time a row: a model kept busy that
+answers less is running slower), checks (the targets a row misses).
 Targets (issue), checked on every row but the floors': ratio >= 0.9 (only on rows at or past the measured
 saturation, the fewest callers with refusals or expiries over 1 % or with 0.9 of the best rate: a row below
 it is not overload, and says so), refusal p99 <= 10 ms, no answer after its deadline. Each caller sends a
@@ -290,6 +292,7 @@ class Row:
     server_refusal_p99_ms: float | None = None  # receipt to refusal inside tierkit's server, at admission
     shed: tuple[float, float] | None = None  # refusals after queueing (shed as hopeless): (p99 bucket ms, count)
     dropped: int = 0  # answers the server dropped before send, their caller's deadline passed
+    runs: tuple[float, float] | None = None  # the model's run time a second of the row, and per row run (ms)
     server: bool = False  # whether the server's own figures were read (tierkit's rows)
     stuck: str = ""  # why the row has no figures: its phase did not finish in time
 
@@ -300,6 +303,8 @@ class ServerCounts:
 
     refusals: dict[str, dict[float, float]]  # stage ("admission", "queued") -> cumulative count by bucket bound
     dropped: float  # answers ready after their caller's deadline, dropped before send
+    run_s: float = 0.0  # the models' batches' run time, all instances (`tierkit_batch_run_seconds_sum`)
+    rows: float = 0.0  # the rows those batches ran (`tierkit_batch_size_sum`)
 
 
 def _server_counts(metrics: str, protocol: str) -> ServerCounts:
@@ -309,6 +314,10 @@ def _server_counts(metrics: str, protocol: str) -> ServerCounts:
         text = reply.read().decode()
     out = ServerCounts({}, 0.0)
     for line in text.splitlines():
+        if line.startswith("tierkit_batch_run_seconds_sum{"):
+            out.run_s += float(line.rsplit(" ", 1)[1])
+        elif line.startswith("tierkit_batch_size_sum{"):
+            out.rows += float(line.rsplit(" ", 1)[1])
         if f'protocol="{protocol}"' not in line:
             continue
         if line.startswith("tierkit_refusal_seconds_bucket{"):
@@ -339,13 +348,16 @@ def _measure(gen: LoadGen, pid: int, fn: Callable[..., Load], level: str, *, gro
     except Stuck as exc:
         empty = Load(int(kwargs["callers"]), float(kwargs["seconds"]), float(kwargs["deadline_s"]))
         return Row(level, empty, 0.0, 0.0, stuck=str(exc))
-    cores = (_cpu_seconds(pid, group=group) - cpu) / max(time.monotonic() - started, 1e-9)
+    wall = max(time.monotonic() - started, 1e-9)
+    cores = (_cpu_seconds(pid, group=group) - cpu) / wall
     after = _server_counts(metrics, protocol)
+    rows = after.rows - before.rows
+    runs = ((after.run_s - before.run_s) / wall, 1000 * (after.run_s - before.run_s) / rows) if rows > 0 else None
     stages = {stage: _p99_ms(before.refusals.get(stage, {}), buckets) for stage, buckets in after.refusals.items()}
     admission, queued = stages.get("admission"), stages.get("queued")
     return Row(level, load, gen_cores, cores, None if admission is None else admission[0],
                shed=None if queued is None else queued, dropped=int(after.dropped - before.dropped),
-               server=bool(metrics))
+               runs=runs, server=bool(metrics))
 
 
 @dataclasses.dataclass
@@ -427,12 +439,15 @@ def _row(model: str, protocol: str, row: Row, best: float, *, checked: bool = Tr
         server += f"; {row.shed[1]:.0f} shed after queueing ≤ {row.shed[0]:g}"
     late = f"{load.late} ({row.dropped} dropped)" if row.server else f"{load.late}"
     checks = ("; ".join(_checks(row, best, judged=judged)) or "ok") if checked else "(floor)"
+    cores = f"{row.server_cores:.2f}"
+    if row.runs is not None:
+        cores += f" (runs {row.runs[0]:.2f} s/s, {row.runs[1]:.2f} ms a row)"
     if checked and not judged:
         checks += " (below saturation: ratio not judged)"
     return (f"| {model} | {protocol} | {row.level} | {load.callers} | {load.offered / load.seconds:.1f} | "
             f"{load.goodput:.1f} | {ratio:.2f} | {load.refused} | {load.refusal_p(50):.1f} | {load.refusal_p(99):.1f} "
             f"| {server} | {load.answer_p(50):.1f}/{load.answer_p(99):.1f} | {late} | {load.expired} "
-            f"| {row.loadgen_cores:.2f} | {row.server_cores:.2f} | {checks} |")
+            f"| {row.loadgen_cores:.2f} | {cores} | {checks} |")
 
 
 def _saturation(rows: list[Row], best: float) -> int | None:
