@@ -45,7 +45,7 @@ from dataclasses import dataclass, field
 # end (a gRPC call's handler, an MQTT round trip through the broker) a few tenths of a ms of a core, taken from the
 # cores and threads the model's runs use: at a share of 0.5 a server of a model that runs in a ms refused 300-400
 # requests a second beside 700-850 answers. Interleaved runs at 128-192 callers: 0.86 of the best on average at 0.5
-# (twelve rows, 0.77-1.00), 0.97 at 0.1 (eight rows, 0.90-1.00); a whole-bench run after had 0.79-0.87 there, where
+# (twelve rows, 0.77-1.00), 0.97 at 0.1 (eight rows, 0.90-1.00); three whole-bench runs after had 0.79-0.90 there, where
 # rows move by about 0.1 between runs (bench/RESULTS.md, "returning callers at a tenth of the capacity"). The
 # admitted callers keep the queue full; the returning ones need only top it up.
 _HINT_SHARE = 0.1
@@ -257,8 +257,8 @@ class RetryHints:
     The remembered size (the window refusals are counted over) decays as exp(-gap / `tau_s`) over the gap
     since the previous refusal. Under sustained overload refusals come every 1 / (share x capacity) (10-30 ms
     for models answering 300-1,000/s, 100-330 ms for models answering 30-100/s), so it shrinks by 1-28 % and
-    the next refusals restore it (the returning callers settle somewhat above `share`, the more the slower
-    the model); once the load has gone, a refusal after a quiet of `quiet_s`
+    the next refusals restore it (in the simulated crowds of `tests/cloud_service/test_admission.py`, a model
+    answering 200/s, the returning callers settled at 0.09-0.12 of its capacity); once the load has gone, a refusal after a quiet of `quiet_s`
     counts no refusal of the overload (its window is shorter than the quiet), so its hint is one refusal's
     worth: at most (1 + jitter) x max(floor_s, 1 / (share x capacity)) for a `floor_s` below `quiet_s`.
     Without the decay the window stayed as long as the overload's last hint, and a lone caller refused

@@ -311,7 +311,8 @@ def test_retry_hints_bring_refused_callers_back_at_their_share_of_the_capacity_h
         callers: int) -> None:
     """Up to share x capacity x max_s callers waiting (100 here), they come back at share x capacity in all; past
     that the cap decides (5 s, the agent's): each waits it, and refusals are the waiting callers over 5 s."""
-    share, cap = RetryHints().share, RetryHints().max_s
+    defaults = RetryHints()
+    share, cap = defaults.share, defaults.max_s
     refused, answered = _refusals_per_s(callers)
     assert answered >= 0.95 * 200  # the model stays busy: the hints are not so long that callers run out
     waiting = callers - 200 * 0.05  # those not being answered (200/s, 50 ms an answer)
