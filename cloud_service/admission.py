@@ -258,7 +258,8 @@ class RetryHints:
     since the previous refusal. Under sustained overload refusals come every 1 / (share x capacity) (10-30 ms
     for models answering 300-1,000/s, 100-330 ms for models answering 30-100/s), so it shrinks by 1-28 % and
     the next refusals restore it (in the simulated crowds of `tests/cloud_service/test_admission.py`, a model
-    answering 200/s, the returning callers settled at 0.09-0.12 of its capacity); once the load has gone, a refusal after a quiet of `quiet_s`
+    answering 200/s, the returning callers settled at 0.09-0.12 of its capacity); once the load has gone, a
+    refusal after a quiet of `quiet_s`
     counts no refusal of the overload (its window is shorter than the quiet), so its hint is one refusal's
     worth: at most (1 + jitter) x max(floor_s, 1 / (share x capacity)) for a `floor_s` below `quiet_s`.
     Without the decay the window stayed as long as the overload's last hint, and a lone caller refused
